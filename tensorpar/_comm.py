@@ -1,0 +1,130 @@
+"""The one internal layer through which tensorpar calls ``torch.distributed``.
+
+Every collective tensorpar issues goes through a function here, so counting
+(:class:`CommCounter`), argument checks and timeouts live in one place. Functions take a
+resolved :class:`~tensorpar._group.Group` and group ranks; they never run on a single-rank
+group (callers take the fast path before reaching this layer).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from tensorpar._group import Group
+
+__all__ = ["CollectiveRecord", "CommCounter"]
+
+Purpose = Literal["data", "meta"]
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective issued by tensorpar on this rank.
+
+    Attributes:
+        kind: the ``torch.distributed`` operation, e.g. ``"scatter"``, ``"all_gather"``.
+        group_size: number of ranks in the group it ran on.
+        nbytes: payload this rank handed to the collective (its input buffers), in bytes.
+            A rank that only receives (a non-source rank of a scatter) records 0.
+        purpose: ``"data"`` for tensor payload, ``"meta"`` for a metadata header exchange.
+    """
+
+    kind: str
+    group_size: int
+    nbytes: int
+    purpose: Purpose
+
+
+class CommCounter:
+    """Context manager that records every collective tensorpar issues on this rank.
+
+    Collectives issued while the counter is active, in forward or backward and from any
+    thread, are appended to :attr:`records`. Counters nest: each active counter sees every
+    collective.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> with tensorpar.CommCounter() as counter:
+        ...     chunk = tensorpar.scatter(torch.arange(4.0))   # one rank: no collective
+        >>> counter.count()
+        0
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CollectiveRecord] = []
+
+    def __enter__(self) -> CommCounter:
+        with _LOCK:
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _LOCK:
+            _ACTIVE.remove(self)
+
+    def count(self, kind: str | None = None, *, purpose: Purpose | None = None) -> int:
+        """Number of recorded collectives, optionally only of one ``kind`` and/or ``purpose``."""
+        return sum(1 for r in self._select(kind, purpose))
+
+    def nbytes(self, kind: str | None = None, *, purpose: Purpose | None = None) -> int:
+        """Total payload bytes of the recorded collectives matching ``kind``/``purpose``."""
+        return sum(r.nbytes for r in self._select(kind, purpose))
+
+    def _select(self, kind: str | None, purpose: Purpose | None) -> Iterator[CollectiveRecord]:
+        for r in self.records:
+            if (kind is None or r.kind == kind) and (purpose is None or r.purpose == purpose):
+                yield r
+
+    def __repr__(self) -> str:
+        kinds: dict[str, int] = {}
+        for r in self.records:
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
+        return f"CommCounter({kinds})"
+
+
+# Counters are diagnostics that must see collectives issued from autograd threads too, so
+# they are registered process-wide rather than per context.
+_ACTIVE: list[CommCounter] = []
+_LOCK = threading.Lock()
+
+
+def _record(kind: str, group: Group, nbytes: int, purpose: Purpose) -> None:
+    if not _ACTIVE:
+        return
+    record = CollectiveRecord(kind, group.size, nbytes, purpose)
+    with _LOCK:
+        for counter in _ACTIVE:
+            counter.records.append(record)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# torch 2.13 renamed the flat all-gather; older releases only have the old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
+                    purpose: Purpose = "data") -> None:
+    """``out`` (size * inp.numel() elements, contiguous) receives every rank's ``inp``."""
+    _record("all_gather", group, _nbytes([inp]), purpose)
+    _all_gather_flat(out, inp, group=group.handle)
+
+
+def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, group: Group) -> None:
+    """Rank ``src`` (a group rank) sends ``chunks[r]`` to rank ``r``; equal sizes required."""
+    _record("scatter", group, _nbytes(chunks) if chunks is not None else 0, "data")
+    dist.scatter(out, chunks, src=group.global_rank(src), group=group.handle)
+
+
+def gather(chunk: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: Group) -> None:
+    """Rank ``dst`` (a group rank) receives every rank's ``chunk``; equal sizes required."""
+    _record("gather", group, _nbytes([chunk]), "data")
+    dist.gather(chunk, out, dst=group.global_rank(dst), group=group.handle)

@@ -1,0 +1,119 @@
+"""Process-group resolution: ``None`` -> WORLD at call time, group rank <-> global rank.
+
+Every public entry point turns its ``group`` argument into a :class:`Group` through
+:func:`resolve_group`. ``src``/``dst``/``owner`` arguments are always ranks *within* that
+group; :meth:`Group.global_rank` converts them for ``torch.distributed`` calls that want a
+global rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Group", "GroupLike", "resolve_group"]
+
+GroupLike: TypeAlias = "dist.ProcessGroup | Any | None"
+"""What users may pass as ``group``: ``None`` (the default group), a ``ProcessGroup`` or a
+one-dimensional ``DeviceMesh``."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """A resolved process group: the handle plus this process's rank and the group size.
+
+    ``handle`` is ``None`` when ``torch.distributed`` is not initialised and the caller asked
+    for the default group: tensorpar then behaves as a single-rank group, so every
+    collective works in a plain single-process script.
+    """
+
+    handle: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    @property
+    def is_single(self) -> bool:
+        """True for a group of one rank: collectives take the no-communication fast path."""
+        return self.size == 1
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` (a rank within this group)."""
+        if self.handle is None:
+            return group_rank
+        return dist.get_global_rank(self.handle, group_rank)
+
+    def check_rank(self, fn: str, name: str, value: object) -> int:
+        """Validate a ``src``/``dst``/``owner`` argument: an int in ``[0, size)``."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int (a rank within the group), "
+                            f"got {type(value).__name__}")
+        if not 0 <= value < self.size:
+            raise ValueError(f"{fn}: {name}={value} is not a rank of the group; "
+                             f"expected 0 <= {name} < {self.size} (group ranks, not global ranks)")
+        return value
+
+    def comm_device(self, hint: torch.device | None = None) -> torch.device:
+        """The device to put communication buffers on for this group.
+
+        ``hint`` (usually the data's device) wins when the group's backend supports it;
+        otherwise the CPU if supported, else the backend's accelerator type (its current
+        device).
+        """
+        if self.handle is None:
+            return hint if hint is not None else torch.device("cpu")
+        types = [t.type for t in _device_types(self.handle)]
+        if hint is not None and (not types or hint.type in types):
+            return hint
+        if not types or "cpu" in types:
+            return torch.device("cpu")
+        return torch.device(types[0])
+
+
+def _device_types(handle: dist.ProcessGroup) -> list[torch.device]:
+    types = getattr(handle, "_device_types", None)
+    return list(types) if types is not None else []
+
+
+def _from_mesh(group: Any) -> dist.ProcessGroup:
+    if group.ndim != 1:
+        raise ValueError(f"a DeviceMesh passed as group must be 1-D, got a {group.ndim}-D mesh "
+                         f"with shape {tuple(group.shape)}; pass mesh[dim_name] instead")
+    pg: dist.ProcessGroup = group.get_group()
+    return pg
+
+
+def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
+    """Resolve ``group`` at call time (never at import time).
+
+    Args:
+        group: ``None`` for the default (WORLD) group, a ``ProcessGroup``, or a 1-D
+            ``DeviceMesh``.
+        fn: the public function's name, used in error messages.
+
+    Returns:
+        The resolved :class:`Group`.
+
+    Raises:
+        TypeError: ``group`` is none of the accepted kinds.
+        ValueError: this process is not a member of ``group``.
+    """
+    if group is not None and type(group).__name__ == "DeviceMesh":
+        group = _from_mesh(group)
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return Group(None, 0, 1)
+        handle = dist.group.WORLD
+        assert handle is not None  # initialised above
+    elif isinstance(group, dist.ProcessGroup):
+        handle = group
+    else:
+        raise TypeError(f"{fn}: group must be None, a ProcessGroup or a 1-D DeviceMesh, "
+                        f"got {type(group).__name__}")
+    rank = dist.get_rank(handle)
+    if rank < 0:
+        raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member "
+                         f"of the group it was given")
+    return Group(handle, rank, dist.get_world_size(handle))

@@ -1,0 +1,96 @@
+"""Split arithmetic shared by the collectives: chunk sizes, validation and flat transport.
+
+Uneven chunks travel flattened and padded to the largest chunk's element count, so the
+same code runs on gloo (whose scatter/gather need equal sizes) and NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tensorpar._group import Group
+from tensorpar.errors import CollectiveArgumentError
+
+__all__ = ["SplitSpec", "balanced_sizes", "check_sizes"]
+
+
+def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
+    """Chunk lengths of ``torch.tensor_split(x, parts)`` along a dim of ``length``.
+
+    Example:
+        >>> balanced_sizes(10, 3)
+        (4, 3, 3)
+    """
+    base, extra = divmod(length, parts)
+    return tuple(base + (1 if r < extra else 0) for r in range(parts))
+
+
+def check_sizes(fn: str, sizes: object, parts: int) -> tuple[int, ...]:
+    """Validate a ``sizes=`` argument's form: one non-negative int per rank."""
+    if not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"{fn}: sizes must be a list of ints (one per rank), "
+                        f"got {type(sizes).__name__}")
+    if len(sizes) != parts:
+        raise ValueError(f"{fn}: sizes={list(sizes)} has {len(sizes)} entries, expected one per "
+                         f"rank of the group ({parts})")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
+        raise ValueError(f"{fn}: sizes={list(sizes)} must hold non-negative ints")
+    return tuple(sizes)
+
+
+def check_total(fn: str, sizes: Sequence[int], length: int, dim: int, what: str) -> None:
+    """Raise (on every rank: the inputs are the same everywhere) if sizes don't sum to length."""
+    if sum(sizes) != length:
+        raise CollectiveArgumentError(
+            f"{fn}: sizes={list(sizes)} sum to {sum(sizes)}, but {what} has length {length} "
+            f"along dim {dim}")
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """How a full tensor is split into per-rank chunks along ``dim``.
+
+    Shared by a collective and its dual: the backward of a scatter is a gather with the same
+    spec, so no metadata is exchanged in backward.
+    """
+
+    group: Group
+    root: int
+    dim: int
+    sizes: tuple[int, ...]
+    full_shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def is_root(self) -> bool:
+        return self.group.rank == self.root
+
+    def chunk_shape(self, rank: int) -> torch.Size:
+        shape = list(self.full_shape)
+        shape[self.dim] = self.sizes[rank]
+        return torch.Size(shape)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        per_row = math.prod(self.full_shape) // max(self.full_shape[self.dim], 1) \
+            if self.full_shape[self.dim] else math.prod(
+                d for i, d in enumerate(self.full_shape) if i != self.dim)
+        return tuple(s * per_row for s in self.sizes)
+
+    @property
+    def is_even(self) -> bool:
+        return len(set(self.sizes)) == 1
+
+    @property
+    def leading_is_one(self) -> bool:
+        """True when every dim before ``dim`` has length 1: chunks are contiguous slices."""
+        return math.prod(self.full_shape[: self.dim]) == 1
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor: data movement is dtype-agnostic."""
+    return t.reshape(-1).view(torch.uint8)

@@ -1,0 +1,412 @@
+"""TensorPlaceholder: the metadata of a tensor whose data lives on another rank.
+
+Also holds the metadata wire format: a fixed-size int64 header (never pickle) that
+collectives exchange so that ranks without data learn, or check, what the data looks like.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.errors import PlaceholderError, WireFormatError
+
+__all__ = ["TensorPlaceholder", "is_placeholder"]
+
+
+class TensorPlaceholder:
+    """Shape, dtype, device and ``requires_grad`` of a tensor that this rank holds no data for.
+
+    A placeholder stands where ``None``, zeros or an uninitialised dummy would otherwise
+    stand: the non-source ranks before a :func:`~tensorpar.scatter`, the non-destination
+    ranks after a :func:`~tensorpar.gather`. It is frozen and hashable; equality compares
+    the metadata, the owner and (by identity) the group.
+
+    A placeholder returned by a collective also carries that collective's place in the
+    autograd graph: :meth:`backward` on it joins the mirrored backward collective.
+
+    Using it as data (``ph + 1``, ``torch.add(ph, 1)``, ``ph.sum()``, ``ph[0]``) raises
+    :class:`~tensorpar.PlaceholderError`, naming the rank that holds the data.
+
+    Args:
+        shape: the full shape of the tensor.
+        dtype: its dtype.
+        device: the device a buffer for it would live on (this rank's device).
+        requires_grad: whether the tensor takes part in autograd.
+        owner: the rank **within** ``group`` that holds the data, if known.
+        group: the process group ``owner`` refers to (``None``: the default group).
+
+    Example:
+        >>> import torch
+        >>> from tensorpar import TensorPlaceholder
+        >>> ph = TensorPlaceholder((4, 3), torch.float32, requires_grad=True, owner=1)
+        >>> ph
+        TensorPlaceholder((4, 3), torch.float32, device='cpu', requires_grad=True, owner=1)
+        >>> print(ph)
+        placeholder(float32[4, 3], owner=1, requires_grad)
+        >>> ph.numel(), ph.nbytes, ph.size(-1)
+        (12, 48, 3)
+        >>> ph.zeros().shape
+        torch.Size([4, 3])
+    """
+
+    __slots__ = ("_anchor", "_device", "_dtype", "_group", "_owner", "_requires_grad", "_shape")
+
+    _shape: torch.Size
+    _dtype: torch.dtype
+    _device: torch.device
+    _requires_grad: bool
+    _owner: int | None
+    _group: dist.ProcessGroup | None
+    _anchor: torch.Tensor | None
+
+    def __init__(self, shape: Iterable[int], dtype: torch.dtype, *,
+                 device: torch.device | str = "cpu", requires_grad: bool = False,
+                 owner: int | None = None, group: dist.ProcessGroup | None = None,
+                 _anchor: torch.Tensor | None = None) -> None:
+        if isinstance(shape, int):
+            raise TypeError(f"TensorPlaceholder: shape must be a sequence of ints, got int "
+                            f"{shape}; use ({shape},) for a 1-D tensor")
+        dims = tuple(shape)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+            raise ValueError(f"TensorPlaceholder: shape must hold non-negative ints, got {dims}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"TensorPlaceholder: dtype must be a torch.dtype, "
+                            f"got {type(dtype).__name__} {dtype!r}")
+        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"TensorPlaceholder: requires_grad=True needs a floating point or "
+                             f"complex dtype, got {dtype}")
+        if owner is not None and (isinstance(owner, bool) or not isinstance(owner, int)
+                                  or owner < 0):
+            raise ValueError(f"TensorPlaceholder: owner must be None or a rank >= 0, got {owner!r}")
+        set_ = object.__setattr__
+        set_(self, "_shape", torch.Size(dims))
+        set_(self, "_dtype", dtype)
+        set_(self, "_device", torch.device(device))
+        set_(self, "_requires_grad", bool(requires_grad))
+        set_(self, "_owner", owner)
+        set_(self, "_group", group)
+        set_(self, "_anchor", _anchor)
+
+    @classmethod
+    def like(cls, tensor: torch.Tensor, *, owner: int | None = None,
+             group: dist.ProcessGroup | None = None) -> TensorPlaceholder:
+        """A placeholder with ``tensor``'s shape, dtype, device and ``requires_grad``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"TensorPlaceholder.like: expected a tensor, "
+                            f"got {type(tensor).__name__}")
+        return cls(tensor.shape, tensor.dtype, device=tensor.device,
+                   requires_grad=tensor.requires_grad, owner=owner, group=group)
+
+    # -- tensor-like metadata -------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        """The full shape, as a ``torch.Size``."""
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device a local buffer for this tensor lives on."""
+        return self._device
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the tensor takes part in autograd."""
+        return self._requires_grad
+
+    @property
+    def owner(self) -> int | None:
+        """The rank within :attr:`group` that holds the data (``None`` if unknown)."""
+        return self._owner
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group :attr:`owner` refers to (``None``: the default group)."""
+        return self._group
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self._shape)
+
+    def dim(self) -> int:
+        """Number of dimensions, as ``Tensor.dim()``."""
+        return len(self._shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        """The shape, or the length of dimension ``dim`` (negative dims allowed)."""
+        if dim is None:
+            return self._shape
+        return self._shape[_normalize_dim("TensorPlaceholder.size", dim, self.ndim)]
+
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self._shape)
+
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the data takes (``numel() * element_size()``)."""
+        return self.numel() * self._dtype.itemsize
+
+    # -- materialisation ------------------------------------------------------------------
+    def empty(self, *, device: torch.device | str | None = None,
+              requires_grad: bool | None = None) -> torch.Tensor:
+        """An uninitialised tensor with this metadata (e.g. a receive buffer)."""
+        return torch.empty(self._shape, dtype=self._dtype, device=device or self._device,
+                           requires_grad=self._requires_grad if requires_grad is None
+                           else requires_grad)
+
+    def zeros(self, *, device: torch.device | str | None = None,
+              requires_grad: bool | None = None) -> torch.Tensor:
+        """A zero tensor with this metadata."""
+        return torch.zeros(self._shape, dtype=self._dtype, device=device or self._device,
+                           requires_grad=self._requires_grad if requires_grad is None
+                           else requires_grad)
+
+    # -- autograd -------------------------------------------------------------------------
+    def backward(self) -> None:
+        """Join the backward pass of the collective that produced this placeholder.
+
+        On a rank that holds no data of a :func:`~tensorpar.gather` result, the gradient
+        comes from the destination rank: this call takes part in the backward scatter and
+        accumulates this rank's share into the gradients of its own inputs.
+
+        Raises:
+            PlaceholderError: the placeholder was not produced by a differentiable
+                collective (constructed by hand, or its input did not require grad).
+        """
+        anchor = self._anchor
+        if anchor is None or not anchor.requires_grad:
+            raise PlaceholderError(f"{self} has no autograd graph to run backward through: it was "
+                                   f"not produced by a collective whose input requires grad")
+        torch.autograd.backward(anchor, torch.zeros_like(anchor))
+
+    # -- presentation, equality, pickling -------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"TensorPlaceholder({tuple(self._shape)}, {self._dtype}, "
+                f"device='{self._device}', requires_grad={self._requires_grad}, "
+                f"owner={self._owner})")
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(d) for d in self._shape)
+        dtype = str(self._dtype).removeprefix("torch.")
+        grad = ", requires_grad" if self._requires_grad else ""
+        return f"placeholder({dtype}[{dims}], owner={self._owner}{grad})"
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self._shape, self._dtype, self._device, self._requires_grad, self._owner)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorPlaceholder):
+            return NotImplemented
+        return self._key() == other._key() and self._group is other._group
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The group handle and the autograd anchor are local to this process.
+        return (_rebuild, (tuple(self._shape), self._dtype, str(self._device),
+                           self._requires_grad, self._owner))
+
+    def __copy__(self) -> TensorPlaceholder:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TensorPlaceholder:
+        return self
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"TensorPlaceholder is immutable; cannot set {name!r}")
+
+    # -- everything a tensor does with its data raises ------------------------------------
+    def _no_data(self, op: str) -> NoReturn:
+        where = "on another rank" if self._owner is None else f"on rank {self._owner}"
+        raise PlaceholderError(
+            f"{op}: got a TensorPlaceholder for a {str(self._dtype).removeprefix('torch.')} "
+            f"tensor of shape {tuple(self._shape)}; this rank{_this_rank(self._group)} holds no "
+            f"data for it, the data lives {where}")
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> NoReturn:
+        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)]
+        name = getattr(func, "__name__", str(func))
+        if found:
+            found[0]._no_data(f"torch.{name}")
+        raise PlaceholderError(f"torch.{name}: a TensorPlaceholder holds no data")
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("__") and hasattr(torch.Tensor, name):
+            self._no_data(f"Tensor.{name}")
+        raise AttributeError(f"'TensorPlaceholder' object has no attribute {name!r}")
+
+    def __getitem__(self, index: Any) -> NoReturn:
+        self._no_data("indexing")
+
+    def __setitem__(self, index: Any, value: Any) -> NoReturn:
+        self._no_data("index assignment")
+
+    def __bool__(self) -> NoReturn:
+        self._no_data("bool()")
+
+    def __iter__(self) -> NoReturn:
+        self._no_data("iteration")
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d TensorPlaceholder")
+        return self._shape[0]
+
+
+def _data_op(symbol: str) -> Callable[..., NoReturn]:
+    def op(self: TensorPlaceholder, *args: Any) -> NoReturn:
+        self._no_data(f"operator {symbol}")
+    return op
+
+
+for _name, _symbol in [
+    ("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"), ("floordiv", "//"),
+    ("mod", "%"), ("pow", "**"), ("matmul", "@"), ("and", "&"), ("or", "|"), ("xor", "^"),
+    ("lshift", "<<"), ("rshift", ">>"),
+]:
+    for _prefix in ("", "r", "i"):
+        setattr(TensorPlaceholder, f"__{_prefix}{_name}__", _data_op(_symbol))
+for _name, _symbol in [("neg", "-"), ("pos", "+"), ("abs", "abs()"), ("invert", "~"),
+                       ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="),
+                       ("float", "float()"), ("int", "int()"), ("index", "index()"),
+                       ("complex", "complex()"), ("array", "numpy conversion")]:
+    setattr(TensorPlaceholder, f"__{_name}__", _data_op(_symbol))
+
+
+def _rebuild(shape: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool,
+             owner: int | None) -> TensorPlaceholder:
+    return TensorPlaceholder(shape, dtype, device=device, requires_grad=requires_grad, owner=owner)
+
+
+def _this_rank(group: dist.ProcessGroup | None) -> str:
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return f" (rank {dist.get_rank(group)})"
+
+
+def is_placeholder(x: object) -> bool:
+    """True if ``x`` is a :class:`TensorPlaceholder`.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.is_placeholder(torch.zeros(2)), tensorpar.is_placeholder(
+        ...     tensorpar.TensorPlaceholder((2,), torch.float32))
+        (False, True)
+    """
+    return isinstance(x, TensorPlaceholder)
+
+
+def _normalize_dim(fn: str, dim: object, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{fn}: dim must be an int, got {type(dim).__name__}")
+    if ndim == 0:
+        raise ValueError(f"{fn}: dim={dim} is out of range for a 0-d tensor")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{fn}: dim={dim} is out of range for a {ndim}-d tensor "
+                         f"(expected {-ndim} <= dim < {ndim})")
+    return dim % ndim
+
+
+# ---------------------------------------------------------------------------------------
+# Wire format: [magic, kind, dtype code, requires_grad, ndim, dim_0 .. dim_{MAX_NDIM-1}]
+# ---------------------------------------------------------------------------------------
+
+MAGIC = 0x7470_0001  # "tp", format version 1
+MAX_NDIM = 12
+HEADER_LEN = 5 + MAX_NDIM
+
+KIND_TENSOR = 0       # the rank passed a tensor (metadata valid)
+KIND_PLACEHOLDER = 1  # the rank passed a placeholder (metadata valid)
+KIND_NONE = 2         # the rank passed None (no metadata)
+KIND_OTHER = 3        # the rank passed something else (no metadata)
+_KINDS = (KIND_TENSOR, KIND_PLACEHOLDER, KIND_NONE, KIND_OTHER)
+
+# Codes are part of the wire format: append only, never reorder.
+_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32",
+                "int64", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+                "uint16", "uint32", "uint64", "complex32")
+_CODE_TO_DTYPE: dict[int, torch.dtype] = {
+    code: getattr(torch, name) for code, name in enumerate(_DTYPE_NAMES) if hasattr(torch, name)
+}
+_DTYPE_TO_CODE = {dtype: code for code, dtype in _CODE_TO_DTYPE.items()}
+
+
+class Header(NamedTuple):
+    """A decoded metadata header."""
+
+    kind: int
+    shape: torch.Size
+    dtype: torch.dtype | None
+    requires_grad: bool
+
+    @property
+    def has_meta(self) -> bool:
+        return self.kind in (KIND_TENSOR, KIND_PLACEHOLDER)
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return "no metadata"
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}" + (
+            " requiring grad" if self.requires_grad else "")
+
+
+def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | None = None,
+                  requires_grad: bool = False, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor:
+    """Encode metadata as a ``(HEADER_LEN,)`` int64 tensor on ``device``."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensorpar supports tensors of at most {MAX_NDIM} dimensions in "
+                         f"collectives, got {len(shape)}")
+    if dtype is not None and dtype not in _DTYPE_TO_CODE:
+        raise ValueError(f"tensorpar cannot send metadata of dtype {dtype}")
+    values = [MAGIC, kind, -1 if dtype is None else _DTYPE_TO_CODE[dtype], int(requires_grad),
+              len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def decode_header(header: torch.Tensor) -> Header:
+    """Decode a header made by :func:`encode_header`.
+
+    Raises:
+        WireFormatError: wrong dtype or length, bad magic number, unknown kind or dtype code,
+            or inconsistent dimensions.
+    """
+    if header.dtype != torch.int64 or header.shape != (HEADER_LEN,):
+        raise WireFormatError(f"metadata header must be an int64 tensor of shape ({HEADER_LEN},), "
+                              f"got {header.dtype} of shape {tuple(header.shape)}")
+    magic, kind, code, grad, ndim, *dims = header.tolist()
+    if magic != MAGIC:
+        raise WireFormatError(f"metadata header has magic number {magic:#x}, expected {MAGIC:#x}: "
+                              f"the peer is not speaking tensorpar's format version 1")
+    if kind not in _KINDS:
+        raise WireFormatError(f"metadata header has unknown kind {kind}")
+    if kind in (KIND_NONE, KIND_OTHER):
+        return Header(kind, torch.Size(()), None, False)
+    if code not in _CODE_TO_DTYPE:
+        raise WireFormatError(f"metadata header has unknown dtype code {code} "
+                              f"(known: 0..{len(_DTYPE_NAMES) - 1})")
+    if not 0 <= ndim <= MAX_NDIM:
+        raise WireFormatError(f"metadata header has ndim={ndim}, expected 0 <= ndim <= {MAX_NDIM}")
+    if grad not in (0, 1):
+        raise WireFormatError(f"metadata header has requires_grad={grad}, expected 0 or 1")
+    if any(d < 0 for d in dims[:ndim]) or any(dims[ndim:]):
+        raise WireFormatError(f"metadata header has malformed dims {dims} for ndim={ndim}")
+    return Header(kind, torch.Size(dims[:ndim]), _CODE_TO_DTYPE[code], bool(grad))
