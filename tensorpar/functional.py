@@ -108,8 +108,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
         assert isinstance(x, torch.Tensor)
         inp = x
     else:
-        device = x.device if isinstance(x, TensorPlaceholder) else g.comm_device()
-        inp = torch.empty(0, dtype=header.dtype, device=device, requires_grad=requires_grad)
+        inp = _placeholder_input(x, header.dtype, requires_grad, g)
     out: torch.Tensor = _Scatter.apply(inp, spec)
     return out
 
@@ -212,6 +211,21 @@ def _local_tensor(fn: str, x: object) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, got {_kind_name(x)}")
+
+
+def _placeholder_input(x: TensorPlaceholder | None, dtype: torch.dtype, requires_grad: bool,
+                       g: Group) -> torch.Tensor:
+    """The autograd input standing for ``x`` on a rank without data.
+
+    A placeholder produced by a differentiable collective carries its anchor in the graph:
+    using it keeps ``gather -> placeholder -> scatter`` differentiable on this rank. Otherwise
+    a fresh empty leaf keeps the rank in the graph when the source requires grad.
+    """
+    anchor = x._anchor if isinstance(x, TensorPlaceholder) else None
+    if anchor is not None and anchor.requires_grad == requires_grad:
+        return anchor
+    device = x.device if isinstance(x, TensorPlaceholder) else g.comm_device()
+    return torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 def _kind_name(x: object) -> str:
@@ -354,23 +368,42 @@ def _gather_data(chunk: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
 # autograd Functions: each backward is its dual's .apply
 # ---------------------------------------------------------------------------------------
 
+def _tie_to_output(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """Make a double-backward graph depend on this Function's forward output, on every rank.
+
+    In a second-order backward the rank that owns the data may reach the forward node
+    through its own computation (``out ** 3``) while the other ranks cannot: they would issue
+    fewer collectives and hang. Adding an exact zero derived from the output (an empty
+    slice summed, so no NaN/inf leaks in) makes every rank traverse it. Only done when a
+    graph of the backward is being built (``create_graph=True``).
+    """
+    if not torch.is_grad_enabled():
+        return grad
+    (out,) = ctx.saved_tensors
+    return grad + out.reshape(-1)[:0].sum()
+
+
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
-        return _scatter_data(x, spec)
+        out = _scatter_data(x, spec)
+        ctx.save_for_backward(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Gather.apply(grad, ctx.spec), None
+        return _Gather.apply(_tie_to_output(grad, ctx), ctx.spec), None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
-        return _gather_data(x, spec)
+        out = _gather_data(x, spec)
+        ctx.save_for_backward(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Scatter.apply(grad, ctx.spec), None
+        return _Scatter.apply(_tie_to_output(grad, ctx), ctx.spec), None

@@ -83,6 +83,8 @@ class TensorPlaceholder:
         if owner is not None and (isinstance(owner, bool) or not isinstance(owner, int)
                                   or owner < 0):
             raise ValueError(f"TensorPlaceholder: owner must be None or a rank >= 0, got {owner!r}")
+        if group is not None and dist.is_initialized() and group is dist.group.WORLD:
+            group = None  # one spelling for the default group, so equality holds
         set_ = object.__setattr__
         set_(self, "_shape", torch.Size(dims))
         set_(self, "_dtype", dtype)
@@ -242,7 +244,7 @@ class TensorPlaceholder:
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> NoReturn:
-        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)]
+        found = [a for a in _flatten((*args, *(kwargs or {}).values())) if isinstance(a, cls)]
         name = getattr(func, "__name__", str(func))
         if found:
             found[0]._no_data(f"torch.{name}")
@@ -289,6 +291,14 @@ for _name, _symbol in [("neg", "-"), ("pos", "+"), ("abs", "abs()"), ("invert", 
                        ("float", "float()"), ("int", "int()"), ("index", "index()"),
                        ("complex", "complex()"), ("array", "numpy conversion")]:
     setattr(TensorPlaceholder, f"__{_name}__", _data_op(_symbol))
+
+
+def _flatten(items: Iterable[Any]) -> Iterable[Any]:
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            yield from _flatten(item)
+        else:
+            yield item
 
 
 def _rebuild(shape: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool,

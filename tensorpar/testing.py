@@ -217,9 +217,11 @@ def _reraise(rank: int, reply: tuple[Any, ...], world_size: int, note: str = "")
             exc = None
     if exc is None:
         raise RankError(f"[rank {rank}] {summary}" + (f" ({note})" if note else "")) from cause
+    suffix = f" ({note})" if note else ""
     if exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"[rank {rank}] {exc.args[0]}" + (f" ({note})" if note else ""),
-                    *exc.args[1:])
+        exc.args = (f"[rank {rank}] {exc.args[0]}{suffix}", *exc.args[1:])
+    elif not exc.args:
+        exc.args = (f"[rank {rank}]{suffix}",)
     raise exc from cause
 
 
