@@ -17,11 +17,11 @@ from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar._split import SplitSpec, as_bytes, balanced_sizes, check_sizes, check_total
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
+    HEADER_LEN,
     KIND_NONE,
     KIND_OTHER,
     KIND_PLACEHOLDER,
     KIND_TENSOR,
-    HEADER_LEN,
     Header,
     TensorPlaceholder,
     _normalize_dim,
@@ -108,8 +108,9 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
         assert isinstance(x, torch.Tensor)
         inp = x
     else:
-        inp = _placeholder_input(x, header.dtype, requires_grad, g)
-    out: torch.Tensor = _Scatter.apply(inp, spec)
+        ph = x if isinstance(x, TensorPlaceholder) else None
+        inp = _placeholder_input(ph, header.dtype, requires_grad, g)
+    out: torch.Tensor = _Scatter.apply(inp, spec)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -188,7 +189,7 @@ def gather(x: torch.Tensor, dim: int = 0, dst: int = 0, group: GroupLike = None,
     requires_grad = requires_grad and torch.is_grad_enabled()
     inp = tensor.detach().requires_grad_() if requires_grad and not tensor.requires_grad \
         else tensor
-    out: torch.Tensor = _Gather.apply(inp, spec)
+    out: torch.Tensor = _Gather.apply(inp, spec)  # type: ignore[no-untyped-call]
     if g.rank == dst:
         return out
     return TensorPlaceholder(spec.full_shape, tensor.dtype, device=tensor.device,
@@ -379,7 +380,7 @@ def _tie_to_output(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
     """
     if not torch.is_grad_enabled():
         return grad
-    (out,) = ctx.saved_tensors
+    out: torch.Tensor = ctx.saved_tensors[0]
     return grad + out.reshape(-1)[:0].sum()
 
 
@@ -393,7 +394,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Gather.apply(_tie_to_output(grad, ctx), ctx.spec), None
+        return _Gather.apply(_tie_to_output(grad, ctx), ctx.spec), None  # type: ignore[no-untyped-call]
 
 
 class _Gather(torch.autograd.Function):
@@ -406,4 +407,4 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Scatter.apply(_tie_to_output(grad, ctx), ctx.spec), None
+        return _Scatter.apply(_tie_to_output(grad, ctx), ctx.spec), None  # type: ignore[no-untyped-call]

@@ -25,6 +25,7 @@ Example (a test module)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.connection
@@ -158,8 +159,9 @@ class _RankPool:
             wait = deadline - time.monotonic()
             if wait <= 0:
                 break
-            for conn in multiprocessing.connection.wait(list(pending), wait):
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+            for conn in multiprocessing.connection.wait(list(pending), wait):  # type: ignore[arg-type]
+                assert isinstance(conn, multiprocessing.connection.Connection)
+                rank = pending.pop(conn)
                 try:
                     replies[rank] = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
@@ -186,10 +188,8 @@ class _RankPool:
 
     def shutdown(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 conn.send_bytes(pickle.dumps(("stop",)))
-            except (OSError, ValueError):
-                pass
         for proc in self.procs:
             proc.join(timeout=1.0)
             if proc.is_alive():
@@ -266,10 +266,11 @@ def _worker_main(rank: int, world_size: int, backend: str, store: str,
             continue
         _, path, fn, args = message
         sys.path[:] = path
+        reply: tuple[Any, ...]
         try:
             result = fn(*args)
             reply = ("ok", pickle.dumps(result))
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        except BaseException as exc:
             try:
                 exc_bytes: bytes | None = pickle.dumps(exc)
             except Exception:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorpar
-from tensorpar import PlaceholderError, TensorPlaceholder, TensorparError, WireFormatError
+from tensorpar import PlaceholderError, TensorparError, TensorPlaceholder, WireFormatError
 from tensorpar.placeholder import (
     HEADER_LEN,
     KIND_PLACEHOLDER,

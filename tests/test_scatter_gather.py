@@ -350,7 +350,8 @@ def test_gather_bad_input_raises_on_every_rank(case, error, match):
     import re
     outcomes = run_distributed(_gather_error, 3, case)
     for outcome in outcomes:
-        assert outcome is not None and outcome[0] == error and re.search(match, outcome[1]), outcomes
+        assert outcome is not None and outcome[0] == error, outcomes
+        assert re.search(match, outcome[1]), outcomes
 
 
 def _gather_sizes_disagree():
