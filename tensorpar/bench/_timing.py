@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def format_table(header: list[str], rows: list[list[object]]) -> str:
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
     """A GitHub-flavoured markdown table."""
     cells = [[str(c) for c in row] for row in [header, *rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
