@@ -1,6 +1,7 @@
 """tensorpar: placeholder-aware, autograd-safe collectives for model-parallel PyTorch."""
 
 from tensorpar._comm import CollectiveRecord, CommCounter
+from tensorpar.collaborative import CollaborativeTensor, UnresolvedCollectiveError, sync_collectives
 from tensorpar.errors import (
     CollectiveArgumentError,
     CollectiveTypeError,
@@ -8,12 +9,26 @@ from tensorpar.errors import (
     TensorparError,
     WireFormatError,
 )
-from tensorpar.functional import gather, scatter
+from tensorpar.functional import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    copy_to_group,
+    gather,
+    gather_from_group,
+    reduce,
+    reduce_from_group,
+    reduce_scatter,
+    scatter,
+    split_to_group,
+)
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollaborativeTensor",
     "CollectiveArgumentError",
     "CollectiveRecord",
     "CollectiveTypeError",
@@ -21,9 +36,21 @@ __all__ = [
     "PlaceholderError",
     "TensorPlaceholder",
     "TensorparError",
+    "UnresolvedCollectiveError",
     "WireFormatError",
     "__version__",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "copy_to_group",
     "gather",
+    "gather_from_group",
     "is_placeholder",
+    "reduce",
+    "reduce_from_group",
+    "reduce_scatter",
     "scatter",
+    "split_to_group",
+    "sync_collectives",
 ]

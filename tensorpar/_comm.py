@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -107,15 +107,54 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-# torch 2.13 renamed the flat all-gather; older releases only have the old name.
+# torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+Work = Any
+"""A ``torch.distributed`` work handle (``.wait()``), returned when ``async_op=True``."""
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
-                    purpose: Purpose = "data") -> None:
+                    purpose: Purpose = "data", async_op: bool = False) -> Work:
     """``out`` (size * inp.numel() elements, contiguous) receives every rank's ``inp``."""
     _record("all_gather", group, _nbytes([inp]), purpose)
-    _all_gather_flat(out, inp, group=group.handle)
+    return _all_gather_flat(out, inp, group=group.handle, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp, group: Group,
+                        async_op: bool = False) -> Work:
+    """Rank r's ``out`` receives slice r of the reduction of every rank's flat ``inp``."""
+    _record("reduce_scatter", group, _nbytes([inp]), "data")
+    return _reduce_scatter_flat(out, inp, op=op, group=group.handle, async_op=async_op)
+
+
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Group, async_op: bool = False) -> Work:
+    """In-place all-reduce of ``t``."""
+    _record("all_reduce", group, _nbytes([t]), "data")
+    return dist.all_reduce(t, op=op, group=group.handle, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
+    """In-place broadcast of ``t`` from group rank ``src``."""
+    _record("broadcast", group, _nbytes([t]) if group.rank == src else 0, "data")
+    return dist.broadcast(t, src=group.global_rank(src), group=group.handle, async_op=async_op)
+
+
+def reduce(t: torch.Tensor, dst: int, op: dist.ReduceOp, group: Group,
+           async_op: bool = False) -> Work:
+    """Reduce ``t`` into rank ``dst``'s ``t``; other ranks' ``t`` may be used as scratch."""
+    _record("reduce", group, _nbytes([t]), "data")
+    return dist.reduce(t, dst=group.global_rank(dst), op=op, group=group.handle,
+                       async_op=async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+               in_splits: list[int], group: Group, async_op: bool = False) -> Work:
+    """Flat all-to-all: ``inp[in_splits[r]]`` goes to rank r; uneven splits allowed."""
+    _record("all_to_all", group, _nbytes([inp]), "data")
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.handle,
+                                  async_op=async_op)
 
 
 def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, group: Group) -> None:

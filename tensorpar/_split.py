@@ -15,7 +15,7 @@ import torch
 from tensorpar._group import Group
 from tensorpar.errors import CollectiveArgumentError
 
-__all__ = ["SplitSpec", "balanced_sizes", "check_sizes"]
+__all__ = ["RootSpec", "SplitSpec", "balanced_sizes", "check_sizes"]
 
 
 def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
@@ -51,23 +51,28 @@ def check_total(fn: str, sizes: Sequence[int], length: int, dim: int, what: str)
 
 
 @dataclass(frozen=True)
-class SplitSpec:
-    """How a full tensor is split into per-rank chunks along ``dim``.
+class RootSpec:
+    """A full tensor's metadata and the rank that owns it (``root=-1``: every rank).
 
-    Shared by a collective and its dual: the backward of a scatter is a gather with the same
-    spec, so no metadata is exchanged in backward.
+    Shared by a collective and its dual, so no metadata is exchanged in backward.
     """
 
     group: Group
     root: int
-    dim: int
-    sizes: tuple[int, ...]
     full_shape: torch.Size
     dtype: torch.dtype
 
     @property
     def is_root(self) -> bool:
         return self.group.rank == self.root
+
+
+@dataclass(frozen=True)
+class SplitSpec(RootSpec):
+    """How a full tensor is split into per-rank chunks along ``dim`` (``sizes[r]`` each)."""
+
+    dim: int
+    sizes: tuple[int, ...]
 
     def chunk_shape(self, rank: int) -> torch.Size:
         shape = list(self.full_shape)

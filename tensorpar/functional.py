@@ -1,36 +1,74 @@
-"""Autograd-safe collectives with placeholders on the ranks that hold no data.
+"""Autograd-safe collectives whose backward is their dual.
 
-Public functions come first; the private ``torch.autograd.Function`` classes after them.
-Every backward calls its dual Function's ``.apply``, so second-order gradients work.
-``src``/``dst`` are always ranks **within** ``group``.
+Every function takes ``group=None`` (the default group, resolved at call time; a
+``ProcessGroup`` or a 1-D ``DeviceMesh`` also work), and ``src``/``dst`` are ranks **within**
+that group. A group of one rank issues no collective. Inputs are never modified unless the
+call says ``inplace=True``. Chunks along ``dim`` may be uneven (balanced like
+``torch.tensor_split`` by default, or given by ``sizes=``).
+
+=====================  ==============================  ======================================
+function               forward                         backward
+=====================  ==============================  ======================================
+``scatter``            split from ``src``              gather to ``src``
+``gather``             concatenate on ``dst``          scatter from ``dst``
+``all_gather``         concatenate on every rank       reduce-scatter (sum)
+``reduce_scatter``     reduce, keep own chunk          all-gather
+``all_reduce``         reduce on every rank            all-reduce, or identity
+``broadcast``          copy from ``src``               reduce (sum) to ``src``
+``reduce``             reduce onto ``dst``             broadcast from ``dst``
+``all_to_all``         split, exchange, concatenate    all-to-all with the dims swapped
+``copy_to_group``      identity                        all-reduce (sum)
+``reduce_from_group``  all-reduce (sum)                identity
+``split_to_group``     take own chunk                  all-gather
+``gather_from_group``  all-gather                      take own chunk
+=====================  ==============================  ======================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal
 
 import torch
 
-from tensorpar import _comm
-from tensorpar._group import Group, GroupLike, resolve_group
-from tensorpar._split import SplitSpec, as_bytes, balanced_sizes, check_sizes, check_total
-from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
-from tensorpar.placeholder import (
-    HEADER_LEN,
-    KIND_NONE,
-    KIND_OTHER,
-    KIND_PLACEHOLDER,
-    KIND_TENSOR,
-    Header,
-    TensorPlaceholder,
-    _normalize_dim,
-    decode_header,
-    encode_header,
+from tensorpar._args import (
+    all_to_all_spec,
+    chunks_spec,
+    placeholder_of,
+    result,
+    root_input,
+    setup,
+    single,
+    single_chunk,
+    sizes_or_balanced,
 )
+from tensorpar._autograd import SYNC, Launch, check_op
+from tensorpar._group import GroupLike
+from tensorpar._meta import require_tensor, source_header
+from tensorpar._rooted import Broadcast, Gather, Reduce, Scatter
+from tensorpar._split import RootSpec, SplitSpec, check_total
+from tensorpar._symmetric import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    CopyToGroup,
+    GatherFromGroup,
+    ReduceScatter,
+    SplitToGroup,
+)
+from tensorpar.collaborative import CollaborativeTensor
+from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
-__all__ = ["gather", "scatter"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group", "gather",
+           "gather_from_group", "reduce", "reduce_from_group", "reduce_scatter", "scatter",
+           "split_to_group"]
 
+ReduceOpName = Literal["sum", "mean", "max", "min"]
+
+
+# ---------------------------------------------------------------------------------------
+# rooted collectives
+# ---------------------------------------------------------------------------------------
 
 def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int = 0,
             group: GroupLike = None, sizes: Sequence[int] | None = None,
@@ -83,34 +121,21 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
                 [4., 5.]])
     """
     fn = "scatter"
-    g = resolve_group(group, fn)
-    g.check_rank(fn, "src", src)
-    if sizes is not None:
-        sizes = check_sizes(fn, sizes, g.size)
+    g, sizes = setup(fn, group, sizes, src=src)
     if g.is_single:
-        tensor = _single_rank_tensor(fn, x)
+        tensor = single(fn, x)
         d = _normalize_dim(fn, dim, tensor.ndim)
         if sizes is not None:
             check_total(fn, sizes, tensor.shape[d], d, "the source tensor")
         return tensor.contiguous()
-
-    header = _scatter_source_header(fn, x, src, g, exchange_meta)
+    header = source_header(fn, x, src, g, exchange_meta)
     d = _normalize_dim(fn, dim, len(header.shape))
-    length = header.shape[d]
-    if sizes is None:
-        sizes = balanced_sizes(length, g.size)
-    else:
-        check_total(fn, sizes, length, d, "the source tensor")
+    sizes = sizes_or_balanced(fn, sizes, header.shape[d], d, g, "the source tensor")
     assert header.dtype is not None
-    spec = SplitSpec(g, src, d, tuple(sizes), header.shape, header.dtype)
-    requires_grad = header.requires_grad and torch.is_grad_enabled()
-    if g.rank == src:
-        assert isinstance(x, torch.Tensor)
-        inp = x
-    else:
-        ph = x if isinstance(x, TensorPlaceholder) else None
-        inp = _placeholder_input(ph, header.dtype, requires_grad, g)
-    out: torch.Tensor = _Scatter.apply(inp, spec)  # type: ignore[no-untyped-call]
+    spec = SplitSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype, dim=d,
+                     sizes=sizes)
+    inp = root_input(x, src, g, header.dtype, header.requires_grad)
+    out: torch.Tensor = Scatter.apply(inp, spec)
     return out
 
 
@@ -163,248 +188,404 @@ def gather(x: torch.Tensor, dim: int = 0, dst: int = 0, group: GroupLike = None,
                 [1., 1., 1.]])
     """
     fn = "gather"
-    g = resolve_group(group, fn)
-    g.check_rank(fn, "dst", dst)
+    g, sizes = setup(fn, group, sizes, dst=dst)
+    if g.is_single:
+        return single_chunk(fn, x, dim, sizes)
+    spec, inp = chunks_spec(fn, x, dim, g, sizes, root=dst)
+    out: torch.Tensor = Gather.apply(inp, spec)
+    return out if g.rank == dst else placeholder_of(out, spec)
+
+
+def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
+              group: GroupLike = None, exchange_meta: bool = True, async_op: bool = False
+              ) -> torch.Tensor | CollaborativeTensor:
+    """Copy ``x`` from rank ``src`` to every rank.
+
+    Forward: broadcast from ``src``. Backward: reduce (sum) of the gradients to ``src``.
+
+    ``x`` is the tensor on ``src`` and a :class:`~tensorpar.TensorPlaceholder` or ``None``
+    elsewhere; the metadata header works as in :func:`scatter` (``exchange_meta=False`` skips
+    it when every other rank passes a placeholder). The result requires grad on every rank
+    when the source tensor does. The result never shares storage with ``x``.
+
+    Args:
+        x: the tensor on ``src``; a placeholder or ``None`` elsewhere.
+        src: the source rank, a rank **within** ``group``.
+        group: the process group (``None``: the default group, resolved at call time).
+        exchange_meta: exchange the metadata header (default).
+        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting.
+
+    Returns:
+        The tensor on every rank (or a handle to it with ``async_op=True``).
+
+    Raises:
+        CollectiveArgumentError, CollectiveTypeError: as for :func:`scatter`, on every rank.
+        ValueError: ``src`` is not a rank of the group.
+
+    Shape:
+        output: the shape of ``x`` on ``src``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.broadcast(torch.tensor([1.0, 2.0]))
+        tensor([1., 2.])
+    """
+    fn = "broadcast"
+    g, _ = setup(fn, group, None, src=src)
+    if g.is_single:
+        return result(single(fn, x), Launch(async_op), async_op)
+    header = source_header(fn, x, src, g, exchange_meta)
+    assert header.dtype is not None
+    spec = RootSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype)
+    inp = root_input(x, src, g, header.dtype, header.requires_grad)
+    launch = Launch(async_op)
+    out: torch.Tensor = Broadcast.apply(inp, spec, launch)
+    return result(out, launch, async_op)
+
+
+def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", group: GroupLike = None
+           ) -> torch.Tensor | TensorPlaceholder:
+    """Reduce every rank's ``x`` onto rank ``dst``.
+
+    Forward: reduce to ``dst``. Backward: broadcast of the gradient from ``dst``.
+
+    Every rank passes a tensor of the same shape and dtype. ``dst`` gets the reduction;
+    every other rank gets a :class:`~tensorpar.TensorPlaceholder` whose ``.backward()``
+    joins the backward broadcast (the idiom of :func:`gather`).
+
+    Args:
+        x: this rank's tensor.
+        dst: the destination rank, a rank **within** ``group``.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (max/min have no backward).
+        group: the process group (``None``: the default group, resolved at call time).
+
+    Returns:
+        The reduction on ``dst``; a placeholder of it elsewhere.
+
+    Raises:
+        ValueError: unknown ``op``, or ``dst`` is not a rank of the group.
+        TensorparError: backward through ``op="max"``/``"min"``.
+
+    Shape:
+        output: the shape of ``x``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.reduce(torch.tensor([1.0, 2.0]), op="mean")
+        tensor([1., 2.])
+    """
+    fn = "reduce"
+    g, _ = setup(fn, group, None, dst=dst)
+    tensor = require_tensor(fn, x)
+    op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
+    if g.is_single:
+        return tensor
+    spec = RootSpec(group=g, root=dst, full_shape=tensor.shape, dtype=tensor.dtype)
+    out: torch.Tensor = Reduce.apply(tensor, spec, op, SYNC)
+    return out if g.rank == dst else placeholder_of(out, spec)
+
+
+# ---------------------------------------------------------------------------------------
+# symmetric collectives
+# ---------------------------------------------------------------------------------------
+
+def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
+               sizes: Sequence[int] | None = None, async_op: bool = False
+               ) -> torch.Tensor | CollaborativeTensor:
+    """Concatenate every rank's chunk along ``dim``, on every rank.
+
+    Forward: all-gather. Backward: reduce-scatter (sum): each rank gets the sum over ranks
+    of the gradients of its own chunk, which is right whether each rank computes its own
+    loss or the ranks hold one replicated loss computed on the result. (For a replicated
+    gradient with no summation, use :func:`gather_from_group`.)
+
+    Chunk lengths may differ; they are learned with one metadata exchange unless ``sizes``
+    gives them (then every rank must pass the same ``sizes``).
+
+    Args:
+        x: this rank's chunk.
+        dim: the dimension to concatenate along.
+        group: the process group (``None``: the default group, resolved at call time).
+        sizes: every rank's chunk length along ``dim``, to skip the size exchange.
+        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting. Chunks
+            that are uneven, or split along a dim with longer dims before it, are reassembled
+            before returning, so that call completes before it returns.
+
+    Returns:
+        The concatenation (or a handle to it).
+
+    Raises:
+        CollectiveArgumentError: chunks disagree in dtype or in a dim other than ``dim``.
+        ValueError: ``sizes`` malformed or disagreeing with this rank's chunk.
+
+    Shape:
+        ``x``: ``(*, L_rank, *)``; output: ``(*, sum(L), *)``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.all_gather(torch.ones(2), sizes=[2])
+        tensor([1., 1.])
+    """
+    fn = "all_gather"
+    g, sizes = setup(fn, group, sizes)
+    if g.is_single:
+        return result(single_chunk(fn, x, dim, sizes), Launch(async_op), async_op)
+    spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
+    launch = Launch(async_op)
+    out: torch.Tensor = AllGather.apply(inp, spec, launch)
+    return result(out, launch, async_op)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpName = "sum",
+                   group: GroupLike = None, sizes: Sequence[int] | None = None,
+                   async_op: bool = False) -> torch.Tensor | CollaborativeTensor:
+    """Reduce every rank's ``x`` and keep this rank's chunk of the result.
+
+    Forward: reduce-scatter. Backward: all-gather of the chunk gradients.
+
+    Every rank passes a tensor of the same shape; the result is split along ``dim`` like
+    ``torch.tensor_split`` (or by ``sizes``).
+
+    Args:
+        x: this rank's full-size contribution.
+        dim: the dimension to split the result along.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (max/min have no backward).
+        group: the process group (``None``: the default group, resolved at call time).
+        sizes: chunk lengths along ``dim``, one per rank.
+        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting.
+
+    Returns:
+        This rank's chunk of the reduction (or a handle to it).
+
+    Raises:
+        ValueError: unknown ``op``, bad ``dim`` or ``sizes``.
+        TensorparError: backward through ``op="max"``/``"min"``.
+
+    Shape:
+        ``x``: ``(*, L, *)``; output: ``(*, sizes[rank], *)``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.reduce_scatter(torch.arange(3.0))
+        tensor([0., 1., 2.])
+    """
+    fn = "reduce_scatter"
+    g, sizes = setup(fn, group, sizes)
+    tensor = require_tensor(fn, x)
+    op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
+    d = _normalize_dim(fn, dim, tensor.ndim)
+    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g, "the input")
+    if g.is_single:
+        return result(tensor, Launch(async_op), async_op)
+    spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
+                     sizes=sizes)
+    launch = Launch(async_op)
+    out: torch.Tensor = ReduceScatter.apply(tensor, spec, op, launch)
+    return result(out, launch, async_op)
+
+
+def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
+               backward: Literal["sum", "identity"] = "sum", group: GroupLike = None,
+               async_op: bool = False, inplace: bool = False
+               ) -> torch.Tensor | CollaborativeTensor:
+    """Reduce every rank's ``x``; every rank gets the result.
+
+    Forward: all-reduce. Backward: ``backward="sum"`` all-reduces the gradient;
+    ``backward="identity"`` passes it through.
+
+    Which backward to use depends on how the loss counts the ranks:
+
+    - ``"sum"`` (default) is the true adjoint when **each rank's loss counts**, e.g. the
+      total loss is the sum of every rank's loss. Each input gets the sum of every rank's
+      gradient of the result.
+    - ``"identity"`` is right when the result feeds **one replicated loss**, the same on
+      every rank and counted once, as in tensor-parallel layers after a row-parallel matmul
+      (Megatron's *g*; :func:`reduce_from_group` is this mode). With ``"sum"`` the gradient
+      would come out multiplied by the group size.
+
+    ``op="mean"`` divides before reducing (no fp16 overflow) and scales the gradient the same
+    way. ``op="max"``/``"min"`` are forward-only: reaching their backward raises.
+
+    Args:
+        x: this rank's tensor.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+        backward: ``"sum"`` or ``"identity"``, see above.
+        group: the process group (``None``: the default group, resolved at call time).
+        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting.
+        inplace: reduce into ``x``'s own storage (no allocation) and return ``x``. Safe
+            when nothing else reads or writes ``x`` until the result is resolved and autograd
+            has not saved ``x`` for a backward pass (as for gradient buffers).
+            Autograd refuses it on a leaf that requires grad.
+
+    Returns:
+        The reduction (or a handle to it). On a group of one rank, ``x`` itself.
+
+    Raises:
+        ValueError: unknown ``op`` or ``backward``.
+        TensorparError: backward through ``op="max"``/``"min"``.
+
+    Shape:
+        output: the shape of ``x``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.all_reduce(torch.ones(2), backward="identity")
+        tensor([1., 1.])
+    """
+    fn = "all_reduce"
+    g, _ = setup(fn, group, None)
+    tensor = require_tensor(fn, x)
+    op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
+    if backward not in ("sum", "identity"):
+        raise ValueError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
+    if g.is_single:
+        return result(tensor, Launch(async_op), async_op)
+    launch = Launch(async_op)
+    out: torch.Tensor = AllReduce.apply(tensor, g, op, backward, inplace, launch)
+    return result(out, launch, async_op)
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLike = None,
+               sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Split ``x`` along ``split_dim``, send chunk ``r`` to rank ``r``, concatenate what
+    arrives along ``concat_dim``.
+
+    Forward: all-to-all. Backward: all-to-all of the gradient with the dims swapped.
+
+    Without ``sizes`` the ranks exchange their shapes (one metadata message), so each rank
+    may pass a different length along ``split_dim`` (split like ``torch.tensor_split``) and
+    along ``concat_dim``. With ``sizes`` (the split lengths, the same list on every rank)
+    every rank must pass a tensor of the same shape and no metadata is exchanged.
+
+    Args:
+        x: this rank's tensor.
+        split_dim: the dimension to split and send.
+        concat_dim: the dimension to concatenate the received chunks along.
+        group: the process group (``None``: the default group, resolved at call time).
+        sizes: chunk lengths along ``split_dim``, one per destination rank.
+
+    Returns:
+        The concatenation of the chunks every rank sent to this one, in rank order.
+
+    Raises:
+        CollectiveArgumentError: the received chunks cannot be concatenated (shapes that
+            disagree outside ``concat_dim``), raised on every rank.
+        ValueError: bad dims or ``sizes``.
+
+    Shape:
+        e.g. ``x``: ``(S, H)`` with ``split_dim=1, concat_dim=0`` on ``p`` ranks gives
+        ``(p * S, H / p)``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.all_to_all(torch.ones(2, 3), split_dim=1, concat_dim=0).shape
+        torch.Size([2, 3])
+    """
+    fn = "all_to_all"
+    g, sizes = setup(fn, group, sizes)
+    tensor = require_tensor(fn, x)
+    sd = _normalize_dim(fn, split_dim, tensor.ndim)
+    cd = _normalize_dim(fn, concat_dim, tensor.ndim)
     if sizes is not None:
-        sizes = check_sizes(fn, sizes, g.size)
-    if g.is_single or sizes is not None:
-        tensor = _single_rank_tensor(fn, x) if g.is_single else _local_tensor(fn, x)
-        d = _normalize_dim(fn, dim, tensor.ndim)
-        if g.is_single:
-            if sizes is not None:
-                check_total(fn, sizes, tensor.shape[d], d, "this rank's chunk")
-            return tensor
-        assert sizes is not None
-        if tensor.shape[d] != sizes[g.rank]:
-            raise ValueError(f"{fn}: sizes[{g.rank}]={sizes[g.rank]} but this rank's chunk has "
-                             f"length {tensor.shape[d]} along dim {d}")
-        requires_grad = tensor.requires_grad
-    else:
-        headers = _exchange(g, _local_header(x))
-        d, sizes, requires_grad = _check_gather_headers(fn, headers, dim, g)
-        tensor = x
-    full = list(tensor.shape)
-    full[d] = sum(sizes)
-    spec = SplitSpec(g, dst, d, tuple(sizes), torch.Size(full), tensor.dtype)
-    requires_grad = requires_grad and torch.is_grad_enabled()
-    inp = tensor.detach().requires_grad_() if requires_grad and not tensor.requires_grad \
-        else tensor
-    out: torch.Tensor = _Gather.apply(inp, spec)  # type: ignore[no-untyped-call]
-    if g.rank == dst:
-        return out
-    return TensorPlaceholder(spec.full_shape, tensor.dtype, device=tensor.device,
-                             requires_grad=out.requires_grad, owner=dst, group=g.handle,
-                             _anchor=out)
+        check_total(fn, sizes, tensor.shape[sd], sd, "this rank's tensor")
+    if g.is_single:
+        return tensor
+    spec = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
+    out: torch.Tensor = AllToAll.apply(tensor, spec, SYNC)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
-# argument checks and the metadata exchange
+# region mappings for tensor parallelism (Megatron's f / g and split / gather)
 # ---------------------------------------------------------------------------------------
 
-def _single_rank_tensor(fn: str, x: object) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    raise CollectiveTypeError(f"{fn}: on a group of one rank this rank is the source and must "
-                              f"pass a tensor, got {_kind_name(x)}")
+def copy_to_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input.
 
+    Forward: identity. Backward: all-reduce (sum) of the gradient, since every rank's
+    partial computation contributes to the input's gradient (Megatron's *f*).
 
-def _local_tensor(fn: str, x: object) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, got {_kind_name(x)}")
-
-
-def _placeholder_input(x: TensorPlaceholder | None, dtype: torch.dtype, requires_grad: bool,
-                       g: Group) -> torch.Tensor:
-    """The autograd input standing for ``x`` on a rank without data.
-
-    A placeholder produced by a differentiable collective carries its anchor in the graph:
-    using it keeps ``gather -> placeholder -> scatter`` differentiable on this rank. Otherwise
-    a fresh empty leaf keeps the rank in the graph when the source requires grad.
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.copy_to_group(torch.ones(2))
+        tensor([1., 1.])
     """
-    anchor = x._anchor if isinstance(x, TensorPlaceholder) else None
-    if anchor is not None and anchor.requires_grad == requires_grad:
-        return anchor
-    device = x.device if isinstance(x, TensorPlaceholder) else g.comm_device()
-    return torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)
+    g, _ = setup("copy_to_group", group, None)
+    tensor = require_tensor("copy_to_group", x)
+    if g.is_single:
+        return tensor
+    out: torch.Tensor = CopyToGroup.apply(tensor, g)
+    return out
 
 
-def _kind_name(x: object) -> str:
-    if x is None:
-        return "None"
-    if isinstance(x, TensorPlaceholder):
-        return "a TensorPlaceholder"
-    return f"a {type(x).__name__}"
+def reduce_from_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing the partial results.
 
+    Forward: all-reduce (sum). Backward: identity: the result feeds a replicated loss, so
+    each rank's gradient is already the full gradient (Megatron's *g*). The same as
+    ``all_reduce(x, backward="identity")``.
 
-def _local_header(x: object) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return encode_header(KIND_TENSOR, x.shape, x.dtype,
-                             x.requires_grad and torch.is_grad_enabled())
-    if isinstance(x, TensorPlaceholder):
-        return encode_header(KIND_PLACEHOLDER, x.shape, x.dtype, x.requires_grad)
-    return encode_header(KIND_NONE if x is None else KIND_OTHER)
-
-
-def _exchange(g: Group, header: torch.Tensor) -> list[Header]:
-    """All-gather one header per rank (one collective) and decode them."""
-    device = g.comm_device()
-    out = torch.empty(g.size * HEADER_LEN, dtype=torch.int64, device=device)
-    _comm.all_gather_into(out, header.to(device), g, purpose="meta")
-    return [decode_header(row) for row in out.view(g.size, HEADER_LEN).cpu()]
-
-
-def _scatter_source_header(fn: str, x: object, src: int, g: Group,
-                           exchange_meta: bool) -> Header:
-    """The source tensor's metadata, checked on every rank (or locally without exchange)."""
-    if not exchange_meta:
-        if g.rank == src:
-            if not isinstance(x, torch.Tensor):
-                raise CollectiveTypeError(f"{fn}(src={src}): the source rank must pass the "
-                                          f"full tensor, got {_kind_name(x)}")
-        elif not isinstance(x, TensorPlaceholder):
-            raise CollectiveTypeError(
-                f"{fn}(src={src}, exchange_meta=False): rank {g.rank} must pass a "
-                f"TensorPlaceholder describing the source tensor, got {_kind_name(x)}")
-        return decode_header(_local_header(x))
-
-    headers = _exchange(g, _local_header(x))
-    source = headers[src]
-    if source.kind != KIND_TENSOR:
-        got = "something that is not a tensor" if source.kind == KIND_OTHER else (
-            "None" if source.kind == KIND_NONE else "a TensorPlaceholder")
-        mine = f" ({_kind_name(x)})" if g.rank == src else ""
-        raise CollectiveTypeError(f"{fn}(src={src}): the source rank must pass the full "
-                                  f"tensor, got {got}{mine}")
-    for rank, h in enumerate(headers):
-        if rank == src:
-            continue
-        if h.kind == KIND_TENSOR:
-            raise CollectiveTypeError(
-                f"{fn}(src={src}): rank {rank} passed a tensor, but only the source rank holds "
-                f"data; pass a TensorPlaceholder (or None) on rank {rank}")
-        if h.kind == KIND_OTHER:
-            mine = f" ({_kind_name(x)})" if g.rank == rank else ""
-            raise CollectiveTypeError(f"{fn}(src={src}): rank {rank} passed something that is "
-                                      f"neither a TensorPlaceholder nor None{mine}")
-        if h.kind == KIND_PLACEHOLDER and h[1:] != source[1:]:
-            raise CollectiveArgumentError(
-                f"{fn}(src={src}): rank {rank}'s placeholder describes {h.describe()}, but the "
-                f"source tensor is {source.describe()}")
-    return source
-
-
-def _check_gather_headers(fn: str, headers: list[Header], dim: int, g: Group
-                          ) -> tuple[int, tuple[int, ...], bool]:
-    """Validate every rank's chunk metadata; returns (dim, sizes, requires_grad)."""
-    for rank, h in enumerate(headers):
-        if h.kind != KIND_TENSOR:
-            raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, rank {rank} passed "
-                                      f"{'None' if h.kind == KIND_NONE else 'a non-tensor'}")
-    first = headers[0]
-    try:
-        d = _normalize_dim(fn, dim, len(first.shape))
-    except (TypeError, ValueError) as e:
-        raise CollectiveArgumentError(str(e)) from None
-    for rank, h in enumerate(headers):
-        other_dims = [s for i, s in enumerate(h.shape) if i != d]
-        first_dims = [s for i, s in enumerate(first.shape) if i != d]
-        if h.dtype != first.dtype or len(h.shape) != len(first.shape) or other_dims != first_dims:
-            raise CollectiveArgumentError(
-                f"{fn}(dim={dim}): chunks must agree in dtype and in every dim but {d}; "
-                f"rank 0 has {first.describe()}, rank {rank} has {h.describe()}")
-    return d, tuple(h.shape[d] for h in headers), any(h.requires_grad for h in headers)
-
-
-# ---------------------------------------------------------------------------------------
-# data movement (flat, padded to the largest chunk when chunks differ)
-# ---------------------------------------------------------------------------------------
-
-def _scatter_data(x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
-    """Root: ``x`` is the full tensor. Others: ``x`` only supplies the device."""
-    g, numels = spec.group, spec.numels
-    mine = numels[g.rank]
-    shape = spec.chunk_shape(g.rank)
-    width = max(numels)
-    if width == 0:
-        return x.new_empty(shape, dtype=spec.dtype)
-    recv = x.new_empty(width, dtype=spec.dtype)
-    chunks: list[torch.Tensor] | None = None
-    if spec.is_root:
-        parts = x.detach().split(list(spec.sizes), spec.dim)
-        if spec.is_even:
-            chunks = [as_bytes(p.contiguous()) for p in parts]
-        else:
-            stage = x.new_empty((g.size, width), dtype=spec.dtype)
-            for r, p in enumerate(parts):
-                stage[r, : numels[r]].view(p.shape).copy_(p)
-            chunks = [as_bytes(row) for row in stage]
-    _comm.scatter(as_bytes(recv), chunks, spec.root, g)
-    return recv[:mine].view(shape)
-
-
-def _gather_data(chunk: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
-    """Root: returns the full tensor. Others: returns an empty autograd anchor."""
-    g, numels = spec.group, spec.numels
-    width = max(numels)
-    if width == 0:
-        return chunk.new_empty(spec.full_shape if spec.is_root else (0,))
-    send = chunk.detach().contiguous().view(-1)
-    if not spec.is_even:
-        send = torch.cat([send, send.new_empty(width - send.numel())])
-    if not spec.is_root:
-        _comm.gather(as_bytes(send), None, spec.root, g)
-        return chunk.new_empty(0)
-    direct = spec.is_even and spec.leading_is_one
-    full = chunk.new_empty(spec.full_shape) if direct else chunk.new_empty((g.size, width))
-    rows = full.view(g.size, width)
-    _comm.gather(as_bytes(send), [as_bytes(row) for row in rows], spec.root, g)
-    if direct:
-        return full
-    parts = [rows[r, : numels[r]].view(spec.chunk_shape(r)) for r in range(g.size)]
-    return torch.cat(parts, spec.dim)
-
-
-# ---------------------------------------------------------------------------------------
-# autograd Functions: each backward is its dual's .apply
-# ---------------------------------------------------------------------------------------
-
-def _tie_to_output(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
-    """Make a double-backward graph depend on this Function's forward output, on every rank.
-
-    In a second-order backward the rank that owns the data may reach the forward node
-    through its own computation (``out ** 3``) while the other ranks cannot: they would issue
-    fewer collectives and hang. Adding an exact zero derived from the output (an empty
-    slice summed, so no NaN/inf leaks in) makes every rank traverse it. Only done when a
-    graph of the backward is being built (``create_graph=True``).
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.reduce_from_group(torch.ones(2))
+        tensor([1., 1.])
     """
-    if not torch.is_grad_enabled():
-        return grad
-    out: torch.Tensor = ctx.saved_tensors[0]
-    return grad + out.reshape(-1)[:0].sum()
+    g, _ = setup("reduce_from_group", group, None)
+    tensor = require_tensor("reduce_from_group", x)
+    if g.is_single:
+        return tensor
+    out: torch.Tensor = AllReduce.apply(tensor, g, "sum", "identity", False, SYNC)
+    return out
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
-        ctx.spec = spec
-        out = _scatter_data(x, spec)
-        ctx.save_for_backward(out)
-        return out
+def split_to_group(x: torch.Tensor, dim: int = -1, group: GroupLike = None,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Take this rank's chunk of a tensor that every rank holds (replicated).
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Gather.apply(_tie_to_output(grad, ctx), ctx.spec), None  # type: ignore[no-untyped-call]
+    Forward: own chunk along ``dim`` (no communication). Backward: all-gather of the chunk
+    gradients.
+
+    Shape:
+        ``x``: ``(*, L)``; output: ``(*, sizes[rank])``, balanced like ``tensor_split``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.split_to_group(torch.arange(4.0))
+        tensor([0., 1., 2., 3.])
+    """
+    fn = "split_to_group"
+    g, sizes = setup(fn, group, sizes)
+    tensor = require_tensor(fn, x)
+    d = _normalize_dim(fn, dim, tensor.ndim)
+    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g, "the input")
+    if g.is_single:
+        return tensor
+    spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
+                     sizes=sizes)
+    out: torch.Tensor = SplitToGroup.apply(tensor, spec)
+    return out
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
-        ctx.spec = spec
-        out = _gather_data(x, spec)
-        ctx.save_for_backward(out)
-        return out
+def gather_from_group(x: torch.Tensor, dim: int = -1, group: GroupLike = None,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's chunk on every rank, for a replicated consumer.
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Scatter.apply(_tie_to_output(grad, ctx), ctx.spec), None  # type: ignore[no-untyped-call]
+    Forward: all-gather along ``dim``. Backward: this rank's chunk of the gradient (the
+    consumer is replicated, so every rank already holds the full gradient). Chunk lengths
+    are exchanged once unless ``sizes`` gives them.
+
+    Shape:
+        ``x``: ``(*, L_rank)``; output: ``(*, sum(L))``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> tensorpar.gather_from_group(torch.ones(1, 2))
+        tensor([[1., 1.]])
+    """
+    fn = "gather_from_group"
+    g, sizes = setup(fn, group, sizes)
+    if g.is_single:
+        return single_chunk(fn, x, dim, sizes)
+    spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
+    out: torch.Tensor = GatherFromGroup.apply(inp, spec)
+    return out

@@ -1,0 +1,82 @@
+"""Pieces shared by the autograd Functions: reduce ops, async launches, double-backward ties."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.errors import TensorparError
+
+__all__ = ["SYNC", "Launch", "check_op", "scale_for_mean", "tie_to_output", "torch_op"]
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def check_op(fn: str, op: object, dtype: torch.dtype | None = None) -> str:
+    """Validate a reduction name: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{fn}: op={op!r} is not supported; expected one of {REDUCE_OPS}")
+    if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{fn}: op='mean' needs a floating point dtype, got {dtype}")
+    return str(op)
+
+
+def torch_op(op: str) -> Any:
+    """The ``ReduceOp`` that implements ``op`` (a mean is a sum of pre-divided inputs)."""
+    return {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN}[op]
+
+
+def scale_for_mean(t: torch.Tensor, op: str, size: int) -> torch.Tensor:
+    """``t / size`` for ``op="mean"`` (divide before reducing: no fp16 overflow), else ``t``."""
+    return t / size if op == "mean" else t
+
+
+def no_backward(fn: str, op: str) -> TensorparError:
+    """The error for differentiating through a reduction that has no gradient here."""
+    return TensorparError(f"{fn}(op={op!r}) is forward-only: a max/min reduction has no "
+                          f"gradient here. Detach its input, or use op='sum'/'mean'.")
+
+
+class Launch:
+    """Collects the work handles of collectives launched with ``async_op=True``.
+
+    A synchronous launch (``async_op=False``) keeps nothing: ``_comm`` calls return ``None``.
+    """
+
+    def __init__(self, async_op: bool) -> None:
+        self.async_op = async_op
+        self.works: list[Any] = []
+        self.keepalive: list[torch.Tensor] = []
+
+    def add(self, work: Any, *keepalive: torch.Tensor) -> None:
+        if work is not None:
+            self.works.append(work)
+            self.keepalive.extend(keepalive)
+
+    def wait(self) -> None:
+        """Wait now (used where results need post-processing before they are valid)."""
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        self.keepalive.clear()
+
+
+SYNC = Launch(False)
+
+
+def tie_to_output(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """Make a double-backward graph depend on this Function's forward output, on every rank.
+
+    In a second-order backward the rank that owns the data may reach the forward node
+    through its own computation (``out ** 3``) while the other ranks cannot: they would issue
+    fewer collectives and hang. Adding an exact zero derived from the output (an empty
+    slice summed, so no NaN/inf leaks in) makes every rank traverse it. Only done when a
+    graph of the backward is being built (``create_graph=True``).
+    """
+    if not torch.is_grad_enabled():
+        return grad
+    out: torch.Tensor = ctx.saved_tensors[0]
+    return grad + out.reshape(-1)[:0].sum()

@@ -1,0 +1,148 @@
+"""Metadata exchange and cross-rank validation shared by the collectives.
+
+A collective whose ranks may disagree (who holds data, chunk shapes) first all-gathers one
+fixed-size int64 header per rank. Every rank then sees every header and runs the same
+checks, so a mistake on one rank raises the same error on all of them: nobody is left
+waiting in the data collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorpar import _comm
+from tensorpar._group import Group
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
+from tensorpar.placeholder import (
+    HEADER_LEN,
+    KIND_NONE,
+    KIND_OTHER,
+    KIND_PLACEHOLDER,
+    KIND_TENSOR,
+    Header,
+    TensorPlaceholder,
+    _normalize_dim,
+    decode_header,
+    encode_header,
+)
+
+__all__ = ["exchange", "local_header", "placeholder_input", "source_header"]
+
+
+def kind_name(x: object) -> str:
+    """How an argument is described in error messages."""
+    if x is None:
+        return "None"
+    if isinstance(x, TensorPlaceholder):
+        return "a TensorPlaceholder"
+    return f"a {type(x).__name__}"
+
+
+def require_tensor(fn: str, x: object, why: str = "every rank must pass a tensor") -> torch.Tensor:
+    """``x`` if it is a tensor, else a :class:`CollectiveTypeError` (raised locally)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    raise CollectiveTypeError(f"{fn}: {why}, got {kind_name(x)}")
+
+
+def local_header(x: object) -> torch.Tensor:
+    """This rank's header: the metadata of ``x`` and what kind of object it is."""
+    if isinstance(x, torch.Tensor):
+        return encode_header(KIND_TENSOR, x.shape, x.dtype,
+                             x.requires_grad and torch.is_grad_enabled())
+    if isinstance(x, TensorPlaceholder):
+        return encode_header(KIND_PLACEHOLDER, x.shape, x.dtype, x.requires_grad)
+    return encode_header(KIND_NONE if x is None else KIND_OTHER)
+
+
+def exchange(g: Group, header: torch.Tensor) -> list[Header]:
+    """All-gather one header per rank (one collective) and decode them."""
+    device = g.comm_device()
+    out = torch.empty(g.size * HEADER_LEN, dtype=torch.int64, device=device)
+    _comm.all_gather_into(out, header.to(device), g, purpose="meta")
+    return [decode_header(row) for row in out.view(g.size, HEADER_LEN).cpu()]
+
+
+def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -> Header:
+    """The source tensor's metadata for a rooted collective (scatter, broadcast).
+
+    With ``exchange_meta`` every rank learns it and checks every rank's argument; without,
+    each rank checks only its own argument (a placeholder is then required off the source).
+    """
+    if not exchange_meta:
+        if g.rank == src:
+            require_tensor(f"{fn}(src={src})", x, "the source rank must pass the full tensor")
+        elif not isinstance(x, TensorPlaceholder):
+            raise CollectiveTypeError(
+                f"{fn}(src={src}, exchange_meta=False): rank {g.rank} must pass a "
+                f"TensorPlaceholder describing the source tensor, got {kind_name(x)}")
+        return decode_header(local_header(x))
+
+    headers = exchange(g, local_header(x))
+    source = headers[src]
+    if source.kind != KIND_TENSOR:
+        got = {KIND_OTHER: "something that is not a tensor", KIND_NONE: "None",
+               KIND_PLACEHOLDER: "a TensorPlaceholder"}[source.kind]
+        mine = f" ({kind_name(x)})" if g.rank == src else ""
+        raise CollectiveTypeError(f"{fn}(src={src}): the source rank must pass the full "
+                                  f"tensor, got {got}{mine}")
+    for rank, h in enumerate(headers):
+        if rank == src:
+            continue
+        if h.kind == KIND_TENSOR:
+            raise CollectiveTypeError(
+                f"{fn}(src={src}): rank {rank} passed a tensor, but only the source rank holds "
+                f"data; pass a TensorPlaceholder (or None) on rank {rank}")
+        if h.kind == KIND_OTHER:
+            mine = f" ({kind_name(x)})" if g.rank == rank else ""
+            raise CollectiveTypeError(f"{fn}(src={src}): rank {rank} passed something that is "
+                                      f"neither a TensorPlaceholder nor None{mine}")
+        if h.kind == KIND_PLACEHOLDER and h[1:] != source[1:]:
+            raise CollectiveArgumentError(
+                f"{fn}(src={src}): rank {rank}'s placeholder describes {h.describe()}, but the "
+                f"source tensor is {source.describe()}")
+    return source
+
+
+def chunk_headers(fn: str, x: object, dim: int, g: Group, *, same_dim: bool = False
+                  ) -> tuple[int, list[Header]]:
+    """Exchange every rank's tensor metadata and check they can be concatenated along ``dim``.
+
+    Returns the normalised dim and every rank's header. Dtype, ndim and every dim but
+    ``dim`` must agree (with ``same_dim``, ``dim`` too).
+    """
+    headers = exchange(g, local_header(x))
+    for rank, h in enumerate(headers):
+        if h.kind != KIND_TENSOR:
+            raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, rank {rank} passed "
+                                      f"{'None' if h.kind == KIND_NONE else 'a non-tensor'}")
+    first = headers[0]
+    try:
+        d = _normalize_dim(fn, dim, len(first.shape))
+    except (TypeError, ValueError) as e:
+        raise CollectiveArgumentError(str(e)) from None
+    for rank, h in enumerate(headers):
+        mismatch = h.dtype != first.dtype or len(h.shape) != len(first.shape) or any(
+            a != b for i, (a, b) in enumerate(zip(h.shape, first.shape, strict=False))
+            if i != d or same_dim)
+        if mismatch:
+            what = "shape and dtype" if same_dim else f"dtype and in every dim but {d}"
+            raise CollectiveArgumentError(
+                f"{fn}(dim={dim}): every rank's tensor must agree in {what}; "
+                f"rank 0 has {first.describe()}, rank {rank} has {h.describe()}")
+    return d, headers
+
+
+def placeholder_input(x: TensorPlaceholder | None, dtype: torch.dtype, requires_grad: bool,
+                      g: Group) -> torch.Tensor:
+    """The autograd input standing for ``x`` on a rank without data.
+
+    A placeholder produced by a differentiable collective carries its anchor in the graph:
+    using it keeps ``gather -> placeholder -> scatter`` differentiable on this rank. Otherwise
+    a fresh empty leaf keeps the rank in the graph when the source requires grad.
+    """
+    anchor = x._anchor if isinstance(x, TensorPlaceholder) else None
+    if anchor is not None and anchor.requires_grad == requires_grad:
+        return anchor
+    device = x.device if isinstance(x, TensorPlaceholder) else g.comm_device()
+    return torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)

@@ -1,0 +1,128 @@
+"""Rooted collectives as autograd Functions: scatter <-> gather, broadcast <-> reduce.
+
+Each backward calls its dual's ``.apply``. On ranks that hold no data the Functions take and
+return an empty "anchor" tensor, which keeps those ranks in the autograd graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tensorpar import _comm
+from tensorpar._autograd import SYNC, Launch, no_backward, scale_for_mean, tie_to_output, torch_op
+from tensorpar._split import RootSpec, SplitSpec, as_bytes
+
+__all__ = ["Broadcast", "Gather", "Reduce", "Scatter"]
+
+
+def scatter_data(x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
+    """Root: ``x`` is the full tensor. Others: ``x`` only supplies the device."""
+    g, numels = spec.group, spec.numels
+    shape = spec.chunk_shape(g.rank)
+    width = max(numels)
+    if width == 0:
+        return x.new_empty(shape, dtype=spec.dtype)
+    recv = x.new_empty(width, dtype=spec.dtype)
+    chunks: list[torch.Tensor] | None = None
+    if spec.is_root:
+        parts = x.detach().split(list(spec.sizes), spec.dim)
+        if spec.is_even:
+            chunks = [as_bytes(p.contiguous()) for p in parts]
+        else:
+            stage = x.new_empty((g.size, width), dtype=spec.dtype)
+            for r, p in enumerate(parts):
+                stage[r, : numels[r]].view(p.shape).copy_(p)
+            chunks = [as_bytes(row) for row in stage]
+    _comm.scatter(as_bytes(recv), chunks, spec.root, g)
+    return recv[: numels[g.rank]].view(shape)
+
+
+def gather_data(chunk: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
+    """Root: returns the full tensor. Others: returns an empty autograd anchor."""
+    g, numels = spec.group, spec.numels
+    width = max(numels)
+    if width == 0:
+        return chunk.new_empty(spec.full_shape if spec.is_root else (0,))
+    send = chunk.detach().contiguous().view(-1)
+    if not spec.is_even:
+        send = torch.cat([send, send.new_empty(width - send.numel())])
+    if not spec.is_root:
+        _comm.gather(as_bytes(send), None, spec.root, g)
+        return chunk.new_empty(0)
+    direct = spec.is_even and spec.leading_is_one
+    full = chunk.new_empty(spec.full_shape) if direct else chunk.new_empty((g.size, width))
+    rows = full.view(g.size, width)
+    _comm.gather(as_bytes(send), [as_bytes(row) for row in rows], spec.root, g)
+    if direct:
+        return full
+    parts = [rows[r, : numels[r]].view(spec.chunk_shape(r)) for r in range(g.size)]
+    return torch.cat(parts, spec.dim)
+
+
+class Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
+        ctx.spec = spec
+        out = scatter_data(x, spec)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return Gather.apply(tie_to_output(grad, ctx), ctx.spec), None
+
+
+class Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
+        ctx.spec = spec
+        out = gather_data(x, spec)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return Scatter.apply(tie_to_output(grad, ctx), ctx.spec), None
+
+
+class Broadcast(torch.autograd.Function):
+    """Root: ``x`` is the tensor (copied, never aliased). Others: ``x`` is an anchor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, launch: Launch) -> torch.Tensor:
+        ctx.spec = spec
+        out = x.detach().clone() if spec.is_root else x.new_empty(spec.full_shape)
+        if spec.full_shape.numel():
+            launch.add(_comm.broadcast(out, spec.root, spec.group, launch.async_op))
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return Reduce.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
+
+
+class Reduce(torch.autograd.Function):
+    """Root gets the reduction; other ranks get an empty anchor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, op: str, launch: Launch
+                ) -> torch.Tensor:
+        ctx.spec, ctx.op = spec, op
+        # torch.distributed.reduce may use non-root inputs as scratch: reduce a copy.
+        buf = scale_for_mean(x.detach(), op, spec.group.size).clone()
+        if buf.numel():
+            launch.add(_comm.reduce(buf, spec.root, torch_op(op), spec.group, launch.async_op),
+                       buf)
+        out = buf if spec.is_root else x.new_empty(0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.op in ("max", "min"):
+            raise no_backward("reduce", ctx.op)
+        out = Broadcast.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
+        return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None

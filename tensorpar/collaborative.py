@@ -1,0 +1,150 @@
+"""CollaborativeTensor: the result of an asynchronous collective, valid only once resolved."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from tensorpar._autograd import Launch
+from tensorpar.errors import TensorparError
+
+__all__ = ["CollaborativeTensor", "UnresolvedCollectiveError", "sync_collectives"]
+
+
+class UnresolvedCollectiveError(TensorparError):
+    """A :class:`CollaborativeTensor` was used as data."""
+
+
+class CollaborativeTensor:
+    """A handle to the result of a collective that may still be in flight.
+
+    Returned by the collectives when called with ``async_op=True``. It is not a tensor:
+    using it as data raises :class:`UnresolvedCollectiveError`. Get the tensor with
+    :meth:`resolve` (waits), with :func:`sync_collectives` (one synchronisation point for
+    many handles), or with :meth:`assume_resolved` (no wait, under a contract).
+
+    Dropping a handle unresolved is safe: the collective still completes in order with the
+    group's later collectives, and its buffers stay alive until it has.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> handle = tensorpar.all_reduce(torch.ones(2), async_op=True)
+        >>> handle.resolve()
+        tensor([1., 1.])
+    """
+
+    __slots__ = ("_launch", "_resolved", "_tensor")
+
+    def __init__(self, tensor: torch.Tensor, launch: Launch) -> None:
+        self._tensor = tensor
+        self._launch = launch
+        self._resolved = not launch.works
+
+    def resolve(self) -> torch.Tensor:
+        """Wait for the collective and return its result (idempotent)."""
+        if not self._resolved:
+            self._launch.wait()
+            self._resolved = True
+        return self._tensor
+
+    def assume_resolved(self) -> torch.Tensor:
+        """Return the result tensor **without waiting**.
+
+        Contract: the returned tensor must not be read or written until the collective has
+        been synchronised, by :meth:`resolve` or :func:`sync_collectives` on this handle.
+        This is how a reducer hands out bucket views early and synchronises once at the end.
+        On CUDA/NCCL, kernels queued on the current stream after :meth:`resolve` see the
+        result; on CPU/gloo, :meth:`resolve` blocks until the data is there.
+        """
+        return self._tensor
+
+    def is_resolved(self) -> bool:
+        """True once :meth:`resolve` or :func:`sync_collectives` has synchronised this handle."""
+        return self._resolved
+
+    @property
+    def shape(self) -> torch.Size:
+        """The result's shape (metadata is available before resolution)."""
+        return self._tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The result's dtype."""
+        return self._tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The result's device."""
+        return self._tensor.device
+
+    def __repr__(self) -> str:
+        state = "resolved" if self._resolved else "in flight"
+        dtype = str(self._tensor.dtype).removeprefix("torch.")
+        return f"CollaborativeTensor({dtype}{list(self._tensor.shape)}, {state})"
+
+    def _not_data(self, op: str) -> NoReturn:
+        hint = ("use the tensor that .resolve() returned" if self._resolved
+                else "call .resolve() (or tensorpar.sync_collectives) first")
+        raise UnresolvedCollectiveError(
+            f"{op}: got a CollaborativeTensor ({'resolved' if self._resolved else 'in flight'}), "
+            f"which is a handle, not a tensor: {hint}")
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> NoReturn:
+        handles = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)]
+        name = f"torch.{getattr(func, '__name__', func)}"
+        if handles:
+            handles[0]._not_data(name)
+        raise UnresolvedCollectiveError(f"{name}: a CollaborativeTensor is not a tensor")
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("__") and hasattr(torch.Tensor, name):
+            self._not_data(f"Tensor.{name}")
+        raise AttributeError(f"'CollaborativeTensor' object has no attribute {name!r}")
+
+    def __getitem__(self, index: Any) -> NoReturn:
+        self._not_data("indexing")
+
+    def __bool__(self) -> NoReturn:
+        self._not_data("bool()")
+
+    def __iter__(self) -> NoReturn:
+        self._not_data("iteration")
+
+
+def _data_op(symbol: str) -> Callable[..., NoReturn]:
+    def op(self: CollaborativeTensor, *args: Any) -> NoReturn:
+        self._not_data(f"operator {symbol}")
+    return op
+
+
+for _name, _symbol in [("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"),
+                       ("matmul", "@"), ("pow", "**")]:
+    for _prefix in ("", "r", "i"):
+        setattr(CollaborativeTensor, f"__{_prefix}{_name}__", _data_op(_symbol))
+for _name, _symbol in [("neg", "-"), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="),
+                       ("float", "float()"), ("int", "int()"), ("array", "numpy conversion")]:
+    setattr(CollaborativeTensor, f"__{_name}__", _data_op(_symbol))
+
+
+def sync_collectives(handles: Iterable[CollaborativeTensor]) -> list[torch.Tensor]:
+    """Resolve many handles at one synchronisation point and return their tensors in order.
+
+    Args:
+        handles: handles returned by collectives called with ``async_op=True``.
+
+    Returns:
+        The resolved tensors, in the order of ``handles``.
+
+    Raises:
+        TypeError: an element is not a :class:`CollaborativeTensor`.
+    """
+    handles = list(handles)
+    for i, h in enumerate(handles):
+        if not isinstance(h, CollaborativeTensor):
+            raise TypeError(f"sync_collectives: handles[{i}] is a {type(h).__name__}, "
+                            f"expected a CollaborativeTensor")
+    return [h.resolve() for h in handles]
