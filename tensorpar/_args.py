@@ -1,4 +1,4 @@
-"""Argument handling shared by the public collectives in :mod:`tensorpar.functional`."""
+"""Argument handling shared by the public collectives in `functional`."""
 
 from __future__ import annotations
 

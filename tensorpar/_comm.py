@@ -1,8 +1,8 @@
 """The one internal layer through which tensorpar calls ``torch.distributed``.
 
 Every collective tensorpar issues goes through a function here, so counting
-(:class:`CommCounter`), argument checks and timeouts live in one place. Functions take a
-resolved :class:`~tensorpar._group.Group` and group ranks; they never run on a single-rank
+(`CommCounter`), argument checks and timeouts live in one place. Functions take a
+resolved `Group` and group ranks; they never run on a single-rank
 group (callers take the fast path before reaching this layer).
 """
 
@@ -45,7 +45,7 @@ class CommCounter:
     """Context manager that records every collective tensorpar issues on this rank.
 
     Collectives issued while the counter is active, in forward or backward and from any
-    thread, are appended to :attr:`records`. Counters nest: each active counter sees every
+    thread, are appended to `records`. Counters nest: each active counter sees every
     collective.
 
     Example:

@@ -1,8 +1,8 @@
 """Process-group resolution: ``None`` -> WORLD at call time, group rank <-> global rank.
 
-Every public entry point turns its ``group`` argument into a :class:`Group` through
-:func:`resolve_group`. ``src``/``dst``/``owner`` arguments are always ranks *within* that
-group; :meth:`Group.global_rank` converts them for ``torch.distributed`` calls that want a
+Every public entry point turns its ``group`` argument into a `Group` through
+`resolve_group`. ``src``/``dst``/``owner`` arguments are always ranks *within* that
+group; `global_rank` converts them for ``torch.distributed`` calls that want a
 global rank.
 """
 
@@ -94,7 +94,7 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
         fn: the public function's name, used in error messages.
 
     Returns:
-        The resolved :class:`Group`.
+        The resolved `Group`.
 
     Raises:
         TypeError: ``group`` is none of the accepted kinds.

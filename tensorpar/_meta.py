@@ -39,7 +39,7 @@ def kind_name(x: object) -> str:
 
 
 def require_tensor(fn: str, x: object, why: str = "every rank must pass a tensor") -> torch.Tensor:
-    """``x`` if it is a tensor, else a :class:`CollectiveTypeError` (raised locally)."""
+    """``x`` if it is a tensor, else a `CollectiveTypeError` (raised locally)."""
     if isinstance(x, torch.Tensor):
         return x
     raise CollectiveTypeError(f"{fn}: {why}, got {kind_name(x)}")

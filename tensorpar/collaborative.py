@@ -14,16 +14,16 @@ __all__ = ["CollaborativeTensor", "UnresolvedCollectiveError", "sync_collectives
 
 
 class UnresolvedCollectiveError(TensorparError):
-    """A :class:`CollaborativeTensor` was used as data."""
+    """A `CollaborativeTensor` was used as data."""
 
 
 class CollaborativeTensor:
     """A handle to the result of a collective that may still be in flight.
 
     Returned by the collectives when called with ``async_op=True``. It is not a tensor:
-    using it as data raises :class:`UnresolvedCollectiveError`. Get the tensor with
-    :meth:`resolve` (waits), with :func:`sync_collectives` (one synchronisation point for
-    many handles), or with :meth:`assume_resolved` (no wait, under a contract).
+    using it as data raises `UnresolvedCollectiveError`. Get the tensor with
+    `resolve` (waits), with `sync_collectives` (one synchronisation point for
+    many handles), or with `assume_resolved` (no wait, under a contract).
 
     Dropping a handle unresolved is safe: the collective still completes in order with the
     group's later collectives, and its buffers stay alive until it has.
@@ -53,15 +53,15 @@ class CollaborativeTensor:
         """Return the result tensor **without waiting**.
 
         Contract: the returned tensor must not be read or written until the collective has
-        been synchronised, by :meth:`resolve` or :func:`sync_collectives` on this handle.
+        been synchronised, by `resolve` or `sync_collectives` on this handle.
         This is how a reducer hands out bucket views early and synchronises once at the end.
-        On CUDA/NCCL, kernels queued on the current stream after :meth:`resolve` see the
-        result; on CPU/gloo, :meth:`resolve` blocks until the data is there.
+        On CUDA/NCCL, kernels queued on the current stream after `resolve` see the
+        result; on CPU/gloo, `resolve` blocks until the data is there.
         """
         return self._tensor
 
     def is_resolved(self) -> bool:
-        """True once :meth:`resolve` or :func:`sync_collectives` has synchronised this handle."""
+        """True once `resolve` or `sync_collectives` has synchronised this handle."""
         return self._resolved
 
     @property
@@ -140,7 +140,7 @@ def sync_collectives(handles: Iterable[CollaborativeTensor]) -> list[torch.Tenso
         The resolved tensors, in the order of ``handles``.
 
     Raises:
-        TypeError: an element is not a :class:`CollaborativeTensor`.
+        TypeError: an element is not a `CollaborativeTensor`.
     """
     handles = list(handles)
     for i, h in enumerate(handles):

@@ -1,7 +1,7 @@
 """Exceptions raised by tensorpar.
 
-Every error tensorpar raises on purpose derives from :class:`TensorparError`, itself a
-:class:`RuntimeError`, so ``except RuntimeError`` keeps working for code written against
+Every error tensorpar raises on purpose derives from `TensorparError`, itself a
+`RuntimeError`, so ``except RuntimeError`` keeps working for code written against
 plain ``torch.distributed``. Errors about bad arguments also derive from ``ValueError`` or
 ``TypeError`` so they can be caught the usual way.
 """
@@ -22,7 +22,7 @@ class TensorparError(RuntimeError):
 
 
 class PlaceholderError(TensorparError):
-    """A :class:`~tensorpar.TensorPlaceholder` was used as data on a rank that holds none."""
+    """A `TensorPlaceholder` was used as data on a rank that holds none."""
 
 
 class CollectiveArgumentError(TensorparError, ValueError):
@@ -36,7 +36,7 @@ class CollectiveArgumentError(TensorparError, ValueError):
 class CollectiveTypeError(TensorparError, TypeError):
     """A rank passed an argument of the wrong kind (e.g. a tensor where a placeholder belongs).
 
-    Like :class:`CollectiveArgumentError`, raised on every rank when detected through the
+    Like `CollectiveArgumentError`, raised on every rank when detected through the
     metadata exchange.
     """
 

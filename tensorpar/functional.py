@@ -6,22 +6,20 @@ that group. A group of one rank issues no collective. Inputs are never modified 
 call says ``inplace=True``. Chunks along ``dim`` may be uneven (balanced like
 ``torch.tensor_split`` by default, or given by ``sizes=``).
 
-=====================  ==============================  ======================================
-function               forward                         backward
-=====================  ==============================  ======================================
-``scatter``            split from ``src``              gather to ``src``
-``gather``             concatenate on ``dst``          scatter from ``dst``
-``all_gather``         concatenate on every rank       reduce-scatter (sum)
-``reduce_scatter``     reduce, keep own chunk          all-gather
-``all_reduce``         reduce on every rank            all-reduce, or identity
-``broadcast``          copy from ``src``               reduce (sum) to ``src``
-``reduce``             reduce onto ``dst``             broadcast from ``dst``
-``all_to_all``         split, exchange, concatenate    all-to-all with the dims swapped
-``copy_to_group``      identity                        all-reduce (sum)
-``reduce_from_group``  all-reduce (sum)                identity
-``split_to_group``     take own chunk                  all-gather
-``gather_from_group``  all-gather                      take own chunk
-=====================  ==============================  ======================================
+| function | forward | backward |
+|---|---|---|
+| `scatter` | split from `src` | gather to `src` |
+| `gather` | concatenate on `dst` | scatter from `dst` |
+| `all_gather` | concatenate on every rank | reduce-scatter (sum) |
+| `reduce_scatter` | reduce, keep own chunk | all-gather |
+| `all_reduce` | reduce on every rank | all-reduce, or identity |
+| `broadcast` | copy from `src` | reduce (sum) to `src` |
+| `reduce` | reduce onto `dst` | broadcast from `dst` |
+| `all_to_all` | split, exchange, concatenate | all-to-all with the dims swapped |
+| `copy_to_group` | identity | all-reduce (sum) |
+| `reduce_from_group` | all-reduce (sum) | identity |
+| `split_to_group` | take own chunk | all-gather |
+| `gather_from_group` | all-gather | take own chunk |
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
     Forward: scatter from ``src``. Backward: gather of the chunk gradients to ``src``.
 
     On ``src``, ``x`` is the full tensor. On every other rank ``x`` is a
-    :class:`~tensorpar.TensorPlaceholder` or ``None``. By default the ranks exchange one
+    `TensorPlaceholder` or ``None``. By default the ranks exchange one
     small metadata header first: ranks that passed ``None`` learn the dtype, shape and
     ``requires_grad`` from it, ranks that passed a placeholder check it, and any mistake on
     any rank raises the same error on every rank (nobody is left waiting). When every
@@ -101,11 +99,12 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
 
     Returns:
         This rank's chunk: contiguous, the source's dtype, on this rank's device (the
-        placeholder's, or the group's default device for ``None``).
+            placeholder's, or the group's default device for ``None``).
 
     Raises:
-        CollectiveArgumentError: bad ``sizes``/``dim`` for the source's shape, or a
+        CollectiveArgumentError: ``sizes`` that do not add up to the source's length, or a
             placeholder that disagrees with the source tensor (raised on every rank).
+        ValueError: ``dim`` out of range for the source's shape (raised on every rank).
         CollectiveTypeError: a placeholder or ``None`` on ``src``, or a tensor on another
             rank (raised on every rank).
         ValueError: ``src`` is not a rank of the group, or ``sizes`` is malformed.
@@ -150,15 +149,17 @@ def gather(x: torch.Tensor, dim: int = 0, dst: int = 0, group: GroupLike = None,
     disagreement raises the same error on every rank). Passing ``sizes`` skips the exchange;
     the caller then guarantees that every rank agrees.
 
-    Every rank other than ``dst`` gets a :class:`~tensorpar.TensorPlaceholder` with the full
+    Every rank other than ``dst`` gets a `TensorPlaceholder` with the full
     shape and ``owner=dst``. For the backward pass, ``dst`` computes a loss from the result
     and calls ``loss.backward()``; every other rank calls ``.backward()`` on its placeholder,
     which joins the backward scatter and delivers its chunk's gradient. One idiom serves
-    every rank::
+    every rank:
 
-        out = tensorpar.gather(y, dst=0)
-        loss = loss_fn(out) if not tensorpar.is_placeholder(out) else out
-        loss.backward()
+    ```python
+    out = tensorpar.gather(y, dst=0)
+    loss = loss_fn(out) if not tensorpar.is_placeholder(out) else out
+    loss.backward()
+    ```
 
     Args:
         x: this rank's chunk (every rank passes a tensor, possibly of length 0 along ``dim``).
@@ -203,8 +204,8 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
 
     Forward: broadcast from ``src``. Backward: reduce (sum) of the gradients to ``src``.
 
-    ``x`` is the tensor on ``src`` and a :class:`~tensorpar.TensorPlaceholder` or ``None``
-    elsewhere; the metadata header works as in :func:`scatter` (``exchange_meta=False`` skips
+    ``x`` is the tensor on ``src`` and a `TensorPlaceholder` or ``None``
+    elsewhere; the metadata header works as in `scatter` (``exchange_meta=False`` skips
     it when every other rank passes a placeholder). The result requires grad on every rank
     when the source tensor does. The result never shares storage with ``x``.
 
@@ -213,13 +214,13 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
         src: the source rank, a rank **within** ``group``.
         group: the process group (``None``: the default group, resolved at call time).
         exchange_meta: exchange the metadata header (default).
-        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting.
+        async_op: return a `CollaborativeTensor` without waiting.
 
     Returns:
         The tensor on every rank (or a handle to it with ``async_op=True``).
 
     Raises:
-        CollectiveArgumentError, CollectiveTypeError: as for :func:`scatter`, on every rank.
+        CollectiveArgumentError, CollectiveTypeError: as for `scatter`, on every rank.
         ValueError: ``src`` is not a rank of the group.
 
     Shape:
@@ -250,8 +251,8 @@ def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", group: Group
     Forward: reduce to ``dst``. Backward: broadcast of the gradient from ``dst``.
 
     Every rank passes a tensor of the same shape and dtype. ``dst`` gets the reduction;
-    every other rank gets a :class:`~tensorpar.TensorPlaceholder` whose ``.backward()``
-    joins the backward broadcast (the idiom of :func:`gather`).
+    every other rank gets a `TensorPlaceholder` whose ``.backward()``
+    joins the backward broadcast (the idiom of `gather`).
 
     Args:
         x: this rank's tensor.
@@ -297,7 +298,7 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
     Forward: all-gather. Backward: reduce-scatter (sum): each rank gets the sum over ranks
     of the gradients of its own chunk, which is right whether each rank computes its own
     loss or the ranks hold one replicated loss computed on the result. (For a replicated
-    gradient with no summation, use :func:`gather_from_group`.)
+    gradient with no summation, use `gather_from_group`.)
 
     Chunk lengths may differ; they are learned with one metadata exchange unless ``sizes``
     gives them (then every rank must pass the same ``sizes``).
@@ -307,7 +308,7 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
         dim: the dimension to concatenate along.
         group: the process group (``None``: the default group, resolved at call time).
         sizes: every rank's chunk length along ``dim``, to skip the size exchange.
-        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting. Chunks
+        async_op: return a `CollaborativeTensor` without waiting. Chunks
             that are uneven, or split along a dim with longer dims before it, are reassembled
             before returning, so that call completes before it returns.
 
@@ -352,7 +353,7 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpName = "sum",
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"`` (max/min have no backward).
         group: the process group (``None``: the default group, resolved at call time).
         sizes: chunk lengths along ``dim``, one per rank.
-        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting.
+        async_op: return a `CollaborativeTensor` without waiting.
 
     Returns:
         This rank's chunk of the reduction (or a handle to it).
@@ -400,7 +401,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
       gradient of the result.
     - ``"identity"`` is right when the result feeds **one replicated loss**, the same on
       every rank and counted once, as in tensor-parallel layers after a row-parallel matmul
-      (Megatron's *g*; :func:`reduce_from_group` is this mode). With ``"sum"`` the gradient
+      (Megatron's *g*; `reduce_from_group` is this mode). With ``"sum"`` the gradient
       would come out multiplied by the group size.
 
     ``op="mean"`` divides before reducing (no fp16 overflow) and scales the gradient the same
@@ -411,7 +412,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         backward: ``"sum"`` or ``"identity"``, see above.
         group: the process group (``None``: the default group, resolved at call time).
-        async_op: return a :class:`~tensorpar.CollaborativeTensor` without waiting.
+        async_op: return a `CollaborativeTensor` without waiting.
         inplace: reduce into ``x``'s own storage (no allocation) and return ``x``. Safe
             when nothing else reads or writes ``x`` until the result is resolved and autograd
             has not saved ``x`` for a backward pass (as for gradient buffers).

@@ -22,15 +22,15 @@ class TensorPlaceholder:
     """Shape, dtype, device and ``requires_grad`` of a tensor that this rank holds no data for.
 
     A placeholder stands where ``None``, zeros or an uninitialised dummy would otherwise
-    stand: the non-source ranks before a :func:`~tensorpar.scatter`, the non-destination
-    ranks after a :func:`~tensorpar.gather`. It is frozen and hashable; equality compares
+    stand: the non-source ranks before a `scatter`, the non-destination
+    ranks after a `gather`. It is frozen and hashable; equality compares
     the metadata, the owner and (by identity) the group.
 
     A placeholder returned by a collective also carries that collective's place in the
-    autograd graph: :meth:`backward` on it joins the mirrored backward collective.
+    autograd graph: `backward` on it joins the mirrored backward collective.
 
     Using it as data (``ph + 1``, ``torch.add(ph, 1)``, ``ph.sum()``, ``ph[0]``) raises
-    :class:`~tensorpar.PlaceholderError`, naming the rank that holds the data.
+    `PlaceholderError`, naming the rank that holds the data.
 
     Args:
         shape: the full shape of the tensor.
@@ -127,12 +127,12 @@ class TensorPlaceholder:
 
     @property
     def owner(self) -> int | None:
-        """The rank within :attr:`group` that holds the data (``None`` if unknown)."""
+        """The rank within `group` that holds the data (``None`` if unknown)."""
         return self._owner
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The process group :attr:`owner` refers to (``None``: the default group)."""
+        """The process group `owner` refers to (``None``: the default group)."""
         return self._group
 
     @property
@@ -182,7 +182,7 @@ class TensorPlaceholder:
     def backward(self) -> None:
         """Join the backward pass of the collective that produced this placeholder.
 
-        On a rank that holds no data of a :func:`~tensorpar.gather` result, the gradient
+        On a rank that holds no data of a `gather` result, the gradient
         comes from the destination rank: this call takes part in the backward scatter and
         accumulates this rank's share into the gradients of its own inputs.
 
@@ -313,7 +313,7 @@ def _this_rank(group: dist.ProcessGroup | None) -> str:
 
 
 def is_placeholder(x: object) -> bool:
-    """True if ``x`` is a :class:`TensorPlaceholder`.
+    """True if ``x`` is a `TensorPlaceholder`.
 
     Example:
         >>> import torch, tensorpar
@@ -393,7 +393,7 @@ def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | Non
 
 
 def decode_header(header: torch.Tensor) -> Header:
-    """Decode a header made by :func:`encode_header`.
+    """Decode a header made by `encode_header`.
 
     Raises:
         WireFormatError: wrong dtype or length, bad magic number, unknown kind or dtype code,

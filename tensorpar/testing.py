@@ -1,25 +1,27 @@
 """Run a function on N ranks and collect the results: the multi-rank test harness.
 
-:func:`run_distributed` keeps a pool of worker processes per ``(world_size, backend)``
+`run_distributed` keeps a pool of worker processes per ``(world_size, backend)``
 alive across calls, each with an initialised process group, so a test suite pays the
 process spawn once. Any rank's exception is re-raised in the caller with the rank's
 number and traceback; a rank that does not finish within ``timeout`` shuts the pool down
 and fails the call instead of hanging.
 
 ``fn`` and its arguments travel by pickle, so ``fn`` must be importable (a module-level
-function). Scripts that call :func:`run_distributed` need the usual
+function). Scripts that call `run_distributed` need the usual
 ``if __name__ == "__main__":`` guard, as for any spawned process.
 
-Example (a test module)::
+Example (a test module):
 
-    import torch.distributed as dist
-    from tensorpar.testing import run_distributed
+```python
+import torch.distributed as dist
+from tensorpar.testing import run_distributed
 
-    def _rank_and_size():
-        return dist.get_rank(), dist.get_world_size()
+def _rank_and_size():
+    return dist.get_rank(), dist.get_world_size()
 
-    def test_ranks():
-        assert run_distributed(_rank_and_size, 3) == [(0, 3), (1, 3), (2, 3)]
+def test_ranks():
+    assert run_distributed(_rank_and_size, 3) == [(0, 3), (1, 3), (2, 3)]
+```
 """
 
 from __future__ import annotations
