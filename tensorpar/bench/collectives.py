@@ -1,0 +1,193 @@
+"""Symmetric collectives: tensorpar next to the raw ``torch.distributed`` call on the same bytes.
+
+Equal chunks: ``all_gather``, ``reduce_scatter``, ``all_reduce`` (out of place and in place) and
+``all_to_all``, each against the raw call allocating its output (as tensorpar does) and against
+the raw call into a preallocated output. Uneven chunks: ``all_to_all`` against two baselines
+defined here, padding to the largest chunk and point-to-point sends.
+
+Every payload is a 1-D float32 tensor, so the split/concat dim is the only one and no reshaping
+copy is ever needed. ``nbytes`` is the size of the tensor each rank passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tensorpar
+
+__all__ = ["padded_all_to_all", "p2p_all_to_all", "run_rank", "uneven_splits"]
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def uneven_splits(numel: int, world: int) -> list[int]:
+    """Split lengths sending about twice as much to rank 0 as to every other rank."""
+    unit = numel // (world + 1)
+    return [numel - unit * (world - 1)] + [unit] * (world - 1)
+
+
+def padded_all_to_all(x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
+    """Uneven 1-D all-to-all as an equal one: pad every chunk to the largest, then slice.
+
+    ``splits`` (one length per destination) must be the same on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    width = max(splits)
+    send = x.new_empty((world, width))  # the padding is sent but never read
+    for r, part in enumerate(x.split(list(splits))):
+        send[r, : part.numel()].copy_(part)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv[:, : splits[rank]].reshape(-1)
+
+
+def p2p_all_to_all(x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
+    """Uneven 1-D all-to-all as one isend/irecv per peer plus a local copy for this rank.
+
+    ``splits`` (one length per destination) must be the same on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = splits[rank]  # every source sends this rank the same length
+    out = x.new_empty(world * n)
+    parts = x.split(list(splits))
+    ops = []
+    for peer in range(world):
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, parts[peer], peer))
+            ops.append(dist.P2POp(dist.irecv, out[peer * n: (peer + 1) * n], peer))
+    works = dist.batch_isend_irecv(ops)
+    out[rank * n: (rank + 1) * n].copy_(parts[rank])  # overlaps the transfers
+    for work in works:
+        work.wait()
+    return out
+
+
+def _check(name: str, *outputs: object) -> None:
+    """Assert that every output equals the first, bit for bit (run once, before timing)."""
+    first = outputs[0]
+    assert isinstance(first, torch.Tensor)
+    for i, other in enumerate(outputs[1:], 1):
+        assert isinstance(other, torch.Tensor)
+        assert torch.equal(first, other), \
+            f"rank {dist.get_rank()}: {name}: output {i} differs from output 0"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def run_rank(nbytes: int, rounds: int) -> list[dict[str, Any]]:
+    """One rank's part: every case at ``nbytes`` (rounded down to a multiple of 4 * world).
+
+    Returns one dict per table row, the same on every rank. Rows with ``table="collectives"``
+    carry ``raw``, ``raw_prealloc`` and ``tensorpar`` seconds per call; rows with
+    ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and ``p2p``.
+    """
+    from tensorpar.bench._timing import time_side_by_side
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = nbytes // 4 // world * world
+    chunk = numel // world
+    even = [chunk] * world  # reduce_scatter / all_to_all: x split into equal chunks
+    whole = [numel] * world  # all_gather: every rank's chunk is all of its x
+    torch.manual_seed(rank)
+    x = torch.randn(numel)
+    # preallocated outputs for the raw "prealloc" variants
+    gathered = torch.empty(world * numel)
+    scattered = torch.empty(chunk)
+    reduced = torch.empty(numel)
+    exchanged = torch.empty(numel)
+    # in-place all-reduce targets: zeros stay zeros however often they are summed
+    raw_inplace, tp_inplace = torch.zeros(numel), torch.zeros(numel)
+
+    def raw_all_gather() -> torch.Tensor:
+        out = torch.empty(world * numel)
+        _all_gather_flat(out, x)
+        return out
+
+    def raw_reduce_scatter() -> torch.Tensor:
+        out = torch.empty(chunk)
+        _reduce_scatter_flat(out, x)
+        return out
+
+    def raw_all_reduce() -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    def raw_all_reduce_prealloc() -> torch.Tensor:
+        reduced.copy_(x)
+        dist.all_reduce(reduced)
+        return reduced
+
+    def raw_all_to_all() -> torch.Tensor:
+        out = torch.empty(numel)
+        dist.all_to_all_single(out, x)
+        return out
+
+    groups: dict[str, dict[str, Callable[[], object]]] = {
+        "all_gather": {
+            "raw": raw_all_gather,
+            "raw_prealloc": lambda: _all_gather_flat(gathered, x),
+            "tensorpar": lambda: tensorpar.all_gather(x, sizes=whole),
+            "tensorpar_exchange": lambda: tensorpar.all_gather(x),
+        },
+        "reduce_scatter": {
+            "raw": raw_reduce_scatter,
+            "raw_prealloc": lambda: _reduce_scatter_flat(scattered, x),
+            "tensorpar": lambda: tensorpar.reduce_scatter(x),
+        },
+        "all_reduce": {
+            "raw": raw_all_reduce,
+            "raw_prealloc": raw_all_reduce_prealloc,
+            "tensorpar": lambda: tensorpar.all_reduce(x),
+            "raw_inplace": lambda: dist.all_reduce(raw_inplace),
+            "tensorpar_inplace": lambda: tensorpar.all_reduce(tp_inplace, inplace=True),
+        },
+        "all_to_all": {
+            "raw": raw_all_to_all,
+            "raw_prealloc": lambda: dist.all_to_all_single(exchanged, x),
+            "tensorpar": lambda: tensorpar.all_to_all(x, 0, 0, sizes=even),
+        },
+    }
+    _check("all_gather", raw_all_gather(), groups["all_gather"]["tensorpar"](),
+           groups["all_gather"]["tensorpar_exchange"]())
+    _check("reduce_scatter", raw_reduce_scatter(), groups["reduce_scatter"]["tensorpar"]())
+    _check("all_reduce", raw_all_reduce(), groups["all_reduce"]["tensorpar"]())
+    _check("all_to_all", raw_all_to_all(), groups["all_to_all"]["tensorpar"]())
+
+    rows: list[dict[str, Any]] = []
+
+    def row(collective: str, raw: float, prealloc: float | None, ours: float) -> None:
+        rows.append({"table": "collectives", "collective": collective, "world_size": world,
+                     "nbytes": numel * 4, "raw": raw, "raw_prealloc": prealloc,
+                     "tensorpar": ours, "ratio": ours / raw,
+                     "ratio_prealloc": _ratio(ours, prealloc)})
+
+    for name, cases in groups.items():
+        t = time_side_by_side(cases, rounds=rounds)
+        row(name, t["raw"], t["raw_prealloc"], t["tensorpar"])
+        if name == "all_gather":
+            row("all_gather (exchange sizes)", t["raw"], t["raw_prealloc"],
+                t["tensorpar_exchange"])
+        if name == "all_reduce":
+            row("all_reduce (in place)", t["raw_inplace"], None, t["tensorpar_inplace"])
+
+    splits = uneven_splits(numel, world)
+    strategies: dict[str, Callable[[], object]] = {
+        "tensorpar": lambda: tensorpar.all_to_all(x, 0, 0, sizes=splits),
+        "padded": lambda: padded_all_to_all(x, splits),
+        "p2p": lambda: p2p_all_to_all(x, splits),
+    }
+    _check("uneven all_to_all", *(fn() for fn in strategies.values()))
+    t = time_side_by_side(strategies, rounds=rounds)
+    rows.append({"table": "uneven_all_to_all", "world_size": world, "nbytes": numel * 4,
+                 "splits": splits, "padded_nbytes": world * max(splits) * 4, **t,
+                 "padded_ratio": t["padded"] / t["tensorpar"],
+                 "p2p_ratio": t["p2p"] / t["tensorpar"]})
+    return rows

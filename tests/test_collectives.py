@@ -1,0 +1,240 @@
+"""Every collective against its single-process reference: forward, backward, gradcheck."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar as tp
+from tensorpar.testing import run_distributed
+from tests._reference import CASES, weights
+
+GROUPS = [(1, None), (2, None), (3, None), (4, None), (4, [1, 2, 3]), (4, [0, 3])]
+
+
+def _subgroup(ranks):
+    if ranks is None:
+        return None, dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(ranks)
+    return group, dist.get_rank(group), len(ranks)
+
+
+def _check_case(name, ranks):
+    case = CASES[name]
+    group, rank, p = _subgroup(ranks)
+    if rank < 0:
+        return "not a member"
+    # reference: every rank's input in this process
+    if case.replicated_input:
+        shared = case.make(0, p).requires_grad_()
+        ref_inputs = [shared] * p
+    else:
+        ref_inputs = [case.make(r, p) for r in range(p)]
+        for x in ref_inputs:
+            if x is not None:
+                x.requires_grad_()
+    ref_outputs = case.ref(ref_inputs, p)
+    x = case.make(rank, p)
+    if x is not None:
+        x.requires_grad_()
+        before = x.detach().clone()
+    out = case.run(x, group)
+    # forward
+    expected = ref_outputs[rank]
+    if expected is None:
+        assert tp.is_placeholder(out), f"{name}: expected a placeholder, got {type(out)}"
+        full = next(o for o in ref_outputs if o is not None)
+        assert out.shape == full.shape and out.requires_grad
+    else:
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    if x is not None:
+        assert torch.equal(x, before), f"{name} modified its input"
+    # backward: the same total loss in one process and across the ranks
+    if case.loss == "summed":
+        total = sum((o * weights(r, o.shape)).sum() for r, o in enumerate(ref_outputs)
+                    if o is not None)
+        local = None if expected is None else (out * weights(rank, out.shape)).sum()
+    else:
+        total = (ref_outputs[0] * weights(0, ref_outputs[0].shape)).sum()
+        local = (out * weights(0, out.shape)).sum()
+    total.backward()
+    (out if local is None else local).backward()
+    if x is not None:
+        ref_grad = ref_inputs[rank].grad
+        torch.testing.assert_close(x.grad, ref_grad, rtol=1e-12, atol=1e-12)
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size, ranks", GROUPS,
+                         ids=[f"{w}{'' if r is None else '-sub' + ''.join(map(str, r))}"
+                              for w, r in GROUPS])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_backward_match_single_process(name, world_size, ranks):
+    results = run_distributed(_check_case, world_size, name, ranks)
+    members = range(world_size) if ranks is None else ranks
+    assert all(results[r] == "ok" for r in members), results
+
+
+# -- gradcheck -----------------------------------------------------------------------------
+# All ranks run gradcheck at once, so each rank's output must depend on its own input only
+# while the numerical Jacobian is taken. Rank k checks the collective; every other rank
+# runs the same collective on ``constant + 0 * x`` (constant values, but a graph path to x,
+# so autograd.grad(.., inputs=x) does not prune the collective's backward) and scales the
+# result by zero, so it issues the same collectives but contributes nothing. Every rank
+# takes its turn as k.
+
+GRADCHECK = {
+    "all_gather": lambda x, g: tp.all_gather(x, dim=1, group=g),
+    "reduce_scatter": lambda x, g: tp.reduce_scatter(x, dim=1, group=g),
+    "reduce_scatter_mean": lambda x, g: tp.reduce_scatter(x, dim=1, op="mean", group=g),
+    "all_reduce_sum": lambda x, g: tp.all_reduce(x, group=g),
+    "all_reduce_identity": lambda x, g: tp.all_reduce(x, backward="identity", group=g),
+    "all_reduce_mean": lambda x, g: tp.all_reduce(x, op="mean", group=g),
+    "broadcast_reduce": lambda x, g: _broadcast_of_reduce(x, g),
+    "all_to_all": lambda x, g: tp.all_to_all(x, split_dim=1, concat_dim=0, group=g),
+    "copy_to_group": lambda x, g: tp.copy_to_group(x, group=g) ** 2,
+    "reduce_from_group": lambda x, g: tp.reduce_from_group(x, group=g) ** 2,
+    "split_to_group": lambda x, g: tp.split_to_group(x, dim=1, group=g) ** 2,
+    "gather_from_group": lambda x, g: tp.gather_from_group(x, dim=1, group=g) ** 2,
+}
+
+
+def _broadcast_of_reduce(x, g):
+    reduced = tp.reduce(x ** 2, dst=0, group=g)
+    return tp.broadcast(reduced if not tp.is_placeholder(reduced) else reduced, src=0, group=g)
+
+
+def _gradcheck(name, ranks, second_order):
+    group, rank, p = _subgroup(ranks)
+    if rank < 0:
+        return "not a member"
+    op = GRADCHECK[name]
+    # gradcheck takes one vjp per output element: every rank's output must have the same
+    # size, so the split dim (12) divides every group size here
+    x = torch.randn(1, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    for active in range(p):
+        if rank == active:
+            def fn(x):
+                return op(x, group)
+        else:
+            constant = x.detach().clone()
+
+            def fn(x, constant=constant):
+                return op(constant + 0 * x, group) * 0
+        assert torch.autograd.gradcheck(fn, (x,))
+        if second_order:
+            assert torch.autograd.gradgradcheck(fn, (x,))
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size, ranks", [(1, None), (2, None), (3, None), (4, [0, 1, 3])])
+@pytest.mark.parametrize("name", sorted(GRADCHECK))
+def test_gradcheck(name, world_size, ranks):
+    results = run_distributed(_gradcheck, world_size, name, ranks, False)
+    assert "ok" in results
+
+
+@pytest.mark.parametrize("name", ["all_gather", "all_reduce_sum", "all_to_all",
+                                  "broadcast_reduce", "gather_from_group"])
+def test_second_order_gradients(name):
+    assert run_distributed(_gradcheck, 2, name, None, True) == ["ok", "ok"]
+
+
+# -- all_reduce backward modes ---------------------------------------------------------------
+
+def _all_reduce_modes():
+    """The two modes against the two ways a loss can count the ranks."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for mode in ("sum", "identity"):
+        x = torch.full((3,), float(rank + 1), dtype=torch.float64, requires_grad=True)
+        y = tp.all_reduce(x, backward=mode)
+        # replicated: every rank computes the same loss from y, counted once
+        replicated = (y ** 2).sum()
+        g_rep, = torch.autograd.grad(replicated, x, retain_graph=True)
+        # summed: each rank's own loss; the total is the sum over ranks
+        own = (y * (rank + 1)).sum()
+        g_sum, = torch.autograd.grad(own, x)
+        results[mode] = (g_rep.tolist(), g_sum.tolist())
+    total = sum(range(1, p + 1))
+    # true gradients: replicated loss L = sum(y^2) with y = sum_r x_r -> dL/dx_r = 2y;
+    # summed loss L = sum_r (r+1) * sum(y) -> dL/dx_r = sum_r (r+1)
+    assert results["identity"][0] == [2.0 * total] * 3
+    assert results["sum"][1] == [float(total)] * 3
+    # and the wrong pairings are off by the group size (or the rank's share)
+    assert results["sum"][0] == [2.0 * total * p] * 3
+    assert results["identity"][1] == [float(rank + 1)] * 3
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_reduce_backward_modes(world_size):
+    assert all(run_distributed(_all_reduce_modes, world_size))
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _errors(case):
+    rank = dist.get_rank()
+    calls = {
+        "bad op": lambda: tp.all_reduce(torch.ones(2), op="prod"),
+        "bad backward": lambda: tp.all_reduce(torch.ones(2), backward="mean"),
+        "mean of ints": lambda: tp.reduce_scatter(torch.ones(2, dtype=torch.int64), op="mean"),
+        "max backward": lambda: tp.all_reduce(torch.ones(2, requires_grad=True),
+                                              op="max").sum().backward(),
+        "reduce_scatter max backward": lambda: tp.reduce_scatter(
+            torch.ones(4, requires_grad=True), op="min").sum().backward(),
+        "all_gather dims": lambda: tp.all_gather(torch.ones(2, 3 + rank), dim=0),
+        "all_to_all shapes": lambda: tp.all_to_all(torch.ones(2 + rank, 4), split_dim=0,
+                                                    concat_dim=1),
+        "all_to_all dtype": lambda: tp.all_to_all(
+            torch.ones(4, dtype=torch.float64 if rank else torch.float32), 0, 0),
+        "broadcast tensor off source": lambda: tp.broadcast(torch.ones(2)),
+        "sizes mismatch": lambda: tp.split_to_group(torch.ones(5), sizes=[1, 1]),
+    }
+    outcome = _outcome(calls[case])
+    # nobody hangs, and the group still works afterwards
+    assert tp.all_reduce(torch.ones(1)).item() == dist.get_world_size()
+    return outcome
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("bad op", "ValueError", r"op='prod' is not supported"),
+    ("bad backward", "ValueError", "expected 'sum' or 'identity'"),
+    ("mean of ints", "ValueError", "floating point"),
+    ("max backward", "TensorparError", r"all_reduce\(op='max'\) is forward-only"),
+    ("reduce_scatter max backward", "TensorparError", "forward-only"),
+    ("all_gather dims", "CollectiveArgumentError", r"rank 1 has float32\[2, 4\]"),
+    ("all_to_all shapes", "CollectiveArgumentError", "differ outside concat_dim"),
+    ("all_to_all dtype", "CollectiveArgumentError", "same dtype"),
+    ("broadcast tensor off source", "CollectiveTypeError", "rank 1 passed a tensor"),
+    ("sizes mismatch", "CollectiveArgumentError", "sum to 2"),
+])
+def test_errors_raise_on_every_rank(case, error, match):
+    outcomes = run_distributed(_errors, 2, case)
+    for outcome in outcomes:
+        assert outcome is not None and outcome[0] == error, outcomes
+        assert re.search(match, outcome[1]), outcome[1]
+
+
+def _single_rank_everything():
+    x = torch.arange(6.0).view(2, 3)
+    outs = [tp.all_gather(x), tp.reduce_scatter(x), tp.all_reduce(x), tp.broadcast(x),
+            tp.reduce(x), tp.all_to_all(x, 0, 1), tp.copy_to_group(x), tp.reduce_from_group(x),
+            tp.split_to_group(x), tp.gather_from_group(x)]
+    return all(torch.equal(o, x) for o in outs)
+
+
+def test_group_of_one_returns_input():
+    assert run_distributed(_single_rank_everything, 1) == [True]
+    assert _single_rank_everything()  # and without torch.distributed initialised
