@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Iterable
+from typing import NoReturn
 
 import torch
 
 from tensorpar._autograd import Launch
+from tensorpar._not_data import NotData
 from tensorpar.errors import TensorparError
 
 __all__ = ["CollaborativeTensor", "UnresolvedCollectiveError", "sync_collectives"]
@@ -17,7 +18,7 @@ class UnresolvedCollectiveError(TensorparError):
     """A `CollaborativeTensor` was used as data."""
 
 
-class CollaborativeTensor:
+class CollaborativeTensor(NotData):
     """A handle to the result of a collective that may still be in flight.
 
     Returned by the collectives when called with ``async_op=True``. It is not a tensor:
@@ -90,44 +91,6 @@ class CollaborativeTensor:
         raise UnresolvedCollectiveError(
             f"{op}: got a CollaborativeTensor ({'resolved' if self._resolved else 'in flight'}), "
             f"which is a handle, not a tensor: {hint}")
-
-    @classmethod
-    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> NoReturn:
-        handles = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)]
-        name = f"torch.{getattr(func, '__name__', func)}"
-        if handles:
-            handles[0]._not_data(name)
-        raise UnresolvedCollectiveError(f"{name}: a CollaborativeTensor is not a tensor")
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("__") and hasattr(torch.Tensor, name):
-            self._not_data(f"Tensor.{name}")
-        raise AttributeError(f"'CollaborativeTensor' object has no attribute {name!r}")
-
-    def __getitem__(self, index: Any) -> NoReturn:
-        self._not_data("indexing")
-
-    def __bool__(self) -> NoReturn:
-        self._not_data("bool()")
-
-    def __iter__(self) -> NoReturn:
-        self._not_data("iteration")
-
-
-def _data_op(symbol: str) -> Callable[..., NoReturn]:
-    def op(self: CollaborativeTensor, *args: Any) -> NoReturn:
-        self._not_data(f"operator {symbol}")
-    return op
-
-
-for _name, _symbol in [("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"),
-                       ("matmul", "@"), ("pow", "**")]:
-    for _prefix in ("", "r", "i"):
-        setattr(CollaborativeTensor, f"__{_prefix}{_name}__", _data_op(_symbol))
-for _name, _symbol in [("neg", "-"), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="),
-                       ("float", "float()"), ("int", "int()"), ("array", "numpy conversion")]:
-    setattr(CollaborativeTensor, f"__{_name}__", _data_op(_symbol))
 
 
 def sync_collectives(handles: Iterable[CollaborativeTensor]) -> list[torch.Tensor]:

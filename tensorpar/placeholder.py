@@ -7,18 +7,19 @@ collectives exchange so that ranks without data learn, or check, what the data l
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from tensorpar._not_data import NotData
 from tensorpar.errors import PlaceholderError, WireFormatError
 
 __all__ = ["TensorPlaceholder", "is_placeholder"]
 
 
-class TensorPlaceholder:
+class TensorPlaceholder(NotData):
     """Shape, dtype, device and ``requires_grad`` of a tensor that this rank holds no data for.
 
     A placeholder stands where ``None``, zeros or an uninitialised dummy would otherwise
@@ -234,71 +235,17 @@ class TensorPlaceholder:
         raise AttributeError(f"TensorPlaceholder is immutable; cannot set {name!r}")
 
     # -- everything a tensor does with its data raises ------------------------------------
-    def _no_data(self, op: str) -> NoReturn:
+    def _not_data(self, op: str) -> NoReturn:
         where = "on another rank" if self._owner is None else f"on rank {self._owner}"
         raise PlaceholderError(
             f"{op}: got a TensorPlaceholder for a {str(self._dtype).removeprefix('torch.')} "
             f"tensor of shape {tuple(self._shape)}; this rank{_this_rank(self._group)} holds no "
             f"data for it, the data lives {where}")
 
-    @classmethod
-    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> NoReturn:
-        found = [a for a in _flatten((*args, *(kwargs or {}).values())) if isinstance(a, cls)]
-        name = getattr(func, "__name__", str(func))
-        if found:
-            found[0]._no_data(f"torch.{name}")
-        raise PlaceholderError(f"torch.{name}: a TensorPlaceholder holds no data")
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("__") and hasattr(torch.Tensor, name):
-            self._no_data(f"Tensor.{name}")
-        raise AttributeError(f"'TensorPlaceholder' object has no attribute {name!r}")
-
-    def __getitem__(self, index: Any) -> NoReturn:
-        self._no_data("indexing")
-
-    def __setitem__(self, index: Any, value: Any) -> NoReturn:
-        self._no_data("index assignment")
-
-    def __bool__(self) -> NoReturn:
-        self._no_data("bool()")
-
-    def __iter__(self) -> NoReturn:
-        self._no_data("iteration")
-
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d TensorPlaceholder")
         return self._shape[0]
-
-
-def _data_op(symbol: str) -> Callable[..., NoReturn]:
-    def op(self: TensorPlaceholder, *args: Any) -> NoReturn:
-        self._no_data(f"operator {symbol}")
-    return op
-
-
-for _name, _symbol in [
-    ("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"), ("floordiv", "//"),
-    ("mod", "%"), ("pow", "**"), ("matmul", "@"), ("and", "&"), ("or", "|"), ("xor", "^"),
-    ("lshift", "<<"), ("rshift", ">>"),
-]:
-    for _prefix in ("", "r", "i"):
-        setattr(TensorPlaceholder, f"__{_prefix}{_name}__", _data_op(_symbol))
-for _name, _symbol in [("neg", "-"), ("pos", "+"), ("abs", "abs()"), ("invert", "~"),
-                       ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">="),
-                       ("float", "float()"), ("int", "int()"), ("index", "index()"),
-                       ("complex", "complex()"), ("array", "numpy conversion")]:
-    setattr(TensorPlaceholder, f"__{_name}__", _data_op(_symbol))
-
-
-def _flatten(items: Iterable[Any]) -> Iterable[Any]:
-    for item in items:
-        if isinstance(item, (list, tuple)):
-            yield from _flatten(item)
-        else:
-            yield item
 
 
 def _rebuild(shape: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool,

@@ -102,7 +102,8 @@ GRADCHECK = {
 
 def _broadcast_of_reduce(x, g):
     reduced = tp.reduce(x ** 2, dst=0, group=g)
-    return tp.broadcast(reduced if not tp.is_placeholder(reduced) else reduced, src=0, group=g)
+    # off the root, the placeholder carries reduce's autograd anchor into the broadcast
+    return tp.broadcast(reduced, src=0, group=g)
 
 
 def _gradcheck(name, ranks, second_order):
