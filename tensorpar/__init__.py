@@ -24,16 +24,19 @@ from tensorpar.functional import (
     split_to_group,
 )
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
+from tensorpar.reducer import BucketedAllReduce, ReducerError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketedAllReduce",
     "CollaborativeTensor",
     "CollectiveArgumentError",
     "CollectiveRecord",
     "CollectiveTypeError",
     "CommCounter",
     "PlaceholderError",
+    "ReducerError",
     "TensorPlaceholder",
     "TensorparError",
     "UnresolvedCollectiveError",

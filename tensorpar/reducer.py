@@ -1,0 +1,330 @@
+"""BucketedAllReduce: data-parallel gradient averaging in flat buckets, overlapped with backward."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import tensorpar
+from tensorpar import _comm
+from tensorpar._buckets import Bucket, MiB, plan_buckets
+from tensorpar._group import GroupLike, resolve_group
+from tensorpar._replica import check_replicas
+from tensorpar.errors import TensorparError
+
+__all__ = ["BucketedAllReduce", "ReducerError"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class ReducerError(TensorparError):
+    """The reducer was used in a way that would give wrong gradients or hang."""
+
+
+class BucketedAllReduce:
+    """Average gradients across a data-parallel group, bucket by bucket, during backward.
+
+    Gradients live as views in flat per-(dtype, device) buckets. A bucket is all-reduced in
+    place, asynchronously, as soon as every gradient in it is ready, in the same bucket order
+    on every rank, while the rest of the backward pass runs. One synchronisation point at the
+    end of the backward pass (queued on the autograd engine) resolves every bucket, so
+    ``.grad`` holds the average when ``backward()`` returns.
+
+    After the first iteration the buckets are rebuilt in the order the gradients became
+    ready (rank 0's order), keeping the gradient values.
+
+    Args:
+        module: the model; every rank must hold the same parameters (checked here).
+        group: the data-parallel group (``None``: the default group).
+        bucket_cap_mb: bucket size in MiB.
+        first_bucket_mb: size of the first bucket launched (``min`` with ``bucket_cap_mb``).
+        find_unused_parameters: allow parameters that get no gradient on some or all ranks
+            in an iteration. They contribute zeros; a parameter no rank used keeps
+            ``.grad = None``. Off: such a parameter raises :class:`ReducerError` naming it.
+        broadcast_buffers: broadcast the module's buffers from rank 0 before every forward.
+        average: divide by the group size (default) or return the sum.
+        gradient_predivide_factor: divide by this before the all-reduce and by
+            ``group_size / factor`` after. Default: the group size (all division before the
+            all-reduce, which keeps fp16 sums from overflowing). Division happens once.
+        reduce_dtype: all-reduce float16/bfloat16 gradients in this dtype (e.g. float32).
+        compress_dtype: send float32/float64 gradients in this dtype (e.g. bfloat16).
+        rebuild_buckets: rebuild the buckets in execution order after the first iteration.
+
+    Raises:
+        ReducerError: the ranks' parameters differ (names the first difference and ranks).
+
+    Example:
+        >>> import torch, tensorpar
+        >>> model = torch.nn.Linear(3, 2)
+        >>> reducer = tensorpar.BucketedAllReduce(model)   # one rank: nothing to reduce
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> model.weight.grad.shape
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, module: nn.Module, *, group: GroupLike = None,
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 average: bool = True, gradient_predivide_factor: float | None = None,
+                 reduce_dtype: torch.dtype | None = None,
+                 compress_dtype: torch.dtype | None = None,
+                 rebuild_buckets: bool = True) -> None:
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError(f"BucketedAllReduce: bucket_cap_mb={bucket_cap_mb} and "
+                             f"first_bucket_mb={first_bucket_mb} must be positive")
+        self.module = module
+        self.group = resolve_group(group, "BucketedAllReduce")
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        size = self.group.size
+        factor = float(size if gradient_predivide_factor is None else gradient_predivide_factor)
+        if not factor > 0:
+            raise ValueError(f"BucketedAllReduce: gradient_predivide_factor={factor} must be > 0")
+        self._pre = factor if average else 1.0
+        self._post = size / factor if average else 1.0
+        self._cap = int(bucket_cap_mb * MiB)
+        self._first_cap = int(min(first_bucket_mb, bucket_cap_mb) * MiB)
+        self._comm_dtype_of: dict[torch.dtype, torch.dtype] = {}
+        if reduce_dtype is not None:
+            self._comm_dtype_of.update({d: reduce_dtype for d in _LOW_PRECISION})
+        if compress_dtype is not None:
+            self._comm_dtype_of.update({torch.float32: compress_dtype,
+                                        torch.float64: compress_dtype})
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._registered = self._snapshot()
+        check_replicas(module, self.group)
+
+        self.buckets: list[Bucket] = []
+        """The buckets, in launch order."""
+        self.bytes_reduced = 0
+        """Bytes handed to all-reduce so far (in the communication dtype)."""
+        self.sync_wait_seconds = 0.0
+        """Time spent waiting at the end-of-backward synchronisation point so far."""
+        self.iterations = 0
+        """Synchronised backward passes so far."""
+
+        self._sync_enabled = True
+        self._rebuild_pending = rebuild_buckets
+        self._ready_order: list[int] = []
+        self._ready = [False] * len(self._params)
+        self._used_since_sync = [False] * len(self._params)
+        self._task: int | None = None
+        self._late: list[str] = []
+        self._hooks: list[Any] = []
+        if self.group.is_single:
+            return
+        self._build(list(reversed(range(len(self._params)))))
+        for i, p in enumerate(self._params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+        self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+
+    # -- public ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next synchronised backward reduces the sum."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def remove(self) -> None:
+        """Remove the reducer's hooks (the gradients stay where they are)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # -- buckets --------------------------------------------------------------------------
+    def _build(self, order: list[int]) -> None:
+        """(Re)build the buckets, taking parameters in ``order``, keeping gradient values."""
+        self.buckets = plan_buckets(self._params, self._names, order, self._cap,
+                                    self._first_cap, self._comm_dtype_of)
+        self._bucket_of: list[Bucket] = [self.buckets[0]] * len(self._params)
+        self._views: list[torch.Tensor] = [self._params[0]] * len(self._params)
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.param_indices):
+                p = self._params[i]
+                self._bucket_of[i] = bucket
+                self._views[i] = bucket.view_of(slot, p.shape)
+                if p.grad is not None:
+                    self._views[i].copy_(p.grad)
+                    p.grad = self._views[i]
+        self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.launched = False
+            bucket.handle = None
+        self._ready = [False] * len(self._params)
+        self._ready_order = []
+        self._late = []
+        self._task = None
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _snapshot(self) -> tuple[tuple[int, bool], ...]:
+        return tuple((id(p), p.requires_grad) for p in self.module.parameters())
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._snapshot() != self._registered:
+            raise ReducerError(self._describe_change())
+        if self.broadcast_buffers:
+            for buf in module.buffers():
+                _comm.broadcast(buf, 0, self.group)
+
+    def _describe_change(self) -> str:
+        known = {id(p): n for n, p in zip(self._names, self._params, strict=True)}
+        for name, p in self.module.named_parameters():
+            if id(p) not in known and p.requires_grad:
+                return (f"BucketedAllReduce: parameter {name!r} was added (or made trainable) "
+                        f"after the reducer was built; its gradient would never be averaged. "
+                        f"Build the reducer after the model is final.")
+        for i, p in enumerate(self._params):
+            if not p.requires_grad:
+                return (f"BucketedAllReduce: parameter {self._names[i]!r} had requires_grad="
+                        f"True when the reducer was built and is now False. Build the reducer "
+                        f"after freezing parameters.")
+        return ("BucketedAllReduce: the module's parameters changed after the reducer was "
+                "built (a parameter was removed or replaced)")
+
+    def _make_hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad_ready(i, p)
+        return hook
+
+    def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
+        view, grad = self._views[i], p.grad
+        if grad is not view:
+            assert grad is not None  # the hook runs after a gradient was accumulated
+            view.copy_(grad)  # a fresh gradient (e.g. after zero_grad(set_to_none=True))
+            p.grad = view
+        self._used_since_sync[i] = True
+        if not self._sync_enabled:
+            return
+        task = torch._C._current_graph_task_id()
+        if self._task is None:
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        elif task != self._task:
+            self._abandon()
+            raise ReducerError(
+                "BucketedAllReduce: a new backward pass started before the previous one "
+                "finished its gradient reduction (it raised or was interrupted). The "
+                "previous iteration's gradients were discarded; zero them and run it again.")
+        bucket = self._bucket_of[i]
+        if self._ready[i]:
+            if bucket.launched:  # e.g. reentrant checkpointing fired the hook again
+                self._late.append(self._names[i])
+            return
+        self._ready[i] = True
+        self._ready_order.append(i)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch ready buckets strictly in index order, so every rank issues the same order."""
+        for bucket in self.buckets:
+            if bucket.launched:
+                continue
+            if bucket.pending:
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.comm_dtype != bucket.dtype:
+            bucket.comm = bucket.buffer.to(bucket.comm_dtype)
+            target = bucket.comm
+        else:
+            target = bucket.buffer
+        if self._pre != 1.0:
+            target.div_(self._pre)
+        bucket.handle = tensorpar.all_reduce(target, inplace=True, async_op=True,
+                                             group=self.group.handle)
+        bucket.launched = True
+        self.bytes_reduced += target.numel() * target.element_size()
+
+    # -- end of backward ------------------------------------------------------------------
+    def _finish_backward(self) -> None:
+        """Runs once at the end of every synchronised backward pass, on every rank."""
+        try:
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            for i in missing:  # zeros (or what earlier micro-batches accumulated)
+                if not self._used_since_sync[i]:
+                    self._views[i].zero_()
+                self._bucket_of[i].pending -= 1
+            self._launch_ready()
+            used = torch.tensor(self._used_since_sync, dtype=torch.uint8,
+                                device=self.group.comm_device(self.buckets[0].buffer.device))
+            usage = torch.empty(self.group.size * used.numel(), dtype=torch.uint8,
+                                device=used.device)
+            _comm.all_gather_into(usage, used, self.group, purpose="meta")
+            start = time.perf_counter()
+            tensorpar.sync_collectives([b.handle for b in self.buckets])  # type: ignore[misc]
+            self.sync_wait_seconds += time.perf_counter() - start
+            for bucket in self.buckets:
+                if bucket.comm is not None:
+                    bucket.buffer.copy_(bucket.comm)
+                    bucket.comm = None
+                if self._post != 1.0:
+                    bucket.buffer.div_(self._post)
+            self._check_after_sync(usage.view(self.group.size, -1).cpu())
+            if self._rebuild_pending:
+                self._rebuild_pending = False
+                self._rebuild_in_ready_order()
+        finally:
+            self._used_since_sync = [False] * len(self._params)
+            self.iterations += 1
+            self._reset_iteration()
+
+    def _check_after_sync(self, usage: torch.Tensor) -> None:
+        unused = [i for i in range(len(self._params)) if not bool(usage[:, i].all())]
+        if unused and not self.find_unused_parameters:
+            lines = [f"{self._names[i]!r} (no gradient on ranks "
+                     f"{[r for r in range(self.group.size) if not usage[r, i]]})"
+                     for i in unused]
+            raise ReducerError(
+                "BucketedAllReduce: parameters got no gradient in this backward pass: "
+                + ", ".join(lines) + ". Pass find_unused_parameters=True if parts of the "
+                "model are legitimately skipped, or detach the unused parameters.")
+        for i in unused:
+            if not bool(usage[:, i].any()):
+                self._params[i].grad = None  # no rank used it
+        moved = [self._names[i] for i, p in enumerate(self._params)
+                 if p.grad is not None and p.grad is not self._views[i]]
+        if moved:
+            raise ReducerError(
+                f"BucketedAllReduce: the .grad of {moved} was replaced during backward, after "
+                f"its bucket took it; the averaged gradient is in the bucket, not in .grad")
+        if self._late:
+            raise ReducerError(
+                f"BucketedAllReduce: {sorted(set(self._late))} received a gradient after their "
+                f"bucket was reduced (a hook fired twice, e.g. reentrant checkpointing); use "
+                f"torch.utils.checkpoint with use_reentrant=False")
+
+    def _rebuild_in_ready_order(self) -> None:
+        """Rebuild the buckets in rank 0's ready order (every rank then agrees)."""
+        order = self._ready_order + [i for i in range(len(self._params))
+                                     if i not in set(self._ready_order)]
+        device = self.group.comm_device(self.buckets[0].buffer.device)
+        shared = torch.tensor(order, dtype=torch.int64, device=device)
+        _comm.broadcast(shared, 0, self.group)
+        self._build(shared.cpu().tolist())
+
+    def _abandon(self) -> None:
+        """Drain the collectives an unfinished iteration launched, then start clean."""
+        with contextlib.suppress(Exception):
+            tensorpar.sync_collectives([b.handle for b in self.buckets if b.launched])  # type: ignore[misc]
+        self._reset_iteration()
+
+    def __repr__(self) -> str:
+        return (f"BucketedAllReduce({len(self._params)} parameters in {len(self.buckets)} "
+                f"buckets, group size {self.group.size})")
