@@ -1,5 +1,6 @@
 """tensorpar: placeholder-aware, autograd-safe collectives for model-parallel PyTorch."""
 
+from tensorpar import nn as nn
 from tensorpar._comm import CollectiveRecord, CommCounter
 from tensorpar.collaborative import CollaborativeTensor, UnresolvedCollectiveError, sync_collectives
 from tensorpar.errors import (

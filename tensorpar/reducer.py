@@ -260,6 +260,7 @@ class BucketedAllReduce:
             for i in missing:  # zeros (or what earlier micro-batches accumulated)
                 if not self._used_since_sync[i]:
                     self._views[i].zero_()
+                self._params[i].grad = self._views[i]  # another rank may have used it
                 self._bucket_of[i].pending -= 1
             self._launch_ready()
             used = torch.tensor(self._used_since_sync, dtype=torch.uint8,
