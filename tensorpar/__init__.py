@@ -24,6 +24,7 @@ from tensorpar.functional import (
     scatter,
     split_to_group,
 )
+from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
 from tensorpar.reducer import BucketedAllReduce, ReducerError
 
@@ -48,9 +49,12 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "copy_to_group",
+    "full_state_dict",
     "gather",
     "gather_from_group",
     "is_placeholder",
+    "load_full_state_dict",
+    "parallelize",
     "reduce",
     "reduce_from_group",
     "reduce_scatter",

@@ -1,5 +1,36 @@
-"""Modules: drop-in data-parallel wrapper (and, later, model-parallel layers)."""
+"""Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
+from tensorpar.nn.convert import (
+    Colwise,
+    EmbeddingDim,
+    Rowwise,
+    Vocab,
+    full_state_dict,
+    load_full_state_dict,
+    parallelize,
+)
 from tensorpar.nn.data_parallel import DataParallel
+from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.nn.loss import vocab_parallel_cross_entropy
+from tensorpar.nn.modules import Gather, Scatter
+from tensorpar.nn.random import ParallelRNG
 
-__all__ = ["DataParallel"]
+__all__ = [
+    "Colwise",
+    "ColumnParallelLinear",
+    "DataParallel",
+    "EmbeddingDim",
+    "Gather",
+    "ParallelEmbedding",
+    "ParallelRNG",
+    "RowParallelLinear",
+    "Rowwise",
+    "Scatter",
+    "Vocab",
+    "VocabParallelEmbedding",
+    "full_state_dict",
+    "load_full_state_dict",
+    "parallelize",
+    "vocab_parallel_cross_entropy",
+]

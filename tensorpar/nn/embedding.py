@@ -1,0 +1,137 @@
+"""Embeddings split across a group: by vocabulary rows or by embedding dimension."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar
+from tensorpar._group import GroupLike
+from tensorpar.nn._shard import Shard, shard_of
+from tensorpar.placeholder import TensorPlaceholder
+
+__all__ = ["ParallelEmbedding", "VocabParallelEmbedding"]
+
+
+class _ShardedEmbedding(nn.Module):
+    """Shared parts: a sharded ``weight``, dense conversion and full-state gather/scatter."""
+
+    shard_dim: int
+    weight: nn.Parameter
+    shard: Shard
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: int | None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"{type(self).__name__}: padding_idx={padding_idx} is out of range "
+                             f"for num_embeddings={num_embeddings}")
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, *, group: GroupLike = None
+                   ) -> _ShardedEmbedding:
+        """This rank's shard of ``embedding`` (every rank passes the same dense layer)."""
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim,  # type: ignore[call-arg]
+                    embedding.padding_idx, group=group, device=embedding.weight.device,
+                    dtype=embedding.weight.dtype)
+        s = layer.shard
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight.narrow(layer.shard_dim, s.start, s.length))
+        return layer
+
+    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
+        """The dense weight, gathered on ``dst`` (a placeholder elsewhere)."""
+        return {"weight": tensorpar.gather(self.weight.detach(), self.shard_dim, dst,
+                                           self.shard.group.handle, self.shard.sizes)}
+
+    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
+        """Load the dense weight held on ``src`` (``None``/placeholder elsewhere)."""
+        with torch.no_grad():
+            self.weight.copy_(tensorpar.scatter(state.get("weight"), self.shard_dim, src,
+                                                self.shard.group.handle, self.shard.sizes))
+
+    def to_dense(self, dst: int = 0) -> nn.Embedding | dict[str, TensorPlaceholder]:
+        """The dense ``nn.Embedding`` on ``dst``; a placeholder of its weight elsewhere."""
+        weight = self.full_state(dst)["weight"]
+        if isinstance(weight, TensorPlaceholder):
+            return {"weight": weight}
+        dense: nn.Embedding = nn.Embedding.from_pretrained(weight.clone(), freeze=False,
+                                                           padding_idx=self.padding_idx)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (this rank: "
+                f"{tuple(self.weight.shape)}), padding_idx={self.padding_idx}")
+
+
+class VocabParallelEmbedding(_ShardedEmbedding):
+    """An embedding whose vocabulary rows are split across ``group``.
+
+    Each rank looks up the ids that fall in its rows (zeros for the others); the results
+    are summed across the group, so every rank gets the full embedding.
+
+    Shape:
+        input: ids of any shape; output ``(*, embedding_dim)``.
+    """
+
+    shard_dim = 0
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: int | None = None, *, group: GroupLike = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.shard = shard_of("VocabParallelEmbedding", num_embeddings, group)
+        self.weight = nn.Parameter(torch.empty(self.shard.length, embedding_dim, device=device,
+                                               dtype=dtype))
+        with torch.no_grad():
+            self.weight.normal_()
+            if self.padding_idx is not None and self.shard.start <= self.padding_idx \
+                    < self.shard.stop:
+                self.weight[self.padding_idx - self.shard.start].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = self.shard
+        outside = (ids < s.start) | (ids >= s.stop)
+        local = (ids - s.start).masked_fill(outside, 0)
+        pad = None
+        if self.padding_idx is not None and s.start <= self.padding_idx < s.stop:
+            pad = self.padding_idx - s.start
+        out = F.embedding(local, self.weight, padding_idx=pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return tensorpar.reduce_from_group(out, group=s.group.handle)
+
+
+class ParallelEmbedding(_ShardedEmbedding):
+    """An embedding whose embedding dimension is split across ``group``.
+
+    Each rank looks up its slice of every vector; the slices are all-gathered, so every
+    rank gets the full embedding.
+
+    Shape:
+        input: ids of any shape; output ``(*, embedding_dim)``.
+    """
+
+    shard_dim = 1
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: int | None = None, *, group: GroupLike = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.shard = shard_of("ParallelEmbedding", embedding_dim, group)
+        self.weight = nn.Parameter(torch.empty(num_embeddings, self.shard.length, device=device,
+                                               dtype=dtype))
+        with torch.no_grad():
+            self.weight.normal_()
+            if self.padding_idx is not None:
+                self.weight[self.padding_idx].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
+        return tensorpar.gather_from_group(out, dim=-1, group=self.shard.group.handle,
+                                           sizes=self.shard.sizes)

@@ -1,0 +1,210 @@
+"""Column- and row-parallel linear layers (uneven shards allowed)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar
+from tensorpar._group import GroupLike
+from tensorpar.nn._shard import Shard, shard_of
+from tensorpar.placeholder import TensorPlaceholder
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+DenseOrPlaceholders = nn.Linear | dict[str, TensorPlaceholder]
+
+
+def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s output features split across ``group``.
+
+    Each rank holds ``out_features`` rows of its shard (balanced like ``tensor_split``, in
+    units of ``multiple_of``) and computes that slice of ``y``. The input must be the same on
+    every rank; its gradient is summed across the group (:func:`~tensorpar.copy_to_group`).
+
+    Args:
+        in_features: size of each input sample.
+        out_features: size of each (full) output sample.
+        bias: learn an additive bias (sharded like the output).
+        gather_output: all-gather the output so every rank gets the full ``y``; otherwise
+            each rank keeps its slice (feed it to a :class:`RowParallelLinear`).
+        multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``).
+        group: the tensor-parallel group (a ``ProcessGroup`` or 1-D ``DeviceMesh``).
+        device, dtype: of the parameters.
+
+    Shape:
+        input ``(*, in_features)``; output ``(*, out_features)`` with ``gather_output``,
+        else ``(*, shard)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 gather_output: bool = False, multiple_of: int = 1, group: GroupLike = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.shard: Shard = shard_of("ColumnParallelLinear", out_features, group, multiple_of)
+        self.weight = nn.Parameter(torch.empty(self.shard.length, in_features, device=device,
+                                               dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.shard.length, device=device, dtype=dtype)) \
+            if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.shard.group.handle
+        y = F.linear(tensorpar.copy_to_group(x, group=g), self.weight, self.bias)
+        if self.gather_output:
+            y = tensorpar.gather_from_group(y, dim=-1, group=g, sizes=self.shard.sizes)
+        return y
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, group: GroupLike = None,
+                   gather_output: bool = False, multiple_of: int = 1) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (every rank passes the same dense layer)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    gather_output=gather_output, multiple_of=multiple_of, group=group,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+        s = layer.shard
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[s.start: s.stop])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias[s.start: s.stop])
+        return layer
+
+    def to_dense(self, dst: int = 0) -> DenseOrPlaceholders:
+        """The dense ``nn.Linear`` on ``dst``; placeholders of its parameters elsewhere."""
+        state = self.full_state(dst)
+        return _dense_linear(state, self.in_features, self.out_features)
+
+    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
+        """The dense parameters, gathered on ``dst`` (placeholders elsewhere)."""
+        g = self.shard.group.handle
+        out = {"weight": tensorpar.gather(self.weight.detach(), 0, dst, g, self.shard.sizes)}
+        if self.bias is not None:
+            out["bias"] = tensorpar.gather(self.bias.detach(), 0, dst, g, self.shard.sizes)
+        return out
+
+    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
+        """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
+        g = self.shard.group.handle
+        with torch.no_grad():
+            self.weight.copy_(tensorpar.scatter(state.get("weight"), 0, src, g, self.shard.sizes))
+            if self.bias is not None:
+                self.bias.copy_(tensorpar.scatter(state.get("bias"), 0, src, g, self.shard.sizes))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(this rank: {self.shard.length}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s input features split across ``group``.
+
+    Each rank multiplies its slice of the input features; the partial results are summed
+    across the group (:func:`~tensorpar.reduce_from_group`) and the bias, replicated, is
+    added once, after the sum.
+
+    Args:
+        in_features: size of each (full) input sample.
+        out_features: size of each output sample.
+        bias: learn an additive bias (replicated on every rank).
+        input_is_parallel: the input is already this rank's slice (the output of a
+            :class:`ColumnParallelLinear`); otherwise the full input is split here.
+        multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``).
+        group: the tensor-parallel group.
+        device, dtype: of the parameters.
+
+    Shape:
+        input ``(*, shard)`` (or ``(*, in_features)``); output ``(*, out_features)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 input_is_parallel: bool = True, multiple_of: int = 1, group: GroupLike = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.shard: Shard = shard_of("RowParallelLinear", in_features, group, multiple_of)
+        self.weight = nn.Parameter(torch.empty(out_features, self.shard.length, device=device,
+                                               dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) \
+            if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.shard.group.handle
+        if not self.input_is_parallel:
+            x = tensorpar.split_to_group(x, dim=-1, group=g, sizes=self.shard.sizes)
+        y = tensorpar.reduce_from_group(F.linear(x, self.weight), group=g)
+        return y + self.bias if self.bias is not None else y
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, group: GroupLike = None,
+                   input_is_parallel: bool = True, multiple_of: int = 1) -> RowParallelLinear:
+        """This rank's shard of ``linear`` (every rank passes the same dense layer)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    input_is_parallel=input_is_parallel, multiple_of=multiple_of, group=group,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
+        s = layer.shard
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, s.start: s.stop])
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def to_dense(self, dst: int = 0) -> DenseOrPlaceholders:
+        """The dense ``nn.Linear`` on ``dst``; placeholders of its parameters elsewhere."""
+        return _dense_linear(self.full_state(dst), self.in_features, self.out_features)
+
+    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
+        """The dense parameters, gathered on ``dst`` (placeholders elsewhere)."""
+        g = self.shard.group
+        out = {"weight": tensorpar.gather(self.weight.detach(), 1, dst, g.handle,
+                                          self.shard.sizes)}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().clone() if g.rank == dst else \
+                TensorPlaceholder.like(self.bias.detach(), owner=dst, group=g.handle)
+        return out
+
+    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
+        """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
+        g = self.shard.group.handle
+        with torch.no_grad():
+            self.weight.copy_(tensorpar.scatter(state.get("weight"), 1, src, g, self.shard.sizes))
+            if self.bias is not None:
+                self.bias.copy_(tensorpar.broadcast(state.get("bias"), src, g))  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this rank: {self.shard.length}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+
+def _dense_linear(state: dict[str, torch.Tensor | TensorPlaceholder], in_features: int,
+                  out_features: int) -> DenseOrPlaceholders:
+    weight = state["weight"]
+    if not isinstance(weight, torch.Tensor):
+        return {k: v for k, v in state.items() if isinstance(v, TensorPlaceholder)}
+    dense = nn.Linear(in_features, out_features, bias="bias" in state, device=weight.device,
+                      dtype=weight.dtype)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+        bias = state.get("bias")
+        if isinstance(bias, torch.Tensor) and dense.bias is not None:
+            dense.bias.copy_(bias)
+    return dense
