@@ -1,0 +1,250 @@
+"""parallelize() on a transformer it did not write, DTensor equivalence, 2-D (dp x tp) training."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import tensorpar as tp
+from tensorpar.nn import Colwise, Rowwise, vocab_parallel_cross_entropy
+from tensorpar.testing import run_distributed
+
+CONFIG = {"vocab": 101, "dim": 24, "heads": 6, "head_dim": 4, "hidden": 50, "layers": 2}
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.head_dim = c["head_dim"]
+        self.q_proj = nn.Linear(c["dim"], c["heads"] * c["head_dim"], bias=False)
+        self.k_proj = nn.Linear(c["dim"], c["heads"] * c["head_dim"], bias=False)
+        self.v_proj = nn.Linear(c["dim"], c["heads"] * c["head_dim"], bias=False)
+        self.o_proj = nn.Linear(c["heads"] * c["head_dim"], c["dim"])
+
+    def forward(self, x):  # the head count is read off the tensors, never from a config
+        q, k, v = (rearrange(p(x), "b t (h d) -> b h t d", d=self.head_dim)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(c["dim"]), nn.LayerNorm(c["dim"])
+        self.attn = Attention(c)
+        self.up = nn.Linear(c["dim"], c["hidden"])
+        self.down = nn.Linear(c["hidden"], c["dim"])
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed = nn.Embedding(c["vocab"], c["dim"])
+        self.layers = nn.ModuleList(Block(c) for _ in range(c["layers"]))
+        self.norm = nn.LayerNorm(c["dim"])
+        self.lm_head = nn.Linear(c["dim"], c["vocab"], bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def plan(head_dim):
+    return {
+        "embed": "vocab",
+        "layers.*.attn.[qkv]_proj": Colwise(multiple_of=head_dim),
+        "layers.*.attn.o_proj": Rowwise(multiple_of=head_dim),
+        "layers.*.up": "colwise",
+        "layers.*.down": "rowwise",
+        "lm_head": "colwise",
+    }
+
+
+def build(dtype=torch.float64):
+    torch.manual_seed(0)
+    return TinyLM(CONFIG).to(dtype)
+
+
+def tokens(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CONFIG["vocab"], (3, 9), generator=g), \
+        torch.randint(0, CONFIG["vocab"], (3, 9), generator=g)
+
+
+def _shard_of(model, name):
+    """(dim, start, stop) of a parameter's shard in the dense tensor, or None if replicated."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, tp.nn.ColumnParallelLinear | tp.nn.VocabParallelEmbedding):
+        return 0, module.shard.start, module.shard.stop
+    if isinstance(module, tp.nn.RowParallelLinear) and leaf == "weight":
+        return 1, module.shard.start, module.shard.stop
+    if isinstance(module, tp.nn.ParallelEmbedding):
+        return 1, module.shard.start, module.shard.stop
+    return None
+
+
+def _compare_grads(dense, parallel, tol):
+    dense_grads = {n: p.grad for n, p in dense.named_parameters()}
+    for name, p in parallel.named_parameters():
+        expected = dense_grads[name]
+        shard = _shard_of(parallel, name)
+        if shard is not None:
+            dim, start, stop = shard
+            expected = expected.narrow(dim, start, stop - start)
+        torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=name)
+
+
+def _transformer():
+    dense, parallel = build(), tp.parallelize(build(), plan(CONFIG["head_dim"]))
+    ids, target = tokens(0)
+    dense_logits = dense(ids)
+    dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
+    dense_loss.backward()
+    local_logits = parallel(ids)
+    lm = parallel.lm_head
+    torch.testing.assert_close(local_logits, dense_logits[..., lm.shard.start: lm.shard.stop],
+                               rtol=1e-10, atol=1e-10)
+    loss = vocab_parallel_cross_entropy(local_logits.flatten(0, 1), target.flatten(),
+                                        sizes=lm.shard.sizes)
+    torch.testing.assert_close(loss, dense_loss, rtol=1e-12, atol=1e-12)
+    loss.backward()
+    _compare_grads(dense, parallel, 1e-10)
+    heads = parallel.layers[0].attn.q_proj.shard.length // CONFIG["head_dim"]
+    return heads, loss.item()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_parallelized_transformer_matches_dense(world_size):
+    results = run_distributed(_transformer, world_size)
+    heads = [h for h, _ in results]
+    assert sum(heads) == CONFIG["heads"]  # whole heads only: 6 -> e.g. 2, 2, 1, 1 on 4 ranks
+    assert len({loss for _, loss in results}) == 1
+
+
+def _training_curve():
+    dense, parallel = build(), tp.parallelize(build(), plan(CONFIG["head_dim"]))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (dense, parallel)]
+    curves = ([], [])
+    ids, target = tokens(0)  # one batch, memorised: the loss must fall
+    for _ in range(20):
+        losses = (F.cross_entropy(dense(ids).flatten(0, 1), target.flatten()),
+                  vocab_parallel_cross_entropy(parallel(ids).flatten(0, 1), target.flatten()))
+        for loss, opt, curve in zip(losses, opts, curves, strict=True):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+    return curves
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_twenty_training_steps_give_the_dense_loss_curve(world_size):
+    for dense, parallel in run_distributed(_training_curve, world_size, timeout=120):
+        assert dense[-1] < dense[0] - 0.5  # it learned something
+        torch.testing.assert_close(torch.tensor(parallel), torch.tensor(dense), rtol=1e-9,
+                                   atol=1e-9)
+
+
+def _state_dict_round_trip():
+    rank, dst = dist.get_rank(), dist.get_world_size() - 1
+    dense = build()
+    parallel = tp.parallelize(build(), plan(CONFIG["head_dim"]))
+    state = tp.full_state_dict(parallel, dst=dst)
+    assert list(state) == list(dense.state_dict())  # the dense model's keys, in order
+    if rank == dst:
+        for key, value in dense.state_dict().items():
+            assert torch.equal(state[key], value), key
+    else:
+        assert all(tp.is_placeholder(v) and v.owner == dst for v in state.values())
+    # load a dense checkpoint into a differently initialised parallel model
+    torch.manual_seed(99)
+    other = tp.parallelize(TinyLM(CONFIG).double(), plan(CONFIG["head_dim"]))
+    tp.load_full_state_dict(other, dense.state_dict() if rank == 0 else None, src=0)
+    ids, _ = tokens(3)
+    torch.testing.assert_close(other(ids), parallel(ids), rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_full_state_dict_round_trip(world_size):
+    assert all(run_distributed(_state_dict_round_trip, world_size))
+
+
+# -- DTensor equivalence (divisible sizes, where DTensor is exact) ------------------------------
+
+def _against_dtensor():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).double()
+
+    theirs = parallelize_module(mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    ours = tp.parallelize(mlp(), {"0": "colwise", "2": "rowwise"}, group=mesh)
+    x = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y_theirs, y_ours = theirs(x), ours(x)
+    torch.testing.assert_close(y_ours, y_theirs, rtol=1e-12, atol=1e-12)
+    y_theirs.pow(2).sum().backward()
+    y_ours.pow(2).sum().backward()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        b_grad = b.grad.to_local() if isinstance(b.grad, DTensor) else b.grad
+        torch.testing.assert_close(a.grad, b_grad, rtol=1e-12, atol=1e-12, msg=name)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_equivalent_to_dtensor_parallelize_module(world_size):
+    assert all(run_distributed(_against_dtensor, world_size))
+
+
+# -- 2-D: tensor parallel inside dp groups, BucketedAllReduce across them -----------------------
+
+def _two_d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    dense = build()
+    model = tp.parallelize(build(), plan(CONFIG["head_dim"]), group=mesh["tp"])
+    tp.BucketedAllReduce(model, group=mesh["dp"])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (dense, model)]
+    for step in range(5):
+        ids, target = tokens(step)  # the full batch of 3 sequences
+        # single process: the full batch
+        F.cross_entropy(dense(ids).flatten(0, 1), target.flatten()).backward()
+        # dp rank r: its half (uneven: 2 and 1 sequences), mean over its tokens; the reducer
+        # averages over the two dp ranks, so weight each half's loss by its share
+        rows = torch.tensor_split(torch.arange(3), 2)[dp_rank]
+        local = vocab_parallel_cross_entropy(model(ids[rows]).flatten(0, 1),
+                                             target[rows].flatten(), group=mesh["tp"])
+        (local * len(rows) * 2 / 3).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    state = tp.full_state_dict(model, dst=0, group=mesh["tp"])
+    if mesh["tp"].get_local_rank() == 0:
+        for key, value in dense.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-9, msg=key)
+    return True
+
+
+def test_two_dimensional_dp_by_tp_matches_single_process():
+    assert all(run_distributed(_two_d, 4, timeout=120))
