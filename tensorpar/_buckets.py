@@ -59,8 +59,8 @@ def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], order: Se
     """Assign parameters to buckets, taking them in ``order``.
 
     Parameters of one (dtype, device) share buckets. A bucket closes once it holds at
-    least its cap (the first bucket opened has the smaller ``first_cap_bytes``); a parameter
-    larger than the cap gets a bucket of its own. Buckets are returned in the order they
+    least its cap (the first bucket opened has the smaller ``first_cap_bytes``), so a bucket
+    exceeds its cap by at most its last parameter. Buckets are returned in the order they
     were opened, which is the order they are launched in.
     """
     open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}

@@ -16,7 +16,7 @@ __all__ = ["NotData"]
 
 
 class NotData:
-    """Refuses every data operation through :meth:`_not_data`."""
+    """Refuses every data operation through `_not_data`."""
 
     __slots__ = ()
 

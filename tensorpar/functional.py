@@ -207,7 +207,8 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
     ``x`` is the tensor on ``src`` and a `TensorPlaceholder` or ``None``
     elsewhere; the metadata header works as in `scatter` (``exchange_meta=False`` skips
     it when every other rank passes a placeholder). The result requires grad on every rank
-    when the source tensor does. The result never shares storage with ``x``.
+    when the source tensor does. On a group of more than one rank the result never shares
+    storage with ``x``; on a group of one rank ``x`` itself is returned.
 
     Args:
         x: the tensor on ``src``; a placeholder or ``None`` elsewhere.
@@ -296,9 +297,10 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
     """Concatenate every rank's chunk along ``dim``, on every rank.
 
     Forward: all-gather. Backward: reduce-scatter (sum): each rank gets the sum over ranks
-    of the gradients of its own chunk, which is right whether each rank computes its own
-    loss or the ranks hold one replicated loss computed on the result. (For a replicated
-    gradient with no summation, use `gather_from_group`.)
+    of the gradients of its own chunk. That is the true gradient when each rank's loss
+    counts (the total loss is the sum over ranks). When the result feeds one replicated loss
+    counted once, use `gather_from_group`, whose backward takes the rank's own chunk
+    (here the gradient would come out multiplied by the group size).
 
     Chunk lengths may differ; they are learned with one metadata exchange unless ``sizes``
     gives them (then every rank must pass the same ``sizes``).

@@ -41,11 +41,13 @@ class BucketedAllReduce:
     Args:
         module: the model; every rank must hold the same parameters (checked here).
         group: the data-parallel group (``None``: the default group).
-        bucket_cap_mb: bucket size in MiB.
-        first_bucket_mb: size of the first bucket launched (``min`` with ``bucket_cap_mb``).
+        bucket_cap_mb: bucket size in MiB: a bucket closes once it holds at least this much
+            (so it exceeds the cap by at most its last parameter).
+        first_bucket_mb: the same for the first bucket launched, which is smaller so that
+            communication starts early (``min`` with ``bucket_cap_mb``).
         find_unused_parameters: allow parameters that get no gradient on some or all ranks
             in an iteration. They contribute zeros; a parameter no rank used keeps
-            ``.grad = None``. Off: such a parameter raises :class:`ReducerError` naming it.
+            ``.grad = None``. Off: such a parameter raises `ReducerError` naming it.
         broadcast_buffers: broadcast the module's buffers from rank 0 before every forward.
         average: divide by the group size (default) or return the sum.
         gradient_predivide_factor: divide by this before the all-reduce and by

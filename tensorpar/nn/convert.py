@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
 
     The plan maps glob patterns over module names (``"layers.*.attn.q_proj"``) to a style:
     ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"embedding_dim"`` or a style object with
-    options (:class:`Colwise`, :class:`Rowwise`, ...). Only ``nn.Linear`` and ``nn.Embedding``
+    options (`Colwise`, `Rowwise`, ...). Only ``nn.Linear`` and ``nn.Embedding``
     submodules are swapped; the model's own forward code is untouched, so it must infer
     per-rank sizes from the tensors (e.g. ``rearrange(q, "b t (h d) -> b h t d", d=64)``).
     Every rank must hold the same dense weights (e.g. the same seed or checkpoint).
@@ -199,7 +199,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
     """Load a dense checkpoint held on ``src`` into a parallelised model.
 
     On ``src``, ``state`` is the dense state dict; other ranks pass ``None`` (or the
-    placeholders :func:`full_state_dict` gave them). Sharded parameters are scattered,
+    placeholders `full_state_dict` gave them). Sharded parameters are scattered,
     everything else is broadcast. Every rank must call it.
     """
     g = resolve_group(group, "load_full_state_dict")

@@ -19,7 +19,7 @@ class DataParallel(nn.Module):
 
     DDP's calling convention: ``forward`` passes through to ``module``, ``.module`` is the
     wrapped model, and ``no_sync()`` accumulates gradients locally. Keyword arguments go to
-    :class:`~tensorpar.BucketedAllReduce` (``bucket_cap_mb``, ``find_unused_parameters``,
+    `BucketedAllReduce` (``bucket_cap_mb``, ``find_unused_parameters``,
     ``broadcast_buffers``, ...).
 
     Example:

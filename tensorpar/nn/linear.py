@@ -34,17 +34,18 @@ class ColumnParallelLinear(nn.Module):
 
     Each rank holds ``out_features`` rows of its shard (balanced like ``tensor_split``, in
     units of ``multiple_of``) and computes that slice of ``y``. The input must be the same on
-    every rank; its gradient is summed across the group (:func:`~tensorpar.copy_to_group`).
+    every rank; its gradient is summed across the group (`copy_to_group`).
 
     Args:
         in_features: size of each input sample.
         out_features: size of each (full) output sample.
         bias: learn an additive bias (sharded like the output).
         gather_output: all-gather the output so every rank gets the full ``y``; otherwise
-            each rank keeps its slice (feed it to a :class:`RowParallelLinear`).
+            each rank keeps its slice (feed it to a `RowParallelLinear`).
         multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``).
         group: the tensor-parallel group (a ``ProcessGroup`` or 1-D ``DeviceMesh``).
-        device, dtype: of the parameters.
+        device: the parameters' device.
+        dtype: the parameters' dtype.
 
     Shape:
         input ``(*, in_features)``; output ``(*, out_features)`` with ``gather_output``,
@@ -116,7 +117,7 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with ``W``'s input features split across ``group``.
 
     Each rank multiplies its slice of the input features; the partial results are summed
-    across the group (:func:`~tensorpar.reduce_from_group`) and the bias, replicated, is
+    across the group (`reduce_from_group`) and the bias, replicated, is
     added once, after the sum.
 
     Args:
@@ -124,10 +125,11 @@ class RowParallelLinear(nn.Module):
         out_features: size of each output sample.
         bias: learn an additive bias (replicated on every rank).
         input_is_parallel: the input is already this rank's slice (the output of a
-            :class:`ColumnParallelLinear`); otherwise the full input is split here.
+            `ColumnParallelLinear`); otherwise the full input is split here.
         multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``).
         group: the tensor-parallel group.
-        device, dtype: of the parameters.
+        device: the parameters' device.
+        dtype: the parameters' dtype.
 
     Shape:
         input ``(*, shard)`` (or ``(*, in_features)``); output ``(*, out_features)``.

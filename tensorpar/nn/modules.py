@@ -13,7 +13,7 @@ __all__ = ["Gather", "Scatter"]
 
 
 class Scatter(nn.Module):
-    """:func:`tensorpar.scatter` as a module (usable in ``nn.Sequential``).
+    """`scatter` as a module (usable in ``nn.Sequential``).
 
     On ``src`` the input is the full tensor; on other ranks a placeholder or ``None``.
     """
@@ -30,7 +30,7 @@ class Scatter(nn.Module):
 
 
 class Gather(nn.Module):
-    """:func:`tensorpar.gather` as a module: the full tensor on ``dst``, a placeholder elsewhere."""
+    """`gather` as a module: the full tensor on ``dst``, a placeholder elsewhere."""
 
     def __init__(self, dim: int = 0, dst: int = 0, *, group: GroupLike = None) -> None:
         super().__init__()

@@ -15,10 +15,10 @@ __all__ = ["ParallelRNG"]
 class ParallelRNG:
     """Two random streams for a tensor-parallel group, kept apart from torch's global one.
 
-    - :meth:`replicated`: the same stream on every rank of the group. Use it for dropout on
+    - `replicated`: the same stream on every rank of the group. Use it for dropout on
       activations that every rank holds in full (after a row-parallel layer), so the ranks
       keep identical activations.
-    - :meth:`sharded`: a different stream on every rank. Use it for dropout on activations
+    - `sharded`: a different stream on every rank. Use it for dropout on activations
       that are split across the group (after a column-parallel layer), so the slices do not
       all draw the same mask.
 
