@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,9 +125,13 @@ class BucketedAllReduce:
         if self.group.is_single:
             return
         self._build(list(reversed(range(len(self._params)))))
+        # The module owns the reducer (a cycle the garbage collector can see); the hooks on
+        # the parameters hold it weakly, so dropping the model frees everything.
+        module.__dict__.setdefault("_tensorpar_reducers", []).append(self)
+        me = weakref.ref(self)
         for i, p in enumerate(self._params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
-        self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
+        self._hooks.append(module.register_forward_pre_hook(_forward_hook(me)))
 
     # -- public ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -143,6 +148,9 @@ class BucketedAllReduce:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        owners = self.module.__dict__.get("_tensorpar_reducers", [])
+        if self in owners:
+            owners.remove(self)
 
     # -- buckets --------------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -197,17 +205,17 @@ class BucketedAllReduce:
         return ("BucketedAllReduce: the module's parameters changed after the reducer was "
                 "built (a parameter was removed or replaced)")
 
-    def _make_hook(self, i: int) -> Any:
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad_ready(i, p)
-        return hook
-
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
         view, grad = self._views[i], p.grad
+        # Divide for the average while the gradient is copied in (one pass over memory);
+        # under no_sync the sum accumulates and is divided by the synchronised backward.
+        pre = self._pre if self._sync_enabled else 1.0
         if grad is not view:
             assert grad is not None  # the hook runs after a gradient was accumulated
-            view.copy_(grad)  # a fresh gradient (e.g. after zero_grad(set_to_none=True))
-            p.grad = view
+            torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
+            p.grad = view  # a fresh gradient (e.g. after zero_grad(set_to_none=True))
+        elif pre != 1.0:
+            view.div_(pre)
         self._used_since_sync[i] = True
         if not self._sync_enabled:
             return
@@ -219,8 +227,10 @@ class BucketedAllReduce:
             self._abandon()
             raise ReducerError(
                 "BucketedAllReduce: a new backward pass started before the previous one "
-                "finished its gradient reduction (it raised or was interrupted). The "
-                "previous iteration's gradients were discarded; zero them and run it again.")
+                "finished its gradient reduction: the previous one raised or was interrupted, "
+                "or a nested backward ran inside it (torch.utils.checkpoint with "
+                "use_reentrant=True; use use_reentrant=False). This iteration's gradients "
+                "are not averaged; zero them and run it again.")
         bucket = self._bucket_of[i]
         if self._ready[i]:
             if bucket.launched:  # e.g. reentrant checkpointing fired the hook again
@@ -247,8 +257,6 @@ class BucketedAllReduce:
             target = bucket.comm
         else:
             target = bucket.buffer
-        if self._pre != 1.0:
-            target.div_(self._pre)
         bucket.handle = tensorpar.all_reduce(target, inplace=True, async_op=True,
                                              group=self.group.handle)
         bucket.launched = True
@@ -259,9 +267,11 @@ class BucketedAllReduce:
         """Runs once at the end of every synchronised backward pass, on every rank."""
         try:
             missing = [i for i, ready in enumerate(self._ready) if not ready]
-            for i in missing:  # zeros (or what earlier micro-batches accumulated)
+            for i in missing:  # zeros, or what earlier micro-batches accumulated
                 if not self._used_since_sync[i]:
                     self._views[i].zero_()
+                elif self._pre != 1.0:
+                    self._views[i].div_(self._pre)
                 self._params[i].grad = self._views[i]  # another rank may have used it
                 self._bucket_of[i].pending -= 1
             self._launch_ready()
@@ -331,3 +341,19 @@ class BucketedAllReduce:
     def __repr__(self) -> str:
         return (f"BucketedAllReduce({len(self._params)} parameters in {len(self.buckets)} "
                 f"buckets, group size {self.group.size})")
+
+
+def _grad_hook(reducer: weakref.ref[BucketedAllReduce], i: int) -> Any:
+    def hook(p: torch.Tensor) -> None:
+        owner = reducer()
+        if owner is not None:
+            owner._on_grad_ready(i, p)
+    return hook
+
+
+def _forward_hook(reducer: weakref.ref[BucketedAllReduce]) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        owner = reducer()
+        if owner is not None:
+            owner._before_forward(module, args)
+    return hook

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorpar as tp
-from tensorpar import BucketedAllReduce, CommCounter
+from tensorpar import BucketedAllReduce, CommCounter, ReducerError
 from tensorpar.testing import run_distributed
 
 
@@ -138,6 +138,50 @@ def test_parity_with_ddp(world_size, name, options, micro, dtype, tol):
         if name == "branchy":
             # no rank ran `never`: its .grad stays None, as with DDP
             assert grads_none == ["never.weight", "never.bias"]
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = make("mlp")
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed():
+    rank = dist.get_rank()
+    ours, theirs = Checkpointed(), Checkpointed()
+    BucketedAllReduce(ours, bucket_cap_mb=0.0005)
+    ddp = DDP(theirs)
+    for model in (ours, ddp):
+        model(batch("mlp", rank, 0)).pow(2).sum().backward()
+    return max((a.grad - b.grad).abs().max().item()
+               for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
+
+
+def test_non_reentrant_checkpointing_matches_ddp():
+    assert run_distributed(_checkpointed, 2) == [0.0, 0.0]
+
+
+def _reentrant_checkpoint_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 3)).double()
+    BucketedAllReduce(model)
+
+    def run(x):
+        h = torch.utils.checkpoint.checkpoint(model[0], x, use_reentrant=True)
+        return model[1](h)
+
+    try:
+        run(batch("mlp", 0, 0).requires_grad_()).sum().backward()
+    except ReducerError as e:
+        return "use_reentrant=False" in str(e)
+    return False
+
+
+def test_reentrant_checkpointing_is_refused_with_a_clear_error():
+    assert run_distributed(_reentrant_checkpoint_is_refused, 2) == [True, True]
 
 
 # -- gradients are bucket views ------------------------------------------------------------
@@ -323,3 +367,21 @@ def test_errors_name_the_problem_on_every_rank(case, match):
 def test_bad_options():
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         BucketedAllReduce(nn.Linear(1, 1), bucket_cap_mb=0)
+
+
+def _freed_with_the_model():
+    import gc
+    import weakref
+
+    model = make("mlp")
+    BucketedAllReduce(model)  # not kept: the model owns it
+    model(batch("mlp", dist.get_rank(), 0)).sum().backward()  # still reduces
+    averaged = all(p.grad is not None for p in model.parameters())
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    return averaged, alive() is None
+
+
+def test_reducer_lives_and_dies_with_its_model():
+    assert run_distributed(_freed_with_the_model, 2) == [(True, True)] * 2

@@ -1,6 +1,7 @@
 """Command line: ``python -m tensorpar.bench SUITE [--world-sizes 2 4] [--json PATH]``.
 
-Suites: ``scatter-gather``, ``collectives``. Options left out take the suite's defaults.
+Suites: ``scatter-gather``, ``collectives``, ``reducer``. Options left out take the suite's
+defaults.
 """
 
 from __future__ import annotations
@@ -73,10 +74,88 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives}
+def _mib(kib: int) -> str:
+    return f"{kib / 1024:.0f}"
+
+
+def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import reducer
+
+    timings: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
+    for world in args.world_sizes:
+        for name in args.models:
+            row = run_distributed(reducer.run_rank, world, name, args.rounds,
+                                  timeout=args.timeout)[0]
+            timings.append({"table": "time", **row})
+        for name in args.models:
+            for variant in reducer.MEMORY_VARIANTS:  # a fresh call each: one model at a time
+                per_rank = run_distributed(reducer.memory_rank, world, name, variant, 3,
+                                           timeout=args.timeout)
+                memory.append({"table": "memory", "model": name, "variant": variant,
+                               "world_size": world, "hwm": all(r["hwm"] for r in per_rank),
+                               **{k: max(r[k] for r in per_rank)
+                                  for k in ("base_kib", "peak_kib", "steady_base_kib",
+                                            "steady_kib")},
+                               "per_rank": per_rank})
+    print(format_table(
+        ["ranks", "model", "params", "tensors", "grads MiB",
+         *(f"{v} ms" for v in reducer.VARIANTS), "tp/ddp"],
+        [[r["world_size"], r["model"], f"{r['params']:,}", r["tensors"],
+          f"{r['grad_bytes'] / 2**20:.1f}", *(_ms(r[v]) for v in reducer.VARIANTS),
+          _x(r["tp_over_ddp"])] for r in timings]))
+    print()
+    exposed = ("tensorpar", "ddp", "per_param", "flatten_at_end")
+    print(format_table(
+        ["ranks", "model", "raw all_reduce ms", *(f"exposed {v} ms" for v in exposed),
+         "exposed tp/raw", "exposed ddp/raw"],
+        [[r["world_size"], r["model"], _ms(r["raw_all_reduce"]),
+          *(_ms(r[f"exposed_{v}"]) for v in exposed), _x(r["exposed_tensorpar_over_raw"]),
+          _x(r["exposed_ddp_over_raw"])] for r in timings]))
+    print()
+    if not all(m["hwm"] for m in memory):
+        print("(/proc/self/clear_refs was not writable: the peak columns show VmRSS after "
+              "the iterations, not VmHWM)")
+    print(format_table(
+        ["ranks", "model", "variant", "start RSS MiB", "peak MiB (build + 3 it)",
+         "peak - start MiB", "steady peak MiB (3 more it)", "steady peak - start MiB"],
+        [[m["world_size"], m["model"], m["variant"], _mib(m["base_kib"]), _mib(m["peak_kib"]),
+          _mib(max(r["peak_kib"] - r["base_kib"] for r in m["per_rank"])),
+          _mib(m["steady_kib"]),
+          _mib(max(r["steady_kib"] - r["base_kib"] for r in m["per_rank"]))]
+         for m in memory]))
+    print("(max over ranks; start RSS: after gc.collect() and malloc_trim, before building "
+          "the model; RSS also counts freed heap memory that glibc keeps)")
+    return timings + memory
+
+
+def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import layers
+
+    results = []
+    for tp in args.world_sizes:
+        for workload in layers.WORKLOADS:
+            results.append(run_distributed(layers.run_rank, tp, workload, args.rounds,
+                                           timeout=args.timeout)[0])
+    rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
+             _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
+             _x(r["tensorpar"] / r["floor"]), _x(r["tensorpar"] / r["dense"])]
+            for r in results]
+    print(format_table(["workload", "tp", "dense ms", "floor ms", "tensorpar ms", "dtensor ms",
+                        "tp/dtensor", "tp/floor", "tp/dense"], rows))
+    print("(forward+backward per step; dense: one process computing everything; floor: this "
+          "rank's share of the dense compute + the raw all-reduces of the same bytes)")
+    return results
+
+
+SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
+          "layers": _layers}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
-    "scatter-gather": {"world_sizes": [2], "mib": [64.0]},
-    "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0]},
+    "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
+    "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15},
+    "reducer": {"world_sizes": [2, 4], "models": ["8M", "30M"], "rounds": 11,
+                "timeout": 900.0},
+    "layers": {"world_sizes": [2, 4], "rounds": 7},
 }
 
 
@@ -84,15 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorpar.bench", description=__doc__)
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--world-sizes", type=int, nargs="+",
-                        help="default: 2 (scatter-gather), 2 4 (collectives)")
+                        help="default: 2 (scatter-gather), 2 4 (collectives, reducer, layers: "
+                             "the tensor-parallel size)")
     parser.add_argument("--mib", type=float, nargs="+",
                         help="payload sizes in MiB; default: 64 (scatter-gather), 1 64 "
                              "(collectives)")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per case")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--models", nargs="+", choices=["8M", "30M"],
+                        help="reducer: models to train; default: 8M 30M")
+    parser.add_argument("--rounds", type=int,
+                        help="timed rounds per case; default: 15 (reducer: 11)")
+    parser.add_argument("--timeout", type=float,
+                        help="seconds per run_distributed call; default: 600 (reducer: 900)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    for name, value in DEFAULTS[args.suite].items():
+    for name, value in {"timeout": 600.0, **DEFAULTS[args.suite]}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     results = SUITES[args.suite](args)

@@ -1,0 +1,141 @@
+"""Tensor-parallel forward+backward: tensorpar vs DTensor vs a dense single process vs the floor.
+
+The floor is what no implementation can beat on these ranks: this rank's share of the dense
+compute (the same layers with shard-sized weights, no communication) plus the raw
+``dist.all_reduce`` calls that tensor parallelism needs on the same bytes (one in forward
+and one in backward per row-parallel layer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import tensorpar
+
+__all__ = ["run_rank", "WORKLOADS"]
+
+# name -> (blocks, dim, hidden, batch, sequence or 0 for an MLP stack)
+WORKLOADS: dict[str, tuple[int, int, int, int, int]] = {
+    "mlp-compute": (2, 1024, 4096, 64, 0),
+    "mlp-dispatch": (8, 64, 256, 8, 0),
+    "transformer": (1, 256, 1024, 4, 64),
+}
+HEAD_DIM = 32
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(F.gelu(self.up(x)))
+        return out
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim, bias=False)
+                                                 for _ in range(3))
+        self.o_proj = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        q, k, v = (rearrange(p(h), "b t (h d) -> b h t d", d=HEAD_DIM)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(rearrange(a, "b h t d -> b t (h d)"))
+        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm2(x))))
+        return out
+
+
+def _model(workload: str, dim: int, hidden: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    block = AttentionBlock if workload == "transformer" else MLPBlock
+    return nn.Sequential(*[block(dim, hidden) for _ in range(blocks)])
+
+
+def _plan(workload: str, blocks: int) -> dict[str, str]:
+    plan = {f"{i}.up": "colwise" for i in range(blocks)}
+    plan |= {f"{i}.down": "rowwise" for i in range(blocks)}
+    if workload == "transformer":
+        plan |= {f"{i}.{p}_proj": "colwise" for i in range(blocks) for p in "qkv"}
+        plan |= {f"{i}.o_proj": "rowwise" for i in range(blocks)}
+    return plan
+
+
+def _dtensor_model(workload: str, dim: int, hidden: int, blocks: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+    plan = {k: styles[v] for k, v in _plan(workload, blocks).items()}
+    return parallelize_module(_model(workload, dim, hidden, blocks), mesh, plan)
+
+
+def _shard_model(workload: str, dim: int, hidden: int, blocks: int) -> nn.Module:
+    """The dense layers at this rank's shard sizes (same FLOPs as one rank's share)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_hidden = len(torch.tensor_split(torch.empty(hidden), world)[rank])
+    if workload != "transformer":
+        return _model(workload, dim, local_hidden, blocks)
+    heads = len(torch.tensor_split(torch.empty(dim // HEAD_DIM), world)[rank])
+    model = _model(workload, dim, local_hidden, blocks)
+    for block in model:
+        assert isinstance(block, AttentionBlock)
+        block.q_proj, block.k_proj, block.v_proj = (nn.Linear(dim, heads * HEAD_DIM, bias=False)
+                                                    for _ in range(3))
+        block.o_proj = nn.Linear(heads * HEAD_DIM, dim)
+    return model
+
+
+def run_rank(workload: str, rounds: int) -> dict[str, Any]:
+    """Time one forward+backward of each implementation; every rank returns the same figures."""
+    from tensorpar.bench._timing import time_side_by_side
+
+    blocks, dim, hidden, batch, seq = WORKLOADS[workload]
+    shape = (batch, seq, dim) if seq else (batch, dim)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    dense = _model(workload, dim, hidden, blocks)
+    ours = tensorpar.parallelize(_model(workload, dim, hidden, blocks),
+                                 _plan(workload, blocks))
+    theirs = _dtensor_model(workload, dim, hidden, blocks)
+    local = _shard_model(workload, dim, hidden, blocks)
+    reductions = 2 * sum(v == "rowwise" for v in _plan(workload, blocks).values())
+    comm = [torch.randn(shape) for _ in range(reductions)]
+
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)  # same computation
+
+    def step(model: nn.Module) -> None:
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def floor() -> None:
+        step(local)
+        for t in comm:
+            dist.all_reduce(t)
+
+    def dense_on_rank_0() -> None:  # one process computing everything; the others wait
+        if dist.get_rank() == 0:
+            step(dense)
+
+    times = time_side_by_side({"dense": dense_on_rank_0, "floor": floor,
+                               "tensorpar": lambda: step(ours),
+                               "dtensor": lambda: step(theirs)}, rounds=rounds)
+    return {"workload": workload, "tp": dist.get_world_size(), **times}
