@@ -41,7 +41,7 @@ class Group:
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of ``group_rank`` (a rank within this group)."""
-        if self.handle is None:
+        if self.handle is None or self.handle is dist.group.WORLD:
             return group_rank
         return dist.get_global_rank(self.handle, group_rank)
 
