@@ -232,9 +232,8 @@ class BucketedAllReduce:
                 "use_reentrant=True; use use_reentrant=False). This iteration's gradients "
                 "are not averaged; zero them and run it again.")
         bucket = self._bucket_of[i]
-        if self._ready[i]:
-            if bucket.launched:  # e.g. reentrant checkpointing fired the hook again
-                self._late.append(self._names[i])
+        if self._ready[i]:  # a second gradient in one backward pass: reported at the sync
+            self._late.append(self._names[i])
             return
         self._ready[i] = True
         self._ready_order.append(i)
@@ -319,9 +318,9 @@ class BucketedAllReduce:
                 f"its bucket took it; the averaged gradient is in the bucket, not in .grad")
         if self._late:
             raise ReducerError(
-                f"BucketedAllReduce: {sorted(set(self._late))} received a gradient after their "
-                f"bucket was reduced (a hook fired twice, e.g. reentrant checkpointing); use "
-                f"torch.utils.checkpoint with use_reentrant=False")
+                f"BucketedAllReduce: {sorted(set(self._late))} received a gradient twice in one "
+                f"backward pass, so their averaged gradient is wrong; a parameter's "
+                f"AccumulateGrad must run once per backward")
 
     def _rebuild_in_ready_order(self) -> None:
         """Rebuild the buckets in rank 0's ready order (every rank then agrees)."""

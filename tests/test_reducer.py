@@ -320,8 +320,12 @@ def _error(case):
     if case == "models differ" and rank == 1:
         model[2] = nn.Linear(16, 17)
     try:
-        BucketedAllReduce(model)  # its hooks keep it alive
+        reducer = BucketedAllReduce(model)
         x = batch("mlp", rank, 0)
+        if case == "grad twice":  # a second gradient for one parameter in one backward
+            index = reducer._names.index("0.bias")
+            model[0].bias.register_post_accumulate_grad_hook(
+                lambda p: reducer._on_grad_ready(index, p))
         if case == "added":
             model.add_module("extra", nn.Linear(2, 2))
         if case == "frozen":
@@ -356,6 +360,7 @@ def _error(case):
     ("frozen", r"parameter '0.bias' had requires_grad=True .* now False"),
     ("grad replaced", r"the .grad of \['0.bias'\] was replaced"),
     ("interrupted", r"a new backward pass started before the previous one finished"),
+    ("grad twice", r"\['0.bias'\] received a gradient twice in one backward pass"),
 ])
 def test_errors_name_the_problem_on_every_rank(case, match):
     outcomes = run_distributed(_error, 2, case)
