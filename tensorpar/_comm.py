@@ -156,9 +156,9 @@ def reduce(t: torch.Tensor, dst: int, op: dist.ReduceOp, group: Group,
                        async_op=async_op)
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
-               in_splits: list[int], group: Group, async_op: bool = False) -> Work:
-    """Flat all-to-all: ``inp[in_splits[r]]`` goes to rank r; uneven splits allowed."""
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+               in_splits: list[int] | None, group: Group, async_op: bool = False) -> Work:
+    """Flat all-to-all: ``inp[in_splits[r]]`` goes to rank r (``None``: equal splits)."""
     _record("all_to_all", group, _nbytes([inp]), "data")
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=_pg(group),
                                   async_op=async_op)

@@ -96,6 +96,16 @@ class SplitSpec(RootSpec):
         return math.prod(self.full_shape[: self.dim]) == 1
 
 
+# dtypes every backend moves natively; the rest (bool, complex, float8, ...) travel as bytes
+NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                           torch.int8, torch.uint8, torch.int32, torch.int64})
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor: data movement is dtype-agnostic."""
-    return t.reshape(-1).view(torch.uint8)
+    """A flat view of a contiguous tensor for pure data movement.
+
+    Its own dtype where every backend handles it (the backends' fastest path), raw bytes
+    otherwise, so any dtype can be scattered, gathered or exchanged.
+    """
+    flat = t.reshape(-1)
+    return flat if flat.dtype in NATIVE_DTYPES else flat.view(torch.uint8)
