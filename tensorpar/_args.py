@@ -17,7 +17,8 @@ from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
 
 def setup(fn: str, group: GroupLike, sizes: Sequence[int] | None, **ranks: int
-           ) -> tuple[Group, tuple[int, ...] | None]:
+          ) -> tuple[Group, tuple[int, ...] | None]:
+    """Resolve ``group``, check the rank arguments (group ranks) and the form of ``sizes``."""
     g = resolve_group(group, fn)
     for name, value in ranks.items():
         g.check_rank(fn, name, value)
@@ -25,11 +26,13 @@ def setup(fn: str, group: GroupLike, sizes: Sequence[int] | None, **ranks: int
 
 
 def single(fn: str, x: object) -> torch.Tensor:
+    """The input on a one-rank group, where this rank is every root and must hold data."""
     return require_tensor(fn, x, "on a group of one rank this rank is the source and must "
                                  "pass a tensor")
 
 
 def single_chunk(fn: str, x: object, dim: int, sizes: tuple[int, ...] | None) -> torch.Tensor:
+    """The input of a one-rank concatenation, checked against ``dim`` and ``sizes``."""
     tensor = single(fn, x)
     d = _normalize_dim(fn, dim, tensor.ndim)
     if sizes is not None:
@@ -38,7 +41,8 @@ def single_chunk(fn: str, x: object, dim: int, sizes: tuple[int, ...] | None) ->
 
 
 def sizes_or_balanced(fn: str, sizes: tuple[int, ...] | None, length: int, dim: int, g: Group,
-                       what: str) -> tuple[int, ...]:
+                      what: str) -> tuple[int, ...]:
+    """``sizes`` checked against ``length``, or the balanced split of ``length``."""
     if sizes is None:
         return balanced_sizes(length, g.size)
     check_total(fn, sizes, length, dim, what)
@@ -46,12 +50,13 @@ def sizes_or_balanced(fn: str, sizes: tuple[int, ...] | None, length: int, dim: 
 
 
 def result(out: torch.Tensor, launch: Launch, async_op: bool
-            ) -> torch.Tensor | CollaborativeTensor:
+           ) -> torch.Tensor | CollaborativeTensor:
+    """The tensor, or with ``async_op`` a handle that must be resolved first."""
     return CollaborativeTensor(out, launch) if async_op else out
 
 
 def root_input(x: object, root: int, g: Group, dtype: torch.dtype, requires_grad: bool
-                ) -> torch.Tensor:
+               ) -> torch.Tensor:
     """The autograd input of a rooted Function: the tensor on the root, an anchor elsewhere."""
     if g.rank == root:
         assert isinstance(x, torch.Tensor)
@@ -91,6 +96,7 @@ def chunks_spec(fn: str, x: object, dim: int, g: Group, sizes: tuple[int, ...] |
 
 
 def placeholder_of(anchor: torch.Tensor, spec: RootSpec) -> TensorPlaceholder:
+    """The placeholder a non-root rank gets, carrying the collective's autograd anchor."""
     return TensorPlaceholder(spec.full_shape, spec.dtype, device=anchor.device,
                              requires_grad=anchor.requires_grad, owner=spec.root,
                              group=spec.group.handle, _anchor=anchor)
