@@ -248,3 +248,48 @@ def _two_d():
 
 def test_two_dimensional_dp_by_tp_matches_single_process():
     assert all(run_distributed(_two_d, 4, timeout=120))
+
+
+# -- a transformer from another library, built from its config ----------------------------------
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=101, hidden_size=24, intermediate_size=50,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
+                         head_dim=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).double()
+
+
+LLAMA_PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.[qkv]_proj": Colwise(multiple_of=4),  # whole heads of 4
+    "model.layers.*.self_attn.o_proj": Rowwise(multiple_of=4),
+    "model.layers.*.mlp.[gu][ap]*_proj": "colwise",                  # gate_proj, up_proj
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise",
+}
+
+
+def _hugging_face_llama():
+    dense, parallel = _llama(), tp.parallelize(_llama(), LLAMA_PLAN)
+    ids, target = tokens(5)
+    dense_logits = dense(ids).logits
+    dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
+    dense_loss.backward()
+    local_logits = parallel(ids).logits  # the library's own forward, untouched
+    lm = parallel.lm_head
+    torch.testing.assert_close(local_logits, dense_logits[..., lm.shard.start: lm.shard.stop],
+                               rtol=1e-10, atol=1e-10)
+    loss = vocab_parallel_cross_entropy(local_logits.flatten(0, 1), target.flatten())
+    torch.testing.assert_close(loss, dense_loss, rtol=1e-12, atol=1e-12)
+    loss.backward()
+    _compare_grads(dense, parallel, 1e-10)
+    return parallel.model.layers[0].self_attn.q_proj.shard.length // 4
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_hugging_face_llama_from_config_matches_dense(world_size):
+    heads = run_distributed(_hugging_face_llama, world_size, timeout=120)
+    assert sum(heads) == 6
