@@ -390,3 +390,33 @@ def _freed_with_the_model():
 
 def test_reducer_lives_and_dies_with_its_model():
     assert run_distributed(_freed_with_the_model, 2) == [(True, True)] * 2
+
+
+def _buffers_like_ddp(broadcast):
+    """BatchNorm's running statistics follow rank 0's, as with DDP(broadcast_buffers=True)."""
+    rank = dist.get_rank()
+
+    def bn_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(),
+                             nn.Linear(6, 2)).double()
+
+    ours, theirs = bn_model(), bn_model()
+    BucketedAllReduce(ours, broadcast_buffers=broadcast)
+    ddp = DDP(theirs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(3):
+        x = batch("mlp", rank, step) * (rank + 1)  # ranks see different statistics
+        for model, opt in zip((ours, ddp), opts, strict=True):
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    states = [m.state_dict() for m in (ours, theirs)]
+    return max((states[0][k].double() - states[1][k].double()).abs().max().item()
+               for k in states[0])
+
+
+def test_buffers_are_broadcast_like_ddp():
+    assert all(gap <= 1e-12 for gap in run_distributed(_buffers_like_ddp, 3, True))
+    gaps = run_distributed(_buffers_like_ddp, 3, False)  # without it, ranks 1 and 2 drift
+    assert gaps[1] > 1e-3 and gaps[2] > 1e-3
