@@ -93,7 +93,9 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, launch: Launch) -> torch.Tensor:
         ctx.spec = spec
-        out = x.detach().clone() if spec.is_root else x.new_empty(spec.full_shape)
+        # a contiguous copy: the bytes travel in memory order, whatever x's strides are
+        out = x.detach().clone(memory_format=torch.contiguous_format) if spec.is_root \
+            else x.new_empty(spec.full_shape)
         if spec.full_shape.numel():
             launch.add(_comm.broadcast(out, spec.root, spec.group, launch.async_op))
         ctx.save_for_backward(out)
@@ -112,7 +114,8 @@ class Reduce(torch.autograd.Function):
                 ) -> torch.Tensor:
         ctx.spec, ctx.op = spec, op
         # torch.distributed.reduce may use non-root inputs as scratch: reduce a copy.
-        buf = scale_for_mean(x.detach(), op, spec.group.size).clone()
+        buf = scale_for_mean(x.detach(), op, spec.group.size).clone(
+            memory_format=torch.contiguous_format)
         if buf.numel():
             launch.add(_comm.reduce(buf, spec.root, torch_op(op), spec.group, launch.async_op),
                        buf)

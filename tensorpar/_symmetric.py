@@ -106,8 +106,10 @@ class AllReduce(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
             out = x.div_(group.size) if op == "mean" else x
-        else:
-            out = x.detach() / group.size if op == "mean" else x.detach().clone()
+        else:  # a contiguous copy: every rank's bytes must be in the same (memory) order
+            out = x.detach().clone(memory_format=torch.contiguous_format)
+            if op == "mean":
+                out.div_(group.size)
         launch.add(_comm.all_reduce(out, torch_op(op), group, launch.async_op), out)
         ctx.save_for_backward(out)
         return out

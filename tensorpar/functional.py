@@ -147,7 +147,8 @@ def gather(x: torch.Tensor, dim: int = 0, dst: int = 0, group: GroupLike = None,
     Chunk lengths along ``dim`` may differ across ranks; they are discovered with one
     small metadata exchange, which also checks that dtypes and the other dims agree (a
     disagreement raises the same error on every rank). Passing ``sizes`` skips the exchange;
-    the caller then guarantees that every rank agrees.
+    the caller then guarantees that every rank agrees, on the sizes and on whether its chunk
+    requires grad.
 
     Every rank other than ``dst`` gets a `TensorPlaceholder` with the full
     shape and ``owner=dst``. For the backward pass, ``dst`` computes a loss from the result
@@ -303,7 +304,8 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
     (here the gradient would come out multiplied by the group size).
 
     Chunk lengths may differ; they are learned with one metadata exchange unless ``sizes``
-    gives them (then every rank must pass the same ``sizes``).
+    gives them (then every rank must pass the same ``sizes``, and either every rank's chunk
+    requires grad or none does).
 
     Args:
         x: this rank's chunk.
@@ -441,6 +443,10 @@ def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
     op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
     if backward not in ("sum", "identity"):
         raise ValueError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
+    if inplace and not tensor.is_contiguous():
+        raise ValueError(f"{fn}: inplace=True needs a contiguous tensor (its bytes are reduced "
+                         f"in memory order); got strides {tensor.stride()} for shape "
+                         f"{tuple(tensor.shape)}. Call .contiguous() first or reduce out of place")
     if g.is_single:
         return result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
@@ -575,7 +581,8 @@ def gather_from_group(x: torch.Tensor, dim: int = -1, group: GroupLike = None,
 
     Forward: all-gather along ``dim``. Backward: this rank's chunk of the gradient (the
     consumer is replicated, so every rank already holds the full gradient). Chunk lengths
-    are exchanged once unless ``sizes`` gives them.
+    are exchanged once unless ``sizes`` gives them (then every rank must pass the same
+    ``sizes``, and either every rank's chunk requires grad or none does).
 
     Shape:
         ``x``: ``(*, L_rank)``; output: ``(*, sum(L))``.

@@ -95,9 +95,12 @@ def run_distributed(fn: Callable[..., T], world_size: int, *args: Any, backend: 
         pool = _POOLS[key] = _RankPool(world_size, backend)
     try:
         return pool.run(fn, args, timeout)
-    except (RankTimeoutError, RankError):
-        pool.shutdown()
-        _POOLS.pop(key, None)
+    except BaseException as exc:
+        # a timeout or a dead rank leaves ranks hung; ranks left blocked after another
+        # rank's error were already shut down: either way, the next call starts afresh
+        if isinstance(exc, (RankTimeoutError, RankError)) or not pool.alive():
+            pool.shutdown()
+            _POOLS.pop(key, None)
         raise
 
 
@@ -135,7 +138,7 @@ class _RankPool:
         return os.path.join(self._tmp.name, f"store-{self._generation}")
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], timeout: float) -> list[T]:
         task = pickle.dumps(("run", sys.path, fn, args))

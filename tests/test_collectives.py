@@ -239,3 +239,52 @@ def _single_rank_everything():
 def test_group_of_one_returns_input():
     assert run_distributed(_single_rank_everything, 1) == [True]
     assert _single_rank_everything()  # and without torch.distributed initialised
+
+
+# -- memory layout: non-contiguous inputs and gradients ------------------------------------------
+
+def _layouts(name):
+    """Transposed (non-contiguous) inputs and gradients on some ranks only."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(6.0, dtype=torch.float64).view(2, 3) + 1
+    odd = rank % 2 == 1  # odd ranks hold transposed views, even ranks contiguous copies
+
+    def laid_out(t):
+        return t.t().contiguous().t() if odd else t.contiguous()
+
+    x = laid_out(base.t().contiguous()).requires_grad_()       # values: base.t() on every rank
+    if name == "broadcast":
+        y, expected = tp.broadcast(x if rank == p - 1 else None, src=p - 1), base.t()
+    elif name == "reduce":
+        y, expected = tp.reduce(x, dst=0), base.t() * p
+    else:
+        y, expected = tp.all_reduce(x, op=name), base.t() * (p if name == "sum" else 1)
+    weight = laid_out((torch.arange(6.0, dtype=torch.float64).view(3, 2) * 10).contiguous())
+    if tp.is_placeholder(y):
+        y.backward()
+    else:
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        (y * weight).sum().backward()
+    w = torch.arange(6.0, dtype=torch.float64).view(3, 2) * 10
+    scale = {"broadcast": p, "reduce": 1, "sum": p, "mean": 1}[name]
+    if name == "broadcast" and rank != p - 1:
+        return True
+    torch.testing.assert_close(x.grad, w * scale, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("name", ["broadcast", "reduce", "sum", "mean"])
+def test_non_contiguous_inputs_and_gradients(name):
+    assert all(run_distributed(_layouts, 3, name))
+
+
+def _inplace_non_contiguous():
+    try:
+        tp.all_reduce(torch.zeros(3, 2).t(), inplace=True)
+    except ValueError as e:
+        return "needs a contiguous tensor" in str(e)
+    return False
+
+
+def test_inplace_rejects_non_contiguous_input():
+    assert all(run_distributed(_inplace_non_contiguous, 2))

@@ -293,3 +293,20 @@ def _hugging_face_llama():
 def test_hugging_face_llama_from_config_matches_dense(world_size):
     heads = run_distributed(_hugging_face_llama, world_size, timeout=120)
     assert sum(heads) == 6
+
+
+def _load_missing_key():
+    rank = dist.get_rank()
+    parallel = tp.parallelize(build(), plan(CONFIG["head_dim"]))
+    state = {k: v for k, v in build().state_dict().items() if k != "norm.weight"}
+    try:
+        tp.load_full_state_dict(parallel, state if rank == 0 else None, src=0)
+    except KeyError as e:
+        return str(e)
+    return None
+
+
+def test_load_full_state_dict_missing_key_raises_on_every_rank():
+    messages = run_distributed(_load_missing_key, 3)
+    assert "['norm.weight']" in messages[0]
+    assert all(m is not None and "lacks" in m for m in messages)

@@ -59,3 +59,16 @@ def test_hang_fails_with_timeout_and_pool_recovers():
 def test_rejects_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         run_distributed(_identity, 0, None)
+
+
+def _raise_on_zero_while_others_block():
+    if dist.get_rank() == 0:
+        raise ValueError("boom on rank 0")
+    dist.barrier()  # never completes: rank 0 is gone
+    return dist.get_rank()
+
+
+def test_pool_is_replaced_after_ranks_were_left_blocked():
+    with pytest.raises(ValueError, match="boom on rank 0"):
+        run_distributed(_raise_on_zero_while_others_block, 3, timeout=30)
+    assert run_distributed(_all_reduce_rank, 3) == [3.0, 3.0, 3.0]

@@ -207,10 +207,15 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
     state = state or {}
     sharded = _sharded_modules(model)
     own = model.state_dict(keep_vars=True)
-    if g.rank == src:
-        missing = [k for k in own if k not in state]
-        if missing:
-            raise KeyError(f"load_full_state_dict: the checkpoint lacks {missing}")
+    missing = [k for k in own if k not in state] if g.rank == src else []
+    # src tells every rank how many keys it lacks, so every rank raises together
+    count = torch.tensor([len(missing)], device=g.comm_device()) if g.rank == src else None
+    shared = tensorpar.broadcast(count, src, g.handle)
+    assert isinstance(shared, torch.Tensor)
+    n_missing = int(shared.item())
+    if n_missing:
+        raise KeyError(f"load_full_state_dict: the checkpoint on rank {src} lacks "
+                       + (str(missing) if missing else f"{n_missing} of this model's keys"))
     for name, module in sharded.items():
         prefix = f"{name}." if name else ""
         module.load_full_state({k[len(prefix):]: v for k, v in state.items()
