@@ -105,17 +105,17 @@ def placeholder_of(anchor: torch.Tensor, spec: RootSpec) -> TensorPlaceholder:
 def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
                      sizes: tuple[int, ...] | None) -> AllToAllSpec:
     """Send lengths and receive shapes, from ``sizes`` or from every rank's shape."""
-    if sizes is not None:
-        shapes = [x.shape] * g.size
-        splits = [sizes] * g.size
-    else:
-        headers = exchange(g, local_header(x))
-        shapes = [h.shape for h in headers]
-        if any(h.dtype != x.dtype or len(h.shape) != x.ndim for h in headers):
-            raise CollectiveArgumentError(
-                f"{fn}: every rank must pass a tensor of the same dtype and ndim; got "
-                + ", ".join(f"rank {r}: {h.describe()}" for r, h in enumerate(headers)))
-        splits = [balanced_sizes(s[sd], g.size) for s in shapes]
+    if sizes is not None:  # every rank holds this shape: every received chunk is alike
+        piece = list(x.shape)
+        piece[sd] = sizes[g.rank]
+        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size)
+    headers = exchange(g, local_header(x))
+    shapes = [h.shape for h in headers]
+    if any(h.dtype != x.dtype or len(h.shape) != x.ndim for h in headers):
+        raise CollectiveArgumentError(
+            f"{fn}: every rank must pass a tensor of the same dtype and ndim; got "
+            + ", ".join(f"rank {r}: {h.describe()}" for r, h in enumerate(headers)))
+    splits = [balanced_sizes(s[sd], g.size) for s in shapes]
     recv_all = []
     for dst in range(g.size):  # every rank checks every rank's receive, so all raise together
         recv = []

@@ -81,9 +81,8 @@ class SplitSpec(RootSpec):
 
     @property
     def numels(self) -> tuple[int, ...]:
-        per_row = math.prod(self.full_shape) // max(self.full_shape[self.dim], 1) \
-            if self.full_shape[self.dim] else math.prod(
-                d for i, d in enumerate(self.full_shape) if i != self.dim)
+        """Elements in each rank's chunk."""
+        per_row = math.prod(d for i, d in enumerate(self.full_shape) if i != self.dim)
         return tuple(s * per_row for s in self.sizes)
 
     @property

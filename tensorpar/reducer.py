@@ -174,6 +174,7 @@ class BucketedAllReduce:
             bucket.pending = len(bucket.param_indices)
             bucket.launched = False
             bucket.handle = None
+        self._next = 0  # the next bucket to launch
         self._ready = [False] * len(self._params)
         self._ready_order = []
         self._late = []
@@ -243,12 +244,9 @@ class BucketedAllReduce:
 
     def _launch_ready(self) -> None:
         """Launch ready buckets strictly in index order, so every rank issues the same order."""
-        for bucket in self.buckets:
-            if bucket.launched:
-                continue
-            if bucket.pending:
-                return
-            self._launch(bucket)
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            self._launch(self.buckets[self._next])
+            self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.comm_dtype != bucket.dtype:

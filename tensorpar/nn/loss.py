@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 import tensorpar
-from tensorpar._group import GroupLike, resolve_group
+from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar._split import check_sizes
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -94,10 +94,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
     return (total / (~ignored).sum()).to(local_logits.dtype)
 
 
-def _exchange_sizes(local_logits: torch.Tensor, g: object) -> tuple[int, ...]:
-    from tensorpar._group import Group
-
-    assert isinstance(g, Group)
+def _exchange_sizes(local_logits: torch.Tensor, g: Group) -> tuple[int, ...]:
     if g.is_single:
         return (local_logits.shape[-1],)
     mine = torch.tensor([local_logits.shape[-1]], dtype=torch.int64,
