@@ -23,15 +23,27 @@ def check_op(fn: str, op: object, dtype: torch.dtype | None = None) -> str:
     return str(op)
 
 
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN} if dist.is_available() else {}
+
+
 def torch_op(op: str) -> Any:
     """The ``ReduceOp`` that implements ``op`` (a mean is a sum of pre-divided inputs)."""
-    return {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN}[op]
+    return _TORCH_OPS[op]
 
 
 def scale_for_mean(t: torch.Tensor, op: str, size: int) -> torch.Tensor:
     """``t / size`` for ``op="mean"`` (divide before reducing: no fp16 overflow), else ``t``."""
     return t / size if op == "mean" else t
+
+
+def needs_graph(t: torch.Tensor) -> bool:
+    """Whether an autograd Function applied to ``t`` would record a backward node.
+
+    When it would not, the public collectives call the data path directly and skip
+    ``Function.apply`` (tens of microseconds a call).
+    """
+    return t.requires_grad and torch.is_grad_enabled()
 
 
 def no_backward(fn: str, op: str) -> TensorparError:

@@ -100,20 +100,20 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
         TypeError: ``group`` is none of the accepted kinds.
         ValueError: this process is not a member of ``group``.
     """
-    if group is not None and type(group).__name__ == "DeviceMesh":
-        group = _from_mesh(group)
     if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        # WORLD is None until init_process_group; this is cheaper than dist.is_initialized()
+        handle = dist.group.WORLD if dist.is_available() else None
+        if handle is None:
             return Group(None, 0, 1)
-        handle = dist.group.WORLD
-        assert handle is not None  # initialised above
     elif isinstance(group, dist.ProcessGroup):
         handle = group
+    elif type(group).__name__ == "DeviceMesh":
+        handle = _from_mesh(group)
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to non-members
+        raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member "
+                         f"of the group it was given")
     else:
         raise TypeError(f"{fn}: group must be None, a ProcessGroup or a 1-D DeviceMesh, "
                         f"got {type(group).__name__}")
-    rank = dist.get_rank(handle)
-    if rank < 0:
-        raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member "
-                         f"of the group it was given")
-    return Group(handle, rank, dist.get_world_size(handle))
+    # the handle's own rank and size: its group rank, without torch's per-call lookups
+    return Group(handle, handle.rank(), handle.size())

@@ -106,5 +106,5 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     Its own dtype where every backend handles it (the backends' fastest path), raw bytes
     otherwise, so any dtype can be scattered, gathered or exchanged.
     """
-    flat = t.reshape(-1)
+    flat = t if t.ndim == 1 else t.reshape(-1)
     return flat if flat.dtype in NATIVE_DTYPES else flat.view(torch.uint8)

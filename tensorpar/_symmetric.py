@@ -7,6 +7,7 @@ all_gather <-> reduce_scatter, all_reduce (sum-adjoint) <-> itself, all_reduce
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,19 @@ def reduce_scatter_data(x: torch.Tensor, spec: SplitSpec, op: str, launch: Launc
     return recv[: numels[g.rank]].view(shape)
 
 
+def all_reduce_data(x: torch.Tensor, group: Group, op: str, inplace: bool, launch: Launch
+                    ) -> torch.Tensor:
+    """All-reduce into ``x`` itself (``inplace``) or into a contiguous copy of it."""
+    if inplace:
+        out = x.div_(group.size) if op == "mean" else x
+    else:  # a contiguous copy: every rank's bytes must be in the same (memory) order
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        if op == "mean":
+            out.div_(group.size)
+    launch.add(_comm.all_reduce(out, torch_op(op), group, launch.async_op), out)
+    return out
+
+
 class AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec, launch: Launch) -> torch.Tensor:
@@ -105,12 +119,7 @@ class AllReduce(torch.autograd.Function):
         ctx.group, ctx.op, ctx.mode = group, op, mode
         if inplace:
             ctx.mark_dirty(x)
-            out = x.div_(group.size) if op == "mean" else x
-        else:  # a contiguous copy: every rank's bytes must be in the same (memory) order
-            out = x.detach().clone(memory_format=torch.contiguous_format)
-            if op == "mean":
-                out.div_(group.size)
-        launch.add(_comm.all_reduce(out, torch_op(op), group, launch.async_op), out)
+        out = all_reduce_data(x, group, op, inplace, launch)
         ctx.save_for_backward(out)
         return out
 
@@ -183,8 +192,9 @@ class AllToAllSpec:
     send_sizes: tuple[int, ...]
     recv_shapes: tuple[torch.Size, ...]
 
-    @property
+    @functools.cached_property
     def out_shape(self) -> torch.Size:
+        """The concatenation of the received chunks."""
         shape = list(self.recv_shapes[0])
         shape[self.concat_dim] = sum(s[self.concat_dim] for s in self.recv_shapes)
         return torch.Size(shape)
@@ -204,23 +214,25 @@ def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torc
     x = x.detach()
     unit = 1 if x.dtype in NATIVE_DTYPES else x.element_size()  # as_bytes' elements per item
     if math.prod(x.shape[: spec.split_dim]) == 1:  # the parts are consecutive in memory
-        send = x.contiguous().view(-1)
-        in_splits = [n * math.prod(x.shape) // max(x.shape[spec.split_dim], 1)
-                     for n in spec.send_sizes]
+        send = x.contiguous()
+        per_row = x.numel() // max(x.shape[spec.split_dim], 1)
+        in_splits = [n * per_row for n in spec.send_sizes]
     else:
         parts = x.split(list(spec.send_sizes), spec.split_dim)
         send = torch.cat([p.reshape(-1) for p in parts])
         in_splits = [p.numel() for p in parts]
     out_numels = [math.prod(s) for s in spec.recv_shapes]
-    recv = x.new_empty(sum(out_numels))
+    out_shape = spec.out_shape
+    lands_in_place = math.prod(out_shape[: spec.concat_dim]) == 1  # chunks arrive in order
+    recv = x.new_empty(out_shape if lands_in_place else (sum(out_numels),))
     even = len(set(out_numels)) == 1 and len(set(in_splits)) == 1  # gloo's faster path
     work = _comm.all_to_all(as_bytes(recv), as_bytes(send),
                             None if even else [n * unit for n in out_numels],
                             None if even else [n * unit for n in in_splits],
                             spec.group, launch.async_op)
-    if math.prod(spec.out_shape[: spec.concat_dim]) == 1:
+    if lands_in_place:
         launch.add(work, send)
-        return recv.view(spec.out_shape)
+        return recv
     if work is not None:
         work.wait()
     pieces = recv.split(out_numels)

@@ -40,7 +40,7 @@ from tensorpar._args import (
     single_chunk,
     sizes_or_balanced,
 )
-from tensorpar._autograd import SYNC, Launch, check_op
+from tensorpar._autograd import SYNC, Launch, check_op, needs_graph
 from tensorpar._group import GroupLike
 from tensorpar._meta import require_tensor, source_header
 from tensorpar._rooted import Broadcast, Gather, Reduce, Scatter
@@ -53,6 +53,10 @@ from tensorpar._symmetric import (
     GatherFromGroup,
     ReduceScatter,
     SplitToGroup,
+    all_gather_data,
+    all_reduce_data,
+    all_to_all_data,
+    reduce_scatter_data,
 )
 from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
@@ -337,7 +341,8 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
         return result(single_chunk(fn, x, dim, sizes), Launch(async_op), async_op)
     spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
     launch = Launch(async_op)
-    out: torch.Tensor = AllGather.apply(inp, spec, launch)
+    out: torch.Tensor = AllGather.apply(inp, spec, launch) if needs_graph(inp) \
+        else all_gather_data(inp, spec, launch)
     return result(out, launch, async_op)
 
 
@@ -385,7 +390,8 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpName = "sum",
     spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
                      sizes=sizes)
     launch = Launch(async_op)
-    out: torch.Tensor = ReduceScatter.apply(tensor, spec, op, launch)
+    out: torch.Tensor = ReduceScatter.apply(tensor, spec, op, launch) if needs_graph(tensor) \
+        else reduce_scatter_data(tensor, spec, op, launch)
     return result(out, launch, async_op)
 
 
@@ -450,7 +456,12 @@ def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
     if g.is_single:
         return result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
-    out: torch.Tensor = AllReduce.apply(tensor, g, op, backward, inplace, launch)
+    if needs_graph(tensor):
+        out: torch.Tensor = AllReduce.apply(tensor, g, op, backward, inplace, launch)
+    else:
+        out = all_reduce_data(tensor, g, op, inplace, launch)
+        if inplace:  # what mark_dirty does: autograd must see that x was overwritten
+            torch.autograd.graph.increment_version(tensor)
     return result(out, launch, async_op)
 
 
@@ -500,8 +511,10 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
     if g.is_single:
         return tensor
     spec = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
-    out: torch.Tensor = AllToAll.apply(tensor, spec, SYNC)
-    return out
+    if needs_graph(tensor):
+        out: torch.Tensor = AllToAll.apply(tensor, spec, SYNC)
+        return out
+    return all_to_all_data(tensor, spec, SYNC)
 
 
 # ---------------------------------------------------------------------------------------

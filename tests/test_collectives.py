@@ -288,3 +288,69 @@ def _inplace_non_contiguous():
 
 def test_inplace_rejects_non_contiguous_input():
     assert all(run_distributed(_inplace_non_contiguous, 2))
+
+
+# -- the no-autograd path: inputs that need no gradient skip the autograd Function ---------------
+
+def _without_autograd():
+    """Each symmetric collective gives the same bytes with and without a recorded graph."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    x = torch.randn(2 * p + 1, 3, dtype=torch.float64)  # an odd length: uneven chunks
+    calls = {
+        "all_gather": lambda t: tp.all_gather(t[: rank + 1]),
+        "reduce_scatter": lambda t: tp.reduce_scatter(t),
+        "all_reduce": lambda t: tp.all_reduce(t, op="mean"),
+        "all_to_all": lambda t: tp.all_to_all(t, 0, 1),
+    }
+    same = {}
+    for name, call in calls.items():
+        with_graph = call(x.clone().requires_grad_())
+        plain = call(x.clone())
+        with torch.no_grad():
+            no_grad = call(x.clone().requires_grad_())
+        same[name] = (with_graph.grad_fn is not None and plain.grad_fn is None
+                      and not no_grad.requires_grad
+                      and torch.equal(with_graph.detach(), plain)
+                      and torch.equal(plain, no_grad))
+    return same
+
+
+def test_inputs_without_grad_give_the_same_result():
+    for world_size in (2, 3):
+        for same in run_distributed(_without_autograd, world_size):
+            assert all(same.values()), same
+
+
+def _inplace_on_saved_tensor():
+    """An in-place reduction of a tensor autograd saved must fail the backward, not corrupt it."""
+    w = torch.ones(4, requires_grad=True)
+    x = torch.arange(4.0)  # needs no grad itself, but `w * x` saves it for w's gradient
+    loss = (w * x).sum()
+    tp.all_reduce(x, inplace=True)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return "modified by an inplace operation" in str(e)
+    return False
+
+
+def test_inplace_reduction_of_a_saved_tensor_is_detected():
+    assert all(run_distributed(_inplace_on_saved_tensor, 2))
+
+
+def _not_a_member():
+    group = dist.new_group([0])  # every rank must call new_group; rank 1 is not in it
+    if dist.get_rank() == 0:
+        return tp.all_reduce(torch.ones(2), group=group).tolist()
+    try:
+        tp.all_reduce(torch.ones(2), group=group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_group_without_this_rank_is_refused():
+    outcomes = run_distributed(_not_a_member, 2)
+    assert outcomes[0] == [1.0, 1.0]
+    assert "global rank 1" in outcomes[1] and "not a member" in outcomes[1], outcomes[1]

@@ -57,11 +57,13 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = sorted((r for r in results if r["table"] == "collectives"),
                   key=lambda r: (order.index(r["collective"]), r["world_size"], r["nbytes"]))
     print(format_table(
-        ["collective", "ranks", "size", "raw ms", "raw prealloc ms", "tensorpar ms",
-         "tp/raw", "tp/raw prealloc"],
-        [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", _ms(r["raw"]),
-          _ms(r["raw_prealloc"]), _ms(r["tensorpar"]), _x(r["ratio"]),
-          _x(r["ratio_prealloc"])] for r in rows]))
+        ["collective", "ranks", "size", "calls", "raw ms", "raw prealloc ms", "tensorpar ms",
+         "tp/raw", "tp/raw prealloc", "raw again/raw"],
+        [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", r["calls"],
+          _ms(r["raw"]), _ms(r["raw_prealloc"]), _ms(r["tensorpar"]), _x(r["ratio"]),
+          _x(r["ratio_prealloc"]), _x(r["noise"])] for r in rows]))
+    print("\nMedian per call over back-to-back calls, slowest rank. raw again/raw: the raw call "
+          "timed twice, the spread between identical cases.")
     print()
     uneven = [r for r in results if r["table"] == "uneven_all_to_all"]
     print(format_table(

@@ -1,4 +1,9 @@
-"""Side-by-side timing on every rank: interleaved rounds, barrier-aligned, median of ranks' max."""
+"""Side-by-side timing on every rank: interleaved cases, the slowest rank's time, medians.
+
+`time_side_by_side` starts every call from a barrier (for calls of many milliseconds: training
+steps, layer stacks). `time_back_to_back` times short collectives as they run in real code,
+one after another with no barrier in between, cases interleaved call by call.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["format_table", "time_side_by_side"]
+__all__ = ["calls_within", "format_table", "time_back_to_back", "time_side_by_side"]
 
 
 def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
@@ -32,6 +37,47 @@ def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
             if i >= warmup:
                 samples[name].append(elapsed.item())
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def time_back_to_back(cases: dict[str, Callable[[], object]], *, calls: int,
+                      warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each case, timed call by call with no barrier in between.
+
+    The cases take turns, one call each, and the order rotates every turn so that each case
+    follows every other equally often. Every rank times its own calls; a call's time is the
+    slowest rank's (an element-wise MAX over ranks, exchanged once at the end). Runs on
+    every rank; returns the same numbers everywhere.
+    """
+    names = list(cases)
+    n = len(names)
+    durations = torch.zeros(n, calls, dtype=torch.float64)
+    dist.barrier()
+    for turn in range(warmup + calls):
+        for k in range(n):
+            i = (k + turn) % n
+            fn = cases[names[i]]
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if turn >= warmup:
+                durations[i, turn - warmup] = elapsed
+    dist.all_reduce(durations, op=dist.ReduceOp.MAX)
+    return {name: durations[i].median().item() for i, name in enumerate(names)}
+
+
+def calls_within(budget_s: float, fn: Callable[[], object], *, minimum: int,
+                 maximum: int = 400) -> int:
+    """How many calls of ``fn`` fit in ``budget_s`` seconds, within [minimum, maximum].
+
+    Times one call on every rank and agrees on the slowest, so every rank gets the same count.
+    """
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    once = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX)
+    return max(minimum, min(maximum, int(budget_s / max(once.item(), 1e-9))))
 
 
 def format_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -77,18 +77,18 @@ def _check(name: str, *outputs: object) -> None:
             f"rank {dist.get_rank()}: {name}: output {i} differs from output 0"
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a / b
-
-
-def run_rank(nbytes: int, rounds: int) -> list[dict[str, Any]]:
+def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, Any]]:
     """One rank's part: every case at ``nbytes`` (rounded down to a multiple of 4 * world).
 
-    Returns one dict per table row, the same on every rank. Rows with ``table="collectives"``
-    carry ``raw``, ``raw_prealloc`` and ``tensorpar`` seconds per call; rows with
-    ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and ``p2p``.
+    Each case runs back to back, ``calls`` times (as many as fit in ``budget_s`` seconds,
+    at least ``rounds``), interleaved call by call with the others. Returns one dict per
+    table row, the same on every rank. Rows with ``table="collectives"`` carry ``raw``,
+    ``raw_prealloc`` and ``tensorpar`` median seconds per call, and ``noise``: the raw call
+    timed a second time as its own case, over the first (how far apart two identical cases
+    land in this run). Rows with ``table="uneven_all_to_all"`` carry ``tensorpar``,
+    ``padded`` and ``p2p``.
     """
-    from tensorpar.bench._timing import time_side_by_side
+    from tensorpar.bench._timing import calls_within, time_back_to_back
 
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4 // world * world
@@ -163,20 +163,25 @@ def run_rank(nbytes: int, rounds: int) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
 
-    def row(collective: str, raw: float, prealloc: float | None, ours: float) -> None:
+    def row(collective: str, t: dict[str, float], ours: str, raw: str = "raw",
+            prealloc: str | None = "raw_prealloc") -> None:
         rows.append({"table": "collectives", "collective": collective, "world_size": world,
-                     "nbytes": numel * 4, "raw": raw, "raw_prealloc": prealloc,
-                     "tensorpar": ours, "ratio": ours / raw,
-                     "ratio_prealloc": _ratio(ours, prealloc)})
+                     "nbytes": numel * 4, "calls": calls, "raw": t[raw],
+                     "raw_prealloc": None if prealloc is None else t[prealloc],
+                     "tensorpar": t[ours], "ratio": t[ours] / t[raw],
+                     "ratio_prealloc": None if prealloc is None else t[ours] / t[prealloc],
+                     "noise": t["raw_again"] / t["raw"]})
 
     for name, cases in groups.items():
-        t = time_side_by_side(cases, rounds=rounds)
-        row(name, t["raw"], t["raw_prealloc"], t["tensorpar"])
+        # "raw_again" is the raw call timed as a second case: raw_again/raw shows the noise
+        calls = calls_within(budget_s, cases["raw"], minimum=rounds)
+        t = time_back_to_back({**cases, "raw_again": cases["raw"]}, calls=calls)
+        row(name, t, "tensorpar")
         if name == "all_gather":
-            row("all_gather (exchange sizes)", t["raw"], t["raw_prealloc"],
-                t["tensorpar_exchange"])
+            row("all_gather (exchange sizes)", t, "tensorpar_exchange")
         if name == "all_reduce":
-            row("all_reduce (in place)", t["raw_inplace"], None, t["tensorpar_inplace"])
+            row("all_reduce (in place)", t, "tensorpar_inplace", raw="raw_inplace",
+                prealloc=None)
 
     splits = uneven_splits(numel, world)
     strategies: dict[str, Callable[[], object]] = {
@@ -185,9 +190,10 @@ def run_rank(nbytes: int, rounds: int) -> list[dict[str, Any]]:
         "p2p": lambda: p2p_all_to_all(x, splits),
     }
     _check("uneven all_to_all", *(fn() for fn in strategies.values()))
-    t = time_side_by_side(strategies, rounds=rounds)
+    calls = calls_within(budget_s, strategies["tensorpar"], minimum=rounds)
+    t = time_back_to_back(strategies, calls=calls)
     rows.append({"table": "uneven_all_to_all", "world_size": world, "nbytes": numel * 4,
-                 "splits": splits, "padded_nbytes": world * max(splits) * 4, **t,
+                 "calls": calls, "splits": splits, "padded_nbytes": world * max(splits) * 4, **t,
                  "padded_ratio": t["padded"] / t["tensorpar"],
                  "p2p_ratio": t["p2p"] / t["tensorpar"]})
     return rows
