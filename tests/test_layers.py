@@ -256,3 +256,86 @@ def test_plan_problems_are_reported_together():
     assert "unknown style 'sideways'" in message
     assert len(re.findall(r"\n  - ", message)) == 4
     assert type(model[0]) is nn.Linear  # nothing was replaced
+
+
+# -- the column-parallel backward: all-reduce overlapped with the weight gradient ----------------
+
+def _mlp_pair():
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(10, 37), nn.Tanh(), nn.Linear(37, 10)).double()
+    parallel = nn.Sequential(ColumnParallelLinear.from_dense(dense[0]), nn.Tanh(),
+                             RowParallelLinear.from_dense(dense[2]))
+    return dense, parallel
+
+
+def _double_backward():
+    """A gradient penalty (create_graph=True) through a column -> row pair equals the dense one."""
+    dense, parallel = _mlp_pair()
+    results = []
+    for model in (dense, parallel):
+        x = rand(1, 4, 10).requires_grad_()
+        (gx,) = torch.autograd.grad((model(x) * rand(2, 4, 10)).sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        results.append((gx.detach(), x.grad, [p.grad for p in model.parameters()]))
+    (gx_d, xg_d, pg_d), (gx_p, xg_p, pg_p) = results
+    torch.testing.assert_close(gx_p, gx_d, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(xg_p, xg_d, rtol=1e-10, atol=1e-10)
+    s = parallel[0].shard
+    expected = [pg_d[0][s.start: s.stop], pg_d[1][s.start: s.stop], pg_d[2][:, s.start: s.stop],
+                pg_d[3]]
+    for got, want in zip(pg_p, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_column_row_double_backward_matches_dense(world_size):
+    assert all(run_distributed(_double_backward, world_size))
+
+
+def _all_reduce_before_weight_grad():
+    from tensorpar.nn import _column_fn
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(6, 8).double()
+    x = rand(1, 3, 6).requires_grad_()
+    y = layer(x)
+    rows, log = _column_fn._rows, []
+
+    def logged(t):  # folds the operands of the weight and bias gradients
+        log.append(counter.count("all_reduce"))
+        return rows(t)
+
+    _column_fn._rows = logged
+    try:
+        with tp.CommCounter() as counter:
+            y.backward(rand(2, *y.shape))
+    finally:
+        _column_fn._rows = rows
+    return log, counter.count("all_reduce"), x.grad is not None
+
+
+def test_column_backward_launches_all_reduce_before_weight_gradient():
+    for log, reduces, has_grad in run_distributed(_all_reduce_before_weight_grad, 2):
+        # the weight and bias gradients are computed while the all-reduce is in flight
+        assert has_grad and reduces == 1 and log and all(n == 1 for n in log), log
+
+
+def _under_autocast():
+    """Autocast takes the plain composition; results follow the dense layer under autocast."""
+    torch.manual_seed(0)
+    dense = nn.Linear(10, 37)
+    layer = ColumnParallelLinear.from_dense(dense, gather_output=True)
+    x_dense, x = rand(1, 5, 10, dtype=torch.float32), rand(1, 5, 10, dtype=torch.float32)
+    x_dense.requires_grad_(), x.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_dense, y = dense(x_dense), layer(x)
+    y_dense.float().sum().backward()
+    y.float().sum().backward()
+    torch.testing.assert_close(y, y_dense, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad, x_dense.grad, rtol=2e-2, atol=2e-2)
+    return y.dtype == torch.bfloat16
+
+
+def test_column_parallel_linear_under_autocast():
+    assert all(run_distributed(_under_autocast, 2))

@@ -141,12 +141,16 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
                                            timeout=args.timeout)[0])
     rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
              _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
-             _x(r["tensorpar"] / r["floor"]), _x(r["tensorpar"] / r["dense"])]
+             _x(r["tensorpar"] / r["floor"]), _x(r["tensorpar"] / r["dense"]),
+             _ms(r["tensorpar_cpu"]), _ms(r["dtensor_cpu"]),
+             _x(r["tensorpar_cpu"] / r["dtensor_cpu"])]
             for r in results]
     print(format_table(["workload", "tp", "dense ms", "floor ms", "tensorpar ms", "dtensor ms",
-                        "tp/dtensor", "tp/floor", "tp/dense"], rows))
+                        "tp/dtensor", "tp/floor", "tp/dense", "tp CPU ms", "dtensor CPU ms",
+                        "tp/dtensor CPU"], rows))
     print("(forward+backward per step; dense: one process computing everything; floor: this "
-          "rank's share of the dense compute + the raw all-reduces of the same bytes)")
+          "rank's share of the dense compute + the raw all-reduces of the same bytes; CPU: the "
+          "calling thread's CPU time, without time blocked on other ranks)")
     return results
 
 

@@ -19,24 +19,32 @@ __all__ = ["calls_within", "format_table", "time_back_to_back", "time_side_by_si
 
 
 def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
-                      warmup: int = 2) -> dict[str, float]:
+                      warmup: int = 2, cpu: bool = False) -> dict[str, float]:
     """Median seconds per call of each case, measured in interleaved rounds.
 
-    Each round runs every case once, in turn, between barriers; a call's time is the slowest
-    rank's (an all-reduce of MAX), since a collective is only done when every rank is.
+    Each round runs every case once, in turn, between barriers; a call's time is the
+    slowest rank's (an all-reduce of MAX), since a collective is only done when every rank is.
+    With ``cpu=True`` the result also has ``<case>_cpu``: the median CPU time of the calling
+    thread (the slowest rank's), which leaves out time spent blocked waiting for other ranks.
     Runs on every rank; returns the same numbers everywhere.
     """
     samples: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_samples: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(warmup + rounds):
         for name, fn in cases.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             fn()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - start, time.thread_time() - start_cpu],
+                                   dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= warmup:
-                samples[name].append(elapsed.item())
-    return {name: statistics.median(values) for name, values in samples.items()}
+                samples[name].append(elapsed[0].item())
+                cpu_samples[name].append(elapsed[1].item())
+    result = {name: statistics.median(values) for name, values in samples.items()}
+    if cpu:
+        result |= {f"{name}_cpu": statistics.median(v) for name, v in cpu_samples.items()}
+    return result
 
 
 def time_back_to_back(cases: dict[str, Callable[[], object]], *, calls: int,

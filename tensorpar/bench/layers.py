@@ -1,5 +1,9 @@
 """Tensor-parallel forward+backward: tensorpar vs DTensor vs a dense single process vs the floor.
 
+Besides wall time, each implementation's CPU time on the calling thread is reported: the
+work it does itself (Python, dispatch, kernels on CPU), without the time spent blocked waiting
+for the other ranks, which on a latency-bound workload hides the difference.
+
 The floor is what no implementation can beat on these ranks: this rank's share of the dense
 compute (the same layers with shard-sized weights, no communication) plus the raw
 ``dist.all_reduce`` calls that tensor parallelism needs on the same bytes (one in forward
@@ -137,5 +141,5 @@ def run_rank(workload: str, rounds: int) -> dict[str, Any]:
 
     times = time_side_by_side({"dense": dense_on_rank_0, "floor": floor,
                                "tensorpar": lambda: step(ours),
-                               "dtensor": lambda: step(theirs)}, rounds=rounds)
+                               "dtensor": lambda: step(theirs)}, rounds=rounds, cpu=True)
     return {"workload": workload, "tp": dist.get_world_size(), **times}

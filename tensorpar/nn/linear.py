@@ -12,6 +12,7 @@ from torch import nn
 
 import tensorpar
 from tensorpar._group import GroupLike
+from tensorpar.nn._column_fn import column_linear
 from tensorpar.nn._shard import Shard, shard_of
 from tensorpar.placeholder import TensorPlaceholder
 
@@ -34,7 +35,8 @@ class ColumnParallelLinear(nn.Module):
 
     Each rank holds ``out_features`` rows of its shard (balanced like ``tensor_split``, in
     units of ``multiple_of``) and computes that slice of ``y``. The input must be the same on
-    every rank; its gradient is summed across the group (`copy_to_group`).
+    every rank; its gradient is summed across the group (`copy_to_group`). In backward that
+    all-reduce is launched before the weight gradient is computed and overlaps it.
 
     Args:
         in_features: size of each input sample.
@@ -66,10 +68,10 @@ class ColumnParallelLinear(nn.Module):
         _init_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.shard.group.handle
-        y = F.linear(tensorpar.copy_to_group(x, group=g), self.weight, self.bias)
+        y = column_linear(x, self.weight, self.bias, self.shard.group)
         if self.gather_output:
-            y = tensorpar.gather_from_group(y, dim=-1, group=g, sizes=self.shard.sizes)
+            y = tensorpar.gather_from_group(y, dim=-1, group=self.shard.group.handle,
+                                            sizes=self.shard.sizes)
         return y
 
     @classmethod

@@ -1,0 +1,84 @@
+"""The column-parallel matmul with its backward all-reduce overlapped with the weight gradient.
+
+``F.linear(copy_to_group(x), W, b)`` gives the right gradients, but autograd computes the
+input and weight gradients of ``F.linear`` in one node, so the all-reduce of the input
+gradient can only start after the weight gradient is done. `ColumnLinear` computes the input
+gradient first, launches its all-reduce asynchronously, computes the weight and bias
+gradients while it travels, then waits: the same numbers, with the communication hidden
+behind the weight gradient (Megatron's asynchronous tensor-parallel all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar import _comm
+from tensorpar._autograd import SYNC, torch_op
+from tensorpar._group import Group
+from tensorpar._symmetric import AllReduce
+
+__all__ = ["column_linear"]
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))  # type: ignore[call-arg]
+    except TypeError:  # a torch without the per-device form
+        return True
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  group: Group) -> torch.Tensor:
+    """``F.linear(copy_to_group(x), weight, bias)``, with the overlapped backward.
+
+    Falls back to the plain composition where the fused Function does not apply: a group
+    of one rank, or autocast (whose casts the composition handles).
+    """
+    if group.is_single:
+        return F.linear(x, weight, bias)
+    if _autocast_on(x.device.type):
+        from tensorpar.functional import copy_to_group
+
+        return F.linear(copy_to_group(x, group=group.handle), weight, bias)
+    out: torch.Tensor = ColumnLinear.apply(x, weight, bias, group)
+    return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix: every leading dim folded into the rows."""
+    return t.reshape(-1, t.shape[-1])
+
+
+class ColumnLinear(torch.autograd.Function):
+    """Forward: ``x W^T + b``. Backward: ``all_reduce(g W)`` overlapped with ``g^T x``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Group) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph: a graph of differentiable steps
+            grad_x = AllReduce.apply(grad.matmul(weight), ctx.group, "sum", "identity", False,
+                                     SYNC) if need_x else None
+            grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
+            grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+            return grad_x, grad_w, grad_b, None
+        grad_x = work = None
+        if need_x:
+            grad_x = grad.matmul(weight)  # a fresh, contiguous tensor: reduced in place
+            work = _comm.all_reduce(grad_x, torch_op("sum"), ctx.group, async_op=True)
+        grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
+        grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None
