@@ -37,8 +37,9 @@ def check_sizes(fn: str, sizes: object, parts: int) -> tuple[int, ...]:
     if len(sizes) != parts:
         raise ValueError(f"{fn}: sizes={list(sizes)} has {len(sizes)} entries, expected one per "
                          f"rank of the group ({parts})")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes):
-        raise ValueError(f"{fn}: sizes={list(sizes)} must hold non-negative ints")
+    for s in sizes:  # a plain loop: this runs on every call that passes sizes
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"{fn}: sizes={list(sizes)} must hold non-negative ints")
     return tuple(sizes)
 
 
