@@ -108,7 +108,8 @@ def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
     if sizes is not None:  # every rank holds this shape: every received chunk is alike
         piece = list(x.shape)
         piece[sd] = sizes[g.rank]
-        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size)
+        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size,
+                            even=len(set(sizes)) == 1)
     headers = exchange(g, local_header(x))
     shapes = [h.shape for h in headers]
     if any(h.dtype != x.dtype or len(h.shape) != x.ndim for h in headers):
@@ -131,4 +132,7 @@ def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
                     f"shapes {list(recv[0])} (from rank 0) and {list(got)} (from rank {src}), "
                     f"which differ outside concat_dim")
         recv_all.append(tuple(recv))
-    return AllToAllSpec(g, sd, cd, splits[g.rank], recv_all[g.rank])
+    # even on every rank only if every rank splits the same shape evenly (decided from every
+    # rank's shape, so all ranks take the same gloo path)
+    even = all(s == shapes[0] for s in shapes) and len(set(splits[0])) == 1
+    return AllToAllSpec(g, sd, cd, splits[g.rank], recv_all[g.rank], even)

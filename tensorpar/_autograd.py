@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 
 from tensorpar.errors import TensorparError
@@ -41,9 +42,10 @@ def needs_graph(t: torch.Tensor) -> bool:
     """Whether an autograd Function applied to ``t`` would record a backward node.
 
     When it would not, the public collectives call the data path directly and skip
-    ``Function.apply`` (tens of microseconds a call).
+    ``Function.apply`` (tens of microseconds a call). Inside a forward-mode AD level the
+    Function is kept, so a dual tensor is refused instead of losing its tangent.
     """
-    return t.requires_grad and torch.is_grad_enabled()
+    return (t.requires_grad and torch.is_grad_enabled()) or _forward_ad._current_level >= 0
 
 
 def no_backward(fn: str, op: str) -> TensorparError:

@@ -191,6 +191,9 @@ class AllToAllSpec:
     concat_dim: int
     send_sizes: tuple[int, ...]
     recv_shapes: tuple[torch.Size, ...]
+    even: bool
+    """Every rank sends and receives equal chunks; the same on every rank, since the ranks
+    must agree on gloo's equal-split path versus its split-list one."""
 
     @functools.cached_property
     def out_shape(self) -> torch.Size:
@@ -198,11 +201,6 @@ class AllToAllSpec:
         shape = list(self.recv_shapes[0])
         shape[self.concat_dim] = sum(s[self.concat_dim] for s in self.recv_shapes)
         return torch.Size(shape)
-
-    @property
-    def is_even(self) -> bool:
-        """Every rank sends equal chunks and receives equal chunks."""
-        return len(set(self.send_sizes)) == 1 and len(set(self.recv_shapes)) == 1
 
     def dual(self, in_shape: torch.Size) -> AllToAllSpec:
         """The spec of the backward: gradients travel back the way the data came."""
@@ -212,12 +210,13 @@ class AllToAllSpec:
             shape[self.split_dim] = n
             sent.append(torch.Size(shape))
         return AllToAllSpec(self.group, self.concat_dim, self.split_dim,
-                            tuple(s[self.concat_dim] for s in self.recv_shapes), tuple(sent))
+                            tuple(s[self.concat_dim] for s in self.recv_shapes), tuple(sent),
+                            self.even)
 
 
 def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torch.Tensor:
     x = x.detach()
-    if spec.split_dim == 0 == spec.concat_dim and spec.is_even and x.dtype in NATIVE_DTYPES:
+    if spec.split_dim == 0 == spec.concat_dim and spec.even and x.dtype in NATIVE_DTYPES:
         # the common case (e.g. token dispatch): equal chunks leave and land along dim 0
         send = x.contiguous()
         recv = x.new_empty(spec.out_shape)
@@ -236,10 +235,9 @@ def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torc
     out_shape = spec.out_shape
     lands_in_place = math.prod(out_shape[: spec.concat_dim]) == 1  # chunks arrive in order
     recv = x.new_empty(out_shape if lands_in_place else (sum(out_numels),))
-    even = len(set(out_numels)) == 1 and len(set(in_splits)) == 1  # gloo's faster path
     work = _comm.all_to_all(as_bytes(recv), as_bytes(send),
-                            None if even else [n * unit for n in out_numels],
-                            None if even else [n * unit for n in in_splits],
+                            None if spec.even else [n * unit for n in out_numels],
+                            None if spec.even else [n * unit for n in in_splits],
                             spec.group, launch.async_op)
     if lands_in_place:
         launch.add(work, send)

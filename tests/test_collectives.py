@@ -354,3 +354,34 @@ def test_group_without_this_rank_is_refused():
     outcomes = run_distributed(_not_a_member, 2)
     assert outcomes[0] == [1.0, 1.0]
     assert "global rank 1" in outcomes[1] and "not a member" in outcomes[1], outcomes[1]
+
+
+def _all_to_all_even_on_one_rank_only():
+    """Rank 0 splits evenly (2, 2), rank 1 does not (2, 1); every rank now takes the split-list
+    path (the choice is made from every rank's shape, so the ranks agree on it)."""
+    rank = dist.get_rank()
+    lengths = [4, 3]
+    x = torch.arange(lengths[rank], dtype=torch.float64) + 10 * rank
+    expected = torch.cat([torch.tensor_split(torch.arange(n, dtype=torch.float64) + 10 * r,
+                                             2)[rank] for r, n in enumerate(lengths)])
+    return torch.equal(tp.all_to_all(x, 0, 0), expected)
+
+
+def test_all_to_all_even_on_one_rank_uneven_on_another():
+    assert run_distributed(_all_to_all_even_on_one_rank_only, 2, timeout=30) == [True, True]
+
+
+def _forward_mode_dual():
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.ones(3), torch.ones(3))
+        try:
+            tp.all_reduce(dual)
+        except RuntimeError as e:
+            return "jvp" in str(e)
+    return False
+
+
+def test_forward_mode_dual_is_refused_not_stripped():
+    assert run_distributed(_forward_mode_dual, 2) == [True, True]

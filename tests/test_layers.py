@@ -339,3 +339,31 @@ def _under_autocast():
 
 def test_column_parallel_linear_under_autocast():
     assert all(run_distributed(_under_autocast, 2))
+
+
+def _zero_width_shard():
+    """out_features < ranks: some ranks hold no output column and still join the backward."""
+    torch.manual_seed(0)
+    dense = nn.Linear(6, 1).double()
+    layer = ColumnParallelLinear.from_dense(dense, gather_output=True)
+    x_dense, x = rand(1, 3, 6).requires_grad_(), rand(1, 3, 6).requires_grad_()
+    (dense(x_dense) * 2).sum().backward()
+    y = layer(x)
+    torch.testing.assert_close(y, dense(x_dense.detach()), rtol=1e-10, atol=1e-10)
+    (y * 2).sum().backward()
+    torch.testing.assert_close(x.grad, x_dense.grad, rtol=1e-10, atol=1e-10)
+    return layer.shard.length
+
+
+def test_column_parallel_linear_with_an_empty_shard():
+    assert sorted(run_distributed(_zero_width_shard, 2)) == [0, 1]
+
+
+def _on_meta():
+    layer = ColumnParallelLinear(4, 6, device="meta")
+    y = layer(torch.empty(3, 4, device="meta", requires_grad=True))
+    return tuple(y.shape), y.device.type
+
+
+def test_column_parallel_linear_on_meta_tensors():
+    assert run_distributed(_on_meta, 2) == [((3, 3), "meta")] * 2

@@ -7,6 +7,7 @@ one after another with no barrier in between, cases interleaved call by call.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -51,18 +52,20 @@ def time_back_to_back(cases: dict[str, Callable[[], object]], *, calls: int,
                       warmup: int = 3) -> dict[str, float]:
     """Median seconds per call of each case, timed call by call with no barrier in between.
 
-    The cases take turns, one call each, and the order rotates every turn so that each case
-    follows every other equally often. Every rank times its own calls; a call's time is the
-    slowest rank's (an element-wise MAX over ranks, exchanged once at the end). Runs on
-    every rank; returns the same numbers everywhere.
+    The cases take turns, one call each, in an order shuffled every turn (the same shuffle
+    on every rank), so no case keeps following the same neighbour. Every rank times its own
+    calls; a call's time is the slowest rank's (an element-wise MAX over ranks, exchanged
+    once at the end). Runs on every rank; returns the same numbers everywhere.
     """
     names = list(cases)
     n = len(names)
     durations = torch.zeros(n, calls, dtype=torch.float64)
+    order = list(range(n))
+    shuffle = random.Random(0).shuffle  # one seed: every rank calls in the same order
     dist.barrier()
     for turn in range(warmup + calls):
-        for k in range(n):
-            i = (k + turn) % n
+        shuffle(order)
+        for i in order:
             fn = cases[names[i]]
             start = time.perf_counter()
             fn()

@@ -80,13 +80,13 @@ def _check(name: str, *outputs: object) -> None:
 def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, Any]]:
     """One rank's part: every case at ``nbytes`` (rounded down to a multiple of 4 * world).
 
-    Each case runs back to back, ``calls`` times (as many as fit in ``budget_s`` seconds,
-    at least ``rounds``), interleaved call by call with the others. Returns one dict per
-    table row, the same on every rank. Rows with ``table="collectives"`` carry ``raw``,
-    ``raw_prealloc`` and ``tensorpar`` median seconds per call, and ``noise``: the raw call
-    timed a second time as its own case, over the first (how far apart two identical cases
-    land in this run). Rows with ``table="uneven_all_to_all"`` carry ``tensorpar``,
-    ``padded`` and ``p2p``.
+    Each case runs back to back, ``calls`` times (as many calls of the raw case as fit in
+    ``budget_s`` seconds, at least ``rounds``), interleaved call by call with the others.
+    Returns one dict per table row, the same on every rank. Rows with
+    ``table="collectives"`` carry ``raw``, ``raw_prealloc`` and ``tensorpar`` median seconds
+    per call, and ``noise``: the raw call timed a second time as its own case, over the first
+    (how far apart two identical cases land in this run; out-of-place rows only). Rows with
+    ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and ``p2p``.
     """
     from tensorpar.bench._timing import calls_within, time_back_to_back
 
@@ -170,7 +170,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
                      "raw_prealloc": None if prealloc is None else t[prealloc],
                      "tensorpar": t[ours], "ratio": t[ours] / t[raw],
                      "ratio_prealloc": None if prealloc is None else t[ours] / t[prealloc],
-                     "noise": t["raw_again"] / t["raw"]})
+                     "noise": t["raw_again"] / t["raw"] if raw == "raw" else None})
 
     for name, cases in groups.items():
         # "raw_again" is the raw call timed as a second case: raw_again/raw shows the noise

@@ -10,6 +10,7 @@ behind the weight gradient (Megatron's asynchronous tensor-parallel all-reduce).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from tensorpar import _comm
 from tensorpar._autograd import SYNC, torch_op
 from tensorpar._group import Group
+from tensorpar._meta import require_tensor
 from tensorpar._symmetric import AllReduce
 
 __all__ = ["column_linear"]
@@ -27,7 +29,7 @@ def _autocast_on(device_type: str) -> bool:
     """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
     try:
         return bool(torch.is_autocast_enabled(device_type))  # type: ignore[call-arg]
-    except TypeError:  # a torch without the per-device form
+    except (TypeError, RuntimeError):  # an older torch, or a device without autocast (meta)
         return True
 
 
@@ -38,6 +40,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Falls back to the plain composition where the fused Function does not apply: a group
     of one rank, or autocast (whose casts the composition handles).
     """
+    x = require_tensor("ColumnParallelLinear", x)
     if group.is_single:
         return F.linear(x, weight, bias)
     if _autocast_on(x.device.type):
@@ -49,8 +52,8 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a matrix: every leading dim folded into the rows."""
-    return t.reshape(-1, t.shape[-1])
+    """``t`` as a matrix: every leading dim folded into the rows (also for 0 columns)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class ColumnLinear(torch.autograd.Function):
@@ -60,7 +63,9 @@ class ColumnLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: Group) -> torch.Tensor:
         ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        # keep only what the gradients need, as F.linear does (a frozen weight: no x)
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -68,6 +73,8 @@ class ColumnLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph: a graph of differentiable steps
+            if x is not None:  # as CopyToGroup does: the graph also reaches x on every rank
+                grad = grad + x.reshape(-1)[:0].sum()
             grad_x = AllReduce.apply(grad.matmul(weight), ctx.group, "sum", "identity", False,
                                      SYNC) if need_x else None
             grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
