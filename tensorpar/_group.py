@@ -8,8 +8,7 @@ global rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -21,13 +20,13 @@ GroupLike: TypeAlias = "dist.ProcessGroup | Any | None"
 one-dimensional ``DeviceMesh``."""
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(NamedTuple):
     """A resolved process group: the handle plus this process's rank and the group size.
 
     ``handle`` is ``None`` when ``torch.distributed`` is not initialised and the caller asked
     for the default group: tensorpar then behaves as a single-rank group, so every
-    collective works in a plain single-process script.
+    collective works in a plain single-process script. (A named tuple: one is built on
+    every collective call, and a tuple is the cheapest immutable record to build.)
     """
 
     handle: dist.ProcessGroup | None
@@ -72,6 +71,9 @@ class Group:
         return torch.device(types[0])
 
 
+_DIST_AVAILABLE = dist.is_available()
+
+
 def _device_types(handle: dist.ProcessGroup) -> list[torch.device]:
     types = getattr(handle, "_device_types", None)
     return list(types) if types is not None else []
@@ -102,7 +104,7 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
     """
     if group is None:
         # WORLD is None until init_process_group; this is cheaper than dist.is_initialized()
-        handle = dist.group.WORLD if dist.is_available() else None
+        handle = dist.group.WORLD if _DIST_AVAILABLE else None
         if handle is None:
             return Group(None, 0, 1)
     elif isinstance(group, dist.ProcessGroup):

@@ -23,7 +23,34 @@ __all__ = ["AllGather", "AllReduce", "AllToAll", "AllToAllSpec", "CopyToGroup",
            "GatherFromGroup", "ReduceScatter", "SplitToGroup"]
 
 
+def all_gather_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:
+    """Every rank's ``x`` has the same non-empty shape and a native dtype: the chunks land in
+    place along dim 0 (no flattening, no spec)."""
+    send = x.contiguous()  # only read: no graph is recorded on this path
+    out = send.new_empty((group.size * send.shape[0], *send.shape[1:]))
+    launch.add(_comm.all_gather_into(out, send, group, async_op=launch.async_op), send)
+    return out
+
+
+def reduce_scatter_equal(x: torch.Tensor, group: Group, op: str, launch: Launch
+                         ) -> torch.Tensor:
+    """``x`` (non-empty, native dtype, the same shape on every rank) splits into equal chunks
+    along dim 0; rank r keeps the reduction of chunk r."""
+    send = scale_for_mean(x, op, group.size).contiguous()  # no graph is recorded here
+    out = send.new_empty((send.shape[0] // group.size, *send.shape[1:]))
+    launch.add(_comm.reduce_scatter_into(out, send, torch_op(op), group, launch.async_op),
+               send)
+    return out
+
+
+def equal_on_dim0(x: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> bool:
+    """Whether the ``*_equal`` shortcuts apply: equal non-empty chunks along dim 0."""
+    return dim == 0 and x.dtype in NATIVE_DTYPES and sizes[0] > 0 and len(set(sizes)) == 1
+
+
 def all_gather_data(x: torch.Tensor, spec: SplitSpec, launch: Launch) -> torch.Tensor:
+    if equal_on_dim0(x, spec.dim, spec.sizes):
+        return all_gather_equal(x, spec.group, launch)
     g, numels = spec.group, spec.numels
     width = max(numels)
     if width == 0:
@@ -46,6 +73,8 @@ def all_gather_data(x: torch.Tensor, spec: SplitSpec, launch: Launch) -> torch.T
 
 def reduce_scatter_data(x: torch.Tensor, spec: SplitSpec, op: str, launch: Launch
                         ) -> torch.Tensor:
+    if equal_on_dim0(x, spec.dim, spec.sizes):
+        return reduce_scatter_equal(x, spec.group, op, launch)
     g, numels = spec.group, spec.numels
     shape = spec.chunk_shape(g.rank)
     width = max(numels)
@@ -214,14 +243,20 @@ class AllToAllSpec:
                             self.even)
 
 
+def all_to_all_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:
+    """The common all-to-all (e.g. token dispatch): every rank holds the same shape and sends
+    equal chunks along dim 0, so chunks leave and land in place and the output has ``x``'s
+    shape. ``x`` must have a dtype the backends move natively."""
+    send = x.contiguous()
+    recv = torch.empty_like(send)
+    launch.add(_comm.all_to_all(recv, send, None, None, group, launch.async_op), send)
+    return recv
+
+
 def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torch.Tensor:
     x = x.detach()
     if spec.split_dim == 0 == spec.concat_dim and spec.even and x.dtype in NATIVE_DTYPES:
-        # the common case (e.g. token dispatch): equal chunks leave and land along dim 0
-        send = x.contiguous()
-        recv = x.new_empty(spec.out_shape)
-        launch.add(_comm.all_to_all(recv, send, None, None, spec.group, launch.async_op), send)
-        return recv
+        return all_to_all_equal(x, spec.group, launch)
     unit = 1 if x.dtype in NATIVE_DTYPES else x.element_size()  # as_bytes' elements per item
     if math.prod(x.shape[: spec.split_dim]) == 1:  # the parts are consecutive in memory
         send = x.contiguous()

@@ -54,9 +54,13 @@ from tensorpar._symmetric import (
     ReduceScatter,
     SplitToGroup,
     all_gather_data,
+    all_gather_equal,
     all_reduce_data,
     all_to_all_data,
+    all_to_all_equal,
+    equal_on_dim0,
     reduce_scatter_data,
+    reduce_scatter_equal,
 )
 from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
@@ -339,8 +343,12 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
     g, sizes = setup(fn, group, sizes)
     if g.is_single:
         return result(single_chunk(fn, x, dim, sizes), Launch(async_op), async_op)
-    spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
     launch = Launch(async_op)
+    if sizes is not None and isinstance(x, torch.Tensor) and not needs_graph(x) \
+            and equal_on_dim0(x, _normalize_dim(fn, dim, x.ndim), sizes) \
+            and x.shape[0] == sizes[g.rank]:  # no graph, no spec: the shortest path
+        return result(all_gather_equal(x, g, launch), launch, async_op)
+    spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
     out: torch.Tensor = AllGather.apply(inp, spec, launch) if needs_graph(inp) \
         else all_gather_data(inp, spec, launch)
     return result(out, launch, async_op)
@@ -387,9 +395,11 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpName = "sum",
     sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g, "the input")
     if g.is_single:
         return result(tensor, Launch(async_op), async_op)
+    launch = Launch(async_op)
+    if equal_on_dim0(tensor, d, sizes) and not needs_graph(tensor):  # the shortest path
+        return result(reduce_scatter_equal(tensor, g, op, launch), launch, async_op)
     spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
                      sizes=sizes)
-    launch = Launch(async_op)
     out: torch.Tensor = ReduceScatter.apply(tensor, spec, op, launch) if needs_graph(tensor) \
         else reduce_scatter_data(tensor, spec, op, launch)
     return result(out, launch, async_op)
@@ -510,6 +520,9 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
         check_total(fn, sizes, tensor.shape[sd], sd, "this rank's tensor")
     if g.is_single:
         return tensor
+    if cd == 0 and sizes is not None and equal_on_dim0(tensor, sd, sizes) \
+            and not needs_graph(tensor):
+        return all_to_all_equal(tensor, g, SYNC)  # no graph, no spec: the shortest path
     spec = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
     if needs_graph(tensor):
         out: torch.Tensor = AllToAll.apply(tensor, spec, SYNC)

@@ -295,13 +295,23 @@ def test_inplace_rejects_non_contiguous_input():
 def _without_autograd():
     """Each symmetric collective gives the same bytes with and without a recorded graph."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(rank)
-    x = torch.randn(2 * p + 1, 3, dtype=torch.float64)  # an odd length: uneven chunks
+    every = [torch.randn(2 * p + 1, 3, dtype=torch.float64,  # an odd length: uneven chunks
+                         generator=torch.Generator().manual_seed(r)) for r in range(p)]
+    x = every[rank]
+    even = [2] * p  # equal chunks along dim 0: the shortest paths
+    expected = {
+        "all_gather equal": torch.cat([t[:2] for t in every]),
+        "reduce_scatter equal": sum(t[: 2 * p] for t in every)[2 * rank: 2 * rank + 2] / p,
+        "all_to_all equal": torch.cat([t[2 * rank: 2 * rank + 2] for t in every]),
+    }
     calls = {
         "all_gather": lambda t: tp.all_gather(t[: rank + 1]),
         "reduce_scatter": lambda t: tp.reduce_scatter(t),
         "all_reduce": lambda t: tp.all_reduce(t, op="mean"),
         "all_to_all": lambda t: tp.all_to_all(t, 0, 1),
+        "all_gather equal": lambda t: tp.all_gather(t[:2], sizes=[2] * p),
+        "reduce_scatter equal": lambda t: tp.reduce_scatter(t[: 2 * p], op="mean"),
+        "all_to_all equal": lambda t: tp.all_to_all(t[: 2 * p], 0, 0, sizes=even),
     }
     same = {}
     for name, call in calls.items():
@@ -313,6 +323,8 @@ def _without_autograd():
                       and not no_grad.requires_grad
                       and torch.equal(with_graph.detach(), plain)
                       and torch.equal(plain, no_grad))
+        if name in expected:
+            same[name] = same[name] and torch.allclose(plain, expected[name], rtol=1e-12)
     return same
 
 
