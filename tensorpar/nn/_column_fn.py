@@ -21,6 +21,7 @@ from tensorpar._autograd import SYNC, torch_op
 from tensorpar._group import Group
 from tensorpar._meta import require_tensor
 from tensorpar._symmetric import AllReduce
+from tensorpar.functional import copy_to_group
 
 __all__ = ["column_linear"]
 
@@ -44,8 +45,6 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if group.is_single:
         return F.linear(x, weight, bias)
     if _autocast_on(x.device.type):
-        from tensorpar.functional import copy_to_group
-
         return F.linear(copy_to_group(x, group=group.handle), weight, bias)
     out: torch.Tensor = ColumnLinear.apply(x, weight, bias, group)
     return out
