@@ -41,10 +41,10 @@ from tensorpar._args import (
     sizes_or_balanced,
 )
 from tensorpar._autograd import SYNC, Launch, check_op, needs_graph
-from tensorpar._group import GroupLike
+from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar._meta import require_tensor, source_header
 from tensorpar._rooted import Broadcast, Gather, Reduce, Scatter
-from tensorpar._split import RootSpec, SplitSpec, check_total
+from tensorpar._split import NATIVE_DTYPES, RootSpec, SplitSpec, check_total
 from tensorpar._symmetric import (
     AllGather,
     AllReduce,
@@ -512,6 +512,10 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
         torch.Size([2, 3])
     """
     fn = "all_to_all"
+    g = resolve_group(group, fn)
+    if _equal_dim0_exchange(x, split_dim, concat_dim, sizes, g):
+        assert isinstance(x, torch.Tensor)
+        return all_to_all_equal(x, g, SYNC)  # no graph, no spec: the shortest path
     g, sizes = setup(fn, group, sizes)
     tensor = require_tensor(fn, x)
     sd = _normalize_dim(fn, split_dim, tensor.ndim)
@@ -520,14 +524,25 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
         check_total(fn, sizes, tensor.shape[sd], sd, "this rank's tensor")
     if g.is_single:
         return tensor
-    if cd == 0 and sizes is not None and equal_on_dim0(tensor, sd, sizes) \
-            and not needs_graph(tensor):
-        return all_to_all_equal(tensor, g, SYNC)  # no graph, no spec: the shortest path
     spec = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
     if needs_graph(tensor):
         out: torch.Tensor = AllToAll.apply(tensor, spec, SYNC)
         return out
     return all_to_all_data(tensor, spec, SYNC)
+
+
+def _equal_dim0_exchange(x: object, split_dim: object, concat_dim: object,
+                         sizes: Sequence[int] | None, g: Group) -> bool:
+    """The common all-to-all, checked in one expression: a tensor that needs no graph,
+    split and concatenated along dim 0 into equal, valid ``sizes`` (ints summing to its
+    length). Anything else takes the general path, which also reports the mistakes."""
+    return (isinstance(x, torch.Tensor) and x.ndim > 0
+            and type(split_dim) is int and split_dim == 0
+            and type(concat_dim) is int and concat_dim == 0
+            and isinstance(sizes, (list, tuple)) and len(sizes) == g.size > 1
+            and all(type(s) is int for s in sizes) and sizes[0] > 0 and len(set(sizes)) == 1
+            and sizes[0] * g.size == x.shape[0] and x.dtype in NATIVE_DTYPES
+            and not needs_graph(x))
 
 
 # ---------------------------------------------------------------------------------------

@@ -397,3 +397,32 @@ def _forward_mode_dual():
 
 def test_forward_mode_dual_is_refused_not_stripped():
     assert run_distributed(_forward_mode_dual, 2) == [True, True]
+
+
+def _all_to_all_shortcut_keeps_the_checks():
+    """The equal dim-0 shortcut accepts exactly what the general path accepts."""
+    p = dist.get_world_size()
+    x = torch.arange(2.0 * p)
+    outcomes = {}
+    for name, kwargs in {"bool dims": {"split_dim": False, "concat_dim": 0, "sizes": [2] * p},
+                         "float size": {"split_dim": 0, "concat_dim": 0,
+                                        "sizes": [2] + [2.0] * (p - 1)},
+                         "bool size": {"split_dim": 0, "concat_dim": 0,
+                                       "sizes": [1] * p, "x": torch.arange(1.0 * p)},
+                         "wrong total": {"split_dim": 0, "concat_dim": 0, "sizes": [3] * p},
+                         "0-d": {"split_dim": 0, "concat_dim": 0, "sizes": [1] * p,
+                                 "x": torch.tensor(1.0)}}.items():
+        t = kwargs.pop("x", x)
+        if name == "bool size":
+            kwargs["sizes"] = [True] * p
+        try:
+            tp.all_to_all(t, **kwargs)
+            outcomes[name] = "accepted"
+        except (TypeError, ValueError) as e:  # CollectiveArgumentError is a ValueError
+            outcomes[name] = type(e).__name__
+    return outcomes
+
+
+def test_all_to_all_shortcut_keeps_the_checks():
+    for outcomes in run_distributed(_all_to_all_shortcut_keeps_the_checks, 2):
+        assert "accepted" not in outcomes.values(), outcomes
