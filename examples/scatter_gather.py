@@ -51,6 +51,7 @@ def main() -> None:
         print(f"weights match single-process training: {same}")
     else:
         print(f"rank {rank} held {out}")
+    dist.barrier()  # leave together: a rank that tears down gloo early can abort its peers
     dist.destroy_process_group()
 
 

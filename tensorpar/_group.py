@@ -8,10 +8,13 @@ global rank.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple, TypeAlias
 
 import torch
 import torch.distributed as dist
+
+from tensorpar.errors import TensorparError
 
 __all__ = ["Group", "GroupLike", "resolve_group"]
 
@@ -21,17 +24,40 @@ one-dimensional ``DeviceMesh``."""
 
 
 class Group(NamedTuple):
-    """A resolved process group: the handle plus this process's rank and the group size.
+    """A resolved process group: a weak reference to its handle, this process's rank in it
+    and the group size.
 
-    ``handle`` is ``None`` when ``torch.distributed`` is not initialised and the caller asked
+    The reference is weak so that nothing tensorpar keeps (autograd graphs, placeholders,
+    layers, reducers) extends a process group's life past ``destroy_process_group``: a
+    group destroyed while such objects still held it was torn down late, at an arbitrary
+    point, which could abort the process on exit. Using it after that raises.
+
+    ``ref`` is ``None`` when ``torch.distributed`` is not initialised and the caller asked
     for the default group: tensorpar then behaves as a single-rank group, so every
     collective works in a plain single-process script. (A named tuple: one is built on
     every collective call, and a tuple is the cheapest immutable record to build.)
     """
 
-    handle: dist.ProcessGroup | None
+    ref: weakref.ReferenceType[dist.ProcessGroup] | None
     rank: int
     size: int
+
+    @property
+    def handle(self) -> dist.ProcessGroup | None:
+        """The process group (``None``: torch.distributed is not initialised).
+
+        Raises:
+            TensorparError: the group has been destroyed since this was resolved.
+        """
+        if self.ref is None:
+            return None
+        handle = self.ref()
+        if handle is None:
+            raise TensorparError(
+                f"the process group (size {self.size}) that this collective, tensor or layer "
+                f"was set up with has been destroyed (destroy_process_group); build it again "
+                f"on a live group")
+        return handle
 
     @property
     def is_single(self) -> bool:
@@ -40,9 +66,10 @@ class Group(NamedTuple):
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of ``group_rank`` (a rank within this group)."""
-        if self.handle is None or self.handle is dist.group.WORLD:
+        handle = self.handle
+        if handle is None or handle is dist.group.WORLD:
             return group_rank
-        return dist.get_global_rank(self.handle, group_rank)
+        return dist.get_global_rank(handle, group_rank)
 
     def check_rank(self, fn: str, name: str, value: object) -> int:
         """Validate a ``src``/``dst``/``owner`` argument: an int in ``[0, size)``."""
@@ -118,4 +145,4 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
         raise TypeError(f"{fn}: group must be None, a ProcessGroup or a 1-D DeviceMesh, "
                         f"got {type(group).__name__}")
     # the handle's own rank and size: its group rank, without torch's per-call lookups
-    return Group(handle, handle.rank(), handle.size())
+    return Group(weakref.ref(handle), handle.rank(), handle.size())

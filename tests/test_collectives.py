@@ -426,3 +426,27 @@ def _all_to_all_shortcut_keeps_the_checks():
 def test_all_to_all_shortcut_keeps_the_checks():
     for outcomes in run_distributed(_all_to_all_shortcut_keeps_the_checks, 2):
         assert "accepted" not in outcomes.values(), outcomes
+
+
+def _destroyed_group():
+    """tensorpar keeps no process group alive past destroy_process_group, and says so after."""
+    import gc
+    import weakref
+
+    sub = dist.new_group([0, 1])
+    x = torch.ones(2, requires_grad=True)
+    y = tp.all_reduce(x, group=sub)  # its autograd graph holds the group (weakly)
+    alive = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    gone = alive() is None
+    try:
+        y.sum().backward()
+    except tp.TensorparError as e:
+        return gone, "has been destroyed" in str(e)
+    return gone, False
+
+
+def test_a_destroyed_group_is_not_kept_alive():
+    assert run_distributed(_destroyed_group, 2) == [(True, True)] * 2
