@@ -52,7 +52,7 @@ def main() -> None:
     reducer = model.reducer
     print(f"rank {rank}: matches single-process training: {same}; {len(reducer.buckets)} "
           f"buckets, {reducer.bytes_reduced} bytes reduced in {reducer.iterations} syncs")
-    dist.barrier()  # leave together: a rank that tears down gloo early can abort its peers
+    dist.barrier()  # every rank done communicating before any rank tears the group down
     dist.destroy_process_group()
 
 

@@ -51,7 +51,7 @@ def main() -> None:
         print(f"weights match single-process training: {same}")
     else:
         print(f"rank {rank} held {out}")
-    dist.barrier()  # leave together: a rank that tears down gloo early can abort its peers
+    dist.barrier()  # every rank done communicating before any rank tears the group down
     dist.destroy_process_group()
 
 

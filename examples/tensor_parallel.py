@@ -76,7 +76,7 @@ def main() -> None:
     heads = model.block.qkv[0].shard.length // HEAD_DIM
     print(f"rank {rank}: {heads} heads, {model.block.up.shard.length} hidden units, "
           f"{model.head.shard.length} vocabulary rows")
-    dist.barrier()  # leave together: a rank that tears down gloo early can abort its peers
+    dist.barrier()  # every rank done communicating before any rank tears the group down
     dist.destroy_process_group()
 
 
