@@ -7,6 +7,7 @@ collectives exchange so that ranks without data learn, or check, what the data l
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar._not_data import NotData
-from tensorpar.errors import PlaceholderError, WireFormatError
+from tensorpar.errors import PlaceholderError, TensorparError, WireFormatError
 
 __all__ = ["TensorPlaceholder", "is_placeholder"]
 
@@ -62,7 +63,7 @@ class TensorPlaceholder(NotData):
     _device: torch.device
     _requires_grad: bool
     _owner: int | None
-    _group: dist.ProcessGroup | None
+    _group: weakref.ReferenceType[dist.ProcessGroup] | None  # weak: see `group`
     _anchor: torch.Tensor | None
 
     def __init__(self, shape: Iterable[int], dtype: torch.dtype, *,
@@ -92,7 +93,7 @@ class TensorPlaceholder(NotData):
         set_(self, "_device", torch.device(device))
         set_(self, "_requires_grad", bool(requires_grad))
         set_(self, "_owner", owner)
-        set_(self, "_group", group)
+        set_(self, "_group", None if group is None else weakref.ref(group))
         set_(self, "_anchor", _anchor)
 
     @classmethod
@@ -133,8 +134,21 @@ class TensorPlaceholder(NotData):
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The process group `owner` refers to (``None``: the default group)."""
-        return self._group
+        """The process group `owner` refers to (``None``: the default group).
+
+        Held weakly, like every process group tensorpar refers to, so a placeholder does not
+        keep its group alive past ``destroy_process_group``.
+
+        Raises:
+            TensorparError: that group has been destroyed.
+        """
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise TensorparError("TensorPlaceholder: its process group has been destroyed "
+                                 "(destroy_process_group)")
+        return group
 
     @property
     def ndim(self) -> int:
@@ -215,7 +229,7 @@ class TensorPlaceholder(NotData):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorPlaceholder):
             return NotImplemented
-        return self._key() == other._key() and self._group is other._group
+        return self._key() == other._key() and self._group == other._group  # same referent
 
     def __hash__(self) -> int:
         return hash(self._key())
@@ -253,8 +267,11 @@ def _rebuild(shape: tuple[int, ...], dtype: torch.dtype, device: str, requires_g
     return TensorPlaceholder(shape, dtype, device=device, requires_grad=requires_grad, owner=owner)
 
 
-def _this_rank(group: dist.ProcessGroup | None) -> str:
+def _this_rank(ref: weakref.ReferenceType[dist.ProcessGroup] | None) -> str:
     if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    group = None if ref is None else ref()
+    if ref is not None and group is None:  # the group is gone: no rank to name
         return ""
     return f" (rank {dist.get_rank(group)})"
 

@@ -436,11 +436,18 @@ def _destroyed_group():
     sub = dist.new_group([0, 1])
     x = torch.ones(2, requires_grad=True)
     y = tp.all_reduce(x, group=sub)  # its autograd graph holds the group (weakly)
+    reduced = tp.reduce(torch.ones(2), dst=0, group=sub)  # a placeholder on rank 1
     alive = weakref.ref(sub)
     dist.destroy_process_group(sub)
     del sub
     gc.collect()
     gone = alive() is None
+    if tp.is_placeholder(reduced):
+        try:
+            _ = reduced.group
+            return gone, False
+        except tp.TensorparError:
+            pass
     try:
         y.sum().backward()
     except tp.TensorparError as e:
