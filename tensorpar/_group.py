@@ -28,9 +28,8 @@ class Group(NamedTuple):
     and the group size.
 
     The reference is weak so that nothing tensorpar keeps (autograd graphs, placeholders,
-    layers, reducers) extends a process group's life past ``destroy_process_group``: a
-    group destroyed while such objects still held it was torn down late, at an arbitrary
-    point, which could abort the process on exit. Using it after that raises.
+    layers, reducers) extends a process group's life past ``destroy_process_group``: when
+    the group goes away stays the caller's decision. Using it after that raises.
 
     ``ref`` is ``None`` when ``torch.distributed`` is not initialised and the caller asked
     for the default group: tensorpar then behaves as a single-rank group, so every
