@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ def reduce_scatter_equal(x: torch.Tensor, group: Group, op: str, launch: Launch
     return out
 
 
-def equal_on_dim0(x: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> bool:
+def equal_on_dim0(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> bool:
     """Whether the ``*_equal`` shortcuts apply: equal non-empty chunks along dim 0."""
     return dim == 0 and x.dtype in NATIVE_DTYPES and sizes[0] > 0 and len(set(sizes)) == 1
 

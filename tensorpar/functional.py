@@ -44,7 +44,7 @@ from tensorpar._autograd import SYNC, Launch, check_op, needs_graph
 from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar._meta import require_tensor, source_header
 from tensorpar._rooted import Broadcast, Gather, Reduce, Scatter
-from tensorpar._split import NATIVE_DTYPES, RootSpec, SplitSpec, check_total
+from tensorpar._split import RootSpec, SplitSpec, check_sizes, check_total
 from tensorpar._symmetric import (
     AllGather,
     AllReduce,
@@ -516,7 +516,7 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
     if _equal_dim0_exchange(x, split_dim, concat_dim, sizes, g):
         assert isinstance(x, torch.Tensor)
         return all_to_all_equal(x, g, SYNC)  # no graph, no spec: the shortest path
-    g, sizes = setup(fn, group, sizes)
+    sizes = None if sizes is None else check_sizes(fn, sizes, g.size)
     tensor = require_tensor(fn, x)
     sd = _normalize_dim(fn, split_dim, tensor.ndim)
     cd = _normalize_dim(fn, concat_dim, tensor.ndim)
@@ -540,9 +540,8 @@ def _equal_dim0_exchange(x: object, split_dim: object, concat_dim: object,
             and type(split_dim) is int and split_dim == 0
             and type(concat_dim) is int and concat_dim == 0
             and isinstance(sizes, (list, tuple)) and len(sizes) == g.size > 1
-            and all(type(s) is int for s in sizes) and sizes[0] > 0 and len(set(sizes)) == 1
-            and sizes[0] * g.size == x.shape[0] and x.dtype in NATIVE_DTYPES
-            and not needs_graph(x))
+            and all(type(s) is int for s in sizes) and equal_on_dim0(x, 0, sizes)
+            and sizes[0] * g.size == x.shape[0] and not needs_graph(x))
 
 
 # ---------------------------------------------------------------------------------------

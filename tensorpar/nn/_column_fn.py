@@ -71,19 +71,18 @@ class ColumnLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph: a graph of differentiable steps
-            if x is not None:  # as CopyToGroup does: the graph also reaches x on every rank
-                grad = grad + x.reshape(-1)[:0].sum()
-            grad_x = AllReduce.apply(grad.matmul(weight), ctx.group, "sum", "identity", False,
-                                     SYNC) if need_x else None
-            grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
-            grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
-            return grad_x, grad_w, grad_b, None
+        # create_graph: every step must be differentiable, so no asynchronous launch
+        differentiable = torch.is_grad_enabled()
+        if differentiable and x is not None:  # as CopyToGroup does: reach x on every rank
+            grad = grad + x.reshape(-1)[:0].sum()
         grad_x = work = None
-        if need_x:
+        if need_x and differentiable:
+            grad_x = AllReduce.apply(grad.matmul(weight), ctx.group, "sum", "identity", False,
+                                     SYNC)
+        elif need_x:
             grad_x = grad.matmul(weight)  # a fresh, contiguous tensor: reduced in place
             work = _comm.all_reduce(grad_x, torch_op("sum"), ctx.group, async_op=True)
-        grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
+        grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None  # while it travels
         grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
         if work is not None:
             work.wait()
