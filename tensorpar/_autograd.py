@@ -45,13 +45,10 @@ def needs_graph(t: torch.Tensor) -> bool:
     ``Function.apply`` (tens of microseconds a call). Inside a forward-mode AD level the
     Function is kept, so a dual tensor is refused instead of losing its tangent.
     """
-    return (t.requires_grad and torch.is_grad_enabled()) or _forward_ad_level() >= 0
-
-
-def _forward_ad_level() -> int:
-    """The innermost active forward-mode AD level (-1: none; 0 where torch does not say)."""
-    level: int = getattr(_forward_ad, "_current_level", 0)
-    return level
+    # _current_level: the innermost forward-mode AD level, -1 for none (0, i.e. "maybe",
+    # where torch does not say). One expression: this runs on every collective call.
+    return ((t.requires_grad and torch.is_grad_enabled())
+            or getattr(_forward_ad, "_current_level", 0) >= 0)
 
 
 def no_backward(fn: str, op: str) -> TensorparError:

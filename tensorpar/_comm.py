@@ -96,9 +96,8 @@ _LOCK = threading.Lock()
 
 def _record(kind: str, group: Group, sent: Sequence[torch.Tensor] | None, purpose: Purpose
             ) -> None:
-    """Tell every active counter; ``sent`` is what this rank hands over (None: nothing)."""
-    if not _ACTIVE:  # the common case: no counter, no byte count
-        return
+    """Tell every active counter; ``sent`` is what this rank hands over (None: nothing).
+    Callers check ``_ACTIVE`` first, so a call without a counter builds nothing."""
     record = CollectiveRecord(kind, group.size, _nbytes(sent or []), purpose)
     with _LOCK:
         for counter in _ACTIVE:
@@ -108,7 +107,9 @@ def _record(kind: str, group: Group, sent: Sequence[torch.Tensor] | None, purpos
 def _pg(group: Group) -> dist.ProcessGroup | None:
     """The handle to pass to torch.distributed: ``None`` for the default group, whose
     explicit handle takes a slower path through torch's argument checks (~0.1 ms a call)."""
-    handle = group.handle
+    handle = group.ref() if group.ref is not None else None  # (Group.handle, inlined)
+    if handle is None:
+        return group.handle  # None if torch.distributed is not initialised; raises if destroyed
     return None if handle is dist.group.WORLD else handle
 
 
@@ -127,33 +128,38 @@ Work = Any
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
                     purpose: Purpose = "data", async_op: bool = False) -> Work:
     """``out`` (size * inp.numel() elements, contiguous) receives every rank's ``inp``."""
-    _record("all_gather", group, [inp], purpose)
+    if _ACTIVE:  # the common case: no counter, nothing to count
+        _record("all_gather", group, [inp], purpose)
     return _all_gather_flat(out, inp, group=_pg(group), async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp, group: Group,
                         async_op: bool = False) -> Work:
     """Rank r's ``out`` receives slice r of the reduction of every rank's flat ``inp``."""
-    _record("reduce_scatter", group, [inp], "data")
+    if _ACTIVE:
+        _record("reduce_scatter", group, [inp], "data")
     return _reduce_scatter_flat(out, inp, op=op, group=_pg(group), async_op=async_op)
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Group, async_op: bool = False) -> Work:
     """In-place all-reduce of ``t``."""
-    _record("all_reduce", group, [t], "data")
+    if _ACTIVE:
+        _record("all_reduce", group, [t], "data")
     return dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
     """In-place broadcast of ``t`` from group rank ``src``."""
-    _record("broadcast", group, [t] if group.rank == src else None, "data")
+    if _ACTIVE:
+        _record("broadcast", group, [t] if group.rank == src else None, "data")
     return dist.broadcast(t, src=group.global_rank(src), group=_pg(group), async_op=async_op)
 
 
 def reduce(t: torch.Tensor, dst: int, op: dist.ReduceOp, group: Group,
            async_op: bool = False) -> Work:
     """Reduce ``t`` into rank ``dst``'s ``t``; other ranks' ``t`` may be used as scratch."""
-    _record("reduce", group, [t], "data")
+    if _ACTIVE:
+        _record("reduce", group, [t], "data")
     return dist.reduce(t, dst=group.global_rank(dst), op=op, group=_pg(group),
                        async_op=async_op)
 
@@ -161,18 +167,21 @@ def reduce(t: torch.Tensor, dst: int, op: dist.ReduceOp, group: Group,
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                in_splits: list[int] | None, group: Group, async_op: bool = False) -> Work:
     """Flat all-to-all: ``inp[in_splits[r]]`` goes to rank r (``None``: equal splits)."""
-    _record("all_to_all", group, [inp], "data")
+    if _ACTIVE:
+        _record("all_to_all", group, [inp], "data")
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=_pg(group),
                                   async_op=async_op)
 
 
 def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, group: Group) -> None:
     """Rank ``src`` (a group rank) sends ``chunks[r]`` to rank ``r``; equal sizes required."""
-    _record("scatter", group, chunks, "data")
+    if _ACTIVE:
+        _record("scatter", group, chunks, "data")
     dist.scatter(out, chunks, src=group.global_rank(src), group=_pg(group))
 
 
 def gather(chunk: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: Group) -> None:
     """Rank ``dst`` (a group rank) receives every rank's ``chunk``; equal sizes required."""
-    _record("gather", group, [chunk], "data")
+    if _ACTIVE:
+        _record("gather", group, [chunk], "data")
     dist.gather(chunk, out, dst=group.global_rank(dst), group=_pg(group))

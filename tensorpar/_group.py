@@ -98,6 +98,10 @@ class Group(NamedTuple):
 
 
 _DIST_AVAILABLE = dist.is_available()
+_SINGLE = Group(None, 0, 1)
+# The default group as last resolved (weakly held): a call with ``group=None`` reuses it while
+# WORLD is still the same object, so the hot path builds nothing.
+_default_group: list[Group] = [_SINGLE]
 
 
 def _device_types(handle: dist.ProcessGroup) -> list[torch.device]:
@@ -132,7 +136,10 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
         # WORLD is None until init_process_group; this is cheaper than dist.is_initialized()
         handle = dist.group.WORLD if _DIST_AVAILABLE else None
         if handle is None:
-            return Group(None, 0, 1)
+            return _SINGLE
+        cached = _default_group[0]
+        if cached.ref is not None and cached.ref() is handle:  # the same default group
+            return cached
     elif isinstance(group, dist.ProcessGroup):
         handle = group
     elif type(group).__name__ == "DeviceMesh":
@@ -144,4 +151,7 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
         raise TypeError(f"{fn}: group must be None, a ProcessGroup or a 1-D DeviceMesh, "
                         f"got {type(group).__name__}")
     # the handle's own rank and size: its group rank, without torch's per-call lookups
-    return Group(weakref.ref(handle), handle.rank(), handle.size())
+    resolved = Group(weakref.ref(handle), handle.rank(), handle.size())
+    if group is None:
+        _default_group[0] = resolved
+    return resolved

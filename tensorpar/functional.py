@@ -41,10 +41,10 @@ from tensorpar._args import (
     sizes_or_balanced,
 )
 from tensorpar._autograd import SYNC, Launch, check_op, needs_graph
-from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar._group import GroupLike, resolve_group
 from tensorpar._meta import require_tensor, source_header
 from tensorpar._rooted import Broadcast, Gather, Reduce, Scatter
-from tensorpar._split import RootSpec, SplitSpec, check_sizes, check_total
+from tensorpar._split import NATIVE_DTYPES, RootSpec, SplitSpec, check_sizes, check_total
 from tensorpar._symmetric import (
     AllGather,
     AllReduce,
@@ -513,7 +513,7 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
     """
     fn = "all_to_all"
     g = resolve_group(group, fn)
-    if _equal_dim0_exchange(x, split_dim, concat_dim, sizes, g):
+    if _equal_dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
         assert isinstance(x, torch.Tensor)
         return all_to_all_equal(x, g, SYNC)  # no graph, no spec: the shortest path
     sizes = None if sizes is None else check_sizes(fn, sizes, g.size)
@@ -532,16 +532,18 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
 
 
 def _equal_dim0_exchange(x: object, split_dim: object, concat_dim: object,
-                         sizes: Sequence[int] | None, g: Group) -> bool:
-    """The common all-to-all, checked in one expression: a tensor that needs no graph,
-    split and concatenated along dim 0 into equal, valid ``sizes`` (ints summing to its
-    length). Anything else takes the general path, which also reports the mistakes."""
-    return (isinstance(x, torch.Tensor) and x.ndim > 0
-            and type(split_dim) is int and split_dim == 0
-            and type(concat_dim) is int and concat_dim == 0
-            and isinstance(sizes, (list, tuple)) and len(sizes) == g.size > 1
-            and all(type(s) is int for s in sizes) and equal_on_dim0(x, 0, sizes)
-            and sizes[0] * g.size == x.shape[0] and not needs_graph(x))
+                         sizes: Sequence[int] | None, n: int) -> bool:
+    """The common all-to-all, checked in one expression: a tensor that needs no graph and
+    has a dtype the backends move natively, split and concatenated along dim 0 into ``n``
+    equal, positive ``sizes`` that are ints (not floats or bools) summing to its length.
+    Anything else takes the general path, which also reports the mistakes. (Written without
+    helper calls: it runs before every such exchange, see docs/benchmarks.md.)"""
+    return (isinstance(x, torch.Tensor) and type(split_dim) is int is type(concat_dim)
+            and split_dim == 0 == concat_dim and isinstance(sizes, (list, tuple))
+            and 1 < len(sizes) == n and list(map(type, sizes)).count(int) == n
+            and sizes.count(sizes[0]) == n and sizes[0] > 0
+            and x.ndim > 0 and x.shape[0] == sizes[0] * n and x.dtype in NATIVE_DTYPES
+            and not needs_graph(x))
 
 
 # ---------------------------------------------------------------------------------------
