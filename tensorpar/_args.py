@@ -13,7 +13,7 @@ from tensorpar._split import RootSpec, SplitSpec, balanced_sizes, check_sizes, c
 from tensorpar._symmetric import AllToAllSpec
 from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
+from tensorpar.placeholder import Header, TensorPlaceholder, _normalize_dim
 
 
 def setup(fn: str, group: GroupLike, sizes: Sequence[int] | None, **ranks: int
@@ -55,14 +55,16 @@ def result(out: torch.Tensor, launch: Launch, async_op: bool
     return CollaborativeTensor(out, launch) if async_op else out
 
 
-def root_input(x: object, root: int, g: Group, dtype: torch.dtype, requires_grad: bool
-               ) -> torch.Tensor:
-    """The autograd input of a rooted Function: the tensor on the root, an anchor elsewhere."""
+def root_input(x: object, root: int, g: Group, header: Header) -> torch.Tensor:
+    """The autograd input of a rooted Function: the tensor on the root, an anchor elsewhere
+    (described by the source's ``header``)."""
     if g.rank == root:
         assert isinstance(x, torch.Tensor)
         return x
     ph = x if isinstance(x, TensorPlaceholder) else None
-    return placeholder_input(ph, dtype, requires_grad and torch.is_grad_enabled(), g)
+    assert header.dtype is not None
+    return placeholder_input(ph, header.dtype, header.requires_grad and torch.is_grad_enabled(),
+                             g, header.device_type)
 
 
 def chunks_spec(fn: str, x: object, dim: int, g: Group, sizes: tuple[int, ...] | None,

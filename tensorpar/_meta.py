@@ -49,9 +49,11 @@ def local_header(x: object) -> torch.Tensor:
     """This rank's header: the metadata of ``x`` and what kind of object it is."""
     if isinstance(x, torch.Tensor):
         return encode_header(KIND_TENSOR, x.shape, x.dtype,
-                             x.requires_grad and torch.is_grad_enabled())
+                             x.requires_grad and torch.is_grad_enabled(),
+                             device_type=x.device.type)
     if isinstance(x, TensorPlaceholder):
-        return encode_header(KIND_PLACEHOLDER, x.shape, x.dtype, x.requires_grad)
+        return encode_header(KIND_PLACEHOLDER, x.shape, x.dtype, x.requires_grad,
+                             device_type=x.device.type)
     return encode_header(KIND_NONE if x is None else KIND_OTHER)
 
 
@@ -97,7 +99,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -
             mine = f" ({kind_name(x)})" if g.rank == rank else ""
             raise CollectiveTypeError(f"{fn}(src={src}): rank {rank} passed something that is "
                                       f"neither a TensorPlaceholder nor None{mine}")
-        if h.kind == KIND_PLACEHOLDER and h[1:] != source[1:]:
+        if h.kind == KIND_PLACEHOLDER and not h.describes_the_same(source):
             raise CollectiveArgumentError(
                 f"{fn}(src={src}): rank {rank}'s placeholder describes {h.describe()}, but the "
                 f"source tensor is {source.describe()}")
@@ -134,15 +136,24 @@ def chunk_headers(fn: str, x: object, dim: int, g: Group, *, same_dim: bool = Fa
 
 
 def placeholder_input(x: TensorPlaceholder | None, dtype: torch.dtype, requires_grad: bool,
-                      g: Group) -> torch.Tensor:
+                      g: Group, device_type: str | None = None) -> torch.Tensor:
     """The autograd input standing for ``x`` on a rank without data.
 
     A placeholder produced by a differentiable collective carries its anchor in the graph:
     using it keeps ``gather -> placeholder -> scatter`` differentiable on this rank. Otherwise
     a fresh empty leaf keeps the rank in the graph when the source requires grad.
+
+    Its device is where this rank receives: the placeholder's; without one, this rank's
+    current device of the source's type (``device_type``, from the metadata header); without
+    that either, the group's communication device.
     """
     anchor = x._anchor if isinstance(x, TensorPlaceholder) else None
     if anchor is not None and anchor.requires_grad == requires_grad:
         return anchor
-    device = x.device if isinstance(x, TensorPlaceholder) else g.comm_device()
+    if isinstance(x, TensorPlaceholder):
+        device = x.device
+    elif device_type is not None:
+        device = torch.device(device_type)  # no index: this rank's current device
+    else:
+        device = g.comm_device()
     return torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)

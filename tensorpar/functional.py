@@ -141,7 +141,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
     assert header.dtype is not None
     spec = SplitSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype, dim=d,
                      sizes=sizes)
-    inp = root_input(x, src, g, header.dtype, header.requires_grad)
+    inp = root_input(x, src, g, header)
     out: torch.Tensor = Scatter.apply(inp, spec)
     return out
 
@@ -248,7 +248,7 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
     header = source_header(fn, x, src, g, exchange_meta)
     assert header.dtype is not None
     spec = RootSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype)
-    inp = root_input(x, src, g, header.dtype, header.requires_grad)
+    inp = root_input(x, src, g, header)
     launch = Launch(async_op)
     out: torch.Tensor = Broadcast.apply(inp, spec, launch)
     return result(out, launch, async_op)

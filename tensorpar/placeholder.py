@@ -300,12 +300,14 @@ def _normalize_dim(fn: str, dim: object, ndim: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Wire format: [magic, kind, dtype code, requires_grad, ndim, dim_0 .. dim_{MAX_NDIM-1}]
+# Wire format: [magic, kind, dtype code, requires_grad, device type code, ndim,
+#               dim_0 .. dim_{MAX_NDIM-1}]
 # ---------------------------------------------------------------------------------------
 
-MAGIC = 0x7470_0001  # "tp", format version 1
+FORMAT_VERSION = 2
+MAGIC = 0x7470_0000 + FORMAT_VERSION  # "tp" and the format version
 MAX_NDIM = 12
-HEADER_LEN = 5 + MAX_NDIM
+HEADER_LEN = 6 + MAX_NDIM
 
 KIND_TENSOR = 0       # the rank passed a tensor (metadata valid)
 KIND_PLACEHOLDER = 1  # the rank passed a placeholder (metadata valid)
@@ -321,6 +323,10 @@ _CODE_TO_DTYPE: dict[int, torch.dtype] = {
     code: getattr(torch, name) for code, name in enumerate(_DTYPE_NAMES) if hasattr(torch, name)
 }
 _DTYPE_TO_CODE = {dtype: code for code, dtype in _CODE_TO_DTYPE.items()}
+# The sender's device type, so that a rank that passed None receives on the same kind of
+# device. Append only; -1: a type not listed (the receiver uses the group's device).
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")
+_DEVICE_TYPE_TO_CODE = {name: code for code, name in enumerate(_DEVICE_TYPES)}
 
 
 class Header(NamedTuple):
@@ -330,10 +336,16 @@ class Header(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype | None
     requires_grad: bool
+    device_type: str | None = None  # None: not sent, or a type the format does not list
 
     @property
     def has_meta(self) -> bool:
         return self.kind in (KIND_TENSOR, KIND_PLACEHOLDER)
+
+    def describes_the_same(self, other: Header) -> bool:
+        """Same shape, dtype and ``requires_grad`` (the device may differ between ranks)."""
+        return (self.shape, self.dtype, self.requires_grad) == \
+            (other.shape, other.dtype, other.requires_grad)
 
     def describe(self) -> str:
         if self.dtype is None:
@@ -343,15 +355,17 @@ class Header(NamedTuple):
 
 
 def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | None = None,
-                  requires_grad: bool = False, device: torch.device | str = "cpu"
-                  ) -> torch.Tensor:
-    """Encode metadata as a ``(HEADER_LEN,)`` int64 tensor on ``device``."""
+                  requires_grad: bool = False, device: torch.device | str = "cpu",
+                  device_type: str | None = None) -> torch.Tensor:
+    """Encode metadata as a ``(HEADER_LEN,)`` int64 tensor on ``device``; ``device_type``
+    is the described tensor's (``"cpu"``, ``"cuda"``, ...)."""
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensorpar supports tensors of at most {MAX_NDIM} dimensions in "
                          f"collectives, got {len(shape)}")
     if dtype is not None and dtype not in _DTYPE_TO_CODE:
         raise ValueError(f"tensorpar cannot send metadata of dtype {dtype}")
     values = [MAGIC, kind, -1 if dtype is None else _DTYPE_TO_CODE[dtype], int(requires_grad),
+              _DEVICE_TYPE_TO_CODE.get(device_type, -1) if device_type else -1,
               len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -366,10 +380,11 @@ def decode_header(header: torch.Tensor) -> Header:
     if header.dtype != torch.int64 or header.shape != (HEADER_LEN,):
         raise WireFormatError(f"metadata header must be an int64 tensor of shape ({HEADER_LEN},), "
                               f"got {header.dtype} of shape {tuple(header.shape)}")
-    magic, kind, code, grad, ndim, *dims = header.tolist()
+    magic, kind, code, grad, device_code, ndim, *dims = header.tolist()
     if magic != MAGIC:
         raise WireFormatError(f"metadata header has magic number {magic:#x}, expected {MAGIC:#x}: "
-                              f"the peer is not speaking tensorpar's format version 1")
+                              f"the peer is not speaking tensorpar's format version "
+                              f"{FORMAT_VERSION}")
     if kind not in _KINDS:
         raise WireFormatError(f"metadata header has unknown kind {kind}")
     if kind in (KIND_NONE, KIND_OTHER):
@@ -383,4 +398,8 @@ def decode_header(header: torch.Tensor) -> Header:
         raise WireFormatError(f"metadata header has requires_grad={grad}, expected 0 or 1")
     if any(d < 0 for d in dims[:ndim]) or any(dims[ndim:]):
         raise WireFormatError(f"metadata header has malformed dims {dims} for ndim={ndim}")
-    return Header(kind, torch.Size(dims[:ndim]), _CODE_TO_DTYPE[code], bool(grad))
+    if not -1 <= device_code < len(_DEVICE_TYPES):
+        raise WireFormatError(f"metadata header has unknown device type code {device_code} "
+                              f"(known: -1..{len(_DEVICE_TYPES) - 1})")
+    device_type = _DEVICE_TYPES[device_code] if device_code >= 0 else None
+    return Header(kind, torch.Size(dims[:ndim]), _CODE_TO_DTYPE[code], bool(grad), device_type)

@@ -20,7 +20,9 @@ def _subgroup(ranks):
     return group, dist.get_rank(group), len(ranks)
 
 
-def _check_case(name, ranks):
+def _check_case(name, ranks, device="cpu"):
+    """Run CASES[name] on this rank with its input on ``device``; the single-process
+    reference runs on the CPU."""
     case = CASES[name]
     group, rank, p = _subgroup(ranks)
     if rank < 0:
@@ -37,32 +39,34 @@ def _check_case(name, ranks):
     ref_outputs = case.ref(ref_inputs, p)
     x = case.make(rank, p)
     if x is not None:
-        x.requires_grad_()
+        x = x.to(device).requires_grad_()
         before = x.detach().clone()
     out = case.run(x, group)
     # forward
     expected = ref_outputs[rank]
+    assert out.device.type == device, f"{name}: output on {out.device}, not {device}"
     if expected is None:
         assert tp.is_placeholder(out), f"{name}: expected a placeholder, got {type(out)}"
         full = next(o for o in ref_outputs if o is not None)
         assert out.shape == full.shape and out.requires_grad
     else:
-        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-12, atol=1e-12)
     if x is not None:
         assert torch.equal(x, before), f"{name} modified its input"
     # backward: the same total loss in one process and across the ranks
     if case.loss == "summed":
         total = sum((o * weights(r, o.shape)).sum() for r, o in enumerate(ref_outputs)
                     if o is not None)
-        local = None if expected is None else (out * weights(rank, out.shape)).sum()
+        local = None if expected is None else (out * weights(rank, out.shape).to(device)).sum()
     else:
         total = (ref_outputs[0] * weights(0, ref_outputs[0].shape)).sum()
-        local = (out * weights(0, out.shape)).sum()
+        local = (out * weights(0, out.shape).to(device)).sum()
     total.backward()
     (out if local is None else local).backward()
     if x is not None:
         ref_grad = ref_inputs[rank].grad
-        torch.testing.assert_close(x.grad, ref_grad, rtol=1e-12, atol=1e-12)
+        assert x.grad.device == x.device
+        torch.testing.assert_close(x.grad.cpu(), ref_grad, rtol=1e-12, atol=1e-12)
     return "ok"
 
 
@@ -457,3 +461,24 @@ def _destroyed_group():
 
 def test_a_destroyed_group_is_not_kept_alive():
     assert run_distributed(_destroyed_group, 2) == [(True, True)] * 2
+
+
+def test_the_default_group_is_resolved_again_after_it_is_replaced():
+    """``group=None`` reuses the last resolved default group only while WORLD is that group."""
+    from tensorpar._group import Group, resolve_group
+
+    assert not dist.is_initialized()  # this runs in the test process, not on a pooled rank
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        first = resolve_group(None)
+        assert first.ref is not None and first.ref() is dist.group.WORLD
+        assert resolve_group(None) is first
+        dist.destroy_process_group()
+        assert resolve_group(None) == Group(None, 0, 1)  # not initialised: one rank, no comm
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        second = resolve_group(None)
+        assert second.ref is not None and second.ref() is dist.group.WORLD
+        assert second is not first
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

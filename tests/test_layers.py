@@ -33,15 +33,16 @@ def _close(dtype):
         {"rtol": 1e-4, "atol": 1e-5}
 
 
-def _column(gather_output, dtype_name):
+def _column(gather_output, dtype_name, device="cpu"):
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    dense = nn.Linear(10, 37).to(dtype)
+    dense = nn.Linear(10, 37).to(device, dtype)
     layer = ColumnParallelLinear.from_dense(dense, gather_output=gather_output)
+    assert layer.weight.device == dense.weight.device
     s = layer.shard
-    x_dense, x = rand(1, 5, 10, dtype=dtype).requires_grad_(), rand(1, 5, 10, dtype=dtype)
-    x.requires_grad_()
-    w = rand(2, 5, 37, dtype=dtype)
+    x_dense = rand(1, 5, 10, dtype=dtype).to(device).requires_grad_()
+    x = rand(1, 5, 10, dtype=dtype).to(device).requires_grad_()
+    w = rand(2, 5, 37, dtype=dtype).to(device)
     y_dense = dense(x_dense)
     (y_dense * w).sum().backward()
     y = layer(x)
@@ -66,16 +67,17 @@ def test_column_parallel_linear(world_size, gather_output, dtype):
     assert sum(sizes) == 37 and len(sizes) == world_size
 
 
-def _row(input_is_parallel, dtype_name):
+def _row(input_is_parallel, dtype_name, device="cpu"):
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    dense = nn.Linear(37, 10).to(dtype)
+    dense = nn.Linear(37, 10).to(device, dtype)
     layer = RowParallelLinear.from_dense(dense, input_is_parallel=input_is_parallel)
+    assert layer.weight.device == dense.weight.device
     s = layer.shard
-    x_dense = rand(1, 5, 37, dtype=dtype).requires_grad_()
-    x_full = rand(1, 5, 37, dtype=dtype)
+    x_dense = rand(1, 5, 37, dtype=dtype).to(device).requires_grad_()
+    x_full = rand(1, 5, 37, dtype=dtype).to(device)
     x = (x_full[..., s.start: s.stop] if input_is_parallel else x_full).clone().requires_grad_()
-    w = rand(2, 5, 10, dtype=dtype)
+    w = rand(2, 5, 10, dtype=dtype).to(device)
     (dense(x_dense) * w).sum().backward()
     y = layer(x)
     torch.testing.assert_close(y, dense(x_dense.detach()), **_close(dtype))

@@ -138,13 +138,21 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 @given(shape=st.lists(st.integers(0, 2**40), max_size=MAX_NDIM),
        dtype=st.sampled_from(DTYPES), grad=st.booleans(),
-       kind=st.sampled_from([KIND_TENSOR, KIND_PLACEHOLDER]))
-def test_header_round_trips(shape, dtype, grad, kind):
-    header = encode_header(kind, shape, dtype, grad)
+       kind=st.sampled_from([KIND_TENSOR, KIND_PLACEHOLDER]),
+       device_type=st.sampled_from([None, "cpu", "cuda", "xpu", "mps", "meta"]))
+def test_header_round_trips(shape, dtype, grad, kind, device_type):
+    header = encode_header(kind, shape, dtype, grad, device_type=device_type)
     assert header.dtype == torch.int64 and header.shape == (HEADER_LEN,)
     decoded = decode_header(header)
     assert decoded.kind == kind and decoded.shape == torch.Size(shape)
     assert decoded.dtype == dtype and decoded.requires_grad == grad
+    assert decoded.device_type == device_type
+
+
+def test_an_unlisted_device_type_is_sent_as_unknown():
+    decoded = decode_header(encode_header(KIND_TENSOR, (2,), torch.float32,
+                                          device_type="privateuseone"))
+    assert decoded.device_type is None and decoded.shape == (2,)
 
 
 def _corrupt(index, value):
@@ -158,9 +166,10 @@ def _corrupt(index, value):
     (_corrupt(1, 9), "unknown kind"),
     (_corrupt(2, 999), "unknown dtype code 999"),
     (_corrupt(3, 7), "requires_grad=7"),
-    (_corrupt(4, MAX_NDIM + 1), "ndim"),
-    (_corrupt(5, -4), "malformed dims"),
-    (_corrupt(5 + 3, 1), "malformed dims"),
+    (_corrupt(4, 99), "unknown device type code 99"),
+    (_corrupt(5, MAX_NDIM + 1), "ndim"),
+    (_corrupt(6, -4), "malformed dims"),
+    (_corrupt(6 + 3, 1), "malformed dims"),
     (torch.zeros(HEADER_LEN, dtype=torch.int32), "int64"),
     (torch.zeros(HEADER_LEN + 1, dtype=torch.int64), "shape"),
 ])

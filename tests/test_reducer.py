@@ -77,11 +77,11 @@ def batch(name, rank, step, dtype=torch.float64):
     return torch.randn(4, 5, generator=g).to(dtype)
 
 
-def _parity(name, options, steps, micro_batches, dtype_name):
+def _parity(name, options, steps, micro_batches, dtype_name, device="cpu"):
     """Train the same model with DDP and with BucketedAllReduce; return the largest gap."""
     rank = dist.get_rank()
     dtype = getattr(torch, dtype_name)
-    ours = make(name, dtype)
+    ours = make(name, dtype).to(device)
     theirs = copy.deepcopy(ours)
     find_unused = options.get("find_unused_parameters", False)
     wrapped = tp.nn.DataParallel(ours, **options)
@@ -92,7 +92,7 @@ def _parity(name, options, steps, micro_batches, dtype_name):
     for step in range(steps):
         for model, opt in ((wrapped, opt_ours), (ddp, opt_theirs)):
             for m in range(micro_batches):
-                x = batch(name, rank, step * 10 + m, dtype)
+                x = batch(name, rank, step * 10 + m, dtype).to(device)
                 last = m == micro_batches - 1
                 with (model.no_sync() if not last else _nothing()):
                     model(x).float().pow(2).mean().backward()
@@ -102,7 +102,7 @@ def _parity(name, options, steps, micro_batches, dtype_name):
             opt.zero_grad()
     gap = max((a.float() - b.float()).abs().max().item()
               for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
-    initial = next(make(name, dtype).parameters())
+    initial = next(make(name, dtype).parameters()).to(device)
     moved = (next(ours.parameters()).float() - initial.float()).abs().max().item()
     return gap, moved, grads_none
 
