@@ -244,20 +244,29 @@ class AllToAllSpec:
                             self.even)
 
 
-def all_to_all_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:
+def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch: Launch
+                    ) -> torch.Tensor:
     """The common all-to-all (e.g. token dispatch): every rank holds the same shape and sends
-    equal chunks along dim 0, so chunks leave and land in place and the output has ``x``'s
-    shape. ``x`` must have a dtype the backends move natively."""
+    ``sizes[r]`` rows along dim 0 to rank ``r`` (the same ``sizes`` on every rank), so
+    chunks leave and land in place. ``x`` must have a dtype the backends move natively."""
     send = x.contiguous()
-    recv = torch.empty_like(send)
-    launch.add(_comm.all_to_all(recv, send, None, None, group, launch.async_op), send)
+    n = group.size
+    if sizes.count(sizes[0]) == n:  # equal chunks: the output has x's shape
+        recv = torch.empty_like(send)
+        launch.add(_comm.all_to_all(recv, send, None, None, group, launch.async_op), send)
+        return recv
+    mine = sizes[group.rank]
+    recv = send.new_empty((mine * n, *send.shape[1:]))
+    per_row = send.numel() // send.shape[0]
+    launch.add(_comm.all_to_all(recv.view(-1), send.view(-1), [mine * per_row] * n,
+                                [k * per_row for k in sizes], group, launch.async_op), send)
     return recv
 
 
 def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torch.Tensor:
     x = x.detach()
     if spec.split_dim == 0 == spec.concat_dim and spec.even and x.dtype in NATIVE_DTYPES:
-        return all_to_all_equal(x, spec.group, launch)
+        return all_to_all_dim0(x, spec.send_sizes, spec.group, launch)
     unit = 1 if x.dtype in NATIVE_DTYPES else x.element_size()  # as_bytes' elements per item
     if math.prod(x.shape[: spec.split_dim]) == 1:  # the parts are consecutive in memory
         send = x.contiguous()

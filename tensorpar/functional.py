@@ -57,7 +57,7 @@ from tensorpar._symmetric import (
     all_gather_equal,
     all_reduce_data,
     all_to_all_data,
-    all_to_all_equal,
+    all_to_all_dim0,
     equal_on_dim0,
     reduce_scatter_data,
     reduce_scatter_equal,
@@ -513,9 +513,9 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
     """
     fn = "all_to_all"
     g = resolve_group(group, fn)
-    if _equal_dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
-        assert isinstance(x, torch.Tensor)
-        return all_to_all_equal(x, g, SYNC)  # no graph, no spec: the shortest path
+    if _dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
+        assert isinstance(x, torch.Tensor) and sizes is not None
+        return all_to_all_dim0(x, sizes, g, SYNC)  # no graph, no spec: the shortest path
     sizes = None if sizes is None else check_sizes(fn, sizes, g.size)
     tensor = require_tensor(fn, x)
     sd = _normalize_dim(fn, split_dim, tensor.ndim)
@@ -531,19 +531,18 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
     return all_to_all_data(tensor, spec, SYNC)
 
 
-def _equal_dim0_exchange(x: object, split_dim: object, concat_dim: object,
-                         sizes: Sequence[int] | None, n: int) -> bool:
-    """The common all-to-all, checked in one expression: a tensor that needs no graph and
-    has a dtype the backends move natively, split and concatenated along dim 0 into ``n``
-    equal, positive ``sizes`` that are ints (not floats or bools) summing to its length.
-    Anything else takes the general path, which also reports the mistakes. (Written without
-    helper calls: it runs before every such exchange, see docs/benchmarks.md.)"""
+def _dim0_exchange(x: object, split_dim: object, concat_dim: object,
+                   sizes: Sequence[int] | None, n: int) -> bool:
+    """The common all-to-all, checked in one expression: a non-empty tensor that needs no
+    graph and has a dtype the backends move natively, split and concatenated along dim 0
+    into ``n`` ``sizes`` that are non-negative ints (not floats or bools) summing to its
+    length. Anything else takes the general path, which also reports the mistakes. (Written
+    without helper calls: it runs before every such exchange, see docs/benchmarks.md.)"""
     return (isinstance(x, torch.Tensor) and type(split_dim) is int is type(concat_dim)
             and split_dim == 0 == concat_dim and isinstance(sizes, (list, tuple))
             and 1 < len(sizes) == n and list(map(type, sizes)).count(int) == n
-            and sizes.count(sizes[0]) == n and sizes[0] > 0
-            and x.ndim > 0 and x.shape[0] == sizes[0] * n and x.dtype in NATIVE_DTYPES
-            and not needs_graph(x))
+            and min(sizes) >= 0 and x.ndim > 0 and sum(sizes) == x.shape[0] > 0
+            and x.dtype in NATIVE_DTYPES and not needs_graph(x))
 
 
 # ---------------------------------------------------------------------------------------

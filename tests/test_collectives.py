@@ -303,10 +303,13 @@ def _without_autograd():
                          generator=torch.Generator().manual_seed(r)) for r in range(p)]
     x = every[rank]
     even = [2] * p  # equal chunks along dim 0: the shortest paths
+    uneven = [1] + [0] * (p - 2) + [2 * p]  # sums to 2p + 1, with zeros when p > 2
+    assert sum(uneven) == 2 * p + 1
     expected = {
         "all_gather equal": torch.cat([t[:2] for t in every]),
         "reduce_scatter equal": sum(t[: 2 * p] for t in every)[2 * rank: 2 * rank + 2] / p,
         "all_to_all equal": torch.cat([t[2 * rank: 2 * rank + 2] for t in every]),
+        "all_to_all uneven sizes": torch.cat([t.split(uneven)[rank] for t in every]),
     }
     calls = {
         "all_gather": lambda t: tp.all_gather(t[: rank + 1]),
@@ -316,6 +319,7 @@ def _without_autograd():
         "all_gather equal": lambda t: tp.all_gather(t[:2], sizes=[2] * p),
         "reduce_scatter equal": lambda t: tp.reduce_scatter(t[: 2 * p], op="mean"),
         "all_to_all equal": lambda t: tp.all_to_all(t[: 2 * p], 0, 0, sizes=even),
+        "all_to_all uneven sizes": lambda t: tp.all_to_all(t, 0, 0, sizes=uneven),
     }
     same = {}
     for name, call in calls.items():
@@ -333,7 +337,7 @@ def _without_autograd():
 
 
 def test_inputs_without_grad_give_the_same_result():
-    for world_size in (2, 3):
+    for world_size in (2, 3, 4):
         for same in run_distributed(_without_autograd, world_size):
             assert all(same.values()), same
 
@@ -482,3 +486,33 @@ def test_the_default_group_is_resolved_again_after_it_is_replaced():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _uneven_exchange_point_to_point(ranks):
+    """On gloo an uneven flat all-to-all goes point to point; async, on a subgroup too."""
+    from tensorpar import _comm
+    from tensorpar._group import resolve_group
+
+    group, rank, p = _subgroup(ranks)
+    if rank < 0:
+        return "not a member"
+    g = resolve_group(group)
+    # rank r sends (r + 1) * (d + 1) elements valued 100 r + d to rank d (itself included),
+    # except rank 0, which sends nothing to the last rank
+    in_splits = [0 if (rank, d) == (0, p - 1) else (rank + 1) * (d + 1) for d in range(p)]
+    out_splits = [0 if (s, rank) == (0, p - 1) else (s + 1) * (rank + 1) for s in range(p)]
+    inp = torch.cat([torch.full((n,), 100.0 * rank + d) for d, n in enumerate(in_splits)])
+    out = torch.empty(sum(out_splits))
+    work = _comm.all_to_all(out, inp, out_splits, in_splits, g, async_op=True)
+    assert type(work).__name__ == "_Works"
+    work.wait()
+    expected = torch.cat([torch.full((n,), 100.0 * s + rank) for s, n in enumerate(out_splits)])
+    assert torch.equal(out, expected)
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size, ranks", [(2, None), (3, None), (4, [3, 1, 2])])
+def test_uneven_exchange_goes_point_to_point(world_size, ranks):
+    results = run_distributed(_uneven_exchange_point_to_point, world_size, ranks)
+    assert [results[r] for r in (ranks or range(world_size))] == ["ok"] * len(ranks or
+                                                                          range(world_size))

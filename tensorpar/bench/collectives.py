@@ -2,8 +2,9 @@
 
 Equal chunks: ``all_gather``, ``reduce_scatter``, ``all_reduce`` (out of place and in place) and
 ``all_to_all``, each against the raw call allocating its output (as tensorpar does) and against
-the raw call into a preallocated output. Uneven chunks: ``all_to_all`` against two baselines
-defined here, padding to the largest chunk and point-to-point sends.
+the raw call into a preallocated output. Uneven chunks: ``all_to_all`` against three ways of
+doing it by hand: the backend's own uneven ``all_to_all_single``, padding every chunk to the
+largest, and point-to-point sends (tensorpar's own choice on gloo).
 
 Every payload is a 1-D float32 tensor, so the split/concat dim is the only one and no reshaping
 copy is ever needed. ``nbytes`` is the size of the tensor each rank passes in.
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 import tensorpar
 
-__all__ = ["padded_all_to_all", "p2p_all_to_all", "run_rank", "uneven_splits"]
+__all__ = ["native_all_to_all", "padded_all_to_all", "p2p_all_to_all", "run_rank",
+           "uneven_splits"]
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -29,6 +31,17 @@ def uneven_splits(numel: int, world: int) -> list[int]:
     """Split lengths sending about twice as much to rank 0 as to every other rank."""
     unit = numel // (world + 1)
     return [numel - unit * (world - 1)] + [unit] * (world - 1)
+
+
+def native_all_to_all(x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
+    """Uneven 1-D all-to-all as the backend's own: ``all_to_all_single`` with split lists.
+
+    ``splits`` (one length per destination) must be the same on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = x.new_empty(world * splits[rank])
+    dist.all_to_all_single(out, x, [splits[rank]] * world, list(splits))
+    return out
 
 
 def padded_all_to_all(x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
@@ -186,6 +199,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     splits = uneven_splits(numel, world)
     strategies: dict[str, Callable[[], object]] = {
         "tensorpar": lambda: tensorpar.all_to_all(x, 0, 0, sizes=splits),
+        "native": lambda: native_all_to_all(x, splits),
         "padded": lambda: padded_all_to_all(x, splits),
         "p2p": lambda: p2p_all_to_all(x, splits),
     }
@@ -194,6 +208,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     t = time_back_to_back(strategies, calls=calls)
     rows.append({"table": "uneven_all_to_all", "world_size": world, "nbytes": numel * 4,
                  "calls": calls, "splits": splits, "padded_nbytes": world * max(splits) * 4, **t,
+                 "native_ratio": t["native"] / t["tensorpar"],
                  "padded_ratio": t["padded"] / t["tensorpar"],
                  "p2p_ratio": t["p2p"] / t["tensorpar"]})
     return rows
