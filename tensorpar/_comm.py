@@ -182,6 +182,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
 
 
+_P2P_TAG = 0x7470  # "tp": tensorpar's point-to-point messages
+
+
 class _Works:
     """Several works waited on as one."""
 
@@ -199,18 +202,19 @@ def _p2p_all_to_all(out_parts: Sequence[torch.Tensor], in_parts: Sequence[torch.
     """One send and one receive per peer with a non-empty part (both sides know every
     length), and a local copy of this rank's own part.
 
-    The process group's own ``send``/``recv`` (group ranks, tag 0) are what ``dist.isend``
-    and ``dist.irecv`` call after their argument checks; the parts here are contiguous views
-    of checked buffers, so the checks are skipped.
+    The process group's own ``send``/``recv`` (group ranks) are what ``dist.isend`` and
+    ``dist.irecv`` call after their argument checks; the parts here are contiguous views of
+    checked buffers, so the checks are skipped. The messages carry their own tag, so they
+    never match a receive the caller has posted with torch's default tag (0).
     """
     works = []
     for peer in range(group.size):
         if peer == group.rank:
             continue
         if in_parts[peer].numel():
-            works.append(handle.send([in_parts[peer]], peer, 0))
+            works.append(handle.send([in_parts[peer]], peer, _P2P_TAG))
         if out_parts[peer].numel():
-            works.append(handle.recv([out_parts[peer]], peer, 0))
+            works.append(handle.recv([out_parts[peer]], peer, _P2P_TAG))
     out_parts[group.rank].copy_(in_parts[group.rank])  # while the transfers run
     pending = _Works(works)
     if async_op:

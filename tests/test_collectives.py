@@ -516,3 +516,24 @@ def test_uneven_exchange_goes_point_to_point(world_size, ranks):
     results = run_distributed(_uneven_exchange_point_to_point, world_size, ranks)
     assert [results[r] for r in (ranks or range(world_size))] == ["ok"] * len(ranks or
                                                                           range(world_size))
+
+
+def _exchange_beside_user_messages():
+    """A receive the caller posted before an uneven all_to_all gets the caller's message."""
+    rank = dist.get_rank()
+    x = torch.arange(4.0) + 10 * rank
+    if rank == 0:
+        mine = torch.empty(1)
+        pending = dist.irecv(mine, src=1)  # torch's default tag, posted first
+        out = tp.all_to_all(x, 0, 0, sizes=[1, 3])
+        pending.wait()
+        return mine.tolist(), out.tolist()
+    out = tp.all_to_all(x, 0, 0, sizes=[1, 3])
+    dist.send(torch.tensor([42.0]), dst=0)
+    return None, out.tolist()
+
+
+def test_uneven_exchange_leaves_the_callers_messages_alone():
+    rank0, rank1 = run_distributed(_exchange_beside_user_messages, 2, timeout=30)
+    assert rank0 == ([42.0], [0.0, 10.0])
+    assert rank1 == (None, [1.0, 2.0, 3.0, 11.0, 12.0, 13.0])
