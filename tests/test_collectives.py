@@ -514,8 +514,8 @@ def _uneven_exchange_point_to_point(ranks):
 @pytest.mark.parametrize("world_size, ranks", [(2, None), (3, None), (4, [3, 1, 2])])
 def test_uneven_exchange_goes_point_to_point(world_size, ranks):
     results = run_distributed(_uneven_exchange_point_to_point, world_size, ranks)
-    assert [results[r] for r in (ranks or range(world_size))] == ["ok"] * len(ranks or
-                                                                          range(world_size))
+    members = list(ranks or range(world_size))
+    assert [results[r] for r in members] == ["ok"] * len(members)
 
 
 def _exchange_beside_user_messages():
