@@ -173,13 +173,13 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
     """
     if _ACTIVE:
         _record("all_to_all", group, [inp], "data")
-    pg = _pg(group)
     if in_splits is not None and out_splits is not None and inp.device.type == "cpu":
         handle = group.handle
         if handle is not None and handle.name() == "gloo":
             return _p2p_all_to_all(out.split(out_splits), inp.split(in_splits), group, handle,
                                    async_op)
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=_pg(group),
+                                  async_op=async_op)
 
 
 _P2P_TAG = 0x7470  # "tp": tensorpar's point-to-point messages

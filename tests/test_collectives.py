@@ -408,7 +408,7 @@ def test_forward_mode_dual_is_refused_not_stripped():
 
 
 def _all_to_all_shortcut_keeps_the_checks():
-    """The equal dim-0 shortcut accepts exactly what the general path accepts."""
+    """The dim-0 shortcut accepts exactly what the general path accepts."""
     p = dist.get_world_size()
     x = torch.arange(2.0 * p)
     outcomes = {}
