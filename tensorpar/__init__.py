@@ -2,12 +2,14 @@
 
 from tensorpar import nn as nn
 from tensorpar._comm import CollectiveRecord, CommCounter
-from tensorpar.collaborative import CollaborativeTensor, UnresolvedCollectiveError, sync_collectives
+from tensorpar.collaborative import CollaborativeTensor, sync_collectives
 from tensorpar.errors import (
     CollectiveArgumentError,
     CollectiveTypeError,
     PlaceholderError,
+    ReducerError,
     TensorparError,
+    UnresolvedCollectiveError,
     WireFormatError,
 )
 from tensorpar.functional import (
@@ -15,18 +17,15 @@ from tensorpar.functional import (
     all_reduce,
     all_to_all,
     broadcast,
-    copy_to_group,
     gather,
-    gather_from_group,
     reduce,
-    reduce_from_group,
     reduce_scatter,
     scatter,
-    split_to_group,
 )
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
-from tensorpar.reducer import BucketedAllReduce, ReducerError
+from tensorpar.reducer import BucketedAllReduce
+from tensorpar.regions import copy_to_group, gather_from_group, reduce_from_group, split_to_group
 
 __version__ = "0.1.0"
 

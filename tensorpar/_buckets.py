@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorpar.collaborative import CollaborativeTensor
+
 __all__ = ["Bucket", "plan_buckets"]
 
 MiB = 1 << 20
@@ -34,7 +36,7 @@ class Bucket:
     comm_dtype: torch.dtype
     pending: int = 0
     launched: bool = False
-    handle: object = None
+    handle: CollaborativeTensor | None = None
     comm: torch.Tensor | None = field(default=None, repr=False)
 
     @property

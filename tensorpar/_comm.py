@@ -97,7 +97,9 @@ _LOCK = threading.Lock()
 def _record(kind: str, group: Group, sent: Sequence[torch.Tensor] | None, purpose: Purpose
             ) -> None:
     """Tell every active counter; ``sent`` is what this rank hands over (None: nothing).
-    Callers check ``_ACTIVE`` first, so a call without a counter builds nothing."""
+
+    Callers check ``_ACTIVE`` first, so a call without a counter builds nothing.
+    """
     record = CollectiveRecord(kind, group.size, _nbytes(sent or []), purpose)
     with _LOCK:
         for counter in _ACTIVE:
@@ -105,8 +107,11 @@ def _record(kind: str, group: Group, sent: Sequence[torch.Tensor] | None, purpos
 
 
 def _pg(group: Group) -> dist.ProcessGroup | None:
-    """The handle to pass to torch.distributed: ``None`` for the default group, whose
-    explicit handle takes a slower path through torch's argument checks (~0.1 ms a call)."""
+    """The handle to pass to torch.distributed (``None`` for the default group).
+
+    The default group's explicit handle takes a slower path through torch's argument checks
+    (~0.1 ms a call).
+    """
     handle = group.ref() if group.ref is not None else None  # (Group.handle, inlined)
     if handle is None:
         return group.handle  # None if torch.distributed is not initialised; raises if destroyed
@@ -199,8 +204,9 @@ class _Works:
 
 def _p2p_all_to_all(out_parts: Sequence[torch.Tensor], in_parts: Sequence[torch.Tensor],
                     group: Group, handle: dist.ProcessGroup, async_op: bool) -> Work:
-    """One send and one receive per peer with a non-empty part (both sides know every
-    length), and a local copy of this rank's own part.
+    """Uneven all-to-all as one send and one receive per peer, and a local copy of our part.
+
+    Only peers with a non-empty part are messaged (both sides know every length).
 
     The process group's own ``send``/``recv`` (group ranks) are what ``dist.isend`` and
     ``dist.irecv`` call after their argument checks; the parts here are contiguous views of

@@ -18,14 +18,13 @@ from tensorpar.errors import TensorparError
 
 __all__ = ["Group", "GroupLike", "resolve_group"]
 
-GroupLike: TypeAlias = "dist.ProcessGroup | Any | None"
-"""What users may pass as ``group``: ``None`` (the default group), a ``ProcessGroup`` or a
-one-dimensional ``DeviceMesh``."""
+GroupLike: TypeAlias = "dist.ProcessGroup | Group | Any | None"
+"""What may be passed as ``group``: ``None`` (the default group), a ``ProcessGroup``, a
+one-dimensional ``DeviceMesh``, or (inside tensorpar) an already resolved `Group`."""
 
 
 class Group(NamedTuple):
-    """A resolved process group: a weak reference to its handle, this process's rank in it
-    and the group size.
+    """A resolved process group: a weak reference to its handle, our rank in it, its size.
 
     The reference is weak so that nothing tensorpar keeps (autograd graphs, placeholders,
     layers, reducers) extends a process group's life past ``destroy_process_group``: when
@@ -121,8 +120,9 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
     """Resolve ``group`` at call time (never at import time).
 
     Args:
-        group: ``None`` for the default (WORLD) group, a ``ProcessGroup``, or a 1-D
-            ``DeviceMesh``.
+        group: ``None`` for the default (WORLD) group, a ``ProcessGroup``, a 1-D
+            ``DeviceMesh``, or a `Group` (returned unchanged: layers and the reducer resolve
+            once and pass the result on).
         fn: the public function's name, used in error messages.
 
     Returns:
@@ -132,6 +132,8 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
         TypeError: ``group`` is none of the accepted kinds.
         ValueError: this process is not a member of ``group``.
     """
+    if type(group) is Group:
+        return group
     if group is None:
         # WORLD is None until init_process_group; this is cheaper than dist.is_initialized()
         handle = dist.group.WORLD if _DIST_AVAILABLE else None

@@ -8,10 +8,13 @@ waiting in the data collective.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tensorpar import _comm
 from tensorpar._group import Group
+from tensorpar._split import SplitSpec, check_total
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
     HEADER_LEN,
@@ -26,7 +29,8 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["exchange", "local_header", "placeholder_input", "source_header"]
+__all__ = ["chunks_spec", "exchange", "local_header", "placeholder_input", "require_tensor",
+           "sole_chunk", "sole_input", "source_header"]
 
 
 def kind_name(x: object) -> str:
@@ -43,6 +47,21 @@ def require_tensor(fn: str, x: object, why: str = "every rank must pass a tensor
     if isinstance(x, torch.Tensor):
         return x
     raise CollectiveTypeError(f"{fn}: {why}, got {kind_name(x)}")
+
+
+def sole_input(fn: str, x: object) -> torch.Tensor:
+    """The input on a one-rank group, where this rank is every root and must hold data."""
+    return require_tensor(fn, x, "on a group of one rank this rank is the source and must "
+                                 "pass a tensor")
+
+
+def sole_chunk(fn: str, x: object, dim: int, sizes: Sequence[int] | None) -> torch.Tensor:
+    """The input of a one-rank concatenation, checked against ``dim`` and ``sizes``."""
+    tensor = sole_input(fn, x)
+    d = _normalize_dim(fn, dim, tensor.ndim)
+    if sizes is not None:
+        check_total(fn, sizes, tensor.shape[d], d, "this rank's chunk")
+    return tensor
 
 
 def local_header(x: object) -> torch.Tensor:
@@ -106,12 +125,11 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -
     return source
 
 
-def chunk_headers(fn: str, x: object, dim: int, g: Group, *, same_dim: bool = False
-                  ) -> tuple[int, list[Header]]:
+def chunk_headers(fn: str, x: object, dim: int, g: Group) -> tuple[int, list[Header]]:
     """Exchange every rank's tensor metadata and check they can be concatenated along ``dim``.
 
     Returns the normalised dim and every rank's header. Dtype, ndim and every dim but
-    ``dim`` must agree (with ``same_dim``, ``dim`` too).
+    ``dim`` must agree.
     """
     headers = exchange(g, local_header(x))
     for rank, h in enumerate(headers):
@@ -125,14 +143,41 @@ def chunk_headers(fn: str, x: object, dim: int, g: Group, *, same_dim: bool = Fa
         raise CollectiveArgumentError(str(e)) from None
     for rank, h in enumerate(headers):
         mismatch = h.dtype != first.dtype or len(h.shape) != len(first.shape) or any(
-            a != b for i, (a, b) in enumerate(zip(h.shape, first.shape, strict=False))
-            if i != d or same_dim)
+            a != b for i, (a, b) in enumerate(zip(h.shape, first.shape, strict=False)) if i != d)
         if mismatch:
-            what = "shape and dtype" if same_dim else f"dtype and in every dim but {d}"
             raise CollectiveArgumentError(
-                f"{fn}(dim={dim}): every rank's tensor must agree in {what}; "
-                f"rank 0 has {first.describe()}, rank {rank} has {h.describe()}")
+                f"{fn}(dim={dim}): every rank's tensor must agree in dtype and in every dim but "
+                f"{d}; rank 0 has {first.describe()}, rank {rank} has {h.describe()}")
     return d, headers
+
+
+def chunks_spec(fn: str, x: object, dim: int, g: Group, sizes: tuple[int, ...] | None,
+                root: int) -> tuple[SplitSpec, torch.Tensor]:
+    """The spec of a concatenation of every rank's chunk, and this rank's autograd input.
+
+    Without ``sizes`` the chunk lengths (and a mistake on any rank) are learned from one
+    header exchange; ``requires_grad`` is then True on every rank if it is on any.
+    """
+    if sizes is not None:
+        tensor = require_tensor(fn, x)
+        d = _normalize_dim(fn, dim, tensor.ndim)
+        if tensor.shape[d] != sizes[g.rank]:
+            raise ValueError(f"{fn}: sizes[{g.rank}]={sizes[g.rank]} but this rank's chunk has "
+                             f"length {tensor.shape[d]} along dim {d}")
+        requires_grad = tensor.requires_grad
+    else:
+        d, headers = chunk_headers(fn, x, dim, g)
+        sizes = tuple(h.shape[d] for h in headers)
+        requires_grad = any(h.requires_grad for h in headers)
+        tensor = require_tensor(fn, x)  # checked on every rank by the exchange
+    full = list(tensor.shape)
+    full[d] = sum(sizes)
+    spec = SplitSpec(group=g, root=root, full_shape=torch.Size(full), dtype=tensor.dtype,
+                     dim=d, sizes=sizes)
+    if requires_grad and torch.is_grad_enabled() and not tensor.requires_grad:
+        # another rank's chunk needs a gradient: this rank must join the backward too
+        tensor = tensor.detach().requires_grad_()
+    return spec, tensor
 
 
 def placeholder_input(x: TensorPlaceholder | None, dtype: torch.dtype, requires_grad: bool,

@@ -1,4 +1,4 @@
-"""Construction-time replica check and sync for the data-parallel reducer."""
+"""Construction-time replica check, then broadcast from rank 0, for the data-parallel reducer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from torch import nn
 
 from tensorpar import _comm
 from tensorpar._group import Group
+from tensorpar.errors import ReducerError
 
-__all__ = ["check_replicas"]
+__all__ = ["check_and_broadcast_replicas"]
 
 
 def _signature(module: nn.Module) -> list[str]:
@@ -16,15 +17,13 @@ def _signature(module: nn.Module) -> list[str]:
             for name, p in module.named_parameters()]
 
 
-def check_replicas(module: nn.Module, group: Group) -> None:
+def check_and_broadcast_replicas(module: nn.Module, group: Group) -> None:
     """Check every rank holds the same parameters, then broadcast them (and buffers) from rank 0.
 
     Raises the same error on every rank, naming the first difference and the ranks.
     """
     if group.is_single:
         return
-    from tensorpar.reducer import ReducerError
-
     mine = "\n".join(_signature(module)).encode()
     device = group.comm_device(next((p.device for p in module.parameters()), None))
     length = torch.tensor([len(mine)], dtype=torch.int64, device=device)

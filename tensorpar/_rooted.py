@@ -12,9 +12,33 @@ import torch
 
 from tensorpar import _comm
 from tensorpar._autograd import SYNC, Launch, no_backward, scale_for_mean, tie_to_output, torch_op
+from tensorpar._group import Group
+from tensorpar._meta import placeholder_input
 from tensorpar._split import RootSpec, SplitSpec, as_bytes
+from tensorpar.placeholder import Header, TensorPlaceholder
 
-__all__ = ["Broadcast", "Gather", "Reduce", "Scatter"]
+__all__ = ["placeholder_of", "root_input"]
+
+
+def root_input(x: object, root: int, g: Group, header: Header) -> torch.Tensor:
+    """The autograd input of a rooted Function: the tensor on the root, an anchor elsewhere.
+
+    The anchor is described by the source's ``header``.
+    """
+    if g.rank == root:
+        assert isinstance(x, torch.Tensor)  # source_header checked it
+        return x
+    ph = x if isinstance(x, TensorPlaceholder) else None
+    assert header.dtype is not None  # a source header always has one
+    return placeholder_input(ph, header.dtype, header.requires_grad and torch.is_grad_enabled(),
+                             g, header.device_type)
+
+
+def placeholder_of(anchor: torch.Tensor, spec: RootSpec) -> TensorPlaceholder:
+    """The placeholder a non-root rank gets, carrying the collective's autograd anchor."""
+    return TensorPlaceholder(spec.full_shape, spec.dtype, device=anchor.device,
+                             requires_grad=anchor.requires_grad, owner=spec.root,
+                             group=spec.group.handle, _anchor=anchor)
 
 
 def scatter_data(x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
@@ -61,7 +85,7 @@ def gather_data(chunk: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
     return torch.cat(parts, spec.dim)
 
 
-class Scatter(torch.autograd.Function):
+class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
@@ -71,10 +95,10 @@ class Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return Gather.apply(tie_to_output(grad, ctx), ctx.spec), None
+        return _Gather.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
-class Gather(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
@@ -84,10 +108,10 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return Scatter.apply(tie_to_output(grad, ctx), ctx.spec), None
+        return _Scatter.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
-class Broadcast(torch.autograd.Function):
+class _Broadcast(torch.autograd.Function):
     """Root: ``x`` is the tensor (copied, never aliased). Others: ``x`` is an anchor."""
 
     @staticmethod
@@ -103,10 +127,10 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return Reduce.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
+        return _Reduce.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
 
 
-class Reduce(torch.autograd.Function):
+class _Reduce(torch.autograd.Function):
     """Root gets the reduction; other ranks get an empty anchor."""
 
     @staticmethod
@@ -127,5 +151,5 @@ class Reduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.op in ("max", "min"):
             raise no_backward("reduce", ctx.op)
-        out = Broadcast.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
+        out = _Broadcast.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None

@@ -12,10 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorpar._group import Group
+from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
 
-__all__ = ["RootSpec", "SplitSpec", "balanced_sizes", "check_sizes"]
+__all__ = ["RootSpec", "SplitSpec", "balanced_sizes", "check_sizes", "resolve_args",
+           "sizes_or_balanced"]
+
+
+def resolve_args(fn: str, group: GroupLike, sizes: Sequence[int] | None, **ranks: int
+                 ) -> tuple[Group, tuple[int, ...] | None]:
+    """Resolve ``group``, check the rank arguments (group ranks) and the form of ``sizes``."""
+    g = resolve_group(group, fn)
+    for name, value in ranks.items():
+        g.check_rank(fn, name, value)
+    return g, None if sizes is None else check_sizes(fn, sizes, g.size)
 
 
 def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
@@ -49,6 +59,15 @@ def check_total(fn: str, sizes: Sequence[int], length: int, dim: int, what: str)
         raise CollectiveArgumentError(
             f"{fn}: sizes={list(sizes)} sum to {sum(sizes)}, but {what} has length {length} "
             f"along dim {dim}")
+
+
+def sizes_or_balanced(fn: str, sizes: tuple[int, ...] | None, length: int, dim: int,
+                      parts: int, what: str) -> tuple[int, ...]:
+    """``sizes`` checked against ``length``, or the balanced split of ``length``."""
+    if sizes is None:
+        return balanced_sizes(length, parts)
+    check_total(fn, sizes, length, dim, what)
+    return sizes
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,9 @@ import torch
 
 from tensorpar._autograd import Launch
 from tensorpar._not_data import NotData
-from tensorpar.errors import TensorparError
+from tensorpar.errors import UnresolvedCollectiveError
 
-__all__ = ["CollaborativeTensor", "UnresolvedCollectiveError", "sync_collectives"]
-
-
-class UnresolvedCollectiveError(TensorparError):
-    """A `CollaborativeTensor` was used as data."""
+__all__ = ["CollaborativeTensor", "as_result", "sync_collectives"]
 
 
 class CollaborativeTensor(NotData):
@@ -91,6 +87,12 @@ class CollaborativeTensor(NotData):
         raise UnresolvedCollectiveError(
             f"{op}: got a CollaborativeTensor ({'resolved' if self._resolved else 'in flight'}), "
             f"which is a handle, not a tensor: {hint}")
+
+
+def as_result(out: torch.Tensor, launch: Launch, async_op: bool
+              ) -> torch.Tensor | CollaborativeTensor:
+    """The tensor, or with ``async_op`` a handle that must be resolved first."""
+    return CollaborativeTensor(out, launch) if async_op else out
 
 
 def sync_collectives(handles: Iterable[CollaborativeTensor]) -> list[torch.Tensor]:

@@ -12,7 +12,9 @@ __all__ = [
     "CollectiveArgumentError",
     "CollectiveTypeError",
     "PlaceholderError",
+    "ReducerError",
     "TensorparError",
+    "UnresolvedCollectiveError",
     "WireFormatError",
 ]
 
@@ -23,6 +25,10 @@ class TensorparError(RuntimeError):
 
 class PlaceholderError(TensorparError):
     """A `TensorPlaceholder` was used as data on a rank that holds none."""
+
+
+class UnresolvedCollectiveError(TensorparError):
+    """A `CollaborativeTensor` (the handle of an asynchronous collective) was used as data."""
 
 
 class CollectiveArgumentError(TensorparError, ValueError):
@@ -43,3 +49,7 @@ class CollectiveTypeError(TensorparError, TypeError):
 
 class WireFormatError(TensorparError, ValueError):
     """A metadata header received from a peer is malformed or uses an unknown code."""
+
+
+class ReducerError(TensorparError):
+    """The data-parallel reducer was used in a way that would give wrong gradients or hang."""

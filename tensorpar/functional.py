@@ -4,95 +4,61 @@ Every function takes ``group=None`` (the default group, resolved at call time; a
 ``ProcessGroup`` or a 1-D ``DeviceMesh`` also work), and ``src``/``dst`` are ranks **within**
 that group. A group of one rank issues no collective. Inputs are never modified unless the
 call says ``inplace=True``. Chunks along ``dim`` may be uneven (balanced like
-``torch.tensor_split`` by default, or given by ``sizes=``).
-
-| function | forward | backward |
-|---|---|---|
-| `scatter` | split from `src` | gather to `src` |
-| `gather` | concatenate on `dst` | scatter from `dst` |
-| `all_gather` | concatenate on every rank | reduce-scatter (sum) |
-| `reduce_scatter` | reduce, keep own chunk | all-gather |
-| `all_reduce` | reduce on every rank | all-reduce, or identity |
-| `broadcast` | copy from `src` | reduce (sum) to `src` |
-| `reduce` | reduce onto `dst` | broadcast from `dst` |
-| `all_to_all` | split, exchange, concatenate | all-to-all with the dims swapped |
-| `copy_to_group` | identity | all-reduce (sum) |
-| `reduce_from_group` | all-reduce (sum) | identity |
-| `split_to_group` | take own chunk | all-gather |
-| `gather_from_group` | all-gather | take own chunk |
+``torch.tensor_split`` by default, or given by ``sizes=``). Every argument after the tensor
+is keyword-only, so a call reads the same everywhere: ``gather(y, dim=1, dst=0)``.
+Each docstring opens with the pair it implements ("Forward: scatter. Backward: gather").
+Megatron's region mappings (``copy_to_group``, ...) are in `tensorpar.regions`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 
-from tensorpar._args import (
-    all_to_all_spec,
-    chunks_spec,
-    placeholder_of,
-    result,
-    root_input,
-    setup,
-    single,
-    single_chunk,
-    sizes_or_balanced,
-)
-from tensorpar._autograd import SYNC, Launch, check_op, needs_graph
-from tensorpar._group import GroupLike, resolve_group
-from tensorpar._meta import require_tensor, source_header
-from tensorpar._rooted import Broadcast, Gather, Reduce, Scatter
-from tensorpar._split import NATIVE_DTYPES, RootSpec, SplitSpec, check_sizes, check_total
+from tensorpar._alltoall import run_all_to_all
+from tensorpar._autograd import SYNC, Launch, apply_or_run, check_op, needs_graph
+from tensorpar._group import GroupLike
+from tensorpar._meta import chunks_spec, require_tensor, sole_chunk, sole_input, source_header
+from tensorpar._rooted import _Broadcast, _Gather, _Reduce, _Scatter, placeholder_of, root_input
+from tensorpar._split import RootSpec, SplitSpec, check_total, resolve_args, sizes_or_balanced
 from tensorpar._symmetric import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    CopyToGroup,
-    GatherFromGroup,
-    ReduceScatter,
-    SplitToGroup,
-    all_gather_data,
+    _AllGather,
+    _AllReduce,
+    _ReduceScatter,
     all_gather_equal,
-    all_reduce_data,
-    all_to_all_data,
-    all_to_all_dim0,
     equal_on_dim0,
-    reduce_scatter_data,
     reduce_scatter_equal,
 )
-from tensorpar.collaborative import CollaborativeTensor
+from tensorpar.collaborative import CollaborativeTensor, as_result
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group", "gather",
-           "gather_from_group", "reduce", "reduce_from_group", "reduce_scatter", "scatter",
-           "split_to_group"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
+           "reduce_scatter", "scatter"]
 
 ReduceOpName = Literal["sum", "mean", "max", "min"]
+BackwardMode = Literal["sum", "identity"]
 
 
 # ---------------------------------------------------------------------------------------
 # rooted collectives
 # ---------------------------------------------------------------------------------------
 
-def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int = 0,
+def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: int = 0,
             group: GroupLike = None, sizes: Sequence[int] | None = None,
             exchange_meta: bool = True) -> torch.Tensor:
     """Split ``x`` on rank ``src`` along ``dim`` and give every rank its chunk.
 
     Forward: scatter from ``src``. Backward: gather of the chunk gradients to ``src``.
 
-    On ``src``, ``x`` is the full tensor. On every other rank ``x`` is a
-    `TensorPlaceholder` or ``None``. By default the ranks exchange one
-    small metadata header first: ranks that passed ``None`` learn the dtype, shape and
-    ``requires_grad`` from it, ranks that passed a placeholder check it, and any mistake on
-    any rank raises the same error on every rank (nobody is left waiting). When every
-    non-source rank passes a placeholder, ``exchange_meta=False`` on every rank skips that
-    exchange.
-
-    Every rank's chunk has ``requires_grad`` equal to the source tensor's, so every rank
-    takes part in the backward gather.
+    On ``src``, ``x`` is the full tensor; elsewhere a `TensorPlaceholder` or ``None``. By
+    default the ranks first exchange one small metadata header: ranks that passed ``None``
+    learn the dtype, shape and ``requires_grad``, placeholders are checked, and a mistake on
+    any rank raises the same error on every rank (nobody is left waiting).
+    ``exchange_meta=False`` on every rank skips it when every non-source rank passes a
+    placeholder. Every chunk has the source's ``requires_grad``, so every rank joins the
+    backward gather.
 
     Args:
         x: the full tensor on ``src``; a placeholder or ``None`` elsewhere.
@@ -128,41 +94,37 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, dim: int = 0, src: int =
                 [4., 5.]])
     """
     fn = "scatter"
-    g, sizes = setup(fn, group, sizes, src=src)
+    g, sizes = resolve_args(fn, group, sizes, src=src)
     if g.is_single:
-        tensor = single(fn, x)
+        tensor = sole_input(fn, x)
         d = _normalize_dim(fn, dim, tensor.ndim)
         if sizes is not None:
             check_total(fn, sizes, tensor.shape[d], d, "the source tensor")
         return tensor.contiguous()
     header = source_header(fn, x, src, g, exchange_meta)
     d = _normalize_dim(fn, dim, len(header.shape))
-    sizes = sizes_or_balanced(fn, sizes, header.shape[d], d, g, "the source tensor")
+    sizes = sizes_or_balanced(fn, sizes, header.shape[d], d, g.size, "the source tensor")
     assert header.dtype is not None
     spec = SplitSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype, dim=d,
                      sizes=sizes)
     inp = root_input(x, src, g, header)
-    out: torch.Tensor = Scatter.apply(inp, spec)
+    out: torch.Tensor = _Scatter.apply(inp, spec)
     return out
 
 
-def gather(x: torch.Tensor, dim: int = 0, dst: int = 0, group: GroupLike = None,
+def gather(x: torch.Tensor, *, dim: int = 0, dst: int = 0, group: GroupLike = None,
            sizes: Sequence[int] | None = None) -> torch.Tensor | TensorPlaceholder:
     """Concatenate every rank's chunk along ``dim`` on rank ``dst``.
 
     Forward: gather to ``dst``. Backward: scatter of the gradient from ``dst``.
 
-    Chunk lengths along ``dim`` may differ across ranks; they are discovered with one
-    small metadata exchange, which also checks that dtypes and the other dims agree (a
-    disagreement raises the same error on every rank). Passing ``sizes`` skips the exchange;
-    the caller then guarantees that every rank agrees, on the sizes and on whether its chunk
-    requires grad.
+    Chunk lengths along ``dim`` may differ across ranks; one small metadata exchange learns
+    them and checks that dtypes and the other dims agree (on every rank). ``sizes`` skips
+    it: every rank must then agree on the sizes and on whether its chunk requires grad.
 
-    Every rank other than ``dst`` gets a `TensorPlaceholder` with the full
-    shape and ``owner=dst``. For the backward pass, ``dst`` computes a loss from the result
-    and calls ``loss.backward()``; every other rank calls ``.backward()`` on its placeholder,
-    which joins the backward scatter and delivers its chunk's gradient. One idiom serves
-    every rank:
+    Every rank other than ``dst`` gets a `TensorPlaceholder` with the full shape and
+    ``owner=dst``; its ``.backward()`` joins the backward scatter while ``dst`` calls
+    ``loss.backward()``. One idiom serves every rank:
 
     ```python
     out = tensorpar.gather(y, dst=0)
@@ -198,15 +160,24 @@ def gather(x: torch.Tensor, dim: int = 0, dst: int = 0, group: GroupLike = None,
                 [1., 1., 1.]])
     """
     fn = "gather"
-    g, sizes = setup(fn, group, sizes, dst=dst)
+    g, sizes = resolve_args(fn, group, sizes, dst=dst)
     if g.is_single:
-        return single_chunk(fn, x, dim, sizes)
+        return sole_chunk(fn, x, dim, sizes)
     spec, inp = chunks_spec(fn, x, dim, g, sizes, root=dst)
-    out: torch.Tensor = Gather.apply(inp, spec)
+    out: torch.Tensor = _Gather.apply(inp, spec)
     return out if g.rank == dst else placeholder_of(out, spec)
 
 
-def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
+@overload
+def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = ..., group: GroupLike = ...,
+              exchange_meta: bool = ..., async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = ..., group: GroupLike = ...,
+              exchange_meta: bool = ..., async_op: Literal[True]) -> CollaborativeTensor: ...
+@overload
+def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = ..., group: GroupLike = ...,
+              exchange_meta: bool = ..., async_op: bool) -> torch.Tensor | CollaborativeTensor: ...
+def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = 0,
               group: GroupLike = None, exchange_meta: bool = True, async_op: bool = False
               ) -> torch.Tensor | CollaborativeTensor:
     """Copy ``x`` from rank ``src`` to every rank.
@@ -242,20 +213,20 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, src: int = 0,
         tensor([1., 2.])
     """
     fn = "broadcast"
-    g, _ = setup(fn, group, None, src=src)
+    g, _ = resolve_args(fn, group, None, src=src)
     if g.is_single:
-        return result(single(fn, x), Launch(async_op), async_op)
+        return as_result(sole_input(fn, x), Launch(async_op), async_op)
     header = source_header(fn, x, src, g, exchange_meta)
     assert header.dtype is not None
     spec = RootSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype)
     inp = root_input(x, src, g, header)
     launch = Launch(async_op)
-    out: torch.Tensor = Broadcast.apply(inp, spec, launch)
-    return result(out, launch, async_op)
+    out: torch.Tensor = _Broadcast.apply(inp, spec, launch)
+    return as_result(out, launch, async_op)
 
 
-def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", group: GroupLike = None
-           ) -> torch.Tensor | TensorPlaceholder:
+def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
+           group: GroupLike = None) -> torch.Tensor | TensorPlaceholder:
     """Reduce every rank's ``x`` onto rank ``dst``.
 
     Forward: reduce to ``dst``. Backward: broadcast of the gradient from ``dst``.
@@ -286,13 +257,13 @@ def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", group: Group
         tensor([1., 2.])
     """
     fn = "reduce"
-    g, _ = setup(fn, group, None, dst=dst)
+    g, _ = resolve_args(fn, group, None, dst=dst)
     tensor = require_tensor(fn, x)
-    op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
+    op_name = check_op(fn, op, tensor.dtype)
     if g.is_single:
         return tensor
     spec = RootSpec(group=g, root=dst, full_shape=tensor.shape, dtype=tensor.dtype)
-    out: torch.Tensor = Reduce.apply(tensor, spec, op, SYNC)
+    out: torch.Tensor = _Reduce.apply(tensor, spec, op_name, SYNC)
     return out if g.rank == dst else placeholder_of(out, spec)
 
 
@@ -300,29 +271,37 @@ def reduce(x: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", group: Group
 # symmetric collectives
 # ---------------------------------------------------------------------------------------
 
-def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
+@overload
+def all_gather(x: torch.Tensor, *, dim: int = ..., group: GroupLike = ...,
+               sizes: Sequence[int] | None = ...,
+               async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_gather(x: torch.Tensor, *, dim: int = ..., group: GroupLike = ...,
+               sizes: Sequence[int] | None = ...,
+               async_op: Literal[True]) -> CollaborativeTensor: ...
+@overload
+def all_gather(x: torch.Tensor, *, dim: int = ..., group: GroupLike = ...,
+               sizes: Sequence[int] | None = ...,
+               async_op: bool) -> torch.Tensor | CollaborativeTensor: ...
+def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
                sizes: Sequence[int] | None = None, async_op: bool = False
                ) -> torch.Tensor | CollaborativeTensor:
     """Concatenate every rank's chunk along ``dim``, on every rank.
 
-    Forward: all-gather. Backward: reduce-scatter (sum): each rank gets the sum over ranks
-    of the gradients of its own chunk. That is the true gradient when each rank's loss
-    counts (the total loss is the sum over ranks). When the result feeds one replicated loss
-    counted once, use `gather_from_group`, whose backward takes the rank's own chunk
-    (here the gradient would come out multiplied by the group size).
+    Forward: all-gather. Backward: reduce-scatter (sum), the true gradient when each rank's
+    loss counts. For one replicated loss counted once use `gather_from_group` (here the
+    gradient would come out multiplied by the group size).
 
-    Chunk lengths may differ; they are learned with one metadata exchange unless ``sizes``
-    gives them (then every rank must pass the same ``sizes``, and either every rank's chunk
-    requires grad or none does).
+    Chunk lengths may differ; one metadata exchange learns them unless ``sizes`` gives them
+    (the same on every rank, and every rank's chunk requires grad or none does).
 
     Args:
         x: this rank's chunk.
         dim: the dimension to concatenate along.
         group: the process group (``None``: the default group, resolved at call time).
         sizes: every rank's chunk length along ``dim``, to skip the size exchange.
-        async_op: return a `CollaborativeTensor` without waiting. Chunks
-            that are uneven, or split along a dim with longer dims before it, are reassembled
-            before returning, so that call completes before it returns.
+        async_op: return a `CollaborativeTensor` without waiting (uneven chunks, or a
+            ``dim`` with longer dims before it, are reassembled, so that call waits).
 
     Returns:
         The concatenation (or a handle to it).
@@ -340,21 +319,31 @@ def all_gather(x: torch.Tensor, dim: int = 0, group: GroupLike = None,
         tensor([1., 1.])
     """
     fn = "all_gather"
-    g, sizes = setup(fn, group, sizes)
+    g, sizes = resolve_args(fn, group, sizes)
     if g.is_single:
-        return result(single_chunk(fn, x, dim, sizes), Launch(async_op), async_op)
+        return as_result(sole_chunk(fn, x, dim, sizes), Launch(async_op), async_op)
     launch = Launch(async_op)
     if sizes is not None and isinstance(x, torch.Tensor) and not needs_graph(x) \
             and equal_on_dim0(x, _normalize_dim(fn, dim, x.ndim), sizes) \
             and x.shape[0] == sizes[g.rank]:  # no graph, no spec: the shortest path
-        return result(all_gather_equal(x, g, launch), launch, async_op)
+        return as_result(all_gather_equal(x, g, launch), launch, async_op)
     spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
-    out: torch.Tensor = AllGather.apply(inp, spec, launch) if needs_graph(inp) \
-        else all_gather_data(inp, spec, launch)
-    return result(out, launch, async_op)
+    return as_result(apply_or_run(_AllGather, inp, spec, launch), launch, async_op)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpName = "sum",
+@overload
+def reduce_scatter(x: torch.Tensor, *, dim: int = ..., op: ReduceOpName = ...,
+                   group: GroupLike = ..., sizes: Sequence[int] | None = ...,
+                   async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def reduce_scatter(x: torch.Tensor, *, dim: int = ..., op: ReduceOpName = ...,
+                   group: GroupLike = ..., sizes: Sequence[int] | None = ...,
+                   async_op: Literal[True]) -> CollaborativeTensor: ...
+@overload
+def reduce_scatter(x: torch.Tensor, *, dim: int = ..., op: ReduceOpName = ...,
+                   group: GroupLike = ..., sizes: Sequence[int] | None = ...,
+                   async_op: bool) -> torch.Tensor | CollaborativeTensor: ...
+def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
                    group: GroupLike = None, sizes: Sequence[int] | None = None,
                    async_op: bool = False) -> torch.Tensor | CollaborativeTensor:
     """Reduce every rank's ``x`` and keep this rank's chunk of the result.
@@ -388,41 +377,47 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, op: ReduceOpName = "sum",
         tensor([0., 1., 2.])
     """
     fn = "reduce_scatter"
-    g, sizes = setup(fn, group, sizes)
+    g, sizes = resolve_args(fn, group, sizes)
     tensor = require_tensor(fn, x)
-    op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
+    op_name = check_op(fn, op, tensor.dtype)
     d = _normalize_dim(fn, dim, tensor.ndim)
-    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g, "the input")
+    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g.size, "the input")
     if g.is_single:
-        return result(tensor, Launch(async_op), async_op)
+        return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
     if equal_on_dim0(tensor, d, sizes) and not needs_graph(tensor):  # the shortest path
-        return result(reduce_scatter_equal(tensor, g, op, launch), launch, async_op)
+        return as_result(reduce_scatter_equal(tensor, g, op_name, launch), launch, async_op)
     spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
                      sizes=sizes)
-    out: torch.Tensor = ReduceScatter.apply(tensor, spec, op, launch) if needs_graph(tensor) \
-        else reduce_scatter_data(tensor, spec, op, launch)
-    return result(out, launch, async_op)
+    return as_result(apply_or_run(_ReduceScatter, tensor, spec, op_name, launch), launch,
+                     async_op)
 
 
-def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
-               backward: Literal["sum", "identity"] = "sum", group: GroupLike = None,
-               async_op: bool = False, inplace: bool = False
+@overload
+def all_reduce(x: torch.Tensor, *, op: ReduceOpName = ..., backward: BackwardMode = ...,
+               group: GroupLike = ..., async_op: Literal[False] = ...,
+               inplace: bool = ...) -> torch.Tensor: ...
+@overload
+def all_reduce(x: torch.Tensor, *, op: ReduceOpName = ..., backward: BackwardMode = ...,
+               group: GroupLike = ..., async_op: Literal[True],
+               inplace: bool = ...) -> CollaborativeTensor: ...
+@overload
+def all_reduce(x: torch.Tensor, *, op: ReduceOpName = ..., backward: BackwardMode = ...,
+               group: GroupLike = ..., async_op: bool,
+               inplace: bool = ...) -> torch.Tensor | CollaborativeTensor: ...
+def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardMode = "sum",
+               group: GroupLike = None, async_op: bool = False, inplace: bool = False
                ) -> torch.Tensor | CollaborativeTensor:
     """Reduce every rank's ``x``; every rank gets the result.
 
     Forward: all-reduce. Backward: ``backward="sum"`` all-reduces the gradient;
     ``backward="identity"`` passes it through.
 
-    Which backward to use depends on how the loss counts the ranks:
-
-    - ``"sum"`` (default) is the true adjoint when **each rank's loss counts**, e.g. the
-      total loss is the sum of every rank's loss. Each input gets the sum of every rank's
-      gradient of the result.
-    - ``"identity"`` is right when the result feeds **one replicated loss**, the same on
-      every rank and counted once, as in tensor-parallel layers after a row-parallel matmul
-      (Megatron's *g*; `reduce_from_group` is this mode). With ``"sum"`` the gradient
-      would come out multiplied by the group size.
+    - ``"sum"`` (default) is the true adjoint when **each rank's loss counts** (the total
+      loss is the sum of every rank's loss).
+    - ``"identity"`` is right when the result feeds **one replicated loss** counted once,
+      as after a row-parallel matmul (Megatron's *g*, `reduce_from_group`). With ``"sum"``
+      the gradient would come out multiplied by the group size.
 
     ``op="mean"`` divides before reducing (no fp16 overflow) and scales the gradient the same
     way. ``op="max"``/``"min"`` are forward-only: reaching their backward raises.
@@ -454,9 +449,9 @@ def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
         tensor([1., 1.])
     """
     fn = "all_reduce"
-    g, _ = setup(fn, group, None)
+    g, _ = resolve_args(fn, group, None)
     tensor = require_tensor(fn, x)
-    op = check_op(fn, op, tensor.dtype)  # type: ignore[assignment]
+    op_name = check_op(fn, op, tensor.dtype)
     if backward not in ("sum", "identity"):
         raise ValueError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
     if inplace and not tensor.is_contiguous():
@@ -464,21 +459,15 @@ def all_reduce(x: torch.Tensor, op: ReduceOpName = "sum",
                          f"in memory order); got strides {tensor.stride()} for shape "
                          f"{tuple(tensor.shape)}. Call .contiguous() first or reduce out of place")
     if g.is_single:
-        return result(tensor, Launch(async_op), async_op)
+        return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
-    if needs_graph(tensor):
-        out: torch.Tensor = AllReduce.apply(tensor, g, op, backward, inplace, launch)
-    else:
-        out = all_reduce_data(tensor, g, op, inplace, launch)
-        if inplace:  # what mark_dirty does: autograd must see that x was overwritten
-            torch.autograd.graph.increment_version(tensor)
-    return result(out, launch, async_op)
+    out = apply_or_run(_AllReduce, tensor, g, op_name, backward, inplace, launch)
+    return as_result(out, launch, async_op)
 
 
-def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLike = None,
+def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: GroupLike = None,
                sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Split ``x`` along ``split_dim``, send chunk ``r`` to rank ``r``, concatenate what
-    arrives along ``concat_dim``.
+    """Split along ``split_dim``, send chunk ``r`` to rank ``r``, concatenate along ``concat_dim``.
 
     Forward: all-to-all. Backward: all-to-all of the gradient with the dims swapped.
 
@@ -511,133 +500,4 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupLik
         >>> tensorpar.all_to_all(torch.ones(2, 3), split_dim=1, concat_dim=0).shape
         torch.Size([2, 3])
     """
-    fn = "all_to_all"
-    g = resolve_group(group, fn)
-    if _dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
-        assert isinstance(x, torch.Tensor) and sizes is not None
-        return all_to_all_dim0(x, sizes, g, SYNC)  # no graph, no spec: the shortest path
-    sizes = None if sizes is None else check_sizes(fn, sizes, g.size)
-    tensor = require_tensor(fn, x)
-    sd = _normalize_dim(fn, split_dim, tensor.ndim)
-    cd = _normalize_dim(fn, concat_dim, tensor.ndim)
-    if sizes is not None:
-        check_total(fn, sizes, tensor.shape[sd], sd, "this rank's tensor")
-    if g.is_single:
-        return tensor
-    spec = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
-    if needs_graph(tensor):
-        out: torch.Tensor = AllToAll.apply(tensor, spec, SYNC)
-        return out
-    return all_to_all_data(tensor, spec, SYNC)
-
-
-def _dim0_exchange(x: object, split_dim: object, concat_dim: object,
-                   sizes: Sequence[int] | None, n: int) -> bool:
-    """The common all-to-all, checked in one expression: a non-empty tensor that needs no
-    graph and has a dtype the backends move natively, split and concatenated along dim 0
-    into ``n`` ``sizes`` that are non-negative ints (not floats or bools) summing to its
-    length. Anything else takes the general path, which also reports the mistakes. (Written
-    without helper calls: it runs before every such exchange, and each Python call made
-    right after a collective, with cold caches, costs microseconds.)"""
-    return (isinstance(x, torch.Tensor) and type(split_dim) is int is type(concat_dim)
-            and split_dim == 0 == concat_dim and isinstance(sizes, (list, tuple))
-            and 1 < len(sizes) == n and list(map(type, sizes)).count(int) == n
-            and min(sizes) >= 0 and x.ndim > 0 and sum(sizes) == x.shape[0] > 0
-            and x.dtype in NATIVE_DTYPES and not needs_graph(x))
-
-
-# ---------------------------------------------------------------------------------------
-# region mappings for tensor parallelism (Megatron's f / g and split / gather)
-# ---------------------------------------------------------------------------------------
-
-def copy_to_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
-    """Enter a tensor-parallel region with a replicated input.
-
-    Forward: identity. Backward: all-reduce (sum) of the gradient, since every rank's
-    partial computation contributes to the input's gradient (Megatron's *f*).
-
-    Example:
-        >>> import torch, tensorpar
-        >>> tensorpar.copy_to_group(torch.ones(2))
-        tensor([1., 1.])
-    """
-    g, _ = setup("copy_to_group", group, None)
-    tensor = require_tensor("copy_to_group", x)
-    if g.is_single:
-        return tensor
-    out: torch.Tensor = CopyToGroup.apply(tensor, g)
-    return out
-
-
-def reduce_from_group(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
-    """Leave a tensor-parallel region by summing the partial results.
-
-    Forward: all-reduce (sum). Backward: identity: the result feeds a replicated loss, so
-    each rank's gradient is already the full gradient (Megatron's *g*). The same as
-    ``all_reduce(x, backward="identity")``.
-
-    Example:
-        >>> import torch, tensorpar
-        >>> tensorpar.reduce_from_group(torch.ones(2))
-        tensor([1., 1.])
-    """
-    g, _ = setup("reduce_from_group", group, None)
-    tensor = require_tensor("reduce_from_group", x)
-    if g.is_single:
-        return tensor
-    out: torch.Tensor = AllReduce.apply(tensor, g, "sum", "identity", False, SYNC)
-    return out
-
-
-def split_to_group(x: torch.Tensor, dim: int = -1, group: GroupLike = None,
-                   sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Take this rank's chunk of a tensor that every rank holds (replicated).
-
-    Forward: own chunk along ``dim`` (no communication). Backward: all-gather of the chunk
-    gradients.
-
-    Shape:
-        ``x``: ``(*, L)``; output: ``(*, sizes[rank])``, balanced like ``tensor_split``.
-
-    Example:
-        >>> import torch, tensorpar
-        >>> tensorpar.split_to_group(torch.arange(4.0))
-        tensor([0., 1., 2., 3.])
-    """
-    fn = "split_to_group"
-    g, sizes = setup(fn, group, sizes)
-    tensor = require_tensor(fn, x)
-    d = _normalize_dim(fn, dim, tensor.ndim)
-    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g, "the input")
-    if g.is_single:
-        return tensor
-    spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
-                     sizes=sizes)
-    out: torch.Tensor = SplitToGroup.apply(tensor, spec)
-    return out
-
-
-def gather_from_group(x: torch.Tensor, dim: int = -1, group: GroupLike = None,
-                      sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Concatenate every rank's chunk on every rank, for a replicated consumer.
-
-    Forward: all-gather along ``dim``. Backward: this rank's chunk of the gradient (the
-    consumer is replicated, so every rank already holds the full gradient). Chunk lengths
-    are exchanged once unless ``sizes`` gives them (then every rank must pass the same
-    ``sizes``, and either every rank's chunk requires grad or none does).
-
-    Shape:
-        ``x``: ``(*, L_rank)``; output: ``(*, sum(L))``.
-
-    Example:
-        >>> import torch, tensorpar
-        >>> tensorpar.gather_from_group(torch.ones(1, 2))
-        tensor([[1., 1.]])
-    """
-    fn = "gather_from_group"
-    g, sizes = setup(fn, group, sizes)
-    if g.is_single:
-        return single_chunk(fn, x, dim, sizes)
-    spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)
-    out: torch.Tensor = GatherFromGroup.apply(inp, spec)
-    return out
+    return run_all_to_all(x, split_dim, concat_dim, group, sizes)

@@ -338,10 +338,6 @@ class Header(NamedTuple):
     requires_grad: bool
     device_type: str | None = None  # None: not sent, or a type the format does not list
 
-    @property
-    def has_meta(self) -> bool:
-        return self.kind in (KIND_TENSOR, KIND_PLACEHOLDER)
-
     def describes_the_same(self, other: Header) -> bool:
         """Same shape, dtype and ``requires_grad`` (the device may differ between ranks)."""
         return (self.shape, self.dtype, self.requires_grad) == \
@@ -355,10 +351,11 @@ class Header(NamedTuple):
 
 
 def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | None = None,
-                  requires_grad: bool = False, device: torch.device | str = "cpu",
-                  device_type: str | None = None) -> torch.Tensor:
-    """Encode metadata as a ``(HEADER_LEN,)`` int64 tensor on ``device``; ``device_type``
-    is the described tensor's (``"cpu"``, ``"cuda"``, ...)."""
+                  requires_grad: bool = False, device_type: str | None = None) -> torch.Tensor:
+    """Encode metadata as a CPU ``(HEADER_LEN,)`` int64 tensor.
+
+    ``device_type`` is the described tensor's (``"cpu"``, ``"cuda"``, ...).
+    """
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensorpar supports tensors of at most {MAX_NDIM} dimensions in "
                          f"collectives, got {len(shape)}")
@@ -367,7 +364,7 @@ def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | Non
     values = [MAGIC, kind, -1 if dtype is None else _DTYPE_TO_CODE[dtype], int(requires_grad),
               _DEVICE_TYPE_TO_CODE.get(device_type, -1) if device_type else -1,
               len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def decode_header(header: torch.Tensor) -> Header:

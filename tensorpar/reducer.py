@@ -5,26 +5,23 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-import tensorpar
 from tensorpar import _comm
 from tensorpar._buckets import Bucket, MiB, plan_buckets
 from tensorpar._group import GroupLike, resolve_group
-from tensorpar._replica import check_replicas
-from tensorpar.errors import TensorparError
+from tensorpar._replica import check_and_broadcast_replicas
+from tensorpar.collaborative import CollaborativeTensor, sync_collectives
+from tensorpar.errors import ReducerError
+from tensorpar.functional import all_reduce
 
-__all__ = ["BucketedAllReduce", "ReducerError"]
+__all__ = ["BucketedAllReduce"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-class ReducerError(TensorparError):
-    """The reducer was used in a way that would give wrong gradients or hang."""
 
 
 class BucketedAllReduce:
@@ -103,7 +100,7 @@ class BucketedAllReduce:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._registered = self._snapshot()
-        check_replicas(module, self.group)
+        check_and_broadcast_replicas(module, self.group)
 
         self.buckets: list[Bucket] = []
         """The buckets, in launch order."""
@@ -254,8 +251,7 @@ class BucketedAllReduce:
             target = bucket.comm
         else:
             target = bucket.buffer
-        bucket.handle = tensorpar.all_reduce(target, inplace=True, async_op=True,
-                                             group=self.group.handle)
+        bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group)
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()
 
@@ -278,7 +274,7 @@ class BucketedAllReduce:
                                 device=used.device)
             _comm.all_gather_into(usage, used, self.group, purpose="meta")
             start = time.perf_counter()
-            tensorpar.sync_collectives([b.handle for b in self.buckets])  # type: ignore[misc]
+            sync_collectives(_handles(self.buckets))
             self.sync_wait_seconds += time.perf_counter() - start
             for bucket in self.buckets:
                 if bucket.comm is not None:
@@ -332,12 +328,21 @@ class BucketedAllReduce:
     def _abandon(self) -> None:
         """Drain the collectives an unfinished iteration launched, then start clean."""
         with contextlib.suppress(Exception):
-            tensorpar.sync_collectives([b.handle for b in self.buckets if b.launched])  # type: ignore[misc]
+            sync_collectives(_handles(b for b in self.buckets if b.launched))
         self._reset_iteration()
 
     def __repr__(self) -> str:
         return (f"BucketedAllReduce({len(self._params)} parameters in {len(self.buckets)} "
                 f"buckets, group size {self.group.size})")
+
+
+def _handles(buckets: Iterable[Bucket]) -> list[CollaborativeTensor]:
+    """The handles of launched buckets (every bucket at the end of a backward pass)."""
+    handles = [b.handle for b in buckets]
+    if any(h is None for h in handles):
+        raise ReducerError("BucketedAllReduce: a bucket was never launched in this backward "
+                           "pass; this is a bug in the reducer, please report it")
+    return [h for h in handles if h is not None]
 
 
 def _grad_hook(reducer: weakref.ref[BucketedAllReduce], i: int) -> Any:

@@ -164,7 +164,7 @@ class _RankPool:
             wait = deadline - time.monotonic()
             if wait <= 0:
                 break
-            for conn in multiprocessing.connection.wait(list(pending), wait):  # type: ignore[arg-type]
+            for conn in multiprocessing.connection.wait(list(pending), wait):
                 assert isinstance(conn, multiprocessing.connection.Connection)
                 rank = pending.pop(conn)
                 try:

@@ -203,7 +203,8 @@ def _errors(case):
         "all_to_all shapes": lambda: tp.all_to_all(torch.ones(2 + rank, 4), split_dim=0,
                                                     concat_dim=1),
         "all_to_all dtype": lambda: tp.all_to_all(
-            torch.ones(4, dtype=torch.float64 if rank else torch.float32), 0, 0),
+            torch.ones(4, dtype=torch.float64 if rank else torch.float32),
+            split_dim=0, concat_dim=0),
         "broadcast tensor off source": lambda: tp.broadcast(torch.ones(2)),
         "sizes mismatch": lambda: tp.split_to_group(torch.ones(5), sizes=[1, 1]),
     }
@@ -235,7 +236,8 @@ def test_errors_raise_on_every_rank(case, error, match):
 def _single_rank_everything():
     x = torch.arange(6.0).view(2, 3)
     outs = [tp.all_gather(x), tp.reduce_scatter(x), tp.all_reduce(x), tp.broadcast(x),
-            tp.reduce(x), tp.all_to_all(x, 0, 1), tp.copy_to_group(x), tp.reduce_from_group(x),
+            tp.reduce(x), tp.all_to_all(x, split_dim=0, concat_dim=1), tp.copy_to_group(x),
+            tp.reduce_from_group(x),
             tp.split_to_group(x), tp.gather_from_group(x)]
     return all(torch.equal(o, x) for o in outs)
 
@@ -315,11 +317,13 @@ def _without_autograd():
         "all_gather": lambda t: tp.all_gather(t[: rank + 1]),
         "reduce_scatter": lambda t: tp.reduce_scatter(t),
         "all_reduce": lambda t: tp.all_reduce(t, op="mean"),
-        "all_to_all": lambda t: tp.all_to_all(t, 0, 1),
+        "all_to_all": lambda t: tp.all_to_all(t, split_dim=0, concat_dim=1),
         "all_gather equal": lambda t: tp.all_gather(t[:2], sizes=[2] * p),
         "reduce_scatter equal": lambda t: tp.reduce_scatter(t[: 2 * p], op="mean"),
-        "all_to_all equal": lambda t: tp.all_to_all(t[: 2 * p], 0, 0, sizes=even),
-        "all_to_all uneven sizes": lambda t: tp.all_to_all(t, 0, 0, sizes=uneven),
+        "all_to_all equal":
+            lambda t: tp.all_to_all(t[: 2 * p], split_dim=0, concat_dim=0, sizes=even),
+        "all_to_all uneven sizes":
+            lambda t: tp.all_to_all(t, split_dim=0, concat_dim=0, sizes=uneven),
     }
     same = {}
     for name, call in calls.items():
@@ -384,7 +388,7 @@ def _all_to_all_even_on_one_rank_only():
     x = torch.arange(lengths[rank], dtype=torch.float64) + 10 * rank
     expected = torch.cat([torch.tensor_split(torch.arange(n, dtype=torch.float64) + 10 * r,
                                              2)[rank] for r, n in enumerate(lengths)])
-    return torch.equal(tp.all_to_all(x, 0, 0), expected)
+    return torch.equal(tp.all_to_all(x, split_dim=0, concat_dim=0), expected)
 
 
 def test_all_to_all_even_on_one_rank_uneven_on_another():
@@ -525,10 +529,10 @@ def _exchange_beside_user_messages():
     if rank == 0:
         mine = torch.empty(1)
         pending = dist.irecv(mine, src=1)  # torch's default tag, posted first
-        out = tp.all_to_all(x, 0, 0, sizes=[1, 3])
+        out = tp.all_to_all(x, split_dim=0, concat_dim=0, sizes=[1, 3])
         pending.wait()
         return mine.tolist(), out.tolist()
-    out = tp.all_to_all(x, 0, 0, sizes=[1, 3])
+    out = tp.all_to_all(x, split_dim=0, concat_dim=0, sizes=[1, 3])
     dist.send(torch.tensor([42.0]), dst=0)
     return None, out.tolist()
 

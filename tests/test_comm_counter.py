@@ -23,8 +23,8 @@ def _counts(name):
         "all_gather": lambda: tp.all_gather(x),
         "all_gather_sizes": lambda: tp.all_gather(x, sizes=[6] * p),
         "reduce_scatter": lambda: tp.reduce_scatter(x),
-        "all_to_all": lambda: tp.all_to_all(x, 0, 1),
-        "all_to_all_sizes": lambda: tp.all_to_all(x, 0, 1, sizes=[6 // p] * p),
+        "all_to_all": lambda: tp.all_to_all(x, split_dim=0, concat_dim=1),
+        "all_to_all_sizes": lambda: tp.all_to_all(x, split_dim=0, concat_dim=1, sizes=[6 // p] * p),
         "broadcast": lambda: tp.broadcast(x if rank == 0 else None),
         "broadcast_known_meta": lambda: tp.broadcast(
             x if rank == 0 else tp.TensorPlaceholder((6, 4), torch.float32, requires_grad=True),

@@ -169,6 +169,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one suite from the command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m tensorpar.bench", description=__doc__)
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--world-sizes", type=int, nargs="+",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import tensorpar
+from tensorpar.functional import all_gather, all_reduce, all_to_all, reduce_scatter
 
 __all__ = ["native_all_to_all", "padded_all_to_all", "p2p_all_to_all", "run_rank",
            "uneven_splits"]
@@ -147,25 +147,25 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
         "all_gather": {
             "raw": raw_all_gather,
             "raw_prealloc": lambda: _all_gather_flat(gathered, x),
-            "tensorpar": lambda: tensorpar.all_gather(x, sizes=whole),
-            "tensorpar_exchange": lambda: tensorpar.all_gather(x),
+            "tensorpar": lambda: all_gather(x, sizes=whole),
+            "tensorpar_exchange": lambda: all_gather(x),
         },
         "reduce_scatter": {
             "raw": raw_reduce_scatter,
             "raw_prealloc": lambda: _reduce_scatter_flat(scattered, x),
-            "tensorpar": lambda: tensorpar.reduce_scatter(x),
+            "tensorpar": lambda: reduce_scatter(x),
         },
         "all_reduce": {
             "raw": raw_all_reduce,
             "raw_prealloc": raw_all_reduce_prealloc,
-            "tensorpar": lambda: tensorpar.all_reduce(x),
+            "tensorpar": lambda: all_reduce(x),
             "raw_inplace": lambda: dist.all_reduce(raw_inplace),
-            "tensorpar_inplace": lambda: tensorpar.all_reduce(tp_inplace, inplace=True),
+            "tensorpar_inplace": lambda: all_reduce(tp_inplace, inplace=True),
         },
         "all_to_all": {
             "raw": raw_all_to_all,
             "raw_prealloc": lambda: dist.all_to_all_single(exchanged, x),
-            "tensorpar": lambda: tensorpar.all_to_all(x, 0, 0, sizes=even),
+            "tensorpar": lambda: all_to_all(x, split_dim=0, concat_dim=0, sizes=even),
         },
     }
     _check("all_gather", raw_all_gather(), groups["all_gather"]["tensorpar"](),
@@ -198,7 +198,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
 
     splits = uneven_splits(numel, world)
     strategies: dict[str, Callable[[], object]] = {
-        "tensorpar": lambda: tensorpar.all_to_all(x, 0, 0, sizes=splits),
+        "tensorpar": lambda: all_to_all(x, split_dim=0, concat_dim=0, sizes=splits),
         "native": lambda: native_all_to_all(x, splits),
         "padded": lambda: padded_all_to_all(x, splits),
         "p2p": lambda: p2p_all_to_all(x, splits),

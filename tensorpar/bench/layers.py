@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-import tensorpar
+from tensorpar.nn.convert import parallelize
 
 __all__ = ["run_rank", "WORKLOADS"]
 
@@ -117,7 +117,7 @@ def run_rank(workload: str, rounds: int) -> dict[str, Any]:
     shape = (batch, seq, dim) if seq else (batch, dim)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     dense = _model(workload, dim, hidden, blocks)
-    ours = tensorpar.parallelize(_model(workload, dim, hidden, blocks),
+    ours = parallelize(_model(workload, dim, hidden, blocks),
                                  _plan(workload, blocks))
     theirs = _dtensor_model(workload, dim, hidden, blocks)
     local = _shard_model(workload, dim, hidden, blocks)

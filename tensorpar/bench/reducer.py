@@ -1,4 +1,4 @@
-"""Data-parallel gradient averaging: `tensorpar.BucketedAllReduce` next to DDP and baselines.
+"""Data-parallel gradient averaging: `BucketedAllReduce` next to DDP and baselines.
 
 Every variant runs forward + backward (+ its gradient averaging) of its own copy of the same
 float32 MLP, built from the same seed on every rank, on the same per-rank input; no optimizer
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import tensorpar
+from tensorpar.reducer import BucketedAllReduce
 
 __all__ = ["MODELS", "VARIANTS", "build_model", "check_parity", "memory_rank", "run_rank"]
 
@@ -100,12 +100,12 @@ def _ddp(model: nn.Module) -> nn.Module:
                                                    broadcast_buffers=False)
 
 
-def _tensorpar(model: nn.Module) -> tensorpar.BucketedAllReduce:
-    return tensorpar.BucketedAllReduce(model, bucket_cap_mb=25, broadcast_buffers=False)
+def _tensorpar(model: nn.Module) -> BucketedAllReduce:
+    return BucketedAllReduce(model, bucket_cap_mb=25, broadcast_buffers=False)
 
 
 def _make_steps(name: str
-                ) -> tuple[dict[str, nn.Module], dict[str, Step], tensorpar.BucketedAllReduce]:
+                ) -> tuple[dict[str, nn.Module], dict[str, Step], BucketedAllReduce]:
     """Each variant's model (its own copy, same seed), its one-iteration step, and the reducer.
 
     Call ``remove()`` on the reducer when done: its gradient hooks close a reference cycle
@@ -217,7 +217,7 @@ def memory_rank(name: str, variant: str, iterations: int) -> dict[str, Any]:
     model = build_model(name)
     x = _input(name)
     wrapped: nn.Module
-    reducer: tensorpar.BucketedAllReduce | None = None
+    reducer: BucketedAllReduce | None = None
     if variant == "tensorpar":
         reducer = _tensorpar(model)
         wrapped = model

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import tensorpar
+from tensorpar.functional import gather, scatter
+from tensorpar.placeholder import TensorPlaceholder
 
 
 def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
@@ -17,7 +18,7 @@ def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4
     full = torch.randn(numel) if rank == 0 else None
-    placeholder = tensorpar.TensorPlaceholder((numel,), torch.float32, owner=0)
+    placeholder = TensorPlaceholder((numel,), torch.float32, owner=0)
     source = full if rank == 0 else placeholder
     chunk_numel = numel // world
     raw_out = torch.empty(chunk_numel)
@@ -38,8 +39,8 @@ def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
                     dst=0)
 
     def ours(exchange_meta: bool) -> None:
-        chunk = tensorpar.scatter(source, exchange_meta=exchange_meta)
-        tensorpar.gather(chunk, sizes=[chunk_numel] * world if not exchange_meta else None)
+        chunk = scatter(source, exchange_meta=exchange_meta)
+        gather(chunk, sizes=[chunk_numel] * world if not exchange_meta else None)
 
     times = time_side_by_side({
         "raw": raw,

@@ -2,7 +2,7 @@
 
 ``F.linear(copy_to_group(x), W, b)`` gives the right gradients, but autograd computes the
 input and weight gradients of ``F.linear`` in one node, so the all-reduce of the input
-gradient can only start after the weight gradient is done. `ColumnLinear` computes the input
+gradient can only start after the weight gradient is done. `_ColumnLinear` computes the input
 gradient first, launches its all-reduce asynchronously, computes the weight and bias
 gradients while it travels, then waits: the same numbers, with the communication hidden
 behind the weight gradient (Megatron's asynchronous tensor-parallel all-reduce).
@@ -20,8 +20,8 @@ from tensorpar import _comm
 from tensorpar._autograd import SYNC, torch_op
 from tensorpar._group import Group
 from tensorpar._meta import require_tensor
-from tensorpar._symmetric import AllReduce
-from tensorpar.functional import copy_to_group
+from tensorpar._symmetric import _AllReduce
+from tensorpar.regions import copy_to_group
 
 __all__ = ["column_linear"]
 
@@ -29,7 +29,7 @@ __all__ = ["column_linear"]
 def _autocast_on(device_type: str) -> bool:
     """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
     try:
-        return bool(torch.is_autocast_enabled(device_type))  # type: ignore[call-arg]
+        return bool(torch.is_autocast_enabled(device_type))
     except (TypeError, RuntimeError):  # an older torch, or a device without autocast (meta)
         return True
 
@@ -45,8 +45,8 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if group.is_single:
         return F.linear(x, weight, bias)
     if _autocast_on(x.device.type):
-        return F.linear(copy_to_group(x, group=group.handle), weight, bias)
-    out: torch.Tensor = ColumnLinear.apply(x, weight, bias, group)
+        return F.linear(copy_to_group(x, group=group), weight, bias)
+    out: torch.Tensor = _ColumnLinear.apply(x, weight, bias, group)
     return out
 
 
@@ -55,7 +55,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
-class ColumnLinear(torch.autograd.Function):
+class _ColumnLinear(torch.autograd.Function):
     """Forward: ``x W^T + b``. Backward: ``all_reduce(g W)`` overlapped with ``g^T x``."""
 
     @staticmethod
@@ -77,7 +77,7 @@ class ColumnLinear(torch.autograd.Function):
             grad = grad + x.reshape(-1)[:0].sum()
         grad_x = work = None
         if need_x and differentiable:
-            grad_x = AllReduce.apply(grad.matmul(weight), ctx.group, "sum", "identity", False,
+            grad_x = _AllReduce.apply(grad.matmul(weight), ctx.group, "sum", "identity", False,
                                      SYNC)
         elif need_x:
             grad_x = grad.matmul(weight)  # a fresh, contiguous tensor: reduced in place

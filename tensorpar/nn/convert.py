@@ -10,8 +10,8 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from torch import nn
 
-import tensorpar
 from tensorpar._group import GroupLike, resolve_group
+from tensorpar.functional import broadcast
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.placeholder import TensorPlaceholder
@@ -210,8 +210,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
     missing = [k for k in own if k not in state] if g.rank == src else []
     # src tells every rank how many keys it lacks, so every rank raises together
     count = torch.tensor([len(missing)], device=g.comm_device()) if g.rank == src else None
-    shared = tensorpar.broadcast(count, src, g.handle)
-    assert isinstance(shared, torch.Tensor)
+    shared = broadcast(count, src=src, group=g)
     n_missing = int(shared.item())
     if n_missing:
         raise KeyError(f"load_full_state_dict: the checkpoint on rank {src} lacks "
@@ -224,11 +223,9 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
         for key, tensor in own.items():
             if key.rpartition(".")[0] in sharded:
                 continue
-            value = tensorpar.broadcast(state.get(key), src, g.handle)
-            assert isinstance(value, torch.Tensor)
-            tensor.copy_(value)
+            tensor.copy_(broadcast(state.get(key), src=src, group=g))
 
 
 def _sharded_modules(model: nn.Module) -> dict[str, _Sharded]:
-    return {n: m for n, m in model.named_modules()  # type: ignore[misc]
+    return {n: m for n, m in model.named_modules()
             if isinstance(m, PARALLEL_TYPES)}

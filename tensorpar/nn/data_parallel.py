@@ -36,6 +36,7 @@ class DataParallel(nn.Module):
         self.reducer = BucketedAllReduce(module, group=group, **reducer_options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module (gradients are averaged during its backward)."""
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tensorpar
 from tensorpar._group import GroupLike
+from tensorpar.functional import gather, scatter
 from tensorpar.nn._shard import Shard, shard_of
 from tensorpar.placeholder import TensorPlaceholder
+from tensorpar.regions import gather_from_group, reduce_from_group
 
 __all__ = ["ParallelEmbedding", "VocabParallelEmbedding"]
 
@@ -47,14 +48,14 @@ class _ShardedEmbedding(nn.Module):
 
     def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
         """The dense weight, gathered on ``dst`` (a placeholder elsewhere)."""
-        return {"weight": tensorpar.gather(self.weight.detach(), self.shard_dim, dst,
-                                           self.shard.group.handle, self.shard.sizes)}
+        return {"weight": gather(self.weight.detach(), dim=self.shard_dim, dst=dst,
+                                 group=self.shard.group, sizes=self.shard.sizes)}
 
     def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
         """Load the dense weight held on ``src`` (``None``/placeholder elsewhere)."""
         with torch.no_grad():
-            self.weight.copy_(tensorpar.scatter(state.get("weight"), self.shard_dim, src,
-                                                self.shard.group.handle, self.shard.sizes))
+            self.weight.copy_(scatter(state.get("weight"), dim=self.shard_dim, src=src,
+                                      group=self.shard.group, sizes=self.shard.sizes))
 
     def to_dense(self, dst: int = 0) -> nn.Embedding | dict[str, TensorPlaceholder]:
         """The dense ``nn.Embedding`` on ``dst``; a placeholder of its weight elsewhere."""
@@ -96,6 +97,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
                 self.weight[self.padding_idx - self.shard.start].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embed ``ids``: this rank's rows, zeros elsewhere, summed across the group."""
         s = self.shard
         outside = (ids < s.start) | (ids >= s.stop)
         local = (ids - s.start).masked_fill(outside, 0)
@@ -104,7 +106,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
             pad = self.padding_idx - s.start
         out = F.embedding(local, self.weight, padding_idx=pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return tensorpar.reduce_from_group(out, group=s.group.handle)
+        return reduce_from_group(out, group=s.group)
 
 
 class ParallelEmbedding(_ShardedEmbedding):
@@ -132,6 +134,6 @@ class ParallelEmbedding(_ShardedEmbedding):
                 self.weight[self.padding_idx].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embed ``ids``: this rank's slice of every vector, all-gathered."""
         out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
-        return tensorpar.gather_from_group(out, dim=-1, group=self.shard.group.handle,
-                                           sizes=self.shard.sizes)
+        return gather_from_group(out, dim=-1, group=self.shard.group, sizes=self.shard.sizes)

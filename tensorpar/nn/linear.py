@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tensorpar
 from tensorpar._group import GroupLike
+from tensorpar.functional import broadcast, gather, scatter
 from tensorpar.nn._column_fn import column_linear
 from tensorpar.nn._shard import Shard, shard_of
 from tensorpar.placeholder import TensorPlaceholder
+from tensorpar.regions import gather_from_group, reduce_from_group, split_to_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -68,10 +69,10 @@ class ColumnParallelLinear(nn.Module):
         _init_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
         y = column_linear(x, self.weight, self.bias, self.shard.group)
         if self.gather_output:
-            y = tensorpar.gather_from_group(y, dim=-1, group=self.shard.group.handle,
-                                            sizes=self.shard.sizes)
+            y = gather_from_group(y, dim=-1, group=self.shard.group, sizes=self.shard.sizes)
         return y
 
     @classmethod
@@ -95,21 +96,22 @@ class ColumnParallelLinear(nn.Module):
 
     def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
         """The dense parameters, gathered on ``dst`` (placeholders elsewhere)."""
-        g = self.shard.group.handle
-        out = {"weight": tensorpar.gather(self.weight.detach(), 0, dst, g, self.shard.sizes)}
+        g, sizes = self.shard.group, self.shard.sizes
+        out = {"weight": gather(self.weight.detach(), dim=0, dst=dst, group=g, sizes=sizes)}
         if self.bias is not None:
-            out["bias"] = tensorpar.gather(self.bias.detach(), 0, dst, g, self.shard.sizes)
+            out["bias"] = gather(self.bias.detach(), dim=0, dst=dst, group=g, sizes=sizes)
         return out
 
     def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
         """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        g = self.shard.group.handle
+        g, sizes = self.shard.group, self.shard.sizes
         with torch.no_grad():
-            self.weight.copy_(tensorpar.scatter(state.get("weight"), 0, src, g, self.shard.sizes))
+            self.weight.copy_(scatter(state.get("weight"), dim=0, src=src, group=g, sizes=sizes))
             if self.bias is not None:
-                self.bias.copy_(tensorpar.scatter(state.get("bias"), 0, src, g, self.shard.sizes))
+                self.bias.copy_(scatter(state.get("bias"), dim=0, src=src, group=g, sizes=sizes))
 
     def extra_repr(self) -> str:
+        """The sizes, with this rank's shard."""
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(this rank: {self.shard.length}), bias={self.bias is not None}, "
                 f"gather_output={self.gather_output}")
@@ -151,10 +153,11 @@ class RowParallelLinear(nn.Module):
         _init_linear(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.shard.group.handle
+        """``x W^T + b``: the partial products summed across the group, then the bias."""
+        g = self.shard.group
         if not self.input_is_parallel:
-            x = tensorpar.split_to_group(x, dim=-1, group=g, sizes=self.shard.sizes)
-        y = tensorpar.reduce_from_group(F.linear(x, self.weight), group=g)
+            x = split_to_group(x, dim=-1, group=g, sizes=self.shard.sizes)
+        y = reduce_from_group(F.linear(x, self.weight), group=g)
         return y + self.bias if self.bias is not None else y
 
     @classmethod
@@ -178,8 +181,8 @@ class RowParallelLinear(nn.Module):
     def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
         """The dense parameters, gathered on ``dst`` (placeholders elsewhere)."""
         g = self.shard.group
-        out = {"weight": tensorpar.gather(self.weight.detach(), 1, dst, g.handle,
-                                          self.shard.sizes)}
+        out = {"weight": gather(self.weight.detach(), dim=1, dst=dst, group=g,
+                                sizes=self.shard.sizes)}
         if self.bias is not None:
             out["bias"] = self.bias.detach().clone() if g.rank == dst else \
                 TensorPlaceholder.like(self.bias.detach(), owner=dst, group=g.handle)
@@ -187,13 +190,14 @@ class RowParallelLinear(nn.Module):
 
     def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
         """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        g = self.shard.group.handle
+        g, sizes = self.shard.group, self.shard.sizes
         with torch.no_grad():
-            self.weight.copy_(tensorpar.scatter(state.get("weight"), 1, src, g, self.shard.sizes))
+            self.weight.copy_(scatter(state.get("weight"), dim=1, src=src, group=g, sizes=sizes))
             if self.bias is not None:
-                self.bias.copy_(tensorpar.broadcast(state.get("bias"), src, g))  # type: ignore[arg-type]
+                self.bias.copy_(broadcast(state.get("bias"), src=src, group=g))
 
     def extra_repr(self) -> str:
+        """The sizes, with this rank's shard."""
         return (f"in_features={self.in_features} (this rank: {self.shard.length}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}")

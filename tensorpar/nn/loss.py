@@ -7,9 +7,10 @@ from typing import Literal
 
 import torch
 
-import tensorpar
 from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar._split import check_sizes
+from tensorpar.functional import all_gather, all_reduce
+from tensorpar.regions import reduce_from_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -59,14 +60,12 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
         sizes = _exchange_sizes(local_logits, g)
     sizes = check_sizes(fn, sizes, g.size)
     start, vocab = sum(sizes[: g.rank]), sum(sizes)
-    handle = g.handle
 
     logits = local_logits.float() if local_logits.dtype in (torch.float16, torch.bfloat16) \
         else local_logits
     local_max = logits.detach().amax(dim=-1) if logits.shape[-1] else \
         logits.new_full(logits.shape[:-1], float("-inf"))
-    global_max = tensorpar.all_reduce(local_max, op="max", group=handle)
-    assert isinstance(global_max, torch.Tensor)
+    global_max = all_reduce(local_max, op="max", group=g)
     shifted = logits - global_max.unsqueeze(-1)
 
     ignored = target == ignore_index
@@ -79,7 +78,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
     parts = [shifted.exp().sum(-1), picked]
     if label_smoothing:
         parts.append(shifted.sum(-1))
-    summed = tensorpar.reduce_from_group(torch.stack(parts), group=handle)
+    summed = reduce_from_group(torch.stack(parts), group=g)
     log_sum_exp = summed[0].log()
     loss = log_sum_exp - summed[1]
     if label_smoothing:
@@ -99,6 +98,5 @@ def _exchange_sizes(local_logits: torch.Tensor, g: Group) -> tuple[int, ...]:
         return (local_logits.shape[-1],)
     mine = torch.tensor([local_logits.shape[-1]], dtype=torch.int64,
                         device=g.comm_device(local_logits.device))
-    every = tensorpar.all_gather(mine, group=g.handle)
-    assert isinstance(every, torch.Tensor)
+    every = all_gather(mine, group=g)
     return tuple(int(v) for v in every.tolist())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import tensorpar
 from tensorpar._group import GroupLike
+from tensorpar.functional import gather, scatter
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["Gather", "Scatter"]
@@ -23,9 +23,11 @@ class Scatter(nn.Module):
         self.dim, self.src, self.group = dim, src, group
 
     def forward(self, x: torch.Tensor | TensorPlaceholder | None) -> torch.Tensor:
-        return tensorpar.scatter(x, dim=self.dim, src=self.src, group=self.group)
+        """This rank's chunk of the tensor on ``src``."""
+        return scatter(x, dim=self.dim, src=self.src, group=self.group)
 
     def extra_repr(self) -> str:
+        """The dim and the root rank."""
         return f"dim={self.dim}, src={self.src}"
 
 
@@ -37,7 +39,9 @@ class Gather(nn.Module):
         self.dim, self.dst, self.group = dim, dst, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | TensorPlaceholder:
-        return tensorpar.gather(x, dim=self.dim, dst=self.dst, group=self.group)
+        """The concatenation on ``dst``, a placeholder elsewhere."""
+        return gather(x, dim=self.dim, dst=self.dst, group=self.group)
 
     def extra_repr(self) -> str:
+        """The dim and the root rank."""
         return f"dim={self.dim}, dst={self.dst}"
