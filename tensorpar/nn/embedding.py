@@ -79,6 +79,17 @@ class VocabParallelEmbedding(_ShardedEmbedding):
 
     Shape:
         input: ids of any shape; output ``(*, embedding_dim)``.
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import VocabParallelEmbedding
+        >>> dense = torch.nn.Embedding(10, 3)
+        >>> embed = VocabParallelEmbedding.from_dense(dense)
+        >>> ids = torch.tensor([[1, 9], [0, 4]])
+        >>> embed(ids).shape
+        torch.Size([2, 2, 3])
+        >>> torch.equal(embed(ids), dense(ids))
+        True
     """
 
     shard_dim = 0
@@ -117,6 +128,15 @@ class ParallelEmbedding(_ShardedEmbedding):
 
     Shape:
         input: ids of any shape; output ``(*, embedding_dim)``.
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import ParallelEmbedding
+        >>> embed = ParallelEmbedding(10, 4, padding_idx=0)
+        >>> embed(torch.tensor([0, 3])).shape
+        torch.Size([2, 4])
+        >>> embed.weight[0].abs().sum().item()  # the padding row starts at zero
+        0.0
     """
 
     shard_dim = 1

@@ -53,6 +53,17 @@ class ColumnParallelLinear(nn.Module):
     Shape:
         input ``(*, in_features)``; output ``(*, out_features)`` with ``gather_output``,
         else ``(*, shard)``.
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import ColumnParallelLinear
+        >>> dense = torch.nn.Linear(4, 6)
+        >>> layer = ColumnParallelLinear.from_dense(dense)  # one rank: the whole layer
+        >>> x = torch.randn(2, 4)
+        >>> layer(x).shape
+        torch.Size([2, 6])
+        >>> torch.allclose(layer(x), dense(x))
+        True
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -137,6 +148,17 @@ class RowParallelLinear(nn.Module):
 
     Shape:
         input ``(*, shard)`` (or ``(*, in_features)``); output ``(*, out_features)``.
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import RowParallelLinear
+        >>> dense = torch.nn.Linear(6, 4)
+        >>> layer = RowParallelLinear.from_dense(dense, input_is_parallel=False)
+        >>> x = torch.randn(2, 6)
+        >>> torch.allclose(layer(x), dense(x))
+        True
+        >>> layer.weight.shape  # this rank's columns of the weight: all of them on one rank
+        torch.Size([4, 6])
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,

@@ -45,6 +45,15 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
 
     Shape:
         ``local_logits``: ``(N, V_rank)`` or ``(*, V_rank)``; ``target``: ``(N,)`` or ``(*)``.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from tensorpar.nn import vocab_parallel_cross_entropy
+        >>> logits, target = torch.randn(5, 11), torch.tensor([0, 3, 10, -100, 7])
+        >>> loss = vocab_parallel_cross_entropy(logits, target)  # one rank: every class
+        >>> torch.allclose(loss, F.cross_entropy(logits, target))
+        True
     """
     fn = "vocab_parallel_cross_entropy"
     if reduction not in ("mean", "sum", "none"):

@@ -16,6 +16,18 @@ class Scatter(nn.Module):
     """`scatter` as a module (usable in ``nn.Sequential``).
 
     On ``src`` the input is the full tensor; on other ranks a placeholder or ``None``.
+
+    Args:
+        dim: the dimension to split.
+        src: the source rank, a rank **within** ``group``.
+        group: the process group (``None``: the default group, resolved at call time).
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import Gather, Scatter
+        >>> model = torch.nn.Sequential(Scatter(dim=0), torch.nn.Linear(3, 2), Gather(dim=0))
+        >>> model(torch.ones(4, 3)).shape   # one rank: every row stays here
+        torch.Size([4, 2])
     """
 
     def __init__(self, dim: int = 0, src: int = 0, *, group: GroupLike = None) -> None:
@@ -32,7 +44,13 @@ class Scatter(nn.Module):
 
 
 class Gather(nn.Module):
-    """`gather` as a module: the full tensor on ``dst``, a placeholder elsewhere."""
+    """`gather` as a module: the full tensor on ``dst``, a placeholder elsewhere.
+
+    Args:
+        dim: the dimension to concatenate along.
+        dst: the destination rank, a rank **within** ``group``.
+        group: the process group (``None``: the default group, resolved at call time).
+    """
 
     def __init__(self, dim: int = 0, dst: int = 0, *, group: GroupLike = None) -> None:
         super().__init__()
