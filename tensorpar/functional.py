@@ -184,11 +184,9 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = 0,
 
     Forward: broadcast from ``src``. Backward: reduce (sum) of the gradients to ``src``.
 
-    ``x`` is the tensor on ``src`` and a `TensorPlaceholder` or ``None``
-    elsewhere; the metadata header works as in `scatter` (``exchange_meta=False`` skips
-    it when every other rank passes a placeholder). The result requires grad on every rank
-    when the source tensor does. On a group of more than one rank the result never shares
-    storage with ``x``; on a group of one rank ``x`` itself is returned.
+    ``x`` is the tensor on ``src``, a `TensorPlaceholder` or ``None`` elsewhere; the
+    metadata header works as in `scatter`. The result requires grad on every rank when the
+    source does, and never shares storage with ``x`` (except on a group of one rank).
 
     Args:
         x: the tensor on ``src``; a placeholder or ``None`` elsewhere.
@@ -232,8 +230,7 @@ def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
     Forward: reduce to ``dst``. Backward: broadcast of the gradient from ``dst``.
 
     Every rank passes a tensor of the same shape and dtype. ``dst`` gets the reduction;
-    every other rank gets a `TensorPlaceholder` whose ``.backward()``
-    joins the backward broadcast (the idiom of `gather`).
+    the others get a `TensorPlaceholder` whose ``.backward()`` joins the backward broadcast.
 
     Args:
         x: this rank's tensor.
