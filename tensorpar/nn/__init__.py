@@ -1,19 +1,13 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
-from tensorpar.nn.convert import (
-    Colwise,
-    EmbeddingDim,
-    Rowwise,
-    Vocab,
-    full_state_dict,
-    load_full_state_dict,
-    parallelize,
-)
+from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.data_parallel import DataParallel
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.loss import vocab_parallel_cross_entropy
 from tensorpar.nn.modules import Gather, Scatter
+from tensorpar.nn.plan import Colwise, EmbeddingDim, Rowwise, Vocab, match_module
 from tensorpar.nn.random import ParallelRNG
 
 __all__ = [
@@ -31,6 +25,8 @@ __all__ = [
     "VocabParallelEmbedding",
     "full_state_dict",
     "load_full_state_dict",
+    "match_module",
     "parallelize",
+    "plan_from_transformers",
     "vocab_parallel_cross_entropy",
 ]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -14,45 +12,10 @@ from tensorpar._group import GroupLike, resolve_group
 from tensorpar.functional import broadcast
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.nn.plan import Colwise, Rowwise, Style, Vocab, assign, tied_groups
 from tensorpar.placeholder import TensorPlaceholder
 
-__all__ = ["Colwise", "EmbeddingDim", "Rowwise", "Vocab", "full_state_dict",
-           "load_full_state_dict", "parallelize"]
-
-
-@dataclass(frozen=True)
-class Colwise:
-    """Split an ``nn.Linear``'s output features (``ColumnParallelLinear``).
-
-    ``multiple_of`` keeps shard boundaries on multiples of it (e.g. ``head_dim``, so no
-    attention head is cut); ``gather_output`` all-gathers the output.
-    """
-
-    gather_output: bool = False
-    multiple_of: int = 1
-
-
-@dataclass(frozen=True)
-class Rowwise:
-    """Split an ``nn.Linear``'s input features (``RowParallelLinear``)."""
-
-    input_is_parallel: bool = True
-    multiple_of: int = 1
-
-
-@dataclass(frozen=True)
-class Vocab:
-    """Split an ``nn.Embedding``'s rows (``VocabParallelEmbedding``)."""
-
-
-@dataclass(frozen=True)
-class EmbeddingDim:
-    """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
-
-
-Style: TypeAlias = Colwise | Rowwise | Vocab | EmbeddingDim
-NAMED_STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(),
-                                  "vocab": Vocab(), "embedding_dim": EmbeddingDim()}
+__all__ = ["full_state_dict", "load_full_state_dict", "parallelize"]
 
 
 class _Sharded(Protocol):
@@ -68,16 +31,21 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
                 group: GroupLike = None) -> nn.Module:
     """Replace submodules of ``model`` in place with tensor-parallel ones built from their weights.
 
-    The plan maps glob patterns over module names (``"layers.*.attn.q_proj"``) to a style:
-    ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"embedding_dim"`` or a style object with
-    options (`Colwise`, `Rowwise`, ...). Only ``nn.Linear`` and ``nn.Embedding``
-    submodules are swapped; the model's own forward code is untouched, so it must infer
-    per-rank sizes from the tensors (e.g. ``rearrange(q, "b t (h d) -> b h t d", d=64)``).
-    Every rank must hold the same dense weights (e.g. the same seed or checkpoint).
+    The plan maps patterns over module names (``"layers.*.attn.q_proj"``: each ``*``
+    matches one dotted segment, ``**`` any number of them) to a style: ``"colwise"``,
+    ``"rowwise"``, ``"vocab"``, ``"embedding_dim"`` or a style object with options
+    (`Colwise`, `Rowwise`, ...). Only ``nn.Linear`` and ``nn.Embedding`` submodules (and
+    embeddings that scale their output, ``embed_scale``) are swapped; the model's own forward
+    code is untouched, so it must infer per-rank sizes from the tensors (e.g.
+    ``rearrange(q, "b t (h d) -> b h t d", d=64)``). Every rank must hold the same dense
+    weights (e.g. the same seed or checkpoint).
 
-    The whole plan is validated first: every pattern must match a module, every matched
-    module must be of the type its style splits, and sizes must fit the options. All
-    problems are reported together.
+    The whole plan is validated first, and nothing changes unless all of it fits: every
+    pattern must match a module, every matched module must be of the type its style splits,
+    sizes must fit the options, the query heads of every attention must sit with their own
+    key/value heads (for models whose ``config`` names their heads, as transformers' do),
+    and parameters tied in the dense model (an embedding and its LM head) must be split the
+    same way: they stay one parameter. All problems are reported together.
 
     Args:
         model: the dense model (modified in place and returned).
@@ -100,58 +68,19 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         ('ColumnParallelLinear', 'RowParallelLinear')
     """
     size = resolve_group(group, "parallelize").size
-    assignments = _validate(model, plan, size)
+    assignments = assign(model, plan, size)
+    ties = tied_groups(model)
     for name, style in assignments.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, _build(parent.get_submodule(child), style, group))
+    for names in ties:  # the checks made sure every name of a tie got the same shard
+        owner, _, leaf = names[0].rpartition(".")
+        shared = getattr(model.get_submodule(owner), leaf)
+        for other in names[1:]:
+            owner, _, leaf = other.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
     return model
-
-
-def _validate(model: nn.Module, plan: Mapping[str, str | Style], size: int) -> dict[str, Style]:
-    problems: list[str] = []
-    assignments: dict[str, Style] = {}
-    modules = dict(model.named_modules())
-    for pattern, raw in plan.items():
-        style = NAMED_STYLES.get(raw) if isinstance(raw, str) else raw
-        if style is None or not isinstance(style, (Colwise, Rowwise, Vocab, EmbeddingDim)):
-            problems.append(f"{pattern!r}: unknown style {raw!r} (expected one of "
-                            f"{sorted(NAMED_STYLES)} or a style object)")
-            continue
-        matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
-            problems.append(f"{pattern!r} matches no module")
-        for name in matched:
-            problem = _check(name, modules[name], style, size)
-            if problem:
-                problems.append(problem)
-            elif name in assignments and assignments[name] != style:
-                problems.append(f"{name!r} is matched by several patterns with different styles")
-            else:
-                assignments[name] = style
-    if problems:
-        raise ValueError("parallelize: the plan does not fit the model:\n  - "
-                         + "\n  - ".join(problems))
-    return assignments
-
-
-def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
-    linear = isinstance(style, (Colwise, Rowwise))
-    wanted = nn.Linear if linear else nn.Embedding
-    if type(module) is not wanted:
-        return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} splits "
-                f"an nn.{wanted.__name__}")
-    if isinstance(style, (Colwise, Rowwise)):
-        assert isinstance(module, nn.Linear)
-        what, n = (("out_features", module.out_features) if isinstance(style, Colwise)
-                   else ("in_features", module.in_features))
-        if n % style.multiple_of:
-            return (f"{name!r}: {what}={n} is not a multiple of multiple_of="
-                    f"{style.multiple_of} ({n} % {style.multiple_of} = {n % style.multiple_of})")
-        if n // style.multiple_of < size:
-            return (f"{name!r}: {what}={n} gives {n // style.multiple_of} units of "
-                    f"{style.multiple_of} for {size} ranks; some ranks would hold nothing")
-    return None
 
 
 def _build(module: nn.Module, style: Style, group: GroupLike) -> nn.Module:
@@ -164,7 +93,8 @@ def _build(module: nn.Module, style: Style, group: GroupLike) -> nn.Module:
         assert isinstance(module, nn.Linear)
         return RowParallelLinear.from_dense(module, group=group,
                                             input_is_parallel=style.input_is_parallel,
-                                            multiple_of=style.multiple_of)
+                                            multiple_of=style.multiple_of,
+                                            reduce_dtype=style.reduce_dtype)
     assert isinstance(module, nn.Embedding)
     cls = VocabParallelEmbedding if isinstance(style, Vocab) else ParallelEmbedding
     return cls.from_dense(module, group=group)

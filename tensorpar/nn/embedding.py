@@ -24,6 +24,7 @@ class _ShardedEmbedding(nn.Module):
     shard_dim: int
     weight: nn.Parameter
     shard: Shard
+    embed_scale: torch.Tensor | None
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: int | None) -> None:
@@ -33,17 +34,29 @@ class _ShardedEmbedding(nn.Module):
             raise ValueError(f"{type(self).__name__}: padding_idx={padding_idx} is out of range "
                              f"for num_embeddings={num_embeddings}")
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
+        # a dense embedding that scales its output (e.g. Gemma's by sqrt(hidden)) keeps it
+        self.register_buffer("embed_scale", None, persistent=False)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, *, group: GroupLike = None
                    ) -> _ShardedEmbedding:
-        """This rank's shard of ``embedding`` (every rank passes the same dense layer)."""
+        """This rank's shard of ``embedding`` (every rank passes the same dense layer).
+
+        An embedding subclass that multiplies its output by an ``embed_scale`` tensor
+        (transformers' scaled word embeddings) keeps that scale.
+        """
         layer = cls(embedding.num_embeddings, embedding.embedding_dim,  # type: ignore[call-arg]
                     embedding.padding_idx, group=group, device=embedding.weight.device,
                     dtype=embedding.weight.dtype)
         s = layer.shard
         with torch.no_grad():
             layer.weight.copy_(embedding.weight.narrow(layer.shard_dim, s.start, s.length))
+        scale = getattr(embedding, "embed_scale", None)
+        if isinstance(scale, torch.Tensor):
+            layer.embed_scale = scale.detach().clone()
         return layer
 
     def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
@@ -117,7 +130,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
             pad = self.padding_idx - s.start
         out = F.embedding(local, self.weight, padding_idx=pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_group(out, group=s.group)
+        return self._scaled(reduce_from_group(out, group=s.group))
 
 
 class ParallelEmbedding(_ShardedEmbedding):
@@ -156,4 +169,5 @@ class ParallelEmbedding(_ShardedEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's slice of every vector, all-gathered."""
         out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
-        return gather_from_group(out, dim=-1, group=self.shard.group, sizes=self.shard.sizes)
+        return self._scaled(gather_from_group(out, dim=-1, group=self.shard.group,
+                                              sizes=self.shard.sizes))

@@ -142,6 +142,9 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: the input is already this rank's slice (the output of a
             `ColumnParallelLinear`); otherwise the full input is split here.
         multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``).
+        reduce_dtype: compute the partial products, their sum and the bias in this dtype
+            (e.g. ``torch.float32`` for bfloat16 parameters, so the only rounding to
+            bfloat16 is the final one, as in the dense layer), then cast back.
         group: the tensor-parallel group.
         device: the parameters' device.
         dtype: the parameters' dtype.
@@ -162,11 +165,13 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 input_is_parallel: bool = True, multiple_of: int = 1, group: GroupLike = None,
+                 input_is_parallel: bool = True, multiple_of: int = 1,
+                 reduce_dtype: torch.dtype | None = None, group: GroupLike = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.reduce_dtype = reduce_dtype
         self.shard: Shard = shard_of("RowParallelLinear", in_features, group, multiple_of)
         self.weight = nn.Parameter(torch.empty(out_features, self.shard.length, device=device,
                                                dtype=dtype))
@@ -179,16 +184,24 @@ class RowParallelLinear(nn.Module):
         g = self.shard.group
         if not self.input_is_parallel:
             x = split_to_group(x, dim=-1, group=g, sizes=self.shard.sizes)
-        y = reduce_from_group(F.linear(x, self.weight), group=g)
-        return y + self.bias if self.bias is not None else y
+        wide = self.reduce_dtype
+        if wide is None or wide == self.weight.dtype:
+            y = reduce_from_group(F.linear(x, self.weight), group=g)
+            return y + self.bias if self.bias is not None else y
+        y = reduce_from_group(F.linear(x.to(wide), self.weight.to(wide)), group=g)
+        if self.bias is not None:
+            y = y + self.bias.to(wide)
+        return y.to(torch.promote_types(x.dtype, self.weight.dtype))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, group: GroupLike = None,
-                   input_is_parallel: bool = True, multiple_of: int = 1) -> RowParallelLinear:
+                   input_is_parallel: bool = True, multiple_of: int = 1,
+                   reduce_dtype: torch.dtype | None = None) -> RowParallelLinear:
         """This rank's shard of ``linear`` (every rank passes the same dense layer)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    input_is_parallel=input_is_parallel, multiple_of=multiple_of, group=group,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+                    input_is_parallel=input_is_parallel, multiple_of=multiple_of,
+                    reduce_dtype=reduce_dtype, group=group, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
         s = layer.shard
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, s.start: s.stop])
@@ -222,7 +235,8 @@ class RowParallelLinear(nn.Module):
         """The sizes, with this rank's shard."""
         return (f"in_features={self.in_features} (this rank: {self.shard.length}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"input_is_parallel={self.input_is_parallel}")
+                f"input_is_parallel={self.input_is_parallel}"
+                + (f", reduce_dtype={self.reduce_dtype}" if self.reduce_dtype else ""))
 
 
 def _dense_linear(state: dict[str, torch.Tensor | TensorPlaceholder], in_features: int,

@@ -1,0 +1,259 @@
+"""Parallel plans as data: the styles, how patterns match module names, and the checks.
+
+A plan maps module-name patterns to styles. Everything here runs before `parallelize`
+changes anything, on every rank with the same inputs, so a plan that cannot be right
+raises the same error everywhere before any computation.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import torch
+from torch import nn
+
+from tensorpar._split import balanced_sizes
+
+__all__ = ["Colwise", "EmbeddingDim", "Rowwise", "Style", "Vocab", "match_module"]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split an ``nn.Linear``'s output features (``ColumnParallelLinear``).
+
+    Attributes:
+        gather_output: all-gather the output, so every rank gets all features.
+        multiple_of: shard boundaries fall on multiples of this. For attention, the query
+            projection takes ``group_size * head_dim`` (the query heads of one key/value
+            head stay together) and the key and value projections ``head_dim``.
+    """
+
+    gather_output: bool = False
+    multiple_of: int = 1
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split an ``nn.Linear``'s input features (``RowParallelLinear``).
+
+    Attributes:
+        input_is_parallel: the input is already this rank's slice.
+        multiple_of: shard boundaries fall on multiples of this.
+        reduce_dtype: sum the partial products in this dtype (e.g. ``torch.float32`` for a
+            bfloat16 model); ``None``: the parameters' dtype.
+    """
+
+    input_is_parallel: bool = True
+    multiple_of: int = 1
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Split an ``nn.Embedding``'s rows (``VocabParallelEmbedding``)."""
+
+
+@dataclass(frozen=True)
+class EmbeddingDim:
+    """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
+
+
+Style: TypeAlias = Colwise | Rowwise | Vocab | EmbeddingDim
+NAMED_STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(),
+                                  "vocab": Vocab(), "embedding_dim": EmbeddingDim()}
+Layout: TypeAlias = "tuple[int, tuple[int, ...]] | None"
+"""How a parameter is split: ``(dim, sizes per rank)``, or ``None`` for replicated."""
+
+
+def match_module(pattern: str, name: str) -> bool:
+    """Whether a plan pattern matches a dotted module name, one segment at a time.
+
+    Within a segment the shell wildcards apply (``*``, ``?``, ``[qkv]``); ``*`` never
+    crosses a dot, as in DTensor's and transformers' plans. A segment ``**`` matches any
+    number of segments, zero included.
+
+    Example:
+        >>> match_module("layers.*.q_proj", "layers.0.q_proj")
+        True
+        >>> match_module("layers.*", "layers.0.q_proj")
+        False
+        >>> match_module("**.q_proj", "model.layers.0.self_attn.q_proj")
+        True
+    """
+    return _match(pattern.split("."), name.split("."))
+
+
+def _match(pattern: list[str], name: list[str]) -> bool:
+    if not pattern:
+        return not name
+    if pattern[0] == "**":
+        return any(_match(pattern[1:], name[i:]) for i in range(len(name) + 1))
+    return bool(name) and fnmatch.fnmatchcase(name[0], pattern[0]) \
+        and _match(pattern[1:], name[1:])
+
+
+def assign(model: nn.Module, plan: Mapping[str, str | Style], size: int) -> dict[str, Style]:
+    """Every planned module's style, after checking the whole plan (every problem listed).
+
+    Raises:
+        ValueError: a pattern matches nothing, a style is unknown or does not fit its module.
+    """
+    problems: list[str] = []
+    assignments: dict[str, Style] = {}
+    modules = dict(model.named_modules())
+    for pattern, raw in plan.items():
+        style = NAMED_STYLES.get(raw) if isinstance(raw, str) else raw
+        if style is None or not isinstance(style, (Colwise, Rowwise, Vocab, EmbeddingDim)):
+            problems.append(f"{pattern!r}: unknown style {raw!r} (expected one of "
+                            f"{sorted(NAMED_STYLES)} or a style object)")
+            continue
+        matched = [n for n in modules if n and match_module(pattern, n)]
+        if not matched:
+            problems.append(f"{pattern!r} matches no module (a '*' matches one dotted "
+                            f"segment; '**' matches any depth)")
+        for name in matched:
+            problem = _check(name, modules[name], style, size)
+            if problem:
+                problems.append(problem)
+            elif name in assignments and assignments[name] != style:
+                problems.append(f"{name!r} is matched by several patterns with different styles")
+            else:
+                assignments[name] = style
+    problems += check_heads(model, assignments, size)
+    if not problems:
+        problems += check_ties(model, assignments, size)
+    if problems:
+        raise ValueError("parallelize: the plan does not fit the model:\n  - "
+                         + "\n  - ".join(problems))
+    return assignments
+
+
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` or a subclass whose only change is a scale (``embed_scale``)."""
+    return type(module) is nn.Embedding or (isinstance(module, nn.Embedding)
+                                            and hasattr(module, "embed_scale"))
+
+
+def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
+    if isinstance(style, (Colwise, Rowwise)):
+        if type(module) is not nn.Linear:
+            return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
+                    f"splits an nn.Linear")
+        what, n = (("out_features", module.out_features) if isinstance(style, Colwise)
+                   else ("in_features", module.in_features))
+        if n % style.multiple_of:
+            return (f"{name!r}: {what}={n} is not a multiple of multiple_of="
+                    f"{style.multiple_of} ({n} % {style.multiple_of} = {n % style.multiple_of})")
+        if n // style.multiple_of < size:
+            return (f"{name!r}: {what}={n} gives {n // style.multiple_of} units of "
+                    f"{style.multiple_of} for {size} ranks; some ranks would hold nothing")
+        return None
+    if not is_scaled_embedding(module):
+        return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} splits "
+                f"an nn.Embedding (or a subclass that only scales its output, embed_scale)")
+    return None
+
+
+def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layout:
+    """How ``style`` splits ``module``'s parameter ``leaf`` across ``size`` ranks."""
+    if style is None:
+        return None
+    if isinstance(style, (Colwise, Rowwise)):
+        assert isinstance(module, nn.Linear)
+        if isinstance(style, Rowwise) and leaf != "weight":
+            return None  # the row-parallel bias is replicated
+        n = module.out_features if isinstance(style, Colwise) else module.in_features
+        unit = style.multiple_of
+        return (0 if isinstance(style, Colwise) else 1,
+                tuple(s * unit for s in balanced_sizes(n // unit, size)))
+    assert isinstance(module, nn.Embedding)
+    dim = 0 if isinstance(style, Vocab) else 1
+    return dim, balanced_sizes(module.weight.shape[dim], size)
+
+
+def _describe(style: Style | None, where: Layout) -> str:
+    if style is None or where is None:
+        return "replicated" if style is None else f"{type(style).__name__} (replicated)"
+    return f"{type(style).__name__} (dim {where[0]}, sizes {list(where[1])})"
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Parameters that are one tensor under several names (``tie_word_embeddings``)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def check_ties(model: nn.Module, assignments: Mapping[str, Style], size: int) -> list[str]:
+    """A tie survives only where every name of the parameter gets the same shard."""
+    problems = []
+    for group in tied_groups(model):
+        layouts = []
+        for full in group:
+            owner, _, leaf = full.rpartition(".")
+            style = assignments.get(owner)
+            layouts.append((full, style, layout(style, model.get_submodule(owner), leaf, size)))
+        if len({where for _, _, where in layouts}) > 1:
+            problems.append(
+                "tied parameters " + " and ".join(repr(n) for n, _, _ in layouts) + " are one "
+                "tensor in the dense model but would be split differently: "
+                + "; ".join(f"{n.rpartition('.')[0]!r} as {_describe(s, w)}"
+                            for n, s, w in layouts)
+                + ". Give them the same split (e.g. 'vocab' and 'colwise'), or untie them first")
+    return problems
+
+
+def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int) -> list[str]:
+    """Every rank's query heads must sit with their own key/value heads (GQA).
+
+    Applies to models that describe their attention in ``model.config`` (transformers'
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``) and name the projections
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj``.
+    """
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % kv_heads:
+        return []
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[union-attr]
+    group = heads // kv_heads
+    qkv = ("q_proj", "k_proj", "v_proj")
+    problems = []
+    for name, module in model.named_modules():
+        if not all(isinstance(getattr(module, p, None), nn.Linear) for p in qkv):
+            continue
+        where = [layout(assignments.get(f"{name}.{p}"), getattr(module, p), "weight", size)
+                 for p in qkv]
+        if where == [None, None, None]:
+            continue
+        q, k, v = (_heads(w, head_dim) for w in where)
+        if q is None or k is None or k != v or q != [group * n for n in k]:
+            problems.append(
+                f"{name!r}: per rank, query heads {q} and key/value heads {k}/{v} do not pair "
+                f"up ({heads} query heads, {kv_heads} key/value heads: {group} query heads "
+                f"per key/value head; head_dim {head_dim}; {size} ranks). Split q_proj with "
+                f"Colwise(multiple_of={group * head_dim}), k_proj and v_proj with "
+                f"Colwise(multiple_of={head_dim}) and o_proj with Rowwise(multiple_of="
+                f"{group * head_dim}), or use tensorpar.nn.plan_from_transformers(model)")
+            continue
+        o_proj = getattr(module, "o_proj", None)
+        if isinstance(o_proj, nn.Linear):
+            o_style = assignments.get(f"{name}.o_proj")
+            o_where = layout(o_style, o_proj, "weight", size)
+            if not isinstance(o_style, Rowwise) or o_where is None \
+                    or o_where[1] != where[0][1]:  # type: ignore[index]
+                problems.append(
+                    f"{name + '.o_proj'!r} must be split like the query heads, "
+                    f"Rowwise(multiple_of={group * head_dim}); got {_describe(o_style, o_where)}")
+    return problems
+
+
+def _heads(where: Layout, head_dim: int) -> list[int] | None:
+    """Heads per rank of a column split, or None (replicated, or not on head boundaries)."""
+    if where is None or where[0] != 0 or any(s % head_dim for s in where[1]):
+        return None
+    return [s // head_dim for s in where[1]]

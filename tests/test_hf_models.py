@@ -1,0 +1,241 @@
+"""transformers architectures parallelised with plan_from_transformers equal the dense model."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.nn import Colwise, Rowwise, plan_from_transformers, vocab_parallel_cross_entropy
+from tensorpar.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 101, "hidden_size": 24, "intermediate_size": 50, "num_hidden_layers": 2,
+         "max_position_embeddings": 64}
+# (config class, model class, heads/kv heads/head_dim and extras); vocab 101 and MLP 50 are
+# uneven at every TP size, and so are the key/value heads where the counts allow
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 4}),
+    "llama-gqa-tied": ("LlamaConfig", "LlamaForCausalLM",
+                       {"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 2,
+                        "tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 6}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4,
+                 "num_local_experts": 3, "num_experts_per_tok": 2,
+                 "experts_implementation": "eager"}),
+}
+
+
+def build(arch, dtype=torch.float64, **overrides):
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**SMALL, **extra, **overrides})
+    config._attn_implementation = "eager" if arch.startswith("gemma") else "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).to(dtype)
+
+
+def tokens(seed, n=9):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SMALL["vocab_size"], (2, n), generator=g)
+
+
+def shard(model, name, dense_tensor):
+    """The slice of a dense tensor that the parallel model's parameter ``name`` holds."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    dim = None
+    if isinstance(module, tp.nn.ColumnParallelLinear | tp.nn.VocabParallelEmbedding):
+        dim = 0
+    elif isinstance(module, tp.nn.RowParallelLinear) and leaf == "weight":
+        dim = 1
+    if dim is None:
+        return dense_tensor
+    return dense_tensor.narrow(dim, module.shard.start, module.shard.length)
+
+
+def _train_and_compare(arch, tol=1e-10):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # mixtral: experts left replicated
+        dense = build(arch)
+        parallel = tp.parallelize(build(arch), plan_from_transformers(build(arch)))
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        ids = tokens(step)
+        target = ids.roll(-1, 1)
+        dense_logits = dense(ids).logits
+        dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
+        local = parallel(ids).logits
+        head = parallel.lm_head
+        torch.testing.assert_close(local, dense_logits[..., head.shard.start: head.shard.stop],
+                                   rtol=tol, atol=tol)
+        loss = vocab_parallel_cross_entropy(local.flatten(0, 1), target.flatten(),
+                                            sizes=head.shard.sizes)
+        torch.testing.assert_close(loss, dense_loss, rtol=tol, atol=tol)
+        dense_loss.backward()
+        loss.backward()
+        dense_grads = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            expected = shard(parallel, name, dense_grads[name].grad)
+            torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=name)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+        losses.append(loss.item())
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p, shard(parallel, name, dense_params[name]), rtol=tol,
+                                   atol=tol, msg=f"{name} after 3 steps")
+    tied = parallel.lm_head.weight is parallel.model.embed_tokens.weight
+    return losses, tied
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_architecture_trains_like_dense(arch, world_size):
+    heads = ARCHS[arch][2]
+    results = run_distributed(_train_and_compare, world_size, arch, timeout=120)
+    assert len({tuple(losses) for losses, _ in results}) == 1  # the same loss on every rank
+    assert {tied for _, tied in results} == {bool(heads.get("tie_word_embeddings"))
+                                            or arch.startswith("gemma")}
+
+
+def _refusal(arch, overrides):
+    try:
+        tp.parallelize(build(arch, **overrides), plan_from_transformers(build(arch, **overrides)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_fewer_kv_heads_than_ranks_is_refused_on_every_rank():
+    messages = run_distributed(_refusal, 3, "llama-gqa-tied", {"num_key_value_heads": 2})
+    assert len(set(messages)) == 1 and messages[0] is not None
+    assert "k_proj" in messages[0] and "some ranks would hold nothing" in messages[0]
+
+
+def _wrong_gqa_plan():
+    model = build("llama-gqa-tied", num_attention_heads=12, num_key_value_heads=3)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    plan = {"model.embed_tokens": "vocab", "lm_head": "colwise",
+            "model.layers.*.self_attn.[qkv]_proj": Colwise(multiple_of=2),
+            "model.layers.*.self_attn.o_proj": Rowwise(multiple_of=2)}
+    try:
+        tp.parallelize(model, plan)
+    except ValueError as e:
+        unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        return str(e), unchanged, type(model.model.layers[0].self_attn.q_proj).__name__
+    return None
+
+
+def test_independent_qkv_split_on_gqa_is_refused_before_any_change():
+    results = run_distributed(_wrong_gqa_plan, 2)
+    assert len({r[0] for r in results}) == 1
+    message, unchanged, q_type = results[0]
+    assert "do not pair up" in message and "query heads [6, 6]" in message
+    assert "key/value heads [2, 1]" in message and "multiple_of=8" in message
+    assert unchanged and q_type == "Linear"
+
+
+def _half_tied_plan():
+    plan = plan_from_transformers(build("llama-gqa-tied"))
+    del plan["lm_head"]
+    try:
+        tp.parallelize(build("llama-gqa-tied"), plan)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_tie_split_one_way_only_is_refused_naming_both_modules():
+    messages = run_distributed(_half_tied_plan, 2)
+    assert len(set(messages)) == 1
+    assert "'model.embed_tokens.weight' and 'lm_head.weight'" in messages[0]
+    assert "replicated" in messages[0]
+
+
+def _generate_and_labels():
+    dense = build("llama-gqa-tied")
+    parallel = tp.parallelize(build("llama-gqa-tied"),
+                              plan_from_transformers(dense, lm_head="gathered"))
+    ids = tokens(7, n=5)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    expected = dense.generate(ids, **kwargs)
+    got = parallel.generate(ids, **kwargs)
+    dense_loss = dense(ids, labels=ids).loss
+    loss = parallel(ids, labels=ids).loss
+    torch.testing.assert_close(loss, dense_loss, rtol=1e-10, atol=1e-10)
+    return torch.equal(got, expected), got[0].tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_generate_with_the_gathered_head_returns_the_dense_tokens(world_size):
+    results = run_distributed(_generate_and_labels, world_size, timeout=120)
+    assert all(same for same, _ in results)
+    assert len({tuple(t) for _, t in results}) == 1
+
+
+@pytest.mark.parametrize("name, config", [
+    ("Phi3Config", {"num_attention_heads": 4, "num_key_value_heads": 4}),
+    ("GPTNeoXConfig", {"num_attention_heads": 4}),
+    ("GPT2Config", {"n_head": 4, "n_embd": 16}),
+    ("BertConfig", {"num_attention_heads": 4}),
+])
+def test_architectures_without_support_are_refused_clearly(name, config):
+    import transformers
+
+    cfg = getattr(transformers, name)(**{"hidden_size": 16, "intermediate_size": 32,
+                                         "num_hidden_layers": 1, "vocab_size": 50,
+                                         "pad_token_id": 0,
+                                         "bos_token_id": 1, "eos_token_id": 1, **config})
+    model = transformers.AutoModel.from_config(cfg)
+    with pytest.raises(ValueError, match=r"packed layout|no tensor-parallel plan"):
+        plan_from_transformers(model)
+
+
+def test_patterns_match_one_segment_per_star():
+    match = tp.nn.match_module
+    assert match("layers.*.q_proj", "layers.10.q_proj")
+    assert not match("layers.*", "layers.0.q_proj")          # fnmatch's '*' would cross dots
+    assert match("**.q_proj", "q_proj") and match("**.q_proj", "a.b.c.q_proj")
+    assert match("layers.*.mlp.[gu][ap]*_proj", "layers.3.mlp.gate_proj")
+    assert not match("layers.*.mlp.[gu][ap]*_proj", "layers.3.mlp.down_proj")
+
+
+def _bf16_errors(reduce_dtype):
+    reference = build("qwen2")
+    with torch.no_grad():  # large biases, as in Qwen2 checkpoints
+        for name, p in reference.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 8.0)
+    state = reference.state_dict()
+    dense16 = build("qwen2", dtype=torch.bfloat16)
+    dense16.load_state_dict(state)
+    parallel = build("qwen2", dtype=torch.bfloat16)
+    parallel.load_state_dict(state)
+    plan = plan_from_transformers(parallel, lm_head="gathered", reduce_dtype=reduce_dtype)
+    tp.parallelize(parallel, plan)
+    ids = tokens(3)
+    with torch.no_grad():
+        exact = reference(ids).logits
+        dense_err = (dense16(ids).logits.double() - exact).abs().mean().item()
+        tp_err = (parallel(ids).logits.double() - exact).abs().mean().item()
+    return dense_err, tp_err
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_with_float32_reduction_is_as_accurate_as_dense_bf16(world_size):
+    dense_err, tp_err = run_distributed(_bf16_errors, world_size, torch.float32)[0]
+    assert tp_err <= dense_err * 1.05, (tp_err, dense_err)
