@@ -22,6 +22,7 @@ from tensorpar.functional import (
     reduce_scatter,
     scatter,
 )
+from tensorpar.nn.checkpoint import load_sharded_state_dict, sharded_state_dict
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
 from tensorpar.reducer import BucketedAllReduce
@@ -53,11 +54,13 @@ __all__ = [
     "gather_from_group",
     "is_placeholder",
     "load_full_state_dict",
+    "load_sharded_state_dict",
     "parallelize",
     "reduce",
     "reduce_from_group",
     "reduce_scatter",
     "scatter",
+    "sharded_state_dict",
     "split_to_group",
     "sync_collectives",
 ]

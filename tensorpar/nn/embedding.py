@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ from torch import nn
 
 from tensorpar._group import GroupLike
 from tensorpar.functional import gather, scatter
+from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._shard import Shard, shard_of
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import gather_from_group, reduce_from_group
@@ -21,7 +22,8 @@ __all__ = ["ParallelEmbedding", "VocabParallelEmbedding"]
 class _ShardedEmbedding(nn.Module):
     """Shared parts: a sharded ``weight``, dense conversion and full-state gather/scatter."""
 
-    shard_dim: int
+    shard_dim: ClassVar[int]
+    sharded_dims: ClassVar[dict[str, int]]
     weight: nn.Parameter
     shard: Shard
     embed_scale: torch.Tensor | None
@@ -106,6 +108,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
     """
 
     shard_dim = 0
+    sharded_dims: ClassVar[dict[str, int]] = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: int | None = None, *, group: GroupLike = None,
@@ -119,6 +122,8 @@ class VocabParallelEmbedding(_ShardedEmbedding):
             if self.padding_idx is not None and self.shard.start <= self.padding_idx \
                     < self.shard.stop:
                 self.weight[self.padding_idx - self.shard.start].zero_()
+        if not self.shard.group.is_single:
+            mark_shards(self, self.sharded_dims)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's rows, zeros elsewhere, summed across the group."""
@@ -153,6 +158,7 @@ class ParallelEmbedding(_ShardedEmbedding):
     """
 
     shard_dim = 1
+    sharded_dims: ClassVar[dict[str, int]] = {"weight": 1}
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_idx: int | None = None, *, group: GroupLike = None,
@@ -165,6 +171,8 @@ class ParallelEmbedding(_ShardedEmbedding):
             self.weight.normal_()
             if self.padding_idx is not None:
                 self.weight[self.padding_idx].zero_()
+        if not self.shard.group.is_single:
+            mark_shards(self, self.sharded_dims)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's slice of every vector, all-gathered."""

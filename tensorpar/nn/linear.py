@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from torch import nn
 from tensorpar._group import GroupLike
 from tensorpar.functional import broadcast, gather, scatter
 from tensorpar.nn._column_fn import column_linear
+from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._shard import Shard, shard_of
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import gather_from_group, reduce_from_group, split_to_group
@@ -54,6 +55,9 @@ class ColumnParallelLinear(nn.Module):
         input ``(*, in_features)``; output ``(*, out_features)`` with ``gather_output``,
         else ``(*, shard)``.
 
+    Attributes:
+        sharded_dims: the dense dim each sharded parameter is split along.
+
     Example:
         >>> import torch
         >>> from tensorpar.nn import ColumnParallelLinear
@@ -65,6 +69,8 @@ class ColumnParallelLinear(nn.Module):
         >>> torch.allclose(layer(x), dense(x))
         True
     """
+
+    sharded_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, multiple_of: int = 1, group: GroupLike = None,
@@ -78,6 +84,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.shard.length, device=device, dtype=dtype)) \
             if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        if not self.shard.group.is_single:
+            mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
@@ -164,6 +172,8 @@ class RowParallelLinear(nn.Module):
         torch.Size([4, 6])
     """
 
+    sharded_dims: ClassVar[dict[str, int]] = {"weight": 1}
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, multiple_of: int = 1,
                  reduce_dtype: torch.dtype | None = None, group: GroupLike = None,
@@ -178,6 +188,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) \
             if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        if not self.shard.group.is_single:
+            mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``: the partial products summed across the group, then the bias."""

@@ -1,0 +1,56 @@
+"""The form a parallel layer's ``state_dict()`` gives its shards: tensors that refuse DCP.
+
+Saved with ``torch.distributed.checkpoint`` as plain tensors under the dense names, the
+shards of every rank would be taken for replicas of one tensor and one rank's kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+__all__ = ["LocalShard", "mark_shards"]
+
+
+class LocalShard(torch.Tensor):
+    """This rank's shard of a parameter, as a parallel layer's ``state_dict()`` returns it.
+
+    It is an ordinary tensor for everything (``torch.save``, ``load_state_dict``,
+    arithmetic) except ``torch.distributed.checkpoint``: DCP would take the shards of every
+    rank for replicas of one tensor and keep one of them, so it raises instead, pointing to
+    `tensorpar.sharded_state_dict`.
+    """
+
+    def __create_write_items__(self, fqn: str, obj: object) -> NoReturn:
+        raise _refusal(fqn, "save")
+
+    def __create_chunk_list__(self) -> NoReturn:
+        raise _refusal("a tensorpar shard", "load")
+
+
+def _refusal(fqn: str, verb: str) -> ValueError:
+    return ValueError(
+        f"torch.distributed.checkpoint cannot {verb} {fqn!r} from model.state_dict(): it is "
+        f"this rank's shard of a tensor-parallel parameter, and DCP would take every rank's "
+        f"shard for the same tensor. Use tensorpar.sharded_state_dict(model), which gives each "
+        f"shard its global offset (and tensorpar.load_sharded_state_dict after loading)")
+
+
+def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
+    """Make ``layer.state_dict()`` return its sharded parameters as `LocalShard` views."""
+    dims = tuple(leaves)
+
+    def hook(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        for leaf in dims:
+            key = prefix + leaf
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and not isinstance(value, LocalShard) \
+                    and not isinstance(value, nn.Parameter):
+                state[key] = value.as_subclass(LocalShard)
+
+    register = getattr(layer, "register_state_dict_post_hook", None) \
+        or layer._register_state_dict_hook
+    register(hook)
