@@ -5,7 +5,10 @@ from tensorpar._comm import CollectiveRecord, CommCounter
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
 from tensorpar.errors import (
     CollectiveArgumentError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     CollectiveTypeError,
+    PeerLostError,
     PlaceholderError,
     ReducerError,
     TensorparError,
@@ -27,6 +30,7 @@ from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallel
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
 from tensorpar.reducer import BucketedAllReduce
 from tensorpar.regions import copy_to_group, gather_from_group, reduce_from_group, split_to_group
+from tensorpar.validation import validation, validation_enabled
 
 __version__ = "0.1.0"
 
@@ -34,9 +38,12 @@ __all__ = [
     "BucketedAllReduce",
     "CollaborativeTensor",
     "CollectiveArgumentError",
+    "CollectiveMismatchError",
     "CollectiveRecord",
+    "CollectiveTimeoutError",
     "CollectiveTypeError",
     "CommCounter",
+    "PeerLostError",
     "PlaceholderError",
     "ReducerError",
     "TensorPlaceholder",
@@ -63,4 +70,6 @@ __all__ = [
     "sharded_state_dict",
     "split_to_group",
     "sync_collectives",
+    "validation",
+    "validation_enabled",
 ]

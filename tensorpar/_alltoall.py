@@ -4,6 +4,12 @@ The public face is `tensorpar.functional.all_to_all`; everything it needs lives 
 A dim-0 exchange with ``sizes`` (token dispatch, the common case) is recognised first and
 takes the shortest path; anything else builds an `AllToAllSpec`, from ``sizes`` or from
 every rank's shape (one metadata exchange), so that every rank takes the same backend path.
+
+The backend path (the equal-chunk collective, or split lists: point to point on gloo) is
+chosen only from what every rank knows alike. With ``sizes`` a rank cannot know that its
+peers passed the same list, so it always takes the split-list path, even for equal chunks:
+ranks whose ``sizes`` disagree then exchange the wrong amounts (which validation mode
+reports) but can never wait in two different backend calls.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from tensorpar._autograd import SYNC, Launch, apply_or_run, needs_graph, tie_to_
 from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar._meta import exchange, local_header, require_tensor
 from tensorpar._split import NATIVE_DTYPES, as_bytes, balanced_sizes, check_sizes, check_total
+from tensorpar._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.placeholder import _normalize_dim
+from tensorpar.validation import check, check_backward
 
 __all__ = ["AllToAllSpec", "run_all_to_all"]
 
@@ -32,9 +40,14 @@ def run_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: Grou
     """`tensorpar.functional.all_to_all`, after its docstring."""
     fn = "all_to_all"
     g = resolve_group(group, fn)
+    if VALIDATE[0] and g.size > 1:
+        tensor = x if isinstance(x, torch.Tensor) else None
+        check(fn, g, dtype=getattr(tensor, "dtype", None), shape=getattr(tensor, "shape", None),
+              shape_skips=(split_dim, concat_dim) if sizes is None else (), dim=split_dim,
+              dim2=concat_dim, sizes=sizes)
     if _dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
         assert sizes is not None
-        return all_to_all_dim0(x, sizes, g, SYNC)  # no graph, no spec: the shortest path
+        return all_to_all_dim0(x, sizes, g, SYNC, agreed=False)  # no graph, no spec
     sizes = None if sizes is None else check_sizes(fn, sizes, g.size)
     tensor = require_tensor(fn, x)
     sd = _normalize_dim(fn, split_dim, tensor.ndim)
@@ -74,8 +87,9 @@ class AllToAllSpec:
     send_sizes: tuple[int, ...]
     recv_shapes: tuple[torch.Size, ...]
     even: bool
-    """Every rank sends and receives equal chunks; the same on every rank, since the ranks
-    must agree on gloo's equal-split path versus its split-list one."""
+    """Every rank sends and receives equal chunks, as learned from every rank's shape (the
+    same on every rank: the ranks must agree on the equal-split path versus the split-list
+    one). False whenever the split came from ``sizes``, which no rank can check."""
 
     @functools.cached_property
     def out_shape(self) -> torch.Size:
@@ -102,8 +116,7 @@ def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
     if sizes is not None:  # every rank holds this shape: every received chunk is alike
         piece = list(x.shape)
         piece[sd] = sizes[g.rank]
-        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size,
-                            even=len(set(sizes)) == 1)
+        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size, even=False)
     headers = exchange(g, local_header(x))
     shapes = [h.shape for h in headers]
     if any(h.dtype != x.dtype or len(h.shape) != x.ndim for h in headers):
@@ -132,16 +145,18 @@ def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
     return AllToAllSpec(g, sd, cd, splits[g.rank], recv_all[g.rank], even)
 
 
-def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch: Launch
-                    ) -> torch.Tensor:
+def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch: Launch,
+                    agreed: bool) -> torch.Tensor:
     """The common all-to-all (e.g. token dispatch), with chunks leaving and landing in place.
 
     Every rank holds the same shape and sends ``sizes[r]`` rows along dim 0 to rank ``r``
     (the same ``sizes`` on every rank). ``x`` must have a dtype the backends move natively.
+    ``agreed``: every rank is known to hold these ``sizes`` (learned from every rank's shape),
+    so equal chunks may take the equal-split collective; otherwise the split-list path.
     """
     send = x.contiguous()
     n = group.size
-    if sizes.count(sizes[0]) == n:  # equal chunks: the output has x's shape
+    if agreed and sizes.count(sizes[0]) == n:  # equal chunks: the output has x's shape
         recv = torch.empty_like(send)
         launch.add(_comm.all_to_all(recv, send, None, None, group, launch.async_op), send)
         return recv
@@ -156,7 +171,7 @@ def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch:
 def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torch.Tensor:
     x = x.detach()
     if spec.split_dim == 0 == spec.concat_dim and spec.even and x.dtype in NATIVE_DTYPES:
-        return all_to_all_dim0(x, spec.send_sizes, spec.group, launch)
+        return all_to_all_dim0(x, spec.send_sizes, spec.group, launch, agreed=True)
     unit = 1 if x.dtype in NATIVE_DTYPES else x.element_size()  # as_bytes' elements per item
     if math.prod(x.shape[: spec.split_dim]) == 1:  # the parts are consecutive in memory
         send = x.contiguous()
@@ -196,5 +211,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if VALIDATE[0]:
+            check_backward("all_to_all", ctx.spec.group, ctx.spec.dual(ctx.in_shape))
         return _AllToAll.apply(tie_to_output(grad, ctx), ctx.spec.dual(ctx.in_shape), SYNC), \
             None, None

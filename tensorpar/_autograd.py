@@ -8,21 +8,79 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 
-from tensorpar.errors import TensorparError
+from tensorpar._group import Group
+from tensorpar.errors import CollectiveTypeError, TensorparError
 
-__all__ = ["SYNC", "Launch", "apply_or_run", "check_op", "needs_graph", "scale_for_mean",
-           "tie_to_output", "torch_op"]
+__all__ = ["SYNC", "Launch", "apply_or_run", "backend_of", "check_op", "check_reducible",
+           "needs_graph", "scale_for_mean", "tie_to_output", "torch_op"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
-def check_op(fn: str, op: object, dtype: torch.dtype | None = None) -> str:
-    """Validate a reduction name: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``."""
+def check_op(fn: str, op: object, x: torch.Tensor | None = None, group: Group | None = None
+             ) -> str:
+    """Validate a reduction: ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+
+    With ``x``, also that ``op`` suits its dtype, and with ``group`` that the group's backend
+    can reduce that dtype (`check_reducible`). Every check is local and every rank passes
+    the same dtype, so every rank raises together, before any communication.
+    """
     if op not in REDUCE_OPS:
         raise ValueError(f"{fn}: op={op!r} is not supported; expected one of {REDUCE_OPS}")
-    if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+    if x is None:
+        return str(op)
+    dtype = x.dtype
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"{fn}: op='mean' needs a floating point dtype, got {dtype}")
+    if dtype not in _REDUCIBLE_EVERYWHERE and group is not None:  # the rare dtypes only
+        check_reducible(fn, str(op), x, group)
     return str(op)
+
+
+# every backend reduces these (the hot path checks nothing more)
+_REDUCIBLE_EVERYWHERE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int8, torch.uint8, torch.int32, torch.int64})
+# What gloo reduces, found by reducing every dtype of the wire format on a gloo group:
+# it refuses int16, uint16/32/64 and float8 ("Invalid scalar type"); complex only sums.
+_GLOO_REDUCES = _REDUCIBLE_EVERYWHERE | {torch.bool, torch.complex64, torch.complex128,
+                                        torch.complex32}
+
+
+def check_reducible(fn: str, op: str, x: torch.Tensor, group: Group) -> None:
+    """Raise `CollectiveTypeError` if ``group``'s backend cannot reduce ``x`` with ``op``.
+
+    Raises:
+        CollectiveTypeError: a complex dtype with ``op="max"``/``"min"`` (on every backend),
+            or a dtype the backend refuses to reduce (gloo: int16, uint16/32/64, float8).
+    """
+    dtype = str(x.dtype).removeprefix("torch.")
+    if x.dtype.is_complex and op in ("max", "min"):
+        raise CollectiveTypeError(f"{fn}: op={op!r} compares values, which complex numbers "
+                                  f"cannot be; got a {dtype} tensor. Use op='sum' or 'mean'")
+    backend = backend_of(group, x.device.type)
+    if backend == "gloo" and x.dtype not in _GLOO_REDUCES:
+        raise CollectiveTypeError(
+            f"{fn}: the gloo backend cannot reduce {dtype} tensors (op={op!r}); it reduces "
+            f"float32/64, float16, bfloat16, int8, uint8, int32, int64, bool and complex "
+            f"(sum only). It moves {dtype} (broadcast, scatter, gather, all_gather, "
+            f"all_to_all); to reduce, convert first, e.g. x.to(torch.int64) or "
+            f"x.to(torch.float32)")
+
+
+def backend_of(group: Group, device_type: str) -> str | None:
+    """The name of the backend ``group`` uses for tensors on ``device_type`` (``None``: none)."""
+    handle = group.handle
+    if handle is None:
+        return None
+    try:
+        spec = str(dist.get_backend(handle))  # "gloo", or "cpu:gloo,cuda:nccl"
+    except (RuntimeError, ValueError):
+        return None
+    for part in spec.split(","):
+        device, _, name = part.rpartition(":")
+        if not device or device == device_type:
+            return name
+    return None
 
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,

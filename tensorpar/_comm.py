@@ -16,11 +16,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from tensorpar._faults import Pending, raise_translated, sequence_number
 from tensorpar._group import Group
 
 __all__ = ["CollectiveRecord", "CommCounter"]
 
 Purpose = Literal["data", "meta"]
+_META = "all_gather (a metadata exchange)"
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,11 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
     """``out`` (size * inp.numel() elements, contiguous) receives every rank's ``inp``."""
     if _ACTIVE:  # the common case: no counter, nothing to count
         _record("all_gather", group, [inp], purpose)
-    return _all_gather_flat(out, inp, group=_pg(group), async_op=async_op)
+    try:
+        work = _all_gather_flat(out, inp, group=_pg(group), async_op=async_op)
+    except RuntimeError as exc:
+        raise_translated(exc, _META if purpose == "meta" else "all_gather", group)
+    return Pending(work, "all_gather", group) if async_op else None
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp, group: Group,
@@ -143,21 +149,33 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp,
     """Rank r's ``out`` receives slice r of the reduction of every rank's flat ``inp``."""
     if _ACTIVE:
         _record("reduce_scatter", group, [inp], "data")
-    return _reduce_scatter_flat(out, inp, op=op, group=_pg(group), async_op=async_op)
+    try:
+        work = _reduce_scatter_flat(out, inp, op=op, group=_pg(group), async_op=async_op)
+    except RuntimeError as exc:
+        raise_translated(exc, "reduce_scatter", group)
+    return Pending(work, "reduce_scatter", group) if async_op else None
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Group, async_op: bool = False) -> Work:
     """In-place all-reduce of ``t``."""
     if _ACTIVE:
         _record("all_reduce", group, [t], "data")
-    return dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
+    try:
+        work = dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
+    except RuntimeError as exc:
+        raise_translated(exc, "all_reduce", group)
+    return Pending(work, "all_reduce", group) if async_op else None
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Work:
     """In-place broadcast of ``t`` from group rank ``src``."""
     if _ACTIVE:
         _record("broadcast", group, [t] if group.rank == src else None, "data")
-    return dist.broadcast(t, src=group.global_rank(src), group=_pg(group), async_op=async_op)
+    try:
+        work = dist.broadcast(t, src=group.global_rank(src), group=_pg(group), async_op=async_op)
+    except RuntimeError as exc:
+        raise_translated(exc, "broadcast", group)
+    return Pending(work, "broadcast", group) if async_op else None
 
 
 def reduce(t: torch.Tensor, dst: int, op: dist.ReduceOp, group: Group,
@@ -165,8 +183,12 @@ def reduce(t: torch.Tensor, dst: int, op: dist.ReduceOp, group: Group,
     """Reduce ``t`` into rank ``dst``'s ``t``; other ranks' ``t`` may be used as scratch."""
     if _ACTIVE:
         _record("reduce", group, [t], "data")
-    return dist.reduce(t, dst=group.global_rank(dst), op=op, group=_pg(group),
-                       async_op=async_op)
+    try:
+        work = dist.reduce(t, dst=group.global_rank(dst), op=op, group=_pg(group),
+                           async_op=async_op)
+    except RuntimeError as exc:
+        raise_translated(exc, "reduce", group)
+    return Pending(work, "reduce", group) if async_op else None
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
@@ -183,22 +205,31 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
         if handle is not None and handle.name() == "gloo":
             return _p2p_all_to_all(out.split(out_splits), inp.split(in_splits), group, handle,
                                    async_op)
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=_pg(group),
-                                  async_op=async_op)
+    try:
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=_pg(group),
+                                      async_op=async_op)
+    except RuntimeError as exc:
+        raise_translated(exc, "all_to_all", group)
+    return Pending(work, "all_to_all", group) if async_op else None
 
 
 _P2P_TAG = 0x7470  # "tp": tensorpar's point-to-point messages
 
 
 class _Works:
-    """Several works waited on as one."""
+    """Several works waited on as one (a failure names the all-to-all)."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Any], group: Group) -> None:
         self.works = works
+        self.group = group
+        self.seq = sequence_number(group)
 
     def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as exc:
+            raise_translated(exc, "all_to_all (point to point)", self.group, self.seq)
         return True
 
 
@@ -222,7 +253,7 @@ def _p2p_all_to_all(out_parts: Sequence[torch.Tensor], in_parts: Sequence[torch.
         if out_parts[peer].numel():
             works.append(handle.recv([out_parts[peer]], peer, _P2P_TAG))
     out_parts[group.rank].copy_(in_parts[group.rank])  # while the transfers run
-    pending = _Works(works)
+    pending = _Works(works, group)
     if async_op:
         return pending
     pending.wait()
@@ -233,11 +264,17 @@ def scatter(out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int, grou
     """Rank ``src`` (a group rank) sends ``chunks[r]`` to rank ``r``; equal sizes required."""
     if _ACTIVE:
         _record("scatter", group, chunks, "data")
-    dist.scatter(out, chunks, src=group.global_rank(src), group=_pg(group))
+    try:
+        dist.scatter(out, chunks, src=group.global_rank(src), group=_pg(group))
+    except RuntimeError as exc:
+        raise_translated(exc, "scatter", group)
 
 
 def gather(chunk: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: Group) -> None:
     """Rank ``dst`` (a group rank) receives every rank's ``chunk``; equal sizes required."""
     if _ACTIVE:
         _record("gather", group, [chunk], "data")
-    dist.gather(chunk, out, dst=group.global_rank(dst), group=_pg(group))
+    try:
+        dist.gather(chunk, out, dst=group.global_rank(dst), group=_pg(group))
+    except RuntimeError as exc:
+        raise_translated(exc, "gather", group)

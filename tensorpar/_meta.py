@@ -8,7 +8,7 @@ waiting in the data collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,8 +29,8 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["chunks_spec", "exchange", "local_header", "placeholder_input", "require_tensor",
-           "sole_chunk", "sole_input", "source_header"]
+__all__ = ["check_roots", "chunks_spec", "exchange", "local_header", "placeholder_input",
+           "ranks_by_value", "require_tensor", "sole_chunk", "sole_input", "source_header"]
 
 
 def kind_name(x: object) -> str:
@@ -64,16 +64,35 @@ def sole_chunk(fn: str, x: object, dim: int, sizes: Sequence[int] | None) -> tor
     return tensor
 
 
-def local_header(x: object) -> torch.Tensor:
-    """This rank's header: the metadata of ``x`` and what kind of object it is."""
+def local_header(x: object, root: int = -1) -> torch.Tensor:
+    """This rank's header: the metadata of ``x``, what kind of object it is, and ``root``."""
     if isinstance(x, torch.Tensor):
         return encode_header(KIND_TENSOR, x.shape, x.dtype,
                              x.requires_grad and torch.is_grad_enabled(),
-                             device_type=x.device.type)
+                             device_type=x.device.type, root=root)
     if isinstance(x, TensorPlaceholder):
         return encode_header(KIND_PLACEHOLDER, x.shape, x.dtype, x.requires_grad,
-                             device_type=x.device.type)
-    return encode_header(KIND_NONE if x is None else KIND_OTHER)
+                             device_type=x.device.type, root=root)
+    return encode_header(KIND_NONE if x is None else KIND_OTHER, root=root)
+
+
+def ranks_by_value(values: Sequence[object], show: Callable[[object], str] = str) -> str:
+    """``"ranks 0,1,3 sum, rank 2 max"``: the ranks grouped by the value each one has."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(show(value), []).append(rank)
+    return ", ".join(f"{'ranks' if len(ranks) > 1 else 'rank'} {','.join(map(str, ranks))} "
+                     f"{text}" for text, ranks in groups.items())
+
+
+def check_roots(fn: str, name: str, headers: Sequence[Header]) -> None:
+    """Raise on every rank if the ranks named different roots (``src``/``dst``)."""
+    roots = [h.root for h in headers]
+    if roots.count(roots[0]) != len(roots):
+        raise CollectiveArgumentError(
+            f"{fn}: the ranks disagree on {name} (a rank within the group): "
+            + ranks_by_value(roots, lambda r: f"{name}={r}" if r != -1 else f"no {name} "
+                             f"(called a collective without one)"))
 
 
 def exchange(g: Group, header: torch.Tensor) -> list[Header]:
@@ -99,7 +118,8 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -
                 f"TensorPlaceholder describing the source tensor, got {kind_name(x)}")
         return decode_header(local_header(x))
 
-    headers = exchange(g, local_header(x))
+    headers = exchange(g, local_header(x, src))
+    check_roots(fn, "src", headers)
     source = headers[src]
     if source.kind != KIND_TENSOR:
         got = {KIND_OTHER: "something that is not a tensor", KIND_NONE: "None",
@@ -125,13 +145,15 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -
     return source
 
 
-def chunk_headers(fn: str, x: object, dim: int, g: Group) -> tuple[int, list[Header]]:
+def chunk_headers(fn: str, x: object, dim: int, g: Group, root: int = -1
+                  ) -> tuple[int, list[Header]]:
     """Exchange every rank's tensor metadata and check they can be concatenated along ``dim``.
 
-    Returns the normalised dim and every rank's header. Dtype, ndim and every dim but
-    ``dim`` must agree.
+    Returns the normalised dim and every rank's header. Dtype, ndim, every dim but
+    ``dim`` and ``root`` (a gather's ``dst``; ``-1`` for none) must agree.
     """
-    headers = exchange(g, local_header(x))
+    headers = exchange(g, local_header(x, root))
+    check_roots(fn, "dst", headers)
     for rank, h in enumerate(headers):
         if h.kind != KIND_TENSOR:
             raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, rank {rank} passed "
@@ -166,7 +188,7 @@ def chunks_spec(fn: str, x: object, dim: int, g: Group, sizes: tuple[int, ...] |
                              f"length {tensor.shape[d]} along dim {d}")
         requires_grad = tensor.requires_grad
     else:
-        d, headers = chunk_headers(fn, x, dim, g)
+        d, headers = chunk_headers(fn, x, dim, g, root)
         sizes = tuple(h.shape[d] for h in headers)
         requires_grad = any(h.requires_grad for h in headers)
         tensor = require_tensor(fn, x)  # checked on every rank by the exchange

@@ -15,7 +15,9 @@ from tensorpar._autograd import SYNC, Launch, no_backward, scale_for_mean, tie_t
 from tensorpar._group import Group
 from tensorpar._meta import placeholder_input
 from tensorpar._split import RootSpec, SplitSpec, as_bytes
+from tensorpar._switch import VALIDATE
 from tensorpar.placeholder import Header, TensorPlaceholder
+from tensorpar.validation import check_backward
 
 __all__ = ["placeholder_of", "root_input"]
 
@@ -95,6 +97,8 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if VALIDATE[0]:
+            check_backward("gather", ctx.spec.group, ctx.spec)
         return _Gather.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
@@ -108,6 +112,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if VALIDATE[0]:
+            check_backward("scatter", ctx.spec.group, ctx.spec)
         return _Scatter.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
@@ -120,13 +126,16 @@ class _Broadcast(torch.autograd.Function):
         # a contiguous copy: the bytes travel in memory order, whatever x's strides are
         out = x.detach().clone(memory_format=torch.contiguous_format) if spec.is_root \
             else x.new_empty(spec.full_shape)
-        if spec.full_shape.numel():
-            launch.add(_comm.broadcast(out, spec.root, spec.group, launch.async_op))
+        if spec.full_shape.numel():  # as bytes where the backend cannot move the dtype
+            launch.add(_comm.broadcast(as_bytes(out), spec.root, spec.group, launch.async_op),
+                       out)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if VALIDATE[0]:
+            check_backward("reduce", ctx.spec.group, ctx.spec, op="sum")
         return _Reduce.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
 
 
@@ -151,5 +160,7 @@ class _Reduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.op in ("max", "min"):
             raise no_backward("reduce", ctx.op)
+        if VALIDATE[0]:
+            check_backward("broadcast", ctx.spec.group, ctx.spec)
         out = _Broadcast.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None

@@ -12,20 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar._group import Group
 from tensorpar.errors import CollectiveArgumentError
 
-__all__ = ["RootSpec", "SplitSpec", "balanced_sizes", "check_sizes", "resolve_args",
-           "sizes_or_balanced"]
-
-
-def resolve_args(fn: str, group: GroupLike, sizes: Sequence[int] | None, **ranks: int
-                 ) -> tuple[Group, tuple[int, ...] | None]:
-    """Resolve ``group``, check the rank arguments (group ranks) and the form of ``sizes``."""
-    g = resolve_group(group, fn)
-    for name, value in ranks.items():
-        g.check_rank(fn, name, value)
-    return g, None if sizes is None else check_sizes(fn, sizes, g.size)
+__all__ = ["RootSpec", "SplitSpec", "balanced_sizes", "check_sizes", "sizes_or_balanced"]
 
 
 def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:

@@ -17,8 +17,20 @@ from tensorpar import _comm
 from tensorpar._autograd import SYNC, Launch, no_backward, scale_for_mean, tie_to_output, torch_op
 from tensorpar._group import Group
 from tensorpar._split import NATIVE_DTYPES, SplitSpec, as_bytes
+from tensorpar._switch import VALIDATE
+from tensorpar.validation import check_backward
 
-__all__ = ["all_gather_equal", "equal_on_dim0", "reduce_scatter_equal"]
+__all__ = ["all_gather_equal", "check_all_reduce_args", "equal_on_dim0", "reduce_scatter_equal"]
+
+
+def check_all_reduce_args(fn: str, x: torch.Tensor, backward: object, inplace: bool) -> None:
+    """Validate all_reduce's ``backward`` mode and that an in-place reduction is possible."""
+    if backward not in ("sum", "identity"):
+        raise ValueError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
+    if inplace and not x.is_contiguous():
+        raise ValueError(f"{fn}: inplace=True needs a contiguous tensor (its bytes are reduced "
+                         f"in memory order); got strides {x.stride()} for shape "
+                         f"{tuple(x.shape)}. Call .contiguous() first or reduce out of place")
 
 
 def all_gather_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:
@@ -123,6 +135,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if VALIDATE[0]:
+            check_backward("reduce_scatter", ctx.spec.group, ctx.spec, op="sum")
         return _ReduceScatter.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
 
 
@@ -141,6 +155,8 @@ class _ReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.op in ("max", "min"):
             raise no_backward("reduce_scatter", ctx.op)
+        if VALIDATE[0]:
+            check_backward("all_gather", ctx.spec.group, ctx.spec)
         out = _AllGather.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None
 
@@ -171,6 +187,8 @@ class _AllReduce(torch.autograd.Function):
         if ctx.op in ("max", "min"):
             raise no_backward("all_reduce", ctx.op)
         grad = tie_to_output(grad, ctx)
+        if VALIDATE[0]:  # the identity mode issues nothing: its fingerprint is all the same
+            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode)
         if ctx.mode == "sum":
             out = _AllReduce.apply(grad, ctx.group, "sum", "sum", False, SYNC)
         else:
@@ -189,6 +207,8 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if VALIDATE[0]:
+            check_backward("copy_to_group", ctx.group, None, grad)
         return _AllReduce.apply(tie_to_output(grad, ctx), ctx.group, "sum", "identity", False,
                                SYNC), None
 
@@ -207,6 +227,8 @@ class _SplitToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if VALIDATE[0]:
+            check_backward("split_to_group", ctx.spec.group, ctx.spec)
         return _GatherFromGroup.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 

@@ -9,8 +9,12 @@ plain ``torch.distributed``. Errors about bad arguments also derive from ``Value
 from __future__ import annotations
 
 __all__ = [
+    "ClusterError",
     "CollectiveArgumentError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CollectiveTypeError",
+    "PeerLostError",
     "PlaceholderError",
     "ReducerError",
     "TensorparError",
@@ -53,3 +57,39 @@ class WireFormatError(TensorparError, ValueError):
 
 class ReducerError(TensorparError):
     """The data-parallel reducer was used in a way that would give wrong gradients or hang."""
+
+
+class ClusterError(TensorparError):
+    """A simulated cluster could not be built or its job did not finish.
+
+    Raised by `tensorpar.testing.cluster` without root (or ``CAP_NET_ADMIN`` and
+    ``CAP_SYS_ADMIN``), without iproute2's ``ip`` / ``tc``, when a network command fails, and
+    when a job runs past its timeout.
+    """
+
+
+class CollectiveTimeoutError(TensorparError, TimeoutError):
+    """A collective did not complete: a peer did not arrive within the process group's timeout.
+
+    The message names the collective, its sequence number on the group (the count of
+    collectives issued on it, the same on every rank that issued the same ones), the group
+    size, and, where the ranks could tell, which ranks did not arrive. The usual causes: a
+    rank that skipped the collective or issued another one, a rank stuck in a long
+    computation, a rank that died.
+    """
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A peer's connection closed during a collective: that rank died or was stopped.
+
+    The process group cannot be used again; a job restarts (e.g. ``torchrun``'s elastic
+    restart) and resumes from its last checkpoint.
+    """
+
+
+class CollectiveMismatchError(CollectiveArgumentError):
+    """The ranks issued different collectives, or the same one with different arguments.
+
+    Raised on every rank by validation mode (`tensorpar.validation`), which compares a
+    fingerprint of each collective across the ranks before it runs.
+    """

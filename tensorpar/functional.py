@@ -6,8 +6,7 @@ that group. A group of one rank issues no collective. Inputs are never modified 
 call says ``inplace=True``. Chunks along ``dim`` may be uneven (balanced like
 ``torch.tensor_split`` by default, or given by ``sizes=``). Every argument after the tensor
 is keyword-only, so a call reads the same everywhere: ``gather(y, dim=1, dst=0)``.
-Each docstring opens with the pair it implements ("Forward: scatter. Backward: gather").
-Megatron's region mappings (``copy_to_group``, ...) are in `tensorpar.regions`.
+Each docstring gives the dual pair; the region mappings are in `tensorpar.regions`.
 """
 
 from __future__ import annotations
@@ -19,15 +18,17 @@ import torch
 
 from tensorpar._alltoall import run_all_to_all
 from tensorpar._autograd import SYNC, Launch, apply_or_run, check_op, needs_graph
+from tensorpar._entry import resolve_args
 from tensorpar._group import GroupLike
 from tensorpar._meta import chunks_spec, require_tensor, sole_chunk, sole_input, source_header
 from tensorpar._rooted import _Broadcast, _Gather, _Reduce, _Scatter, placeholder_of, root_input
-from tensorpar._split import RootSpec, SplitSpec, check_total, resolve_args, sizes_or_balanced
+from tensorpar._split import RootSpec, SplitSpec, check_total, sizes_or_balanced
 from tensorpar._symmetric import (
     _AllGather,
     _AllReduce,
     _ReduceScatter,
     all_gather_equal,
+    check_all_reduce_args,
     equal_on_dim0,
     reduce_scatter_equal,
 )
@@ -94,7 +95,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
                 [4., 5.]])
     """
     fn = "scatter"
-    g, sizes = resolve_args(fn, group, sizes, src=src)
+    g, sizes = resolve_args(fn, group, sizes, dim=dim, src=src)
     if g.is_single:
         tensor = sole_input(fn, x)
         d = _normalize_dim(fn, dim, tensor.ndim)
@@ -160,7 +161,7 @@ def gather(x: torch.Tensor, *, dim: int = 0, dst: int = 0, group: GroupLike = No
                 [1., 1., 1.]])
     """
     fn = "gather"
-    g, sizes = resolve_args(fn, group, sizes, dst=dst)
+    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim, dst=dst)
     if g.is_single:
         return sole_chunk(fn, x, dim, sizes)
     spec, inp = chunks_spec(fn, x, dim, g, sizes, root=dst)
@@ -243,6 +244,8 @@ def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
 
     Raises:
         ValueError: unknown ``op``, or ``dst`` is not a rank of the group.
+        CollectiveTypeError: a dtype the backend cannot reduce (gloo: int16, uint16/32/64,
+            float8), or max/min of complex numbers (on every rank, before communicating).
         TensorparError: backward through ``op="max"``/``"min"``.
 
     Shape:
@@ -254,9 +257,9 @@ def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
         tensor([1., 2.])
     """
     fn = "reduce"
-    g, _ = resolve_args(fn, group, None, dst=dst)
+    g, _ = resolve_args(fn, group, None, x=x, op=op, dst=dst)
     tensor = require_tensor(fn, x)
-    op_name = check_op(fn, op, tensor.dtype)
+    op_name = check_op(fn, op, tensor, g)
     if g.is_single:
         return tensor
     spec = RootSpec(group=g, root=dst, full_shape=tensor.shape, dtype=tensor.dtype)
@@ -316,7 +319,7 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
         tensor([1., 1.])
     """
     fn = "all_gather"
-    g, sizes = resolve_args(fn, group, sizes)
+    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     if g.is_single:
         return as_result(sole_chunk(fn, x, dim, sizes), Launch(async_op), async_op)
     launch = Launch(async_op)
@@ -363,6 +366,7 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
 
     Raises:
         ValueError: unknown ``op``, bad ``dim`` or ``sizes``.
+        CollectiveTypeError: a dtype the backend cannot reduce, as for `reduce`.
         TensorparError: backward through ``op="max"``/``"min"``.
 
     Shape:
@@ -374,9 +378,9 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
         tensor([0., 1., 2.])
     """
     fn = "reduce_scatter"
-    g, sizes = resolve_args(fn, group, sizes)
+    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim, op=op)
     tensor = require_tensor(fn, x)
-    op_name = check_op(fn, op, tensor.dtype)
+    op_name = check_op(fn, op, tensor, g)
     d = _normalize_dim(fn, dim, tensor.ndim)
     sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g.size, "the input")
     if g.is_single:
@@ -434,7 +438,8 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
         The reduction (or a handle to it). On a group of one rank, ``x`` itself.
 
     Raises:
-        ValueError: unknown ``op`` or ``backward``.
+        ValueError: unknown ``op`` or ``backward``, or ``inplace`` on a strided tensor.
+        CollectiveTypeError: a dtype the backend cannot reduce, as for `reduce`.
         TensorparError: backward through ``op="max"``/``"min"``.
 
     Shape:
@@ -446,15 +451,10 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
         tensor([1., 1.])
     """
     fn = "all_reduce"
-    g, _ = resolve_args(fn, group, None)
+    g, _ = resolve_args(fn, group, None, x=x, op=op, backward=backward)
     tensor = require_tensor(fn, x)
-    op_name = check_op(fn, op, tensor.dtype)
-    if backward not in ("sum", "identity"):
-        raise ValueError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
-    if inplace and not tensor.is_contiguous():
-        raise ValueError(f"{fn}: inplace=True needs a contiguous tensor (its bytes are reduced "
-                         f"in memory order); got strides {tensor.stride()} for shape "
-                         f"{tuple(tensor.shape)}. Call .contiguous() first or reduce out of place")
+    op_name = check_op(fn, op, tensor, g)
+    check_all_reduce_args(fn, tensor, backward, inplace)
     if g.is_single:
         return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)

@@ -301,13 +301,13 @@ def _normalize_dim(fn: str, dim: object, ndim: int) -> int:
 
 # ---------------------------------------------------------------------------------------
 # Wire format: [magic, kind, dtype code, requires_grad, device type code, ndim,
-#               dim_0 .. dim_{MAX_NDIM-1}]
+#               dim_0 .. dim_{MAX_NDIM-1}, root]
 # ---------------------------------------------------------------------------------------
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = 0x7470_0000 + FORMAT_VERSION  # "tp" and the format version
 MAX_NDIM = 12
-HEADER_LEN = 6 + MAX_NDIM
+HEADER_LEN = 7 + MAX_NDIM
 
 KIND_TENSOR = 0       # the rank passed a tensor (metadata valid)
 KIND_PLACEHOLDER = 1  # the rank passed a placeholder (metadata valid)
@@ -337,6 +337,7 @@ class Header(NamedTuple):
     dtype: torch.dtype | None
     requires_grad: bool
     device_type: str | None = None  # None: not sent, or a type the format does not list
+    root: int = -1  # the src/dst the rank called the collective with (-1: none)
 
     def describes_the_same(self, other: Header) -> bool:
         """Same shape, dtype and ``requires_grad`` (the device may differ between ranks)."""
@@ -351,10 +352,13 @@ class Header(NamedTuple):
 
 
 def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | None = None,
-                  requires_grad: bool = False, device_type: str | None = None) -> torch.Tensor:
+                  requires_grad: bool = False, device_type: str | None = None,
+                  root: int = -1) -> torch.Tensor:
     """Encode metadata as a CPU ``(HEADER_LEN,)`` int64 tensor.
 
-    ``device_type`` is the described tensor's (``"cpu"``, ``"cuda"``, ...).
+    ``device_type`` is the described tensor's (``"cpu"``, ``"cuda"``, ...); ``root`` the
+    ``src``/``dst`` this rank called a rooted collective with (``-1``: none), so that every
+    rank can check that all of them named the same one.
     """
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensorpar supports tensors of at most {MAX_NDIM} dimensions in "
@@ -363,7 +367,7 @@ def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | Non
         raise ValueError(f"tensorpar cannot send metadata of dtype {dtype}")
     values = [MAGIC, kind, -1 if dtype is None else _DTYPE_TO_CODE[dtype], int(requires_grad),
               _DEVICE_TYPE_TO_CODE.get(device_type, -1) if device_type else -1,
-              len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
+              len(shape), *shape, *([0] * (MAX_NDIM - len(shape))), root]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -374,18 +378,23 @@ def decode_header(header: torch.Tensor) -> Header:
         WireFormatError: wrong dtype or length, bad magic number, unknown kind or dtype code,
             or inconsistent dimensions.
     """
+    if not isinstance(header, torch.Tensor):
+        raise WireFormatError(f"metadata header must be an int64 tensor, got "
+                              f"{type(header).__name__}")
     if header.dtype != torch.int64 or header.shape != (HEADER_LEN,):
         raise WireFormatError(f"metadata header must be an int64 tensor of shape ({HEADER_LEN},), "
                               f"got {header.dtype} of shape {tuple(header.shape)}")
-    magic, kind, code, grad, device_code, ndim, *dims = header.tolist()
+    magic, kind, code, grad, device_code, ndim, *dims, root = header.tolist()
     if magic != MAGIC:
         raise WireFormatError(f"metadata header has magic number {magic:#x}, expected {MAGIC:#x}: "
                               f"the peer is not speaking tensorpar's format version "
                               f"{FORMAT_VERSION}")
     if kind not in _KINDS:
         raise WireFormatError(f"metadata header has unknown kind {kind}")
+    if root < -1:
+        raise WireFormatError(f"metadata header has root={root}, expected a rank >= 0 or -1")
     if kind in (KIND_NONE, KIND_OTHER):
-        return Header(kind, torch.Size(()), None, False)
+        return Header(kind, torch.Size(()), None, False, root=root)
     if code not in _CODE_TO_DTYPE:
         raise WireFormatError(f"metadata header has unknown dtype code {code} "
                               f"(known: 0..{len(_DTYPE_NAMES) - 1})")
@@ -399,4 +408,5 @@ def decode_header(header: torch.Tensor) -> Header:
         raise WireFormatError(f"metadata header has unknown device type code {device_code} "
                               f"(known: -1..{len(_DEVICE_TYPES) - 1})")
     device_type = _DEVICE_TYPES[device_code] if device_code >= 0 else None
-    return Header(kind, torch.Size(dims[:ndim]), _CODE_TO_DTYPE[code], bool(grad), device_type)
+    return Header(kind, torch.Size(dims[:ndim]), _CODE_TO_DTYPE[code], bool(grad), device_type,
+                  root)

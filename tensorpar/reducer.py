@@ -15,9 +15,11 @@ from tensorpar import _comm
 from tensorpar._buckets import Bucket, MiB, plan_buckets
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_and_broadcast_replicas
+from tensorpar._switch import VALIDATE
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
-from tensorpar.errors import ReducerError
+from tensorpar.errors import CollectiveTimeoutError, ReducerError
 from tensorpar.functional import all_reduce
+from tensorpar.validation import check
 
 __all__ = ["BucketedAllReduce"]
 
@@ -117,6 +119,9 @@ class BucketedAllReduce:
         self._ready = [False] * len(self._params)
         self._used_since_sync = [False] * len(self._params)
         self._task: int | None = None
+        self._forwards = 0  # forward passes, compared across ranks in validation mode
+        self._unsynced = 0  # backward passes under no_sync since the last synchronised one
+        self._unsynced_task: int | None = None
         self._late: list[str] = []
         self._hooks: list[Any] = []
         if self.group.is_single:
@@ -184,6 +189,7 @@ class BucketedAllReduce:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self._snapshot() != self._registered:
             raise ReducerError(self._describe_change())
+        self._forwards += 1
         if self.broadcast_buffers:
             for buf in module.buffers():
                 _comm.broadcast(buf, 0, self.group)
@@ -216,6 +222,10 @@ class BucketedAllReduce:
             view.div_(pre)
         self._used_since_sync[i] = True
         if not self._sync_enabled:
+            task = torch._C._current_graph_task_id()
+            if task != self._unsynced_task:
+                self._unsynced_task = task
+                self._unsynced += 1
             return
         task = torch._C._current_graph_task_id()
         if self._task is None:
@@ -251,6 +261,10 @@ class BucketedAllReduce:
             target = bucket.comm
         else:
             target = bucket.buffer
+        if VALIDATE[0]:
+            check("BucketedAllReduce bucket", self.group, backward=True, dtype=target.dtype,
+                  shape=target.shape, forwards=self._forwards, iteration=self.iterations,
+                  unsynced=self._unsynced, bucket=bucket.index)
         bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group)
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()
@@ -268,6 +282,10 @@ class BucketedAllReduce:
                 self._params[i].grad = self._views[i]  # another rank may have used it
                 self._bucket_of[i].pending -= 1
             self._launch_ready()
+            if VALIDATE[0]:
+                check("BucketedAllReduce end of backward", self.group, backward=True,
+                      forwards=self._forwards, iteration=self.iterations,
+                      unsynced=self._unsynced)
             used = torch.tensor(self._used_since_sync, dtype=torch.uint8,
                                 device=self.group.comm_device(self.buckets[0].buffer.device))
             usage = torch.empty(self.group.size * used.numel(), dtype=torch.uint8,
@@ -286,8 +304,12 @@ class BucketedAllReduce:
             if self._rebuild_pending:
                 self._rebuild_pending = False
                 self._rebuild_in_ready_order()
+        except CollectiveTimeoutError as exc:  # name the reducer's step, keep the error's kind
+            raise type(exc)(f"BucketedAllReduce, end of backward pass (iteration "
+                            f"{self.iterations}): {exc}") from exc
         finally:
             self._used_since_sync = [False] * len(self._params)
+            self._unsynced = 0
             self.iterations += 1
             self._reset_iteration()
 

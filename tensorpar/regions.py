@@ -22,9 +22,10 @@ from collections.abc import Sequence
 import torch
 
 from tensorpar._autograd import SYNC
+from tensorpar._entry import resolve_args
 from tensorpar._group import GroupLike
 from tensorpar._meta import chunks_spec, require_tensor, sole_chunk
-from tensorpar._split import SplitSpec, resolve_args, sizes_or_balanced
+from tensorpar._split import SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import _AllReduce, _CopyToGroup, _GatherFromGroup, _SplitToGroup
 from tensorpar.placeholder import _normalize_dim
 
@@ -56,7 +57,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
         tensor([1., 1.])
     """
     fn = "copy_to_group"
-    g, _ = resolve_args(fn, group, None)
+    g, _ = resolve_args(fn, group, None, x=x)
     tensor = require_tensor(fn, x)
     if g.is_single:
         return tensor
@@ -90,7 +91,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         tensor([1., 1.])
     """
     fn = "reduce_from_group"
-    g, _ = resolve_args(fn, group, None)
+    g, _ = resolve_args(fn, group, None, x=x)
     tensor = require_tensor(fn, x)
     if g.is_single:
         return tensor
@@ -128,7 +129,7 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         tensor([0., 1., 2., 3.])
     """
     fn = "split_to_group"
-    g, sizes = resolve_args(fn, group, sizes)
+    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     tensor = require_tensor(fn, x)
     d = _normalize_dim(fn, dim, tensor.ndim)
     sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g.size, "the input")
@@ -172,7 +173,7 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         tensor([[1., 1.]])
     """
     fn = "gather_from_group"
-    g, sizes = resolve_args(fn, group, sizes)
+    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     if g.is_single:
         return sole_chunk(fn, x, dim, sizes)
     spec, inp = chunks_spec(fn, x, dim, g, sizes, root=-1)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tensorpar._group import GroupLike, resolve_group
+from tensorpar._replica import check_same_weights
 from tensorpar.functional import broadcast
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -38,7 +39,10 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     embeddings that scale their output, ``embed_scale``) are swapped; the model's own forward
     code is untouched, so it must infer per-rank sizes from the tensors (e.g.
     ``rearrange(q, "b t (h d) -> b h t d", d=64)``). Every rank must hold the same dense
-    weights (e.g. the same seed or checkpoint).
+    weights (e.g. the same seed or checkpoint). This is checked first, on every rank: exact
+    checksums of every parameter and buffer (layers that are already tensor-parallel left
+    out) are all-gathered as int64s, and a difference raises instead of mixing the ranks'
+    weights.
 
     The whole plan is validated first, and nothing changes unless all of it fits: every
     pattern must match a module, every matched module must be of the type its style splits,
@@ -57,6 +61,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
 
     Raises:
         ValueError: the plan does not fit the model (every problem listed).
+        CollectiveArgumentError: the ranks hold different dense weights; names the first
+            differing parameter or buffer and which ranks hold which version.
 
     Example:
         >>> import torch
@@ -67,6 +73,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         >>> type(mlp[0]).__name__, type(mlp[2]).__name__
         ('ColumnParallelLinear', 'RowParallelLinear')
     """
+    check_same_weights("parallelize", model, group)  # every rank, before anything changes
     size = resolve_group(group, "parallelize").size
     assignments = assign(model, plan, size)
     ties = tied_groups(model)

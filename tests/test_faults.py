@@ -1,0 +1,76 @@
+"""Timeouts and lost ranks end in a tensorpar error on every surviving rank, naming the
+collective, its sequence number, the group size and the missing rank. Each test runs on
+ranks of its own with a short process-group timeout."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tensorpar as tp
+from tests._fresh_ranks import run_fresh
+
+PG_TIMEOUT = 2.0
+
+
+def _skip_one_all_reduce(async_op):
+    rank = dist.get_rank()
+    for step in range(4):
+        if rank == 1 and step == 2:
+            time.sleep(PG_TIMEOUT + 1.5)  # skipped: it is "elsewhere" while rank 0 waits
+            return "skipped"
+        handle = tp.all_reduce(torch.ones(8), async_op=async_op)
+        if async_op:
+            handle.resolve()
+    return "done"
+
+
+def _check_timeout(results):
+    status, (names, message, _), seconds = results[0]
+    assert status == "err" and "CollectiveTimeoutError" in names, results[0]
+    assert "PeerLostError" not in names
+    assert "all_reduce #" in message and "on a group of 2" in message, message
+    assert "rank 1 did not arrive" in message, message
+    assert seconds < 15, seconds
+    assert results[1][0] == "ok" and results[1][1] == "skipped"
+    return message
+
+
+def test_a_rank_that_skips_a_collective_gives_a_timeout_error_naming_it():
+    results = run_fresh(_skip_one_all_reduce, 2, False, pg_timeout=PG_TIMEOUT)
+    _check_timeout(results)
+
+
+def test_resolve_of_an_async_collective_times_out_with_the_same_error():
+    results = run_fresh(_skip_one_all_reduce, 2, True, pg_timeout=PG_TIMEOUT)
+    _check_timeout(results)
+
+
+def _train_until_rank_2_dies():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reducer = tp.BucketedAllReduce(model, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert len(reducer.buckets) > 1
+    for step in range(20):
+        x = torch.randn(8, 16)
+        loss = model(x).square().mean()
+        if dist.get_rank() == 2 and step == 3:
+            os._exit(1)  # dies between its forward and its backward
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return "finished"
+
+
+def test_a_rank_that_dies_mid_training_gives_every_survivor_a_lost_peer_error():
+    results = run_fresh(_train_until_rank_2_dies, 3, pg_timeout=PG_TIMEOUT, timeout=30)
+    assert results[2] is None  # the dead rank sent nothing
+    for rank in (0, 1):
+        status, (names, message, trace), seconds = results[rank]
+        assert status == "err" and "TensorparError" in names, (rank, message, trace)
+        assert "PeerLostError" in names, (rank, names, message)
+        assert "on a group of 3" in message and "rank 2 went away" in message, message
+        assert seconds < 15, seconds
