@@ -6,7 +6,7 @@
 The only change is the line that wraps the model:
 
     model = DistributedDataParallel(model)          # before
-    model = tensorpar.nn.DataParallel(model)        # after
+    model = tensorpar.nn.DistributedDataParallel(model)        # after
 
 The script trains the same model both ways on the same data, prints tensorpar's bucket layout
 and how long the backward pass waited at its one synchronisation point, and checks that the
@@ -71,7 +71,7 @@ def main():
 
     ddp, ddp_loss = train(lambda m: DistributedDataParallel(
         m, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb), args.steps, device)
-    ours, loss = train(lambda m: tensorpar.nn.DataParallel(
+    ours, loss = train(lambda m: tensorpar.nn.DistributedDataParallel(
         m, bucket_cap_mb=args.bucket_cap_mb), args.steps, device)
 
     reducer = ours.reducer

@@ -37,6 +37,7 @@ class Bucket:
     pending: int = 0
     launched: bool = False
     handle: CollaborativeTensor | None = None
+    future: torch.futures.Future[torch.Tensor] | None = field(default=None, repr=False)
     comm: torch.Tensor | None = field(default=None, repr=False)
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 
 from tensorpar import _comm
 from tensorpar._buckets import Bucket, MiB, plan_buckets
+from tensorpar._comm_hook import CommHook
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
@@ -123,6 +124,7 @@ class BucketedAllReduce:
         self._unsynced = 0  # backward passes under no_sync since the last synchronised one
         self._unsynced_task: int | None = None
         self._late: list[str] = []
+        self._hook: CommHook | None = None
         self._hooks: list[Any] = []
         if self.group.is_single:
             return
@@ -144,6 +146,40 @@ class BucketedAllReduce:
             yield
         finally:
             self._sync_enabled = previous
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Reduce every bucket with a PyTorch DDP communication hook instead of an all-reduce.
+
+        ``hook(state, bucket)`` gets a ``GradBucket``-like bucket (``buffer()``, ``index()``,
+        ``is_last()``, ``gradients()``, ``parameters()``, ``set_buffer()``) and returns a
+        ``torch.futures.Future`` of the reduced buffer, exactly as for DDP, so torch's own hooks
+        (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
+        PowerSGD) run unchanged. As in DDP the hook does the averaging: the reducer no longer
+        divides. Register it once, before the first backward pass.
+
+        Args:
+            state: passed to every call of ``hook`` (e.g. the process group, or a
+                ``PowerSGDState``).
+            hook: the communication hook.
+
+        Raises:
+            ReducerError: a hook is already registered, a backward pass has already run, or
+                the reducer changes the communication dtype (``reduce_dtype`` /
+                ``compress_dtype``: compress in the hook instead).
+        """
+        name = getattr(hook, "__name__", repr(hook))
+        if self._hook is not None:
+            raise ReducerError(f"BucketedAllReduce.register_comm_hook({name}): a hook "
+                               f"({self._hook.hook}) is already registered; register once")
+        if self.iterations or self._task is not None:
+            raise ReducerError(f"BucketedAllReduce.register_comm_hook({name}): register the "
+                               f"hook before the first backward pass (after {self.iterations})")
+        if self._comm_dtype_of:
+            raise ReducerError(f"BucketedAllReduce.register_comm_hook({name}): cannot be "
+                               f"combined with reduce_dtype/compress_dtype; the hook decides "
+                               f"what travels (e.g. fp16_compress_hook)")
+        self._hook = CommHook(state, hook)
+        self._pre = self._post = 1.0
 
     def remove(self) -> None:
         """Remove the reducer's hooks (the gradients stay where they are)."""
@@ -176,6 +212,7 @@ class BucketedAllReduce:
             bucket.pending = len(bucket.param_indices)
             bucket.launched = False
             bucket.handle = None
+            bucket.future = None
         self._next = 0  # the next bucket to launch
         self._ready = [False] * len(self._params)
         self._ready_order = []
@@ -265,7 +302,12 @@ class BucketedAllReduce:
             check("BucketedAllReduce bucket", self.group, backward=True, dtype=target.dtype,
                   shape=target.shape, forwards=self._forwards, iteration=self.iterations,
                   unsynced=self._unsynced, bucket=bucket.index)
-        bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group)
+        if self._hook is not None:
+            params = [self._params[i] for i in bucket.param_indices]
+            bucket.future = self._hook.launch(bucket, params,
+                                              bucket.index == len(self.buckets) - 1)
+        else:
+            bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group)
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()
 
@@ -282,6 +324,8 @@ class BucketedAllReduce:
                 self._params[i].grad = self._views[i]  # another rank may have used it
                 self._bucket_of[i].pending -= 1
             self._launch_ready()
+            if self._hook is not None:  # before any collective of this thread: a hook's
+                self._wait_for_hooks()   # callbacks may issue collectives of their own
             if VALIDATE[0]:
                 check("BucketedAllReduce end of backward", self.group, backward=True,
                       forwards=self._forwards, iteration=self.iterations,
@@ -292,7 +336,8 @@ class BucketedAllReduce:
                                 device=used.device)
             _comm.all_gather_into(usage, used, self.group, purpose="meta")
             start = time.perf_counter()
-            sync_collectives(_handles(self.buckets))
+            if self._hook is None:
+                sync_collectives(_handles(self.buckets))
             self.sync_wait_seconds += time.perf_counter() - start
             for bucket in self.buckets:
                 if bucket.comm is not None:
@@ -312,6 +357,16 @@ class BucketedAllReduce:
             self._unsynced = 0
             self.iterations += 1
             self._reset_iteration()
+
+    def _wait_for_hooks(self) -> None:
+        start = time.perf_counter()
+        for bucket in self.buckets:
+            assert bucket.future is not None  # every bucket was launched
+            reduced = bucket.future.wait()
+            if reduced.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(reduced.view_as(bucket.buffer))
+            bucket.future = None
+        self.sync_wait_seconds += time.perf_counter() - start
 
     def _check_after_sync(self, usage: torch.Tensor) -> None:
         unused = [i for i in range(len(self._params)) if not bool(usage[:, i].all())]
@@ -350,7 +405,11 @@ class BucketedAllReduce:
     def _abandon(self) -> None:
         """Drain the collectives an unfinished iteration launched, then start clean."""
         with contextlib.suppress(Exception):
-            sync_collectives(_handles(b for b in self.buckets if b.launched))
+            if self._hook is None:
+                sync_collectives(_handles(b for b in self.buckets if b.launched))
+            for bucket in self.buckets:
+                if bucket.future is not None:
+                    bucket.future.wait()
         self._reset_iteration()
 
     def __repr__(self) -> str:

@@ -84,7 +84,7 @@ def _parity(name, options, steps, micro_batches, dtype_name, device="cpu"):
     ours = make(name, dtype).to(device)
     theirs = copy.deepcopy(ours)
     find_unused = options.get("find_unused_parameters", False)
-    wrapped = tp.nn.DataParallel(ours, **options)
+    wrapped = tp.nn.DistributedDataParallel(ours, **options)
     ddp = DDP(theirs, find_unused_parameters=find_unused,
               bucket_cap_mb=options.get("bucket_cap_mb", 25))
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)

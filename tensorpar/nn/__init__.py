@@ -1,7 +1,7 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
-from tensorpar.nn.data_parallel import DataParallel
+from tensorpar.nn.data_parallel import DataParallel, DistributedDataParallel
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -14,6 +14,7 @@ __all__ = [
     "Colwise",
     "ColumnParallelLinear",
     "DataParallel",
+    "DistributedDataParallel",
     "EmbeddingDim",
     "Gather",
     "ParallelEmbedding",
