@@ -115,3 +115,74 @@ def _plain_state_dict_still_works():
 def test_state_dict_shards_remain_ordinary_tensors():
     results = run_distributed(_plain_state_dict_still_works, 2)
     assert all(same for same, _ in results)
+
+
+class PackedConvModel(nn.Module):
+    """A fused [q; k; v] (GQA units, packed split) and a GPT-2 style Conv1D MLP."""
+
+    def __init__(self):
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 24 + 6 + 6)             # 12 q heads, 3 kv heads, head_dim 2
+        self.gate_up = nn.Linear(DIM, 2 * 25, bias=False)  # [gate; up], 25 each
+        self.c_fc = Conv1D(HIDDEN, DIM)
+        self.c_proj = Conv1D(DIM, HIDDEN)
+
+
+PACKED_PLAN = {"qkv": tp.nn.PackedColwise(blocks=(24, 6, 6), multiple_of=(8, 2, 2)),
+               "gate_up": tp.nn.PackedColwise(blocks=2), "c_fc": "colwise", "c_proj": "rowwise"}
+
+
+def build_packed(seed):
+    torch.manual_seed(seed)
+    return PackedConvModel().double()
+
+
+def _save_packed(path):
+    model = tp.parallelize(build_packed(1), PACKED_PLAN)
+    dcp.save(tp.sharded_state_dict(model), checkpoint_id=path)
+    return dense_state(model)
+
+
+def _load_packed(path):
+    model = tp.parallelize(build_packed(2), PACKED_PLAN)
+    state = tp.sharded_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(model, state)
+    return dense_state(model)
+
+
+def _load_packed_dense(path):
+    model = build_packed(3)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    return {k: v.clone() for k, v in model.state_dict().items()}, build_packed(1).state_dict()
+
+
+def test_packed_and_conv1d_layers_save_at_tp2_load_at_tp3_and_dense(tmp_path):
+    pytest.importorskip("transformers")
+    path = str(tmp_path / "packed")
+    saved = run_distributed(_save_packed, 2, path)[0]
+    loaded = run_distributed(_load_packed, 3, path)[0]
+    dense, original = run_distributed(_load_packed_dense, 1, path)[0]
+    assert saved.keys() == loaded.keys() == dense.keys() == original.keys()
+    for key in saved:  # the dense, unpermuted layout everywhere (Conv1D's (in, out) included)
+        assert torch.equal(saved[key], original[key]), key
+        assert torch.equal(loaded[key], original[key]), key
+        assert torch.equal(dense[key], original[key]), key
+
+
+def _packed_shard_chunks():
+    model = tp.parallelize(build_packed(1), PACKED_PLAN)
+    state = tp.sharded_state_dict(model)
+    qkv = state["qkv.weight"]
+    return [c.offsets[0] for c in qkv.__create_chunk_list__()], tuple(qkv.size())
+
+
+def test_a_packed_shard_is_one_checkpoint_chunk_per_block():
+    results = run_distributed(_packed_shard_chunks, 2)
+    # q: 3 units of 8 -> 16, 8; k and v: 3 units of 2 -> 4, 2
+    assert results[0] == ([0, 24, 30], (36, DIM))
+    assert results[1] == ([16, 28, 34], (36, DIM))

@@ -34,13 +34,29 @@ ARCHS = {
                 {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4,
                  "num_local_experts": 3, "num_experts_per_tok": 2,
                  "experts_implementation": "eager"}),
+    # fused [q; k; v] sliced with global sizes (gathered) and a packed [gate; up] (50 + 50)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+              "bos_token_id": 1, "eos_token_id": 1}),
+    # Conv1D everywhere, c_attn gathered, MLP 50 wide, wte tied to lm_head
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             {"num_attention_heads": 4, "n_inner": 50, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+              "attn_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 1}),
+    # query_key_value interleaved per head: 4 heads of (q, k, v) x 6, whole heads per rank
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 {"num_attention_heads": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0}),
+}
+ENCODERS = {
+    "bert": ("BertConfig", "BertModel",
+             {"num_attention_heads": 4, "hidden_dropout_prob": 0.0,
+              "attention_probs_dropout_prob": 0.0, "pad_token_id": 0}),
 }
 
 
 def build(arch, dtype=torch.float64, **overrides):
     import transformers
 
-    config_cls, model_cls, extra = ARCHS[arch]
+    config_cls, model_cls, extra = {**ARCHS, **ENCODERS}[arch]
     config = getattr(transformers, config_cls)(**{**SMALL, **extra, **overrides})
     config._attn_implementation = "eager" if arch.startswith("gemma") else "sdpa"
     torch.manual_seed(0)
@@ -53,17 +69,17 @@ def tokens(seed, n=9):
 
 
 def shard(model, name, dense_tensor):
-    """The slice of a dense tensor that the parallel model's parameter ``name`` holds."""
+    """The slice of a dense tensor that the parallel model's parameter ``name`` holds.
+
+    A packed layer holds a slice of every block: the pieces, concatenated.
+    """
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner)
-    dim = None
-    if isinstance(module, tp.nn.ColumnParallelLinear | tp.nn.VocabParallelEmbedding):
-        dim = 0
-    elif isinstance(module, tp.nn.RowParallelLinear) and leaf == "weight":
-        dim = 1
+    dim = getattr(module, "sharded_dims", {}).get(leaf)
     if dim is None:
         return dense_tensor
-    return dense_tensor.narrow(dim, module.shard.start, module.shard.length)
+    return torch.cat([dense_tensor.narrow(dim, start, n) for start, _, n in module.shard.pieces],
+                     dim)
 
 
 def _train_and_compare(arch, tol=1e-10):
@@ -80,7 +96,7 @@ def _train_and_compare(arch, tol=1e-10):
         dense_logits = dense(ids).logits
         dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
         local = parallel(ids).logits
-        head = parallel.lm_head
+        head = parallel.get_output_embeddings()
         torch.testing.assert_close(local, dense_logits[..., head.shard.start: head.shard.stop],
                                    rtol=tol, atol=tol)
         loss = vocab_parallel_cross_entropy(local.flatten(0, 1), target.flatten(),
@@ -98,8 +114,9 @@ def _train_and_compare(arch, tol=1e-10):
     for name, p in parallel.named_parameters():
         torch.testing.assert_close(p, shard(parallel, name, dense_params[name]), rtol=tol,
                                    atol=tol, msg=f"{name} after 3 steps")
-    tied = parallel.lm_head.weight is parallel.model.embed_tokens.weight
-    return losses, tied
+    tied = parallel.get_output_embeddings().weight is parallel.get_input_embeddings().weight
+    dense_tied = dense.get_output_embeddings().weight is dense.get_input_embeddings().weight
+    return losses, (tied, dense_tied)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -108,8 +125,50 @@ def test_architecture_trains_like_dense(arch, world_size):
     heads = ARCHS[arch][2]
     results = run_distributed(_train_and_compare, world_size, arch, timeout=120)
     assert len({tuple(losses) for losses, _ in results}) == 1  # the same loss on every rank
-    assert {tied for _, tied in results} == {bool(heads.get("tie_word_embeddings"))
-                                            or arch.startswith("gemma")}
+    expected = bool(heads.get("tie_word_embeddings")) or arch.startswith(("gemma", "gpt2"))
+    assert {tied for _, tied in results} == {(expected, expected)}
+
+
+def _encoder_trains_like_dense(arch, tol=1e-10):
+    dense = build(arch)
+    parallel = tp.parallelize(build(arch), plan_from_transformers(build(arch)))
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # padding: the attention mask path too
+    losses = []
+    for step in range(3):
+        ids = tokens(step)
+        outputs = [m(ids, attention_mask=mask) for m in (dense, parallel)]
+        torch.testing.assert_close(outputs[1].last_hidden_state, outputs[0].last_hidden_state,
+                                   rtol=tol, atol=tol)
+        dense_loss, loss = (o.last_hidden_state.pow(2).mean() + o.pooler_output.sum()
+                            for o in outputs)
+        torch.testing.assert_close(loss, dense_loss, rtol=tol, atol=tol)
+        dense_loss.backward()
+        loss.backward()
+        dense_grads = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(p.grad, shard(parallel, name, dense_grads[name].grad),
+                                       rtol=tol, atol=tol, msg=name)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+        losses.append(loss.item())
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p, shard(parallel, name, dense_params[name]), rtol=tol,
+                                   atol=tol, msg=f"{name} after 3 steps")
+    query = parallel.encoder.layer[0].attention.self.query
+    return losses, type(query).__name__, query.shard.length
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_bert_encoder_trains_like_dense(world_size):
+    results = run_distributed(_encoder_trains_like_dense, world_size, "bert", timeout=120)
+    assert len({tuple(losses) for losses, _, _ in results}) == 1
+    # 4 heads of 6: whole heads per rank (uneven at 3 ranks: 2, 1, 1)
+    assert [width for _, _, width in results] == [24 // world_size] * world_size \
+        if world_size != 3 else [12, 6, 6]
+    assert {kind for _, kind, _ in results} == {"ColumnParallelLinear"}
 
 
 def _refusal(arch, overrides):
@@ -187,13 +246,12 @@ def test_generate_with_the_gathered_head_returns_the_dense_tokens(world_size):
     assert len({tuple(t) for _, t in results}) == 1
 
 
-@pytest.mark.parametrize("name, config", [
-    ("Phi3Config", {"num_attention_heads": 4, "num_key_value_heads": 4}),
-    ("GPTNeoXConfig", {"num_attention_heads": 4}),
-    ("GPT2Config", {"n_head": 4, "n_embd": 16}),
-    ("BertConfig", {"num_attention_heads": 4}),
+@pytest.mark.parametrize("name, config, match", [
+    ("GPT2Config", {"n_head": 4, "n_embd": 16, "add_cross_attention": True},
+     "add_cross_attention=True is not supported"),
+    ("T5Config", {"num_heads": 4, "d_model": 16, "d_kv": 4}, "no tensor-parallel plan"),
 ])
-def test_architectures_without_support_are_refused_clearly(name, config):
+def test_architectures_without_support_are_refused_clearly(name, config, match):
     import transformers
 
     cfg = getattr(transformers, name)(**{"hidden_size": 16, "intermediate_size": 32,
@@ -201,8 +259,44 @@ def test_architectures_without_support_are_refused_clearly(name, config):
                                          "pad_token_id": 0,
                                          "bos_token_id": 1, "eos_token_id": 1, **config})
     model = transformers.AutoModel.from_config(cfg)
-    with pytest.raises(ValueError, match=r"packed layout|no tensor-parallel plan"):
+    with pytest.raises(ValueError, match=match):
         plan_from_transformers(model)
+
+
+def test_plans_for_fused_projections():
+    phi3 = plan_from_transformers(build("phi3"))
+    assert phi3["model.layers.*.mlp.gate_up_proj"] == tp.nn.PackedColwise(blocks=2)
+    assert phi3["model.layers.*.self_attn.qkv_proj"] == Colwise(gather_output=True)
+    assert phi3["model.layers.*.self_attn.o_proj"] == Rowwise(input_is_parallel=False)
+    neox = plan_from_transformers(build("gpt_neox"))
+    assert neox["gpt_neox.layers.*.attention.query_key_value"] == Colwise(multiple_of=18)
+    assert neox["gpt_neox.layers.*.attention.dense"] == Rowwise(multiple_of=6)
+    gpt2 = plan_from_transformers(build("gpt2"))
+    assert gpt2["transformer.h.*.attn.c_attn"] == Colwise(gather_output=True)
+    assert gpt2["transformer.wte"] == tp.nn.Vocab() and gpt2["lm_head"] == Colwise()
+
+
+def _bert_mlm_head():
+    import transformers
+
+    _, _, extra = ENCODERS["bert"]
+    config = transformers.BertConfig(**{**SMALL, **extra})
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.BertForMaskedLM(config).double()
+
+    dense, parallel = model(), model()
+    plan = plan_from_transformers(parallel)
+    tp.parallelize(parallel, plan)
+    ids = tokens(1)
+    torch.testing.assert_close(parallel(ids).logits, dense(ids).logits, rtol=1e-10, atol=1e-10)
+    return sorted(plan)
+
+
+def test_bert_masked_lm_head_with_a_tied_bias_stays_replicated():
+    plans = run_distributed(_bert_mlm_head, 2)
+    assert not any("word_embeddings" in p or "decoder" in p for p in plans[0])
 
 
 def test_patterns_match_one_segment_per_star():

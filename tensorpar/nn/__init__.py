@@ -1,5 +1,6 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
+from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.data_parallel import DataParallel, DistributedDataParallel
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
@@ -7,18 +8,30 @@ from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.loss import vocab_parallel_cross_entropy
 from tensorpar.nn.modules import Gather, Scatter
-from tensorpar.nn.plan import Colwise, EmbeddingDim, Rowwise, Vocab, match_module
+from tensorpar.nn.plan import (
+    Builder,
+    Colwise,
+    EmbeddingDim,
+    PackedColwise,
+    Rowwise,
+    Vocab,
+    match_module,
+)
 from tensorpar.nn.random import ParallelRNG
 
 __all__ = [
+    "Builder",
     "Colwise",
+    "ColumnParallelConv1D",
     "ColumnParallelLinear",
     "DataParallel",
     "DistributedDataParallel",
     "EmbeddingDim",
     "Gather",
     "ParallelEmbedding",
+    "PackedColwise",
     "ParallelRNG",
+    "RowParallelConv1D",
     "RowParallelLinear",
     "Rowwise",
     "Scatter",

@@ -2,8 +2,9 @@
 
 A parallel layer holds a shard of each dense parameter under the dense name. Saved as a plain
 tensor, DCP would take the shards for identical replicas and keep one rank's. Here every shard
-travels as a `ShardAtOffset`: the shard, the dense shape and the shard's offset in it,
-through DCP's own protocol for checkpointable objects, so DCP writes each shard at its place
+travels as a `ShardAtOffset`: the shard, the dense shape and the shard's offset in it (one
+per block for a packed layer, whose shard is a slice of every block), through DCP's own
+protocol for checkpointable objects, so DCP writes each piece at its place
 and can load it back at any tensor-parallel size (uneven shards and the dense model
 included). The shards of a parallel layer's own ``state_dict()`` refuse DCP
 with a message that points here.
@@ -17,15 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorpar.nn._shard import Piece
+from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ShardAtOffset", "load_sharded_state_dict", "sharded_state_dict"]
 
 ParallelLayer = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding \
-    | ParallelEmbedding
+    | ParallelEmbedding | ColumnParallelConv1D | RowParallelConv1D
 PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                   ParallelEmbedding)
+                   ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D)
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -93,11 +96,9 @@ def load_sharded_state_dict(model: nn.Module, state: Mapping[str, Any]) -> None:
 
 
 def _sharded(local: torch.Tensor, layer: ParallelLayer, dim: int) -> ShardAtOffset:
-    offsets = [0] * local.ndim
-    offsets[dim] = layer.shard.start
     full = list(local.shape)
     full[dim] = layer.shard.total
-    return ShardAtOffset.of(local, torch.Size(offsets), torch.Size(full))
+    return ShardAtOffset.of(local, torch.Size(full), dim=dim, pieces=layer.shard.pieces)
 
 
 class ShardAtOffset(torch.Tensor):
@@ -106,30 +107,56 @@ class ShardAtOffset(torch.Tensor):
     Implements ``torch.distributed.checkpoint``'s protocol for checkpointable tensors
     (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, and
     ``size()`` giving the dense shape), the protocol DTensor implements, for shards at any
-    offset (DTensor's placements cannot describe tensorpar's balanced uneven shards). Its
-    data is the shard, shared with the parameter, so DCP loads straight into the model.
-    Operations on it give plain tensors.
+    offset (DTensor's placements cannot describe tensorpar's balanced uneven shards). The
+    shard may be several pieces of the dense tensor along one dim (a packed layer's slice of
+    each block): each is one chunk of the checkpoint, written at its own offset. Its data is
+    the shard, shared with the parameter, so DCP loads straight into the model. Operations
+    on it give plain tensors.
 
     Attributes:
-        offsets: the shard's offset in the dense tensor, per dim.
         global_size: the dense tensor's shape.
+        split_dim: the dim the shard is split along.
+        pieces: ``(dense start, local start, length)`` along ``dim`` for every piece.
     """
 
-    offsets: torch.Size
     global_size: torch.Size
+    split_dim: int
+    pieces: tuple[Piece, ...]
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
-    def of(local: torch.Tensor, offsets: torch.Size, global_size: torch.Size) -> ShardAtOffset:
-        """``local`` (shared, not copied) as the shard at ``offsets`` of ``global_size``."""
+    def of(local: torch.Tensor, global_size: torch.Size, *, dim: int,
+           pieces: tuple[Piece, ...]) -> ShardAtOffset:
+        """``local`` (shared, not copied) as the given pieces of a tensor of ``global_size``.
+
+        Raises:
+            ValueError: the pieces do not tile ``local`` along ``dim``.
+        """
+        local_starts = sorted((at, n) for _, at, n in pieces)
+        expected = 0
+        for at, n in local_starts:
+            if at != expected:
+                break
+            expected += n
+        if expected != local.shape[dim] or len(local_starts) != len(pieces):
+            raise ValueError(f"ShardAtOffset.of: pieces={list(pieces)} do not tile the local "
+                             f"shard of shape {tuple(local.shape)} along dim {dim}")
         shard = local.as_subclass(ShardAtOffset)
-        shard.offsets, shard.global_size = offsets, global_size
+        shard.global_size, shard.split_dim, shard.pieces = global_size, dim, pieces
         return shard
 
     @property
     def local(self) -> torch.Tensor:
         """The shard as a plain tensor (a view of the parameter)."""
         return self.as_subclass(torch.Tensor)
+
+    def _offsets(self, piece: Piece) -> torch.Size:
+        offsets = [0] * len(self.global_size)
+        offsets[self.split_dim] = piece[0]
+        return torch.Size(offsets)
+
+    def _view(self, piece: Piece) -> torch.Tensor:
+        return self.local.narrow(self.split_dim, piece[1], piece[2])
 
     def size(self, dim: int | None = None) -> Any:
         """The dense tensor's shape (what DCP compares with the checkpoint's)."""
@@ -143,22 +170,34 @@ class ShardAtOffset(torch.Tensor):
         )
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        local = self.local
-        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=self.offsets,
-                                                         sizes=local.shape),
-                              properties=TensorProperties.create_from_tensor(local),
-                              size=self.global_size))]
+        items = []
+        for piece in self.pieces:
+            view, offsets = self._view(piece), self._offsets(piece)
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.shape),
+                    properties=TensorProperties.create_from_tensor(view),
+                    size=self.global_size)))
+        return items
 
     def __create_chunk_list__(self) -> list[Any]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)]
+        return [ChunkStorageMetadata(offsets=self._offsets(p), sizes=self._view(p).shape)
+                for p in self.pieces]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        return self.local
+        if index.offset is None and len(self.pieces) == 1:
+            return self._view(self.pieces[0])
+        for piece in self.pieces:
+            if index.offset is not None and self._offsets(piece) == torch.Size(index.offset):
+                return self._view(piece)
+        raise ValueError(f"ShardAtOffset: no piece of {index.fqn!r} starts at offset "
+                         f"{index.offset}; this rank holds "
+                         f"{[tuple(self._offsets(p)) for p in self.pieces]}")
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return (f"ShardAtOffset({tuple(self.local.shape)} at {tuple(self.offsets)} of "
-                f"{tuple(self.global_size)})")
+        where = ", ".join(f"{n} at {tuple(self._offsets((s, a, n)))}" for s, a, n in self.pieces)
+        return (f"ShardAtOffset({tuple(self.local.shape)}: {where} along dim {self.split_dim} "
+                f"of {tuple(self.global_size)})")

@@ -11,9 +11,21 @@ from torch import nn
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_same_weights
 from tensorpar.functional import broadcast
+from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.nn.plan import Colwise, Rowwise, Style, Vocab, assign, tied_groups
+from tensorpar.nn.plan import (
+    Builder,
+    Colwise,
+    PackedColwise,
+    Rowwise,
+    Style,
+    Vocab,
+    assign,
+    features,
+    is_conv1d,
+    tied_groups,
+)
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["full_state_dict", "load_full_state_dict", "parallelize"]
@@ -25,18 +37,20 @@ class _Sharded(Protocol):
 
 
 PARALLEL_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                  ParallelEmbedding)
+                  ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D)
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
-                group: GroupLike = None) -> nn.Module:
+                group: GroupLike = None,
+                builders: Mapping[type[nn.Module], Builder] | None = None) -> nn.Module:
     """Replace submodules of ``model`` in place with tensor-parallel ones built from their weights.
 
     The plan maps patterns over module names (``"layers.*.attn.q_proj"``: each ``*``
     matches one dotted segment, ``**`` any number of them) to a style: ``"colwise"``,
     ``"rowwise"``, ``"vocab"``, ``"embedding_dim"`` or a style object with options
-    (`Colwise`, `Rowwise`, ...). Only ``nn.Linear`` and ``nn.Embedding`` submodules (and
-    embeddings that scale their output, ``embed_scale``) are swapped; the model's own forward
+    (`Colwise`, `PackedColwise`, `Rowwise`, ...). ``nn.Linear``, transformers' ``Conv1D``
+    and ``nn.Embedding`` submodules (and embeddings that scale their output,
+    ``embed_scale``) are swapped, and the classes given in ``builders``; the model's own forward
     code is untouched, so it must infer per-rank sizes from the tensors (e.g.
     ``rearrange(q, "b t (h d) -> b h t d", d=64)``). Every rank must hold the same dense
     weights (e.g. the same seed or checkpoint). This is checked first, on every rank: exact
@@ -55,6 +69,13 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         model: the dense model (modified in place and returned).
         plan: pattern -> style.
         group: the tensor-parallel group (a ``ProcessGroup`` or 1-D ``DeviceMesh``).
+        builders: layer classes tensorpar does not know, each mapped to a function
+            ``(dense module, style, group) -> parallel module`` called for every module of
+            exactly that class the plan matches (it receives the style as given in the
+            plan). tensorpar does not check those modules' sizes; every module is built
+            before any is swapped in, so an error in a builder leaves the model unchanged.
+            Return tensorpar layers for `full_state_dict` and `sharded_state_dict` to see
+            the shards; other modules count as replicated.
 
     Returns:
         ``model``.
@@ -73,14 +94,28 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         >>> type(mlp[0]).__name__, type(mlp[2]).__name__
         ('ColumnParallelLinear', 'RowParallelLinear')
     """
+    builders = dict(builders or {})
+    for cls, builder in builders.items():
+        if not isinstance(cls, type) or not callable(builder):
+            raise TypeError(f"parallelize: builders maps a class to a callable (module, style, "
+                            f"group) -> module; got {cls!r}: {builder!r}")
     check_same_weights("parallelize", model, group)  # every rank, before anything changes
     size = resolve_group(group, "parallelize").size
-    assignments = assign(model, plan, size)
+    assignments = assign(model, plan, size, builders)
     ties = tied_groups(model)
+    built = {}
     for name, style in assignments.items():
+        module = model.get_submodule(name)
+        custom = builders.get(type(module))
+        built[name] = custom(module, style, group) if custom else _build(module, style, group)
+    for name, new in built.items():
+        if not isinstance(new, nn.Module):
+            raise TypeError(f"parallelize: the builder for {name!r} "
+                            f"({type(model.get_submodule(name)).__name__}) returned "
+                            f"{type(new).__name__}; expected an nn.Module")
+    for name, new in built.items():
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, _build(parent.get_submodule(child), style, group))
+        setattr(model.get_submodule(parent_name), child, new)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)
@@ -91,17 +126,23 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
 
 
 def _build(module: nn.Module, style: Style, group: GroupLike) -> nn.Module:
-    if isinstance(style, Colwise):
+    if isinstance(style, (Colwise, PackedColwise)):
+        blocks, unit = None, style.multiple_of
+        if isinstance(style, PackedColwise):
+            blocks = style.block_sizes(features(module)[1])
+        if is_conv1d(module):
+            return ColumnParallelConv1D.from_dense(module, group=group, blocks=blocks,
+                                                   gather_output=style.gather_output,
+                                                   multiple_of=unit)
         assert isinstance(module, nn.Linear)
-        return ColumnParallelLinear.from_dense(module, group=group,
+        return ColumnParallelLinear.from_dense(module, group=group, blocks=blocks,
                                                gather_output=style.gather_output,
-                                               multiple_of=style.multiple_of)
+                                               multiple_of=unit)
     if isinstance(style, Rowwise):
-        assert isinstance(module, nn.Linear)
-        return RowParallelLinear.from_dense(module, group=group,
-                                            input_is_parallel=style.input_is_parallel,
-                                            multiple_of=style.multiple_of,
-                                            reduce_dtype=style.reduce_dtype)
+        row = RowParallelConv1D if is_conv1d(module) else RowParallelLinear
+        return row.from_dense(module, group=group,  # type: ignore[arg-type]
+                              input_is_parallel=style.input_is_parallel,
+                              multiple_of=style.multiple_of, reduce_dtype=style.reduce_dtype)
     assert isinstance(module, nn.Embedding)
     cls = VocabParallelEmbedding if isinstance(style, Vocab) else ParallelEmbedding
     return cls.from_dense(module, group=group)

@@ -8,19 +8,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tensorpar.nn.plan import Colwise, Rowwise, Style, Vocab
+from tensorpar.nn.plan import Colwise, PackedColwise, Rowwise, Style, Vocab, tied_groups
 
 __all__ = ["plan_from_transformers"]
 
 LMHead = Literal["vocab_parallel", "gathered"]
 
-# transformers' tp_plan styles that tensorpar cannot honour yet, with what the model needs
-_UNSUPPORTED = {
-    "colwise_gather_output": "fused projections (e.g. Phi-3's qkv_proj and gate_up_proj) need "
-                             "a packed layout, which tensorpar does not provide yet",
-    "rowwise_split_input": "fused projections (e.g. Phi-3's qkv_proj and gate_up_proj) need "
-                           "a packed layout, which tensorpar does not provide yet",
-}
 _LEFT_REPLICATED = ("packed_colwise", "moe_tp_experts", "ep_router", "grouped_gemm",
                     "local_colwise", "local_rowwise", "local_packed_rowwise", "gather")
 
@@ -35,7 +28,16 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     like ``q_proj``); key/value heads may be uneven across ranks but there must be at least
     one per rank. The MLP follows the model's ``tp_plan``; mixture-of-experts blocks are left
     replicated (with a warning). The input embedding is split by vocabulary, and so is the
-    LM head: tied weights stay tied.
+    LM head: tied weights stay tied (an LM head whose bias is tied to another parameter,
+    as in BERT's masked-LM head, stays replicated with its embedding).
+
+    Fused projections: GPT-NeoX's ``query_key_value`` (``[q, k, v]`` per head) is split by
+    whole heads; Phi-3's ``gate_up_proj`` is split block by block (`PackedColwise`).
+    Where the model's forward slices a fused output at positions computed from global
+    sizes (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``), the projection's output is gathered and
+    the output projection splits its input, as transformers' own plans do: the weights are
+    split, the attention itself runs whole on every rank. BERT has no ``tp_plan``; tensorpar
+    splits its self-attention by head and its MLP.
 
     Args:
         model: a transformers model (``LlamaForCausalLM``, ``MistralModel``, ...).
@@ -71,7 +73,7 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                         f"{type(model).__name__}")
     arch = config.model_type
     base_plan: dict[str, str] | None = getattr(config, "base_model_tp_plan", None)
-    if not base_plan:
+    if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
                          f"({type(model).__name__}); write one by hand (see parallelize)")
     heads, kv_heads, head_dim = _heads(config)
@@ -79,20 +81,22 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     prefix = _base_prefix(model)
     plan: dict[str, Style] = {}
     replicated = []
-    for pattern, raw in base_plan.items():
+    own = _OWN_PLANS.get(arch)
+    if own is not None:
+        plan = {prefix + k: v for k, v in own(config, head_dim, reduce_dtype).items()}
+    for pattern, raw in ({} if own is not None else base_plan or {}).items():
         leaf = pattern.rpartition(".")[2]
-        if raw in _UNSUPPORTED:
-            raise ValueError(f"{fn}: {arch} cannot be parallelised yet: {pattern!r} is "
-                             f"{raw!r}: {_UNSUPPORTED[raw]}")
         if raw in _LEFT_REPLICATED or ".experts" in pattern:
             replicated.append(pattern)
             continue
-        if raw not in ("colwise", "rowwise"):
+        if raw not in _TP_STYLES:
             raise ValueError(f"{fn}: {arch}'s tp_plan entry {pattern!r}: {raw!r} is a style "
                              f"tensorpar does not know")
-        if leaf in ("query_key_value", "c_attn", "qkv_proj", "Wqkv"):
-            raise ValueError(f"{fn}: {arch}'s {leaf} is a fused query/key/value projection; "
-                             f"it needs a packed layout, which tensorpar does not provide yet")
+        if leaf in ("query_key_value", "c_attn", "qkv_proj", "Wqkv") and raw == "colwise":
+            raise ValueError(f"{fn}: {arch}'s {leaf} is a fused query/key/value projection "
+                             f"whose layout tensorpar does not know; write a plan by hand "
+                             f"with PackedColwise, or Colwise(gather_output=True) and the "
+                             f"output projection Rowwise(input_is_parallel=False)")
         plan[prefix + pattern] = _style(leaf, raw, group, head_dim, reduce_dtype)
     if replicated:
         warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
@@ -104,7 +108,11 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         plan[names[id(embed)]] = Vocab()
     head = _embeddings(model, "get_output_embeddings")
     if isinstance(head, nn.Linear) and id(head) in names:
-        plan[names[id(head)]] = Colwise(gather_output=lm_head == "gathered")
+        bias_tied = any(names[id(head)] + ".bias" in tie for tie in tied_groups(model))
+        if not bias_tied:
+            plan[names[id(head)]] = Colwise(gather_output=lm_head == "gathered")
+        elif embed is not None and head.weight is embed.weight:
+            del plan[names[id(embed)]]  # the head stays replicated, so must its tied embedding
     return plan
 
 
@@ -118,8 +126,15 @@ def _heads(config: Any) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+
+
 def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.dtype | None
            ) -> Style:
+    if raw == "colwise_gather_output":  # the model slices the output with global sizes
+        return Colwise(gather_output=True)
+    if raw == "rowwise_split_input":
+        return Rowwise(input_is_parallel=False, reduce_dtype=reduce_dtype)
     if leaf == "q_proj":
         return Colwise(multiple_of=group * head_dim)
     if leaf in ("k_proj", "v_proj"):
@@ -127,6 +142,54 @@ def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.d
     if leaf == "o_proj":
         return Rowwise(multiple_of=group * head_dim, reduce_dtype=reduce_dtype)
     return Colwise() if raw == "colwise" else Rowwise(reduce_dtype=reduce_dtype)
+
+
+def _phi3(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+    # the attention slices qkv at config.num_attention_heads * head_dim: gather it, and let
+    # o_proj split its (replicated) input; the MLP chunk(2)s [gate; up], which a block-wise
+    # split keeps as [gate_r; up_r]
+    return {"layers.*.self_attn.qkv_proj": Colwise(gather_output=True),
+            "layers.*.self_attn.o_proj": Rowwise(input_is_parallel=False,
+                                                 reduce_dtype=reduce_dtype),
+            "layers.*.mlp.gate_up_proj": PackedColwise(blocks=2),
+            "layers.*.mlp.down_proj": Rowwise(reduce_dtype=reduce_dtype)}
+
+
+def _gpt2(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("plan_from_transformers: GPT-2 with add_cross_attention=True is not "
+                         "supported (its cross-attention projections have no plan); write "
+                         "one by hand")
+    # c_attn's output is split at self.split_size (the full width): gather it
+    return {"h.*.attn.c_attn": Colwise(gather_output=True),
+            "h.*.attn.c_proj": Rowwise(input_is_parallel=False, reduce_dtype=reduce_dtype),
+            "h.*.mlp.c_fc": Colwise(),
+            "h.*.mlp.c_proj": Rowwise(reduce_dtype=reduce_dtype)}
+
+
+def _gpt_neox(config: Any, head_dim: int, reduce_dtype: torch.dtype | None
+              ) -> dict[str, Style]:
+    # query_key_value is [q, k, v] per head, and the forward reads heads off the tensor:
+    # whole heads per rank keep every head's q, k and v together
+    return {"layers.*.attention.query_key_value": Colwise(multiple_of=3 * head_dim),
+            "layers.*.attention.dense": Rowwise(multiple_of=head_dim, reduce_dtype=reduce_dtype),
+            "layers.*.mlp.dense_h_to_4h": Colwise(),
+            "layers.*.mlp.dense_4h_to_h": Rowwise(reduce_dtype=reduce_dtype)}
+
+
+def _bert(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+    # the self-attention reads heads off the tensors (view(..., -1, head_size))
+    layer = "encoder.layer.*."
+    return {layer + "attention.self.query": Colwise(multiple_of=head_dim),
+            layer + "attention.self.key": Colwise(multiple_of=head_dim),
+            layer + "attention.self.value": Colwise(multiple_of=head_dim),
+            layer + "attention.output.dense": Rowwise(multiple_of=head_dim,
+                                                      reduce_dtype=reduce_dtype),
+            layer + "intermediate.dense": Colwise(),
+            layer + "output.dense": Rowwise(reduce_dtype=reduce_dtype)}
+
+
+_OWN_PLANS = {"phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox, "bert": _bert}
 
 
 def _base_prefix(model: nn.Module) -> str:

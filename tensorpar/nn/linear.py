@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -14,7 +14,7 @@ from tensorpar._group import GroupLike
 from tensorpar.functional import broadcast, gather, scatter
 from tensorpar.nn._column_fn import column_linear
 from tensorpar.nn._local_shard import mark_shards
-from tensorpar.nn._shard import Shard, shard_of
+from tensorpar.nn._shard import AnyShard, Shard, packed_shard_of, shard_of
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import gather_from_group, reduce_from_group, split_to_group
 
@@ -46,14 +46,23 @@ class ColumnParallelLinear(nn.Module):
         bias: learn an additive bias (sharded like the output).
         gather_output: all-gather the output so every rank gets the full ``y``; otherwise
             each rank keeps its slice (feed it to a `RowParallelLinear`).
-        multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``).
+        multiple_of: shard boundaries fall on multiples of this (e.g. ``head_dim``); with
+            ``blocks``, one unit per block (or one for all).
+        blocks: the output is a fused projection made of blocks of these sizes
+            (``[q; k; v]``, ``[gate; up]``; they sum to ``out_features``): every block is
+            split on its own and this rank holds its slice of each, block after block (its
+            output is ``[q_r; k_r; v_r]``). ``None``: one block.
         group: the tensor-parallel group (a ``ProcessGroup`` or 1-D ``DeviceMesh``).
         device: the parameters' device.
         dtype: the parameters' dtype.
 
     Shape:
-        input ``(*, in_features)``; output ``(*, out_features)`` with ``gather_output``,
-        else ``(*, shard)``.
+        input ``(*, in_features)``; output ``(*, out_features)`` with ``gather_output``
+        (in the dense order, blocks unpermuted), else ``(*, shard)``.
+
+    Raises:
+        ValueError: ``blocks`` do not sum to ``out_features``, or a size is not a multiple
+            of its unit.
 
     Attributes:
         sharded_dims: the dense dim each sharded parameter is split along.
@@ -73,12 +82,14 @@ class ColumnParallelLinear(nn.Module):
     sharded_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 gather_output: bool = False, multiple_of: int = 1, group: GroupLike = None,
+                 gather_output: bool = False, multiple_of: int | Sequence[int] = 1,
+                 blocks: Sequence[int] | None = None, group: GroupLike = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
-        self.shard: Shard = shard_of("ColumnParallelLinear", out_features, group, multiple_of)
+        self.shard: AnyShard = column_shard("ColumnParallelLinear", out_features, group,
+                                            multiple_of, blocks)
         self.weight = nn.Parameter(torch.empty(self.shard.length, in_features, device=device,
                                                dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self.shard.length, device=device, dtype=dtype)) \
@@ -92,20 +103,22 @@ class ColumnParallelLinear(nn.Module):
         y = column_linear(x, self.weight, self.bias, self.shard.group)
         if self.gather_output:
             y = gather_from_group(y, dim=-1, group=self.shard.group, sizes=self.shard.sizes)
+            y = self.shard.unpack(y, -1)
         return y
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, group: GroupLike = None,
-                   gather_output: bool = False, multiple_of: int = 1) -> ColumnParallelLinear:
+                   gather_output: bool = False, multiple_of: int | Sequence[int] = 1,
+                   blocks: Sequence[int] | None = None) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (every rank passes the same dense layer)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    gather_output=gather_output, multiple_of=multiple_of, group=group,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+                    gather_output=gather_output, multiple_of=multiple_of, blocks=blocks,
+                    group=group, device=linear.weight.device, dtype=linear.weight.dtype)
         s = layer.shard
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[s.start: s.stop])
+            layer.weight.copy_(s.take(linear.weight, 0))
             if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(linear.bias[s.start: s.stop])
+                layer.bias.copy_(s.take(linear.bias, 0))
         return layer
 
     def to_dense(self, dst: int = 0) -> DenseOrPlaceholders:
@@ -114,20 +127,17 @@ class ColumnParallelLinear(nn.Module):
         return _dense_linear(state, self.in_features, self.out_features)
 
     def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
-        """The dense parameters, gathered on ``dst`` (placeholders elsewhere)."""
-        g, sizes = self.shard.group, self.shard.sizes
-        out = {"weight": gather(self.weight.detach(), dim=0, dst=dst, group=g, sizes=sizes)}
-        if self.bias is not None:
-            out["bias"] = gather(self.bias.detach(), dim=0, dst=dst, group=g, sizes=sizes)
-        return out
+        """The dense parameters (blocks in dense order) on ``dst``; placeholders elsewhere."""
+        params = {"weight": self.weight} if self.bias is None else \
+            {"weight": self.weight, "bias": self.bias}
+        return {k: gather_shards(p.detach(), self.shard, 0, dst) for k, p in params.items()}
 
     def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
         """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        g, sizes = self.shard.group, self.shard.sizes
         with torch.no_grad():
-            self.weight.copy_(scatter(state.get("weight"), dim=0, src=src, group=g, sizes=sizes))
+            self.weight.copy_(scatter_shards(state.get("weight"), self.shard, 0, src))
             if self.bias is not None:
-                self.bias.copy_(scatter(state.get("bias"), dim=0, src=src, group=g, sizes=sizes))
+                self.bias.copy_(scatter_shards(state.get("bias"), self.shard, 0, src))
 
     def extra_repr(self) -> str:
         """The sizes, with this rank's shard."""
@@ -249,6 +259,34 @@ class RowParallelLinear(nn.Module):
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}"
                 + (f", reduce_dtype={self.reduce_dtype}" if self.reduce_dtype else ""))
+
+
+def column_shard(fn: str, out_features: int, group: GroupLike,
+                 multiple_of: int | Sequence[int], blocks: Sequence[int] | None) -> AnyShard:
+    """A column-parallel layer's shard: plain, or packed when the output is made of blocks."""
+    if blocks is None:
+        if not isinstance(multiple_of, int):
+            raise ValueError(f"{fn}: multiple_of={list(multiple_of)} gives one unit per block, "
+                             f"but blocks=None; expected an int")
+        return shard_of(fn, out_features, group, multiple_of)
+    if sum(blocks) != out_features:
+        raise ValueError(f"{fn}: blocks={list(blocks)} sum to {sum(blocks)}; expected "
+                         f"out_features={out_features}")
+    return packed_shard_of(fn, blocks, group, multiple_of)
+
+
+def gather_shards(local: torch.Tensor, shard: AnyShard, dim: int, dst: int
+                  ) -> torch.Tensor | TensorPlaceholder:
+    """Every rank's shard gathered on ``dst``, in the dense order (blocks unpermuted)."""
+    out = gather(local, dim=dim, dst=dst, group=shard.group, sizes=shard.sizes)
+    return shard.unpack(out, dim) if isinstance(out, torch.Tensor) else out
+
+
+def scatter_shards(dense: Any, shard: AnyShard, dim: int, src: int) -> torch.Tensor:
+    """This rank's shard of the dense tensor on ``src`` (``None``/a placeholder elsewhere)."""
+    if isinstance(dense, torch.Tensor) and shard.group.rank == src:
+        dense = shard.pack(dense, dim)
+    return scatter(dense, dim=dim, src=src, group=shard.group, sizes=shard.sizes)
 
 
 def _dense_linear(state: dict[str, torch.Tensor | TensorPlaceholder], in_features: int,

@@ -8,16 +8,19 @@ raises the same error everywhere before any computation.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
 from torch import nn
 
+from tensorpar._group import GroupLike
 from tensorpar._split import balanced_sizes
 
-__all__ = ["Colwise", "EmbeddingDim", "Rowwise", "Style", "Vocab", "match_module"]
+__all__ = ["Builder", "Colwise", "EmbeddingDim", "PackedColwise", "Rowwise", "Style", "Vocab",
+           "match_module"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,45 @@ class Colwise:
 
     gather_output: bool = False
     multiple_of: int = 1
+
+
+@dataclass(frozen=True)
+class PackedColwise:
+    """Split a fused projection's output block by block (``ColumnParallelLinear(blocks=...)``).
+
+    For projections whose output is blocks that the model slices apart (``[q; k; v]``,
+    ``[gate; up]``): every block is split on its own, balanced in its own unit, and a rank's
+    output is its slice of each block, block after block. The model must find the blocks
+    in the local output from the tensors (``chunk(2)`` of ``[gate_r; up_r]`` works; slicing at
+    positions computed from global sizes does not).
+
+    Attributes:
+        blocks: the blocks' sizes (summing to ``out_features``), or their number when they
+            are all the same size (``2`` for ``[gate; up]``).
+        multiple_of: each block's unit (``(group_size * head_dim, head_dim, head_dim)`` for
+            ``[q; k; v]`` with grouped-query attention), or one unit for all blocks.
+        gather_output: all-gather the output (in the dense order, blocks unpermuted).
+
+    Example:
+        >>> PackedColwise(blocks=(32, 8, 8), multiple_of=(16, 4, 4))
+        PackedColwise(blocks=(32, 8, 8), multiple_of=(16, 4, 4), gather_output=False)
+    """
+
+    blocks: int | tuple[int, ...]
+    multiple_of: int | tuple[int, ...] = 1
+    gather_output: bool = False
+
+    def block_sizes(self, out_features: int) -> tuple[int, ...]:
+        """The blocks' sizes in an output of ``out_features`` (``blocks`` as a tuple)."""
+        if isinstance(self.blocks, int):
+            return (out_features // self.blocks,) * self.blocks if self.blocks > 0 else ()
+        return self.blocks
+
+    def units(self) -> tuple[int, ...]:
+        """One unit per block."""
+        n = self.blocks if isinstance(self.blocks, int) else len(self.blocks)
+        return (self.multiple_of,) * n if isinstance(self.multiple_of, int) \
+            else self.multiple_of
 
 
 @dataclass(frozen=True)
@@ -61,7 +103,11 @@ class EmbeddingDim:
     """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
 
 
-Style: TypeAlias = Colwise | Rowwise | Vocab | EmbeddingDim
+Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim
+STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim)
+Builder: TypeAlias = Callable[[nn.Module, Style, GroupLike], nn.Module]
+"""Builds the parallel module for a layer class tensorpar does not know: ``(dense module,
+style, group) -> module``."""
 NAMED_STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(),
                                   "vocab": Vocab(), "embedding_dim": EmbeddingDim()}
 Layout: TypeAlias = "tuple[int, tuple[int, ...]] | None"
@@ -95,18 +141,23 @@ def _match(pattern: list[str], name: list[str]) -> bool:
         and _match(pattern[1:], name[1:])
 
 
-def assign(model: nn.Module, plan: Mapping[str, str | Style], size: int) -> dict[str, Style]:
+def assign(model: nn.Module, plan: Mapping[str, str | Style], size: int,
+           custom: Mapping[type, object] | None = None) -> dict[str, Style]:
     """Every planned module's style, after checking the whole plan (every problem listed).
+
+    Modules whose class is in ``custom`` are built by the user's builder: their type and
+    sizes are not checked here, and they cannot keep a tie or take part in head pairing.
 
     Raises:
         ValueError: a pattern matches nothing, a style is unknown or does not fit its module.
     """
+    custom = custom or {}
     problems: list[str] = []
     assignments: dict[str, Style] = {}
     modules = dict(model.named_modules())
     for pattern, raw in plan.items():
         style = NAMED_STYLES.get(raw) if isinstance(raw, str) else raw
-        if style is None or not isinstance(style, (Colwise, Rowwise, Vocab, EmbeddingDim)):
+        if style is None or not isinstance(style, STYLES):
             problems.append(f"{pattern!r}: unknown style {raw!r} (expected one of "
                             f"{sorted(NAMED_STYLES)} or a style object)")
             continue
@@ -115,16 +166,17 @@ def assign(model: nn.Module, plan: Mapping[str, str | Style], size: int) -> dict
             problems.append(f"{pattern!r} matches no module (a '*' matches one dotted "
                             f"segment; '**' matches any depth)")
         for name in matched:
-            problem = _check(name, modules[name], style, size)
+            problem = None if type(modules[name]) in custom else \
+                _check(name, modules[name], style, size)
             if problem:
                 problems.append(problem)
             elif name in assignments and assignments[name] != style:
                 problems.append(f"{name!r} is matched by several patterns with different styles")
             else:
                 assignments[name] = style
-    problems += check_heads(model, assignments, size)
+    problems += check_heads(model, assignments, size, custom)
     if not problems:
-        problems += check_ties(model, assignments, size)
+        problems += check_ties(model, assignments, size, custom)
     if problems:
         raise ValueError("parallelize: the plan does not fit the model:\n  - "
                          + "\n  - ".join(problems))
@@ -137,38 +189,97 @@ def is_scaled_embedding(module: nn.Module) -> bool:
                                             and hasattr(module, "embed_scale"))
 
 
+def conv1d_class() -> type | None:
+    """The ``Conv1D`` class if transformers is loaded (no model can hold one otherwise)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(utils, "Conv1D", None)
+    return cls if isinstance(cls, type) else None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A transformers ``Conv1D``: a linear layer with its weight stored ``(in, out)``."""
+    cls = conv1d_class()
+    return cls is not None and type(module) is cls
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
+    if is_conv1d(module):
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        return int(weight.shape[0]), int(weight.shape[1])
+    assert isinstance(module, nn.Linear)
+    return module.in_features, module.out_features
+
+
 def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
-    if isinstance(style, (Colwise, Rowwise)):
-        if type(module) is not nn.Linear:
+    if isinstance(style, (Colwise, Rowwise, PackedColwise)):
+        if type(module) is not nn.Linear and not is_conv1d(module):
             return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
-                    f"splits an nn.Linear")
-        what, n = (("out_features", module.out_features) if isinstance(style, Colwise)
-                   else ("in_features", module.in_features))
-        if n % style.multiple_of:
-            return (f"{name!r}: {what}={n} is not a multiple of multiple_of="
-                    f"{style.multiple_of} ({n} % {style.multiple_of} = {n % style.multiple_of})")
-        if n // style.multiple_of < size:
-            return (f"{name!r}: {what}={n} gives {n // style.multiple_of} units of "
-                    f"{style.multiple_of} for {size} ranks; some ranks would hold nothing")
-        return None
+                    f"splits an nn.Linear or a transformers Conv1D (register a builder for "
+                    f"other classes: parallelize(..., builders=...))")
+        n_in, n_out = features(module)
+        if isinstance(style, PackedColwise):
+            return _check_packed(name, n_out, style, size)
+        what, n = ("out_features", n_out) if isinstance(style, Colwise) else ("in_features", n_in)
+        return _check_units(name, what, n, style.multiple_of, size)
     if not is_scaled_embedding(module):
         return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} splits "
                 f"an nn.Embedding (or a subclass that only scales its output, embed_scale)")
     return None
 
 
+def _check_units(name: str, what: str, n: int, unit: int, size: int) -> str | None:
+    if unit < 1 or n % unit:
+        return (f"{name!r}: {what}={n} is not a multiple of multiple_of={unit} "
+                f"({n} % {unit} = {n % unit if unit > 0 else 'undefined'})")
+    if n // unit < size:
+        return (f"{name!r}: {what}={n} gives {n // unit} units of {unit} for {size} "
+                f"ranks; some ranks would hold nothing")
+    return None
+
+
+def _check_packed(name: str, n_out: int, style: PackedColwise, size: int) -> str | None:
+    blocks, units = style.block_sizes(n_out), style.units()
+    if isinstance(style.blocks, int) and (style.blocks < 1 or n_out % style.blocks):
+        return (f"{name!r}: out_features={n_out} does not split into blocks={style.blocks} "
+                f"equal blocks")
+    if sum(blocks) != n_out:
+        return (f"{name!r}: blocks={list(blocks)} sum to {sum(blocks)}; expected "
+                f"out_features={n_out}")
+    if len(units) != len(blocks):
+        return (f"{name!r}: multiple_of={list(units)} gives {len(units)} units for "
+                f"{len(blocks)} blocks; expected one per block")
+    for i, (n, unit) in enumerate(zip(blocks, units, strict=True)):
+        problem = _check_units(name, f"block {i} ({n} features)", n, unit, size)
+        if problem:
+            return problem
+    return None
+
+
 def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layout:
-    """How ``style`` splits ``module``'s parameter ``leaf`` across ``size`` ranks."""
+    """How ``style`` splits ``module``'s parameter ``leaf`` across ``size`` ranks.
+
+    Packed splits are described block by block (sizes per block, then per rank).
+    """
     if style is None:
         return None
-    if isinstance(style, (Colwise, Rowwise)):
-        assert isinstance(module, nn.Linear)
+    if isinstance(style, (Colwise, Rowwise, PackedColwise)):
+        n_in, n_out = features(module)
         if isinstance(style, Rowwise) and leaf != "weight":
             return None  # the row-parallel bias is replicated
-        n = module.out_features if isinstance(style, Colwise) else module.in_features
-        unit = style.multiple_of
-        return (0 if isinstance(style, Colwise) else 1,
-                tuple(s * unit for s in balanced_sizes(n // unit, size)))
+        if is_conv1d(module) and leaf == "weight":  # Conv1D stores its weight (in, out)
+            dim = 0 if isinstance(style, Rowwise) else 1
+        elif leaf == "weight":
+            dim = 1 if isinstance(style, Rowwise) else 0
+        else:
+            dim = 0
+        if isinstance(style, PackedColwise):
+            return dim, tuple(s * unit for n, unit in zip(style.block_sizes(n_out), style.units(),
+                                                          strict=True)
+                              for s in balanced_sizes(n // unit, size))
+        n, unit = (n_in if isinstance(style, Rowwise) else n_out), style.multiple_of
+        return dim, tuple(s * unit for s in balanced_sizes(n // unit, size))
     assert isinstance(module, nn.Embedding)
     dim = 0 if isinstance(style, Vocab) else 1
     return dim, balanced_sizes(module.weight.shape[dim], size)
@@ -188,7 +299,8 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def check_ties(model: nn.Module, assignments: Mapping[str, Style], size: int) -> list[str]:
+def check_ties(model: nn.Module, assignments: Mapping[str, Style], size: int,
+               custom: Mapping[type, object] | None = None) -> list[str]:
     """A tie survives only where every name of the parameter gets the same shard."""
     problems = []
     for group in tied_groups(model):
@@ -196,8 +308,15 @@ def check_ties(model: nn.Module, assignments: Mapping[str, Style], size: int) ->
         for full in group:
             owner, _, leaf = full.rpartition(".")
             style = assignments.get(owner)
+            if style is not None and type(model.get_submodule(owner)) in (custom or {}):
+                problems.append(f"tied parameter {full!r} belongs to {owner!r}, which a custom "
+                                f"builder parallelises: tensorpar cannot keep the tie through "
+                                f"it; untie the parameters or leave {owner!r} out of the plan")
+                break
             layouts.append((full, style, layout(style, model.get_submodule(owner), leaf, size)))
-        if len({where for _, _, where in layouts}) > 1:
+        else:
+            if len({where for _, _, where in layouts}) == 1:
+                continue
             problems.append(
                 "tied parameters " + " and ".join(repr(n) for n, _, _ in layouts) + " are one "
                 "tensor in the dense model but would be split differently: "
@@ -207,7 +326,8 @@ def check_ties(model: nn.Module, assignments: Mapping[str, Style], size: int) ->
     return problems
 
 
-def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int) -> list[str]:
+def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int,
+                custom: Mapping[type, object] | None = None) -> list[str]:
     """Every rank's query heads must sit with their own key/value heads (GQA).
 
     Applies to models that describe their attention in ``model.config`` (transformers'
@@ -224,7 +344,8 @@ def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int) -
     qkv = ("q_proj", "k_proj", "v_proj")
     problems = []
     for name, module in model.named_modules():
-        if not all(isinstance(getattr(module, p, None), nn.Linear) for p in qkv):
+        if not all(type(getattr(module, p, None)) is nn.Linear for p in qkv) or any(
+                type(getattr(module, p, None)) in (custom or {}) for p in (*qkv, "o_proj")):
             continue
         where = [layout(assignments.get(f"{name}.{p}"), getattr(module, p), "weight", size)
                  for p in qkv]
