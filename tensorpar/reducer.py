@@ -18,7 +18,7 @@ from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
-from tensorpar.errors import CollectiveTimeoutError, ReducerError
+from tensorpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ReducerError
 from tensorpar.functional import all_reduce
 from tensorpar.validation import check
 
@@ -121,6 +121,8 @@ class BucketedAllReduce:
         self._used_since_sync = [False] * len(self._params)
         self._task: int | None = None
         self._forwards = 0  # forward passes, compared across ranks in validation mode
+        # the counts at the last mismatch every rank raised together: compared from there on
+        self._forward_base = self._iteration_base = 0
         self._unsynced = 0  # backward passes under no_sync since the last synchronised one
         self._unsynced_task: int | None = None
         self._late: list[str] = []
@@ -226,10 +228,32 @@ class BucketedAllReduce:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self._snapshot() != self._registered:
             raise ReducerError(self._describe_change())
+        if self._task is not None and torch._C._current_graph_task_id() == -1:
+            # the last backward pass never reached its end on this rank (it raised, or a
+            # check in it did): drain what it launched and start this iteration clean
+            self._abandon()
         self._forwards += 1
-        if self.broadcast_buffers:
-            for buf in module.buffers():
-                _comm.broadcast(buf, 0, self.group)
+        buffers = list(module.buffers()) if self.broadcast_buffers else []
+        if VALIDATE[0] and buffers:  # the broadcasts must not pair with a peer's other call
+            self._check("BucketedAllReduce forward")
+        for buf in buffers:
+            _comm.broadcast(buf, 0, self.group)
+
+    def _check(self, operation: str, **fields: Any) -> None:
+        """Compare this step of the reducer across the ranks (validation mode).
+
+        A mismatch raises on every rank at once; the ranks then count forward passes and
+        iterations afresh from this point, so they agree again on the next iteration.
+        """
+        try:
+            check(operation, self.group, backward=operation != "BucketedAllReduce forward",
+                  forwards=self._forwards - self._forward_base,
+                  iteration=self.iterations - self._iteration_base, unsynced=self._unsynced,
+                  **fields)
+        except CollectiveMismatchError:
+            self._forward_base, self._iteration_base = self._forwards, self.iterations
+            self._unsynced = 0
+            raise
 
     def _describe_change(self) -> str:
         known = {id(p): n for n, p in zip(self._names, self._params, strict=True)}
@@ -299,9 +323,8 @@ class BucketedAllReduce:
         else:
             target = bucket.buffer
         if VALIDATE[0]:
-            check("BucketedAllReduce bucket", self.group, backward=True, dtype=target.dtype,
-                  shape=target.shape, forwards=self._forwards, iteration=self.iterations,
-                  unsynced=self._unsynced, bucket=bucket.index)
+            self._check("BucketedAllReduce bucket", dtype=target.dtype, shape=target.shape,
+                        bucket=bucket.index)
         if self._hook is not None:
             params = [self._params[i] for i in bucket.param_indices]
             bucket.future = self._hook.launch(bucket, params,
@@ -327,9 +350,7 @@ class BucketedAllReduce:
             if self._hook is not None:  # before any collective of this thread: a hook's
                 self._wait_for_hooks()   # callbacks may issue collectives of their own
             if VALIDATE[0]:
-                check("BucketedAllReduce end of backward", self.group, backward=True,
-                      forwards=self._forwards, iteration=self.iterations,
-                      unsynced=self._unsynced)
+                self._check("BucketedAllReduce end of backward")
             used = torch.tensor(self._used_since_sync, dtype=torch.uint8,
                                 device=self.group.comm_device(self.buckets[0].buffer.device))
             usage = torch.empty(self.group.size * used.numel(), dtype=torch.uint8,
@@ -352,6 +373,9 @@ class BucketedAllReduce:
         except CollectiveTimeoutError as exc:  # name the reducer's step, keep the error's kind
             raise type(exc)(f"BucketedAllReduce, end of backward pass (iteration "
                             f"{self.iterations}): {exc}") from exc
+        except CollectiveMismatchError:  # every rank raised here: this pass does not count
+            self.iterations -= 1
+            raise
         finally:
             self._used_since_sync = [False] * len(self._params)
             self._unsynced = 0

@@ -85,7 +85,7 @@ def validation_enabled() -> bool:
 OPERATIONS = ("scatter", "gather", "broadcast", "reduce", "all_gather", "reduce_scatter",
               "all_reduce", "all_to_all", "copy_to_group", "reduce_from_group",
               "split_to_group", "gather_from_group", "BucketedAllReduce bucket",
-              "BucketedAllReduce end of backward")
+              "BucketedAllReduce end of backward", "BucketedAllReduce forward")
 _REDUCE_OPS = ("sum", "mean", "max", "min")
 _MODES = ("sum", "identity")
 _MAX_SIZES = 16

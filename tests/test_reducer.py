@@ -334,13 +334,13 @@ def _error(case):
             def swap(p):
                 p.grad = p.grad.clone()
             model[0].bias.register_post_accumulate_grad_hook(swap)
-        if case == "interrupted":
-            def boom(p):
-                raise KeyError("interrupting the backward pass")
-            handle = model[2].weight.register_post_accumulate_grad_hook(boom)
-            with pytest.raises(KeyError):
-                model(x).sum().backward()
-            handle.remove()
+        if case == "interrupted":  # a nested backward inside the reducer's backward pass
+            def nested(p):
+                if p.grad is not None and not getattr(nested, "ran", False):
+                    nested.ran = True
+                    with torch.enable_grad():
+                        model(x).sum().backward()
+            model[2].weight.register_post_accumulate_grad_hook(nested)
         model(x).sum().backward()
     except Exception as e:
         outcome = (type(e).__name__, str(e))
