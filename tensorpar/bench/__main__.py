@@ -1,18 +1,30 @@
 """Command line: ``python -m tensorpar.bench SUITE [--world-sizes 2 4] [--json PATH]``.
 
-Suites: ``scatter-gather``, ``collectives``, ``reducer``. Options left out take the suite's
-defaults.
+Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``hierarchical`` (a
+simulated 2-machine cluster; needs root). Options left out take the suite's
+defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
+suite with a progress display and writes plots (see `tensorpar.bench.report`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tensorpar.bench._timing import format_table
 from tensorpar.testing import run_distributed
+
+
+def _run(args: argparse.Namespace, label: str, fn: Callable[..., Any], world: int,
+         *fn_args: Any) -> list[Any]:
+    """`run_distributed`, shown as one case by the ``all`` command's progress display."""
+    case = getattr(args, "on_case", None)  # set by tensorpar.bench.report
+    with case(label) if case is not None else contextlib.nullcontext():
+        return run_distributed(fn, world, *fn_args, timeout=args.timeout)
 
 
 def _scatter_gather(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -21,8 +33,8 @@ def _scatter_gather(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for world in args.world_sizes:
         for mib in args.mib:
-            per_rank = run_distributed(scatter_gather.run_rank, world, int(mib * 2**20),
-                                       args.rounds, timeout=args.timeout)
+            per_rank = _run(args, f"{world} ranks, {mib:g} MiB", scatter_gather.run_rank,
+                            world, int(mib * 2**20), args.rounds)
             results.append(per_rank[0])
     rows = [[r["world_size"], f"{r['nbytes'] / 2**20:g} MiB",
              *(f"{r[k] * 1e3:.2f}" for k in ("raw", "raw_alloc", "tensorpar",
@@ -50,8 +62,8 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for world in args.world_sizes:
         for mib in args.mib:
-            results += run_distributed(collectives.run_rank, world, int(mib * 2**20),
-                                       args.rounds, timeout=args.timeout)[0]
+            results += _run(args, f"{world} ranks, {mib:g} MiB", collectives.run_rank, world,
+                            int(mib * 2**20), args.rounds, args.budget)[0]
     order = ["all_gather", "all_gather (exchange sizes)", "reduce_scatter", "all_reduce",
              "all_reduce (in place)", "all_to_all"]
     rows = sorted((r for r in results if r["table"] == "collectives"),
@@ -90,13 +102,13 @@ def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
     memory: list[dict[str, Any]] = []
     for world in args.world_sizes:
         for name in args.models:
-            row = run_distributed(reducer.run_rank, world, name, args.rounds,
-                                  timeout=args.timeout)[0]
+            row = _run(args, f"{world} ranks, {name} time", reducer.run_rank, world, name,
+                       args.rounds)[0]
             timings.append({"table": "time", **row})
         for name in args.models:
             for variant in reducer.MEMORY_VARIANTS:  # a fresh call each: one model at a time
-                per_rank = run_distributed(reducer.memory_rank, world, name, variant, 3,
-                                           timeout=args.timeout)
+                per_rank = _run(args, f"{world} ranks, {name} memory ({variant})",
+                                reducer.memory_rank, world, name, variant, 3)
                 memory.append({"table": "memory", "model": name, "variant": variant,
                                "world_size": world, "hwm": all(r["hwm"] for r in per_rank),
                                **{k: max(r[k] for r in per_rank)
@@ -140,8 +152,8 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for tp in args.world_sizes:
         for workload in layers.WORKLOADS:
-            results.append(run_distributed(layers.run_rank, tp, workload, args.rounds,
-                                           timeout=args.timeout)[0])
+            results.append(_run(args, f"tp {tp}, {workload}", layers.run_rank, tp, workload,
+                                args.rounds)[0])
     rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
              _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
              _x(r["tensorpar"] / r["floor"]), _x(r["tensorpar"] / r["dense"]),
@@ -157,21 +169,35 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import hierarchical
+
+    return hierarchical.suite(args)
+
+
 SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
-          "layers": _layers}
+          "layers": _layers, "hierarchical": _hierarchical}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
-    "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15},
+    "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
     "reducer": {"world_sizes": [2, 4], "models": ["8M", "30M"], "rounds": 11,
                 "timeout": 900.0},
     "layers": {"world_sizes": [2, 4], "rounds": 7},
+    "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
+                     "slice_mib": 4.0, "timeout": 1800.0},
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one suite from the command line; returns the exit status."""
+    """Run one suite (or ``all``) from the command line; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["all"]:
+        from tensorpar.bench import report
+
+        return report.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m tensorpar.bench", description=__doc__)
-    parser.add_argument("suite", choices=sorted(SUITES))
+    parser.add_argument("suite", choices=sorted(SUITES),
+                        help="one suite; or 'all' (see python -m tensorpar.bench all --help)")
     parser.add_argument("--world-sizes", type=int, nargs="+",
                         help="default: 2 (scatter-gather), 2 4 (collectives, reducer, layers: "
                              "the tensor-parallel size)")
@@ -182,8 +208,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="reducer: models to train; default: 8M 30M")
     parser.add_argument("--rounds", type=int,
                         help="timed rounds per case; default: 15 (reducer: 11)")
+    parser.add_argument("--budget", type=float,
+                        help="collectives: seconds of raw calls that set each case's number "
+                             "of calls; default: 1.5")
     parser.add_argument("--timeout", type=float,
                         help="seconds per run_distributed call; default: 600 (reducer: 900)")
+    parser.add_argument("--link", help="hierarchical: each simulated machine's link rate "
+                                       "(tc notation); default: 500mbit")
+    parser.add_argument("--slice-mib", type=float,
+                        help="hierarchical: pipeline slice size in MiB; default: 4")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     for name, value in {"timeout": 600.0, **DEFAULTS[args.suite]}.items():

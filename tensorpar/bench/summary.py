@@ -1,0 +1,107 @@
+"""The headline tables of a ``python -m tensorpar.bench all`` report.
+
+One table per suite that ran, shorter than the suite's own printout: the figures a reader
+compares first. The same rows feed the terminal (``rich``) and the markdown for the docs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["COLLECTIVE_ORDER", "summary_tables"]
+
+Table = tuple[str, list[str], list[list[str]], str]
+"""(title, header, rows, a note saying what the figures are)."""
+
+COLLECTIVE_ORDER = ("all_gather", "all_gather (exchange sizes)", "reduce_scatter",
+                    "all_reduce", "all_reduce (in place)", "all_to_all")
+"""The ``collective`` values of the collectives suite's rows, in the order they are shown."""
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+def _scatter_gather(rows: list[dict[str, Any]]) -> Table:
+    return ("scatter + gather", ["ranks", "size", "raw ms", "raw+alloc ms", "tensorpar ms",
+                                 "known-meta ms", "tensorpar / raw+alloc"],
+            [[str(r["world_size"]), _size(r["nbytes"]), _ms(r["raw"]), _ms(r["raw_alloc"]),
+              _ms(r["tensorpar"]), _ms(r["tensorpar_known_meta"]),
+              _x(r["tensorpar"] / r["raw_alloc"])] for r in rows],
+            "Rank 0 scatters a float32 tensor and gathers it back; median of the slowest "
+            "rank. raw+alloc: `dist.scatter` + `dist.gather` allocating their outputs.")
+
+
+def _collectives(rows: list[dict[str, Any]]) -> Table:
+    even = sorted((r for r in rows if r["table"] == "collectives"),
+                  key=lambda r: (COLLECTIVE_ORDER.index(r["collective"]), r["world_size"],
+                                 r["nbytes"]))
+    return ("collectives", ["collective", "ranks", "size", "raw ms", "tensorpar ms",
+                            "tensorpar / raw", "raw again / raw"],
+            [[r["collective"], str(r["world_size"]), _size(r["nbytes"]), _ms(r["raw"]),
+              _ms(r["tensorpar"]), _x(r["ratio"]), _x(r["noise"])] for r in even],
+            "Median per call, back to back, slowest rank. raw: the `torch.distributed` call "
+            "allocating its output; raw again / raw: the raw call timed a second time, the "
+            "noise of the run.")
+
+
+def _reducer(rows: list[dict[str, Any]]) -> Table:
+    timed = [r for r in rows if r.get("table") == "time"]
+    return ("reducer: one training iteration", ["ranks", "model", "no comm ms",
+                                                "tensorpar ms", "DDP ms", "tensorpar / DDP",
+                                                "exposed tensorpar ms", "exposed DDP ms"],
+            [[str(r["world_size"]), r["model"], _ms(r["no_comm"]), _ms(r["tensorpar"]),
+              _ms(r["ddp"]), _x(r["tp_over_ddp"]), _ms(r["exposed_tensorpar"]),
+              _ms(r["exposed_ddp"])] for r in timed],
+            "Forward + backward + gradient averaging of an 8-layer MLP, `BucketedAllReduce` "
+            "and DDP with 25 MiB buckets; exposed: the iteration minus the no-communication "
+            "time.")
+
+
+def _layers(rows: list[dict[str, Any]]) -> Table:
+    return ("tensor-parallel layers", ["workload", "tp", "dense ms", "floor ms",
+                                       "tensorpar ms", "DTensor ms", "tensorpar / DTensor",
+                                       "tensorpar / floor"],
+            [[r["workload"], str(r["tp"]), _ms(r["dense"]), _ms(r["floor"]),
+              _ms(r["tensorpar"]), _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
+              _x(r["tensorpar"] / r["floor"])] for r in rows],
+            "Forward + backward per step. dense: one process computing everything; floor: "
+            "this rank's share of the dense compute plus the raw all-reduces of the same bytes.")
+
+
+def _hierarchical(rows: list[dict[str, Any]]) -> Table:
+    return ("hierarchical all-reduce (simulated cluster)",
+            ["size", "flat ms", "hierarchical ms", "hierarchical / flat", "one slice ms"],
+            [[f"{r['mib']:g} MiB", _ms(r["flat"]), _ms(r["hierarchical"]),
+              _x(r["hierarchical"] / r["flat"]), _ms(r["hierarchical_one_slice"])]
+             for r in rows],
+            "Two simulated machines with rate-limited links; median of the slowest rank.")
+
+
+_TABLES = {"scatter-gather": _scatter_gather, "collectives": _collectives,
+           "layers": _layers, "reducer": _reducer, "hierarchical": _hierarchical}
+
+
+def summary_tables(report: dict[str, Any]) -> list[Table]:
+    """One headline table per suite in ``report`` that has results.
+
+    Args:
+        report: what `tensorpar.bench.report.run_all` returned (or its JSON, loaded).
+
+    Returns:
+        ``(title, header, rows, note)`` per suite, rows as strings.
+    """
+    tables = []
+    for name, make in _TABLES.items():
+        suite = report.get("suites", {}).get(name)
+        if suite and suite["results"]:
+            tables.append(make(suite["results"]))
+    return tables

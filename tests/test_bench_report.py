@@ -1,0 +1,84 @@
+"""`python -m tensorpar.bench all`: the report, its tables and plots, and a smoke run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorpar.bench import report
+from tensorpar.bench.summary import COLLECTIVE_ORDER, summary_tables
+
+
+def _synthetic() -> dict[str, Any]:
+    """A report as `run_all` returns it, with made-up figures for every suite."""
+    collectives = [{"table": "collectives", "collective": c, "world_size": w,
+                    "nbytes": mib * 2**20, "calls": 5, "raw": 1e-3 * mib,
+                    "raw_prealloc": 0.9e-3 * mib, "tensorpar": 1.1e-3 * mib, "ratio": 1.1,
+                    "ratio_prealloc": 1.2, "noise": 1.01 if "(" not in c else None}
+                   for c in COLLECTIVE_ORDER for w in (2, 4) for mib in (0.25, 1, 4)]
+    collectives.append({"table": "uneven_all_to_all", "world_size": 2, "nbytes": 2**20})
+    variants = ("tensorpar", "ddp", "per_param", "flatten_at_end", "no_comm")
+    reducer = [{"table": "time", "world_size": 2, "model": m, "tp_over_ddp": 0.95,
+                **{v: 0.01 * (i + 1) for i, v in enumerate(variants)},
+                "exposed_tensorpar": 0.002, "exposed_ddp": 0.003} for m in ("8M", "30M")]
+    reducer.append({"table": "memory", "model": "8M", "variant": "ddp"})
+    layers = [{"workload": w, "tp": tp, "dense": 0.01, "floor": 0.005, "tensorpar": 0.006,
+               "dtensor": 0.008} for w in ("mlp-compute", "transformer") for tp in (2, 4)]
+    scatter = [{"world_size": 2, "nbytes": 2**20, "raw": 1e-3, "raw_alloc": 1.1e-3,
+                "tensorpar": 1.3e-3, "tensorpar_known_meta": 1.2e-3}]
+    hier = [{"mib": m, "flat": 0.1 * m, "hierarchical": 0.07 * m,
+             "hierarchical_one_slice": 0.09 * m} for m in (1.0, 4.0)]
+    suites = {"collectives": collectives, "reducer": reducer, "layers": layers,
+              "scatter-gather": scatter, "hierarchical": hier}
+    return {"machine": report.machine(), "date": "2026-01-01 00:00 UTC", "settings": {},
+            "suites": {k: {"seconds": 1.0, "results": v} for k, v in suites.items()},
+            "skipped": {}, "failed": {}}
+
+
+def test_summary_and_markdown() -> None:
+    data = _synthetic()
+    titles = [t[0] for t in summary_tables(data)]
+    assert len(titles) == 5
+    text = report.markdown(data)
+    assert "| all_reduce (in place) " in text and "### collectives" in text
+    assert "tensorpar / DDP" in text
+
+
+def test_plots_from_json(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps(_synthetic()))
+    out = tmp_path / "plots"
+    md = tmp_path / "tables.md"
+    assert report.main(["--from-json", str(saved), "--plot", str(out),
+                        "--markdown", str(md)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["collectives.png", "hierarchical.png", "layers.png", "reducer.png",
+                     "scatter_gather.png"]
+    assert all((out / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+    assert "### collectives" in md.read_text()
+
+
+def test_planned_cases() -> None:
+    assert report.planned_cases("collectives", report.QUICK["collectives"]) == 3
+    assert report.planned_cases("reducer", {"world_sizes": [2, 4], "models": ["8M"]}) == 6
+    assert report.planned_cases("hierarchical", report.QUICK["hierarchical"]) == 1
+    assert report.unavailable("layers") is None
+
+
+@pytest.mark.timeout(120)
+def test_all_quick_smoke(tmp_path: Path) -> None:
+    """A real run of the quickest suite through ``all --quick``: JSON, plot, exit status."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out.json"
+    status = report.main(["--quick", "--suites", "scatter-gather", "--json", str(out),
+                          "--plot", str(tmp_path)])
+    assert status == 0
+    saved = json.loads(out.read_text())
+    rows = saved["suites"]["scatter-gather"]["results"]
+    assert [r["nbytes"] for r in rows] == [int(0.25 * 2**20), 4 * 2**20]
+    assert saved["quick"] is True and saved["machine"]["backend"] == "gloo"
+    assert (tmp_path / "scatter_gather.png").exists()

@@ -1,0 +1,111 @@
+"""The hierarchical all-reduce equals the flat one bit for bit, on every grid and any numel."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensorpar.hierarchical import HierarchicalWork, hierarchical_all_reduce
+from tensorpar.testing import run_distributed
+from tensorpar.topology import Topology
+
+TIMEOUT = 120.0
+NUMELS = [0, 1, 3, 7, 99991, 2**20]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _data(n, dtype, seed):
+    # small integers: every partial sum is exact in bfloat16 too, so any summation order
+    # gives the same bits and the comparison with the flat all-reduce is bit for bit
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _flat(x, op):
+    if op == "mean":
+        x.div_(dist.get_world_size())  # divide once, before reducing, as the hierarchical does
+    dist.all_reduce(x)
+    return x
+
+
+def _exactness(ranks_per_machine, slice_bytes):
+    topo = Topology.grid(ranks_per_machine)
+    mismatches = []
+    for n in NUMELS:
+        for dtype in DTYPES:
+            for op in ("sum", "mean"):
+                x = _data(n, dtype, seed=1000 * dist.get_rank() + n)
+                expected = _flat(x.clone(), op)
+                kwargs = {} if slice_bytes is None else {"slice_bytes": slice_bytes}
+                assert hierarchical_all_reduce(x, topo, op=op, **kwargs) is None
+                if not torch.equal(_bits(x), _bits(expected)):
+                    mismatches.append((n, str(dtype), op))
+    return mismatches
+
+
+@pytest.mark.parametrize("ranks_per_machine", [2, 4, 1], ids=["2x2", "1x4", "4x1"])
+def test_equals_flat_bit_for_bit(ranks_per_machine):
+    assert run_distributed(_exactness, 4, ranks_per_machine, None,
+                           timeout=TIMEOUT) == [[]] * 4
+
+
+def test_equals_flat_with_many_slices():
+    # 40 002 bytes: slices of an odd number of bytes, many slices per tensor, and a tail
+    assert run_distributed(_exactness, 4, 2, 40002, timeout=TIMEOUT) == [[]] * 4
+
+
+def _async_calls_overlap():
+    topo = Topology.grid(2)
+    rank = dist.get_rank()
+    xs = [_data(n, torch.float32, seed=rank * 7 + n) for n in (50001, 3, 2**18)]
+    expected = [_flat(x.clone(), "sum") for x in xs]
+    works = [hierarchical_all_reduce(x, topo, async_op=True, slice_bytes=65536) for x in xs]
+    other = torch.full((5,), float(rank))
+    dist.all_reduce(other)  # the caller's own collectives go on while the calls are in flight
+    assert all(isinstance(w, HierarchicalWork) for w in works)
+    for w in reversed(works):  # waited in any order
+        assert w.wait() is True
+        assert w.is_completed()
+    assert works[0].wait()  # idempotent
+    return [torch.equal(x, e) for x, e in zip(xs, expected, strict=True)], other[0].item()
+
+
+def test_async_calls_in_flight_together():
+    assert run_distributed(_async_calls_overlap, 4, timeout=TIMEOUT) == [([True] * 3, 6.0)] * 4
+
+
+def _shapes_and_grad_leaf():
+    topo = Topology.grid(2)
+    x = torch.ones(3, 5, 7, requires_grad=True)  # a gradient bucket may be a leaf
+    hierarchical_all_reduce(x, topo, op="mean")
+    y = torch.arange(12, dtype=torch.int64).view(3, 4)
+    hierarchical_all_reduce(y, topo)
+    return (torch.equal(x.detach(), torch.ones(3, 5, 7)),
+            torch.equal(y, 4 * torch.arange(12).view(3, 4)))
+
+
+def test_any_shape_integer_dtype_and_leaf():
+    assert run_distributed(_shapes_and_grad_leaf, 4, timeout=TIMEOUT) == [(True, True)] * 4
+
+
+def test_single_rank_and_argument_errors():
+    topo = Topology.grid(1)
+    x = torch.arange(4.0)
+    assert hierarchical_all_reduce(x, topo) is None
+    work = hierarchical_all_reduce(x, topo, op="mean", async_op=True)
+    assert work.wait() and work.is_completed() and torch.equal(x, torch.arange(4.0))
+    with pytest.raises(ValueError, match="op must be 'sum' or 'mean', got 'max'"):
+        hierarchical_all_reduce(x, topo, op="max")
+    with pytest.raises(TypeError, match=r"needs a floating-point tensor, got torch\.int64"):
+        hierarchical_all_reduce(torch.arange(4), topo, op="mean")
+    with pytest.raises(ValueError, match=r"contiguous.*shape \(2, 2\) with strides \(1, 2\)"):
+        hierarchical_all_reduce(torch.zeros(2, 2).t(), topo)
+    with pytest.raises(ValueError, match="slice_bytes must be >= 1, got 0"):
+        hierarchical_all_reduce(x, topo, slice_bytes=0)
+    with pytest.raises(TypeError, match=r"topology must be a tensorpar\.topology\.Topology"):
+        hierarchical_all_reduce(x, None)
+    with pytest.raises(TypeError, match=r"tensor must be a torch\.Tensor, got list"):
+        hierarchical_all_reduce([1.0], topo)
