@@ -16,6 +16,7 @@ from typing import Literal, overload
 
 import torch
 
+from tensorpar._algorithm import Algorithm, hierarchical_data, hierarchical_topology
 from tensorpar._alltoall import run_all_to_all
 from tensorpar._autograd import SYNC, Launch, apply_or_run, check_op, needs_graph
 from tensorpar._entry import resolve_args
@@ -34,6 +35,7 @@ from tensorpar._symmetric import (
 )
 from tensorpar.collaborative import CollaborativeTensor, as_result
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
+from tensorpar.topology import Topology
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "gather", "reduce",
            "reduce_scatter", "scatter"]
@@ -53,13 +55,11 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
 
     Forward: scatter from ``src``. Backward: gather of the chunk gradients to ``src``.
 
-    On ``src``, ``x`` is the full tensor; elsewhere a `TensorPlaceholder` or ``None``. By
-    default the ranks first exchange one small metadata header: ranks that passed ``None``
-    learn the dtype, shape and ``requires_grad``, placeholders are checked, and a mistake on
-    any rank raises the same error on every rank (nobody is left waiting).
-    ``exchange_meta=False`` on every rank skips it when every non-source rank passes a
-    placeholder. Every chunk has the source's ``requires_grad``, so every rank joins the
-    backward gather.
+    On ``src``, ``x`` is the full tensor; elsewhere a `TensorPlaceholder` or ``None``. A
+    small metadata header exchanged first tells ``None`` ranks the dtype, shape and
+    ``requires_grad`` and checks placeholders; a mistake raises on every rank.
+    ``exchange_meta=False`` skips it when every non-source rank passes a placeholder. Every
+    chunk has the source's ``requires_grad``, so every rank joins the backward gather.
 
     Args:
         x: the full tensor on ``src``; a placeholder or ``None`` elsewhere.
@@ -79,10 +79,10 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
     Raises:
         CollectiveArgumentError: ``sizes`` that do not add up to the source's length, or a
             placeholder that disagrees with the source tensor (raised on every rank).
-        ValueError: ``dim`` out of range for the source's shape (raised on every rank).
         CollectiveTypeError: a placeholder or ``None`` on ``src``, or a tensor on another
             rank (raised on every rank).
-        ValueError: ``src`` is not a rank of the group, or ``sizes`` is malformed.
+        ValueError: ``dim`` out of range (on every rank), ``src`` not a rank of the group,
+            or malformed ``sizes``.
 
     Shape:
         ``x``: ``(*, L, *)`` with ``L`` at ``dim``; output: ``(*, sizes[rank], *)``.
@@ -105,9 +105,8 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
     header = source_header(fn, x, src, g, exchange_meta)
     d = _normalize_dim(fn, dim, len(header.shape))
     sizes = sizes_or_balanced(fn, sizes, header.shape[d], d, g.size, "the source tensor")
-    assert header.dtype is not None
-    spec = SplitSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype, dim=d,
-                     sizes=sizes)
+    spec = SplitSpec(group=g, root=src, full_shape=header.shape, dtype=header.tensor_dtype,
+                     dim=d, sizes=sizes)
     inp = root_input(x, src, g, header)
     out: torch.Tensor = _Scatter.apply(inp, spec)
     return out
@@ -122,16 +121,8 @@ def gather(x: torch.Tensor, *, dim: int = 0, dst: int = 0, group: GroupLike = No
     Chunk lengths along ``dim`` may differ across ranks; one small metadata exchange learns
     them and checks that dtypes and the other dims agree (on every rank). ``sizes`` skips
     it: every rank must then agree on the sizes and on whether its chunk requires grad.
-
-    Every rank other than ``dst`` gets a `TensorPlaceholder` with the full shape and
-    ``owner=dst``; its ``.backward()`` joins the backward scatter while ``dst`` calls
-    ``loss.backward()``. One idiom serves every rank:
-
-    ```python
-    out = tensorpar.gather(y, dst=0)
-    loss = loss_fn(out) if not tensorpar.is_placeholder(out) else out
-    loss.backward()
-    ```
+    Every rank other than ``dst`` gets a `TensorPlaceholder` (full shape, ``owner=dst``);
+    its ``.backward()`` joins the backward scatter while ``dst`` calls ``loss.backward()``.
 
     Args:
         x: this rank's chunk (every rank passes a tensor, possibly of length 0 along ``dim``).
@@ -216,8 +207,7 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = 0,
     if g.is_single:
         return as_result(sole_input(fn, x), Launch(async_op), async_op)
     header = source_header(fn, x, src, g, exchange_meta)
-    assert header.dtype is not None
-    spec = RootSpec(group=g, root=src, full_shape=header.shape, dtype=header.dtype)
+    spec = RootSpec(group=g, root=src, full_shape=header.shape, dtype=header.tensor_dtype)
     inp = root_input(x, src, g, header)
     launch = Launch(async_op)
     out: torch.Tensor = _Broadcast.apply(inp, spec, launch)
@@ -396,18 +386,21 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
 
 @overload
 def all_reduce(x: torch.Tensor, *, op: ReduceOpName = ..., backward: BackwardMode = ...,
-               group: GroupLike = ..., async_op: Literal[False] = ...,
-               inplace: bool = ...) -> torch.Tensor: ...
+               group: GroupLike = ..., async_op: Literal[False] = ..., inplace: bool = ...,
+               algorithm: Algorithm = ..., topology: Topology | None = ...) -> torch.Tensor: ...
 @overload
 def all_reduce(x: torch.Tensor, *, op: ReduceOpName = ..., backward: BackwardMode = ...,
-               group: GroupLike = ..., async_op: Literal[True],
-               inplace: bool = ...) -> CollaborativeTensor: ...
+               group: GroupLike = ..., async_op: Literal[True], inplace: bool = ...,
+               algorithm: Algorithm = ..., topology: Topology | None = ...
+               ) -> CollaborativeTensor: ...
 @overload
 def all_reduce(x: torch.Tensor, *, op: ReduceOpName = ..., backward: BackwardMode = ...,
-               group: GroupLike = ..., async_op: bool,
-               inplace: bool = ...) -> torch.Tensor | CollaborativeTensor: ...
+               group: GroupLike = ..., async_op: bool, inplace: bool = ...,
+               algorithm: Algorithm = ..., topology: Topology | None = ...
+               ) -> torch.Tensor | CollaborativeTensor: ...
 def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardMode = "sum",
-               group: GroupLike = None, async_op: bool = False, inplace: bool = False
+               group: GroupLike = None, async_op: bool = False, inplace: bool = False,
+               algorithm: Algorithm = "flat", topology: Topology | None = None
                ) -> torch.Tensor | CollaborativeTensor:
     """Reduce every rank's ``x``; every rank gets the result.
 
@@ -433,6 +426,9 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
             when nothing else reads or writes ``x`` until the result is resolved and autograd
             has not saved ``x`` for a backward pass (as for gradient buffers).
             Autograd refuses it on a leaf that requires grad.
+        algorithm: ``"flat"``, ``"hierarchical"`` (machine by machine; sum/mean outside
+            autograd) or ``"auto"`` (hierarchical where it wins; the multi-machine guide).
+        topology: the `Topology` of ``group``, for the non-flat algorithms.
 
     Returns:
         The reduction (or a handle to it). On a group of one rank, ``x`` itself.
@@ -458,6 +454,10 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
     if g.is_single:
         return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
+    topo = hierarchical_topology(fn, algorithm, topology, tensor, op_name, g)
+    if topo is not None:
+        return as_result(hierarchical_data(tensor, topo, op_name, inplace, launch), launch,
+                         async_op)
     out = apply_or_run(_AllReduce, tensor, g, op_name, backward, inplace, launch)
     return as_result(out, launch, async_op)
 

@@ -339,6 +339,12 @@ class Header(NamedTuple):
     device_type: str | None = None  # None: not sent, or a type the format does not list
     root: int = -1  # the src/dst the rank called the collective with (-1: none)
 
+    @property
+    def tensor_dtype(self) -> torch.dtype:
+        """The dtype of a header that describes a tensor (a source's, after the checks)."""
+        assert self.dtype is not None, "a header without metadata"
+        return self.dtype
+
     def describes_the_same(self, other: Header) -> bool:
         """Same shape, dtype and ``requires_grad`` (the device may differ between ranks)."""
         return (self.shape, self.dtype, self.requires_grad) == \
