@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tensorpar import _comm
+from tensorpar._algorithm import Algorithm, hierarchical_topology
 from tensorpar._buckets import Bucket, MiB, plan_buckets
 from tensorpar._comm_hook import CommHook
 from tensorpar._group import GroupLike, resolve_group
@@ -20,6 +21,7 @@ from tensorpar._switch import VALIDATE
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
 from tensorpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ReducerError
 from tensorpar.functional import all_reduce
+from tensorpar.topology import Topology
 from tensorpar.validation import check
 
 __all__ = ["BucketedAllReduce"]
@@ -57,6 +59,9 @@ class BucketedAllReduce:
         reduce_dtype: all-reduce float16/bfloat16 gradients in this dtype (e.g. float32).
         compress_dtype: send float32/float64 gradients in this dtype (e.g. bfloat16).
         rebuild_buckets: rebuild the buckets in execution order after the first iteration.
+        algorithm: how each bucket is all-reduced: ``"flat"``, ``"hierarchical"`` (within
+            each machine, then across machines; see `tensorpar.all_reduce`) or ``"auto"``.
+        topology: the `Topology` of ``group``, for the non-flat algorithms.
 
     Raises:
         ReducerError: the ranks' parameters differ (names the first difference and ranks).
@@ -76,12 +81,17 @@ class BucketedAllReduce:
                  average: bool = True, gradient_predivide_factor: float | None = None,
                  reduce_dtype: torch.dtype | None = None,
                  compress_dtype: torch.dtype | None = None,
-                 rebuild_buckets: bool = True) -> None:
+                 rebuild_buckets: bool = True, algorithm: Algorithm = "flat",
+                 topology: Topology | None = None) -> None:
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"BucketedAllReduce: bucket_cap_mb={bucket_cap_mb} and "
                              f"first_bucket_mb={first_bucket_mb} must be positive")
         self.module = module
         self.group = resolve_group(group, "BucketedAllReduce")
+        if algorithm != "flat":  # checked here, once: the same checks as every call's
+            hierarchical_topology("BucketedAllReduce", algorithm, topology,
+                                  torch.empty(0), "sum", self.group)
+        self._algorithm, self._topology = algorithm, topology
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         size = self.group.size
@@ -330,7 +340,8 @@ class BucketedAllReduce:
             bucket.future = self._hook.launch(bucket, params,
                                               bucket.index == len(self.buckets) - 1)
         else:
-            bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group)
+            bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group,
+                                       algorithm=self._algorithm, topology=self._topology)
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()
 

@@ -54,3 +54,40 @@ def test_a_topology_of_another_size_is_refused():
                         machine_ranks=((0, 1), (2, 3)))
         hierarchical_topology("all_reduce", "hierarchical", topo, torch.ones(2), "sum",
                               Group(None, 0, 3))
+
+
+def _reducer_parity(ranks_per_machine, algorithm):
+    import copy
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 3)).double()
+    theirs = DDP(copy.deepcopy(ours), bucket_cap_mb=0.01)
+    reducer = tp.BucketedAllReduce(ours, bucket_cap_mb=0.01, first_bucket_mb=0.005,
+                                   algorithm=algorithm,
+                                   topology=Topology.grid(ranks_per_machine))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(4):
+        g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    gap = max((a - b).abs().max().item()
+              for a, b in zip(ours.parameters(), theirs.module.parameters(), strict=True))
+    return gap, len(reducer.buckets)
+
+
+@pytest.mark.parametrize("world_size, ranks_per_machine, algorithm",
+                         [(4, 2, "hierarchical"), (2, 1, "hierarchical"), (4, 2, "auto"),
+                          (3, 3, "hierarchical")])
+def test_reducer_with_the_hierarchical_algorithm_matches_ddp(world_size, ranks_per_machine,
+                                                             algorithm):
+    results = run_distributed(_reducer_parity, world_size, ranks_per_machine, algorithm,
+                              timeout=120)
+    for gap, buckets in results:
+        assert buckets > 1 and gap < 1e-12, results

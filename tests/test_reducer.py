@@ -84,6 +84,10 @@ def _parity(name, options, steps, micro_batches, dtype_name, device="cpu"):
     ours = make(name, dtype).to(device)
     theirs = copy.deepcopy(ours)
     find_unused = options.get("find_unused_parameters", False)
+    if options.get("algorithm"):  # machines of 2 ranks on 4 ranks, else one rank per machine
+        from tensorpar.topology import Topology
+        world = dist.get_world_size()
+        options = {**options, "topology": Topology.grid(2 if world == 4 else 1)}
     wrapped = tp.nn.DistributedDataParallel(ours, **options)
     ddp = DDP(theirs, find_unused_parameters=find_unused,
               bucket_cap_mb=options.get("bucket_cap_mb", 25))
@@ -123,6 +127,12 @@ PARITY = [  # (model, options, micro-batches, dtype, tolerance)
     ("mlp", {}, 3, "float64", 1e-12),                     # no_sync over 3 micro-batches
     ("branchy", {"find_unused_parameters": True}, 3, "float64", 1e-12),
     ("mlp", {"bucket_cap_mb": 0.0005}, 1, "bfloat16", 2e-2),
+    # the same contract with the hierarchical all-reduce
+    ("tied", {"bucket_cap_mb": 0.0005, "algorithm": "hierarchical"}, 1, "float64", 1e-12),
+    ("branchy", {"find_unused_parameters": True, "bucket_cap_mb": 0.0003,
+                 "algorithm": "hierarchical"}, 1, "float64", 1e-12),
+    ("mlp", {"algorithm": "hierarchical"}, 3, "float64", 1e-12),
+    ("mlp", {"bucket_cap_mb": 0.0005, "algorithm": "hierarchical"}, 1, "bfloat16", 2e-2),
 ]
 
 

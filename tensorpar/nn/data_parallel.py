@@ -10,9 +10,11 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from tensorpar._algorithm import Algorithm
 from tensorpar._group import GroupLike
 from tensorpar.errors import ReducerError
 from tensorpar.reducer import BucketedAllReduce
+from tensorpar.topology import Topology
 
 __all__ = ["DataParallel", "DistributedDataParallel"]
 
@@ -63,8 +65,8 @@ class DistributedDataParallel(nn.Module):
                  forward_sync_buffers: bool | None = None, *, first_bucket_mb: float = 1.0,
                  average: bool = True, gradient_predivide_factor: float | None = None,
                  reduce_dtype: torch.dtype | None = None,
-                 compress_dtype: torch.dtype | None = None, rebuild_buckets: bool = True
-                 ) -> None:
+                 compress_dtype: torch.dtype | None = None, rebuild_buckets: bool = True,
+                 algorithm: Algorithm = "flat", topology: Topology | None = None) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, value in (("mixed_precision", mixed_precision),
@@ -90,7 +92,7 @@ class DistributedDataParallel(nn.Module):
                 broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,
                 average=average, gradient_predivide_factor=gradient_predivide_factor,
                 reduce_dtype=reduce_dtype, compress_dtype=compress_dtype,
-                rebuild_buckets=rebuild_buckets)
+                rebuild_buckets=rebuild_buckets, algorithm=algorithm, topology=topology)
         except (ValueError, TypeError, ReducerError) as exc:  # name the class the user called
             raise type(exc)(str(exc).replace("BucketedAllReduce", name, 1)) from exc
 
