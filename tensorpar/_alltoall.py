@@ -5,8 +5,9 @@ A dim-0 exchange with ``sizes`` (token dispatch, the common case) is recognised 
 takes the shortest path; anything else builds an `AllToAllSpec`, from ``sizes`` or from
 every rank's shape (one metadata exchange), so that every rank takes the same backend path.
 
-The backend path (the equal-chunk collective, or split lists: point to point on gloo) is
-chosen only from what every rank knows alike. With ``sizes`` a rank cannot know that its
+The backend path (the equal-chunk collective, or split lists: the backend's own split-list
+call for a dim-0 exchange, point to point on gloo otherwise) is chosen only from what every
+rank knows alike. With ``sizes`` a rank cannot know that its
 peers passed the same list, so it always takes the split-list path, even for equal chunks:
 ranks whose ``sizes`` disagree then exchange the wrong amounts (which validation mode
 reports) but can never wait in two different backend calls.
@@ -164,7 +165,8 @@ def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch:
     recv = send.new_empty((mine * n, *send.shape[1:]))
     per_row = send.numel() // send.shape[0]
     launch.add(_comm.all_to_all(recv.view(-1), send.view(-1), [mine * per_row] * n,
-                                [k * per_row for k in sizes], group, launch.async_op), send)
+                                [k * per_row for k in sizes], group, launch.async_op,
+                                native=True), send)
     return recv
 
 

@@ -3,7 +3,8 @@
 all_gather <-> reduce_scatter, all_reduce (sum-adjoint) <-> itself, all_reduce
 (identity-adjoint) <-> copy_to_group, split_to_group <-> gather_from_group. (all_to_all
 has its own module, `_alltoall`.) The Functions the public API may call without a graph
-carry their data path as ``data`` (see `apply_or_run`).
+carry their data path as ``data`` (see `apply_or_run`); so do the ones a backward applies,
+which runs the data path unless a graph of the backward is being built.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from typing import Any
 import torch
 
 from tensorpar import _comm
-from tensorpar._autograd import SYNC, Launch, no_backward, scale_for_mean, tie_to_output, torch_op
+from tensorpar._autograd import (
+    SYNC,
+    Launch,
+    apply_or_run,
+    no_backward,
+    scale_for_mean,
+    tie_to_output,
+    torch_op,
+)
 from tensorpar._group import Group
 from tensorpar._split import NATIVE_DTYPES, SplitSpec, as_bytes
 from tensorpar._switch import VALIDATE
@@ -137,7 +146,8 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if VALIDATE[0]:
             check_backward("reduce_scatter", ctx.spec.group, ctx.spec, op="sum")
-        return _ReduceScatter.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
+        return apply_or_run(_ReduceScatter, tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), \
+            None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -157,7 +167,7 @@ class _ReduceScatter(torch.autograd.Function):
             raise no_backward("reduce_scatter", ctx.op)
         if VALIDATE[0]:
             check_backward("all_gather", ctx.spec.group, ctx.spec)
-        out = _AllGather.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
+        out = apply_or_run(_AllGather, tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None
 
 
@@ -190,14 +200,18 @@ class _AllReduce(torch.autograd.Function):
         if VALIDATE[0]:  # the identity mode issues nothing: its fingerprint is all the same
             check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode)
         if ctx.mode == "sum":
-            out = _AllReduce.apply(grad, ctx.group, "sum", "sum", False, SYNC)
+            out = apply_or_run(_AllReduce, grad, ctx.group, "sum", "sum", False, SYNC)
         else:
-            out = _CopyToGroup.apply(grad, ctx.group)
+            out = apply_or_run(_CopyToGroup, grad, ctx.group)
         return scale_for_mean(out, ctx.op, ctx.group.size), None, None, None, None, None
 
 
 class _CopyToGroup(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def data(x: torch.Tensor, group: Group) -> torch.Tensor:
+        return x
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -209,19 +223,23 @@ class _CopyToGroup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if VALIDATE[0]:
             check_backward("copy_to_group", ctx.group, None, grad)
-        return _AllReduce.apply(tie_to_output(grad, ctx), ctx.group, "sum", "identity", False,
-                               SYNC), None
+        return apply_or_run(_AllReduce, tie_to_output(grad, ctx), ctx.group, "sum", "identity",
+                            False, SYNC), None
 
 
 class _SplitToGroup(torch.autograd.Function):
     """Forward: this rank's chunk of a replicated tensor. Backward: all-gather."""
 
     @staticmethod
+    def data(x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
+        start = sum(spec.sizes[: spec.group.rank])
+        return x.detach().narrow(spec.dim, start, spec.sizes[spec.group.rank]).clone(
+            memory_format=torch.contiguous_format)
+
+    @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
-        start = sum(spec.sizes[: spec.group.rank])
-        out = x.detach().narrow(spec.dim, start, spec.sizes[spec.group.rank]).clone(
-            memory_format=torch.contiguous_format)
+        out = _SplitToGroup.data(x, spec)
         ctx.save_for_backward(out)
         return out
 
@@ -229,11 +247,15 @@ class _SplitToGroup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if VALIDATE[0]:
             check_backward("split_to_group", ctx.spec.group, ctx.spec)
-        return _GatherFromGroup.apply(tie_to_output(grad, ctx), ctx.spec), None
+        return apply_or_run(_GatherFromGroup, tie_to_output(grad, ctx), ctx.spec), None
 
 
 class _GatherFromGroup(torch.autograd.Function):
     """Forward: all-gather. Backward: this rank's chunk of the (replicated) gradient."""
+
+    @staticmethod
+    def data(x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
+        return all_gather_data(x, spec, SYNC)
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
@@ -244,4 +266,4 @@ class _GatherFromGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _SplitToGroup.apply(tie_to_output(grad, ctx), ctx.spec), None
+        return apply_or_run(_SplitToGroup, tie_to_output(grad, ctx), ctx.spec), None

@@ -23,7 +23,7 @@ import torch
 
 from tensorpar._autograd import SYNC
 from tensorpar._entry import resolve_args
-from tensorpar._group import GroupLike
+from tensorpar._group import Group, GroupLike
 from tensorpar._meta import chunks_spec, require_tensor, sole_chunk
 from tensorpar._split import SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import _AllReduce, _CopyToGroup, _GatherFromGroup, _SplitToGroup
@@ -131,14 +131,22 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
     fn = "split_to_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     tensor = require_tensor(fn, x)
-    d = _normalize_dim(fn, dim, tensor.ndim)
-    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g.size, "the input")
+    spec = split_spec(fn, tensor, dim, g, sizes)
     if g.is_single:
         return tensor
-    spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
-                     sizes=sizes)
     out: torch.Tensor = _SplitToGroup.apply(tensor, spec)
     return out
+
+
+def split_spec(fn: str, x: torch.Tensor, dim: int, g: Group, sizes: tuple[int, ...] | None
+               ) -> SplitSpec:
+    """How `split_to_group` splits ``x``: ``dim`` and ``sizes`` checked against its shape.
+
+    Depends only on ``x``'s shape and dtype, so a layer may keep it per shape.
+    """
+    d = _normalize_dim(fn, dim, x.ndim)
+    sizes = sizes_or_balanced(fn, sizes, x.shape[d], d, g.size, "the input")
+    return SplitSpec(group=g, root=-1, full_shape=x.shape, dtype=x.dtype, dim=d, sizes=sizes)
 
 
 def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,

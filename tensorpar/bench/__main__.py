@@ -4,6 +4,7 @@ Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``hierarch
 simulated 2-machine cluster; needs root). Options left out take the suite's
 defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
 suite with a progress display and writes plots (see `tensorpar.bench.report`).
+``python -m tensorpar.bench layers --profile`` also prints the top functions of a step.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
           _ms(r["tensorpar"]), _ms(r["native"]), _ms(r["padded"]), _ms(r["p2p"]),
           _x(1 / r["native_ratio"]), _x(r["padded_ratio"] / r["native_ratio"]),
           _x(r["p2p_ratio"] / r["native_ratio"])] for r in uneven]))
-    print("(native: the backend's own uneven all_to_all_single; p2p: one isend/irecv per peer, "
-          "what tensorpar does on gloo)")
+    print("(native: the backend's own uneven all_to_all_single, what tensorpar calls for a dim-0 "
+          "exchange with sizes; p2p: one isend/irecv per peer)")
     return results
 
 
@@ -150,22 +151,31 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tensorpar.bench import layers
 
     results = []
+    top = getattr(args, "profile", None) or 0
     for tp in args.world_sizes:
         for workload in layers.WORKLOADS:
             results.append(_run(args, f"tp {tp}, {workload}", layers.run_rank, tp, workload,
-                                args.rounds)[0])
+                                args.rounds, top)[0])
     rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
              _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
-             _x(r["tensorpar"] / r["floor"]), _x(r["tensorpar"] / r["dense"]),
-             _ms(r["tensorpar_cpu"]), _ms(r["dtensor_cpu"]),
-             _x(r["tensorpar_cpu"] / r["dtensor_cpu"])]
+             _x(r["tensorpar"] / r["floor"]), _x(r["floor_again"] / r["floor"]),
+             _x(r["tensorpar"] / r["dense"]), _ms(r["tensorpar_cpu"]), _ms(r["floor_cpu"]),
+             _ms(r["dtensor_cpu"]), _x(r["tensorpar_cpu"] / r["dtensor_cpu"])]
             for r in results]
     print(format_table(["workload", "tp", "dense ms", "floor ms", "tensorpar ms", "dtensor ms",
-                        "tp/dtensor", "tp/floor", "tp/dense", "tp CPU ms", "dtensor CPU ms",
-                        "tp/dtensor CPU"], rows))
+                        "tp/dtensor", "tp/floor", "floor again/floor", "tp/dense", "tp CPU ms",
+                        "floor CPU ms", "dtensor CPU ms", "tp/dtensor CPU"], rows))
     print("(forward+backward per step; dense: one process computing everything; floor: this "
-          "rank's share of the dense compute + the raw all-reduces of the same bytes; CPU: the "
+          "rank's share of the dense compute + the raw all-reduces of the same bytes, run back "
+          "to back; floor again/floor: the floor timed twice, the run's noise; CPU: the "
           "calling thread's CPU time, without time blocked on other ranks)")
+    for r in results if top else []:
+        for case in ("tensorpar", "floor"):
+            print(f"\nprofile of {case}, {r['workload']}, tp {r['tp']} (rank 0, cProfile: "
+                  f"per step, sorted by time in the function itself)")
+            print(format_table(["function", "calls", "self us", "total us"],
+                               [[p["name"], f"{p['calls']:g}", f"{p['self_us']:.0f}",
+                                 f"{p['total_us']:.0f}"] for p in r["profile"][case]]))
     return results
 
 
@@ -217,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "(tc notation); default: 500mbit")
     parser.add_argument("--slice-mib", type=float,
                         help="hierarchical: pipeline slice size in MiB; default: 4")
+    parser.add_argument("--profile", type=int, nargs="?", const=15, metavar="TOP",
+                        help="layers: also profile tensorpar's step and the floor's and print "
+                             "the TOP functions per step (default 15)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     for name, value in {"timeout": 600.0, **DEFAULTS[args.suite]}.items():

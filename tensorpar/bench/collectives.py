@@ -3,8 +3,9 @@
 Equal chunks: ``all_gather``, ``reduce_scatter``, ``all_reduce`` (out of place and in place) and
 ``all_to_all``, each against the raw call allocating its output (as tensorpar does) and against
 the raw call into a preallocated output. Uneven chunks: ``all_to_all`` against three ways of
-doing it by hand: the backend's own uneven ``all_to_all_single``, padding every chunk to the
-largest, and point-to-point sends (tensorpar's own choice on gloo).
+doing it by hand: the backend's own uneven ``all_to_all_single`` (what tensorpar's dim-0
+exchange with ``sizes`` calls), padding every chunk to the largest, and point-to-point sends
+(what tensorpar does on gloo for its other uneven exchanges).
 
 Every payload is a 1-D float32 tensor, so the split/concat dim is the only one and no reshaping
 copy is ever needed. ``nbytes`` is the size of the tensor each rank passes in.

@@ -7,11 +7,19 @@ for the other ranks, which on a latency-bound workload hides the difference.
 The floor is what no implementation can beat on these ranks: this rank's share of the dense
 compute (the same layers with shard-sized weights, no communication) plus the raw
 ``dist.all_reduce`` calls that tensor parallelism needs on the same bytes (one in forward
-and one in backward per row-parallel layer).
+and one in backward per row-parallel layer), run back to back. It is timed twice, as two
+cases of the same run: the spread between the two is the run's noise.
+
+With ``profile`` > 0, each rank then profiles (``cProfile``) a few steps of tensorpar and of
+the floor and reports the functions with the most time of their own, per step.
 """
 
 from __future__ import annotations
 
+import cProfile
+import os
+import pstats
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +30,7 @@ from torch import nn
 
 from tensorpar.nn.convert import parallelize
 
-__all__ = ["run_rank", "WORKLOADS"]
+__all__ = ["profile_steps", "run_rank", "WORKLOADS"]
 
 # name -> (blocks, dim, hidden, batch, sequence or 0 for an MLP stack)
 WORKLOADS: dict[str, tuple[int, int, int, int, int]] = {
@@ -109,8 +117,44 @@ def _shard_model(workload: str, dim: int, hidden: int, blocks: int) -> nn.Module
     return model
 
 
-def run_rank(workload: str, rounds: int) -> dict[str, Any]:
-    """Time one forward+backward of each implementation; every rank returns the same figures."""
+def profile_steps(fn: Callable[[], object], steps: int, top: int) -> list[dict[str, Any]]:
+    """The ``top`` functions by time of their own over ``steps`` calls of ``fn``, per call.
+
+    Each row: ``name`` (``file:line(function)``, paths shortened), ``calls``, ``self_us``
+    (time in the function itself) and ``total_us`` (with what it calls), per call of ``fn``.
+    Times include the profiler's own overhead, which inflates Python-heavy code most.
+    """
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    profiler.disable()
+    stats: dict[Any, Any] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = [{"name": _short(*key), "calls": nc / steps, "self_us": tt / steps * 1e6,
+             "total_us": ct / steps * 1e6} for key, (_, nc, tt, ct, _) in stats.items()]
+    rows.sort(key=lambda r: -r["self_us"])
+    return rows[:top]
+
+
+def _short(path: str, line: int, name: str) -> str:
+    if path == "~":  # a built-in
+        return name
+    parts = path.split(os.sep)
+    for anchor in ("tensorpar", "torch"):
+        if anchor in parts:
+            at = len(parts) - 1 - parts[::-1].index(anchor)
+            path = "/".join(parts[at:])
+            break
+    return f"{path}:{line}({name})"
+
+
+def run_rank(workload: str, rounds: int, profile: int = 0) -> dict[str, Any]:
+    """Time one forward+backward of each implementation; every rank returns the same figures.
+
+    ``floor`` and ``floor_again`` are the same case timed twice (the run's noise). With
+    ``profile`` > 0, ``profile`` holds this rank's `profile_steps` of tensorpar and the floor
+    (the one figure that differs between ranks).
+    """
     from tensorpar.bench._timing import time_side_by_side
 
     blocks, dim, hidden, batch, seq = WORKLOADS[workload]
@@ -139,7 +183,13 @@ def run_rank(workload: str, rounds: int) -> dict[str, Any]:
         if dist.get_rank() == 0:
             step(dense)
 
-    times = time_side_by_side({"dense": dense_on_rank_0, "floor": floor,
-                               "tensorpar": lambda: step(ours),
-                               "dtensor": lambda: step(theirs)}, rounds=rounds, cpu=True)
-    return {"workload": workload, "tp": dist.get_world_size(), **times}
+    cases: dict[str, Callable[[], object]] = {
+        "dense": dense_on_rank_0, "floor": floor, "tensorpar": lambda: step(ours),
+        "dtensor": lambda: step(theirs), "floor_again": floor}
+    times = time_side_by_side(cases, rounds=rounds, cpu=True)
+    result = {"workload": workload, "tp": dist.get_world_size(), **times}
+    if profile > 0:
+        steps = max(rounds, 10)
+        result["profile"] = {name: profile_steps(cases[name], steps, profile)
+                             for name in ("tensorpar", "floor")}
+    return result

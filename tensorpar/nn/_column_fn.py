@@ -17,16 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar import _comm
-from tensorpar._autograd import SYNC, torch_op
+from tensorpar._autograd import SYNC, needs_graph, torch_op
 from tensorpar._group import Group
 from tensorpar._meta import require_tensor
+from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _AllReduce
 from tensorpar.regions import copy_to_group
 
-__all__ = ["column_linear"]
+__all__ = ["autocast_on", "column_linear"]
 
 
-def _autocast_on(device_type: str) -> bool:
+def autocast_on(device_type: str) -> bool:
     """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
     try:
         return bool(torch.is_autocast_enabled(device_type))
@@ -39,20 +40,24 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(copy_to_group(x), weight, bias)``, with the overlapped backward.
 
     Falls back to the plain composition where the fused Function does not apply: a group
-    of one rank, or autocast (whose casts the composition handles).
+    of one rank, autocast (whose casts the composition handles), or validation mode (where
+    `copy_to_group` fingerprints the forward and backward calls). Where no graph is
+    recorded (inference), ``copy_to_group`` is the identity: a plain ``F.linear``.
     """
     x = require_tensor("ColumnParallelLinear", x)
     if group.is_single:
         return F.linear(x, weight, bias)
-    if _autocast_on(x.device.type):
+    if VALIDATE[0] or autocast_on(x.device.type):  # copy_to_group fingerprints its calls
         return F.linear(copy_to_group(x, group=group), weight, bias)
+    if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
+        return F.linear(x, weight, bias)
     out: torch.Tensor = _ColumnLinear.apply(x, weight, bias, group)
     return out
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a matrix: every leading dim folded into the rows (also for 0 columns)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    return t if t.ndim == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -82,8 +87,9 @@ class _ColumnLinear(torch.autograd.Function):
         elif need_x:
             grad_x = grad.matmul(weight)  # a fresh, contiguous tensor: reduced in place
             work = _comm.all_reduce(grad_x, torch_op("sum"), ctx.group, async_op=True)
-        grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None  # while it travels
-        grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+        rows = _rows(grad)
+        grad_w = rows.t().matmul(_rows(x)) if need_w else None  # while it travels
+        grad_b = rows.sum(0) if need_b and ctx.has_bias else None
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None

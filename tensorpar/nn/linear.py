@@ -11,12 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar._group import GroupLike
+from tensorpar._switch import VALIDATE
 from tensorpar.functional import broadcast, gather, scatter
-from tensorpar.nn._column_fn import column_linear
+from tensorpar.nn._column_fn import autocast_on, column_linear
 from tensorpar.nn._local_shard import mark_shards
+from tensorpar.nn._row_fn import row_linear
 from tensorpar.nn._shard import AnyShard, Shard, packed_shard_of, shard_of
+from tensorpar.nn._spec_cache import SpecCache
 from tensorpar.placeholder import TensorPlaceholder
-from tensorpar.regions import gather_from_group, reduce_from_group, split_to_group
+from tensorpar.regions import reduce_from_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -95,6 +98,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.shard.length, device=device, dtype=dtype)) \
             if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        self._specs = SpecCache("ColumnParallelLinear", self.shard)
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
@@ -102,8 +106,7 @@ class ColumnParallelLinear(nn.Module):
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
         y = column_linear(x, self.weight, self.bias, self.shard.group)
         if self.gather_output:
-            y = gather_from_group(y, dim=-1, group=self.shard.group, sizes=self.shard.sizes)
-            y = self.shard.unpack(y, -1)
+            y = self.shard.unpack(self._specs.gather(y), -1)
         return y
 
     @classmethod
@@ -198,6 +201,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) \
             if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        self._specs = SpecCache("RowParallelLinear", self.shard)
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
@@ -205,9 +209,14 @@ class RowParallelLinear(nn.Module):
         """``x W^T + b``: the partial products summed across the group, then the bias."""
         g = self.shard.group
         if not self.input_is_parallel:
-            x = split_to_group(x, dim=-1, group=g, sizes=self.shard.sizes)
+            x = self._specs.split(x)
         wide = self.reduce_dtype
         if wide is None or wide == self.weight.dtype:
+            if g.is_single:
+                return F.linear(x, self.weight, self.bias)
+            if not VALIDATE[0] and not autocast_on(x.device.type):
+                return row_linear(x, self.weight, self.bias, g)  # one Function, one node
+            # the composition: every region call fingerprinted, or autocast's casts
             y = reduce_from_group(F.linear(x, self.weight), group=g)
             return y + self.bias if self.bias is not None else y
         y = reduce_from_group(F.linear(x.to(wide), self.weight.to(wide)), group=g)
