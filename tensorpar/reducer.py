@@ -16,6 +16,7 @@ from tensorpar._algorithm import Algorithm, hierarchical_topology
 from tensorpar._buckets import Bucket, MiB, plan_buckets
 from tensorpar._comm_hook import CommHook
 from tensorpar._group import GroupLike, resolve_group
+from tensorpar._group_pool import GroupPool
 from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
@@ -62,6 +63,10 @@ class BucketedAllReduce:
         algorithm: how each bucket is all-reduced: ``"flat"``, ``"hierarchical"`` (within
             each machine, then across machines; see `tensorpar.all_reduce`) or ``"auto"``.
         topology: the `Topology` of ``group``, for the non-flat algorithms.
+        overlap_groups: process groups (over the ranks of ``group``, created once) that the
+            buckets take in turn, so that more buckets are on the wire at once (gloo runs at
+            most two collectives of one group at a time). 1 (default): ``group`` alone. The
+            flat algorithm only; a comm hook reduces on its own group.
 
     Raises:
         ReducerError: the ranks' parameters differ (names the first difference and ranks).
@@ -82,7 +87,7 @@ class BucketedAllReduce:
                  reduce_dtype: torch.dtype | None = None,
                  compress_dtype: torch.dtype | None = None,
                  rebuild_buckets: bool = True, algorithm: Algorithm = "flat",
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, overlap_groups: int = 1) -> None:
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"BucketedAllReduce: bucket_cap_mb={bucket_cap_mb} and "
                              f"first_bucket_mb={first_bucket_mb} must be positive")
@@ -138,6 +143,8 @@ class BucketedAllReduce:
         self._late: list[str] = []
         self._hook: CommHook | None = None
         self._hooks: list[Any] = []
+        self._pool = GroupPool(self.group, overlap_groups if algorithm == "flat" else 1,
+                               "BucketedAllReduce")  # on every rank, in the same order
         if self.group.is_single:
             return
         self._build(list(reversed(range(len(self._params)))))
@@ -194,7 +201,11 @@ class BucketedAllReduce:
         self._pre = self._post = 1.0
 
     def remove(self) -> None:
-        """Remove the reducer's hooks (the gradients stay where they are)."""
+        """Remove the reducer's hooks and its extra process groups (gradients stay put).
+
+        Call it on every rank at the same point: the groups of ``overlap_groups`` go too.
+        """
+        self._pool.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -340,7 +351,8 @@ class BucketedAllReduce:
             bucket.future = self._hook.launch(bucket, params,
                                               bucket.index == len(self.buckets) - 1)
         else:
-            bucket.handle = all_reduce(target, inplace=True, async_op=True, group=self.group,
+            bucket.handle = all_reduce(target, inplace=True, async_op=True,
+                                       group=self._pool[bucket.index],
                                        algorithm=self._algorithm, topology=self._topology)
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()

@@ -133,6 +133,10 @@ PARITY = [  # (model, options, micro-batches, dtype, tolerance)
                  "algorithm": "hierarchical"}, 1, "float64", 1e-12),
     ("mlp", {"algorithm": "hierarchical"}, 3, "float64", 1e-12),
     ("mlp", {"bucket_cap_mb": 0.0005, "algorithm": "hierarchical"}, 1, "bfloat16", 2e-2),
+    # several buckets in flight on a pool of process groups
+    ("tied", {"bucket_cap_mb": 0.0005, "overlap_groups": 2}, 1, "float64", 1e-12),
+    ("branchy", {"find_unused_parameters": True, "bucket_cap_mb": 0.0003,
+                 "overlap_groups": 3}, 3, "float64", 1e-12),
 ]
 
 

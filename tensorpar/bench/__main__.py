@@ -97,6 +97,10 @@ def _mib(kib: int) -> str:
 
 
 def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if getattr(args, "cluster", None):  # across simulated machines (needs root)
+        from tensorpar.bench import reducer_cluster
+
+        return reducer_cluster.suite(args)
     from tensorpar.bench import reducer
 
     timings: list[dict[str, Any]] = []
@@ -194,7 +198,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
                 "timeout": 900.0},
     "layers": {"world_sizes": [2, 4], "rounds": 7},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
-                     "slice_mib": 4.0, "timeout": 1800.0},
+                     "slice_mib": 4.0, "timeout": 900.0},
 }
 
 
@@ -223,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                              "of calls; default: 1.5")
     parser.add_argument("--timeout", type=float,
                         help="seconds per run_distributed call; default: 600 (reducer: 900)")
-    parser.add_argument("--link", help="hierarchical: each simulated machine's link rate "
-                                       "(tc notation); default: 500mbit")
+    parser.add_argument("--link", help="hierarchical, reducer --cluster: each simulated "
+                                       "machine's link rate (tc notation); default: 500mbit "
+                                       "(hierarchical), 1gbit (reducer)")
+    parser.add_argument("--cluster", metavar="MxR",
+                        help="reducer: run on a simulated cluster of M machines x R ranks "
+                             "(e.g. 2x1; needs root) instead of loopback")
     parser.add_argument("--slice-mib", type=float,
                         help="hierarchical: pipeline slice size in MiB; default: 4")
     parser.add_argument("--profile", type=int, nargs="?", const=15, metavar="TOP",

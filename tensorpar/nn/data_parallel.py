@@ -66,7 +66,8 @@ class DistributedDataParallel(nn.Module):
                  average: bool = True, gradient_predivide_factor: float | None = None,
                  reduce_dtype: torch.dtype | None = None,
                  compress_dtype: torch.dtype | None = None, rebuild_buckets: bool = True,
-                 algorithm: Algorithm = "flat", topology: Topology | None = None) -> None:
+                 algorithm: Algorithm = "flat", topology: Topology | None = None,
+                 overlap_groups: int = 1) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, value in (("mixed_precision", mixed_precision),
@@ -92,7 +93,8 @@ class DistributedDataParallel(nn.Module):
                 broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,
                 average=average, gradient_predivide_factor=gradient_predivide_factor,
                 reduce_dtype=reduce_dtype, compress_dtype=compress_dtype,
-                rebuild_buckets=rebuild_buckets, algorithm=algorithm, topology=topology)
+                rebuild_buckets=rebuild_buckets, algorithm=algorithm, topology=topology,
+                overlap_groups=overlap_groups)
         except (ValueError, TypeError, ReducerError) as exc:  # name the class the user called
             raise type(exc)(str(exc).replace("BucketedAllReduce", name, 1)) from exc
 
