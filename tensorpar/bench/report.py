@@ -192,7 +192,7 @@ def run_all(suites: list[str], settings: dict[str, dict[str, Any]],
         The report: ``machine``, ``date``, ``settings``, ``suites`` (name -> ``results`` and
         ``seconds``), ``skipped`` and ``failed`` (name -> reason).
     """
-    from tensorpar.bench.__main__ import SUITES
+    from tensorpar.bench.suites import SUITES
 
     report: dict[str, Any] = {
         "machine": machine(),
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 when every suite that could run succeeded, else 1.
     """
-    from tensorpar.bench.__main__ import DEFAULTS
+    from tensorpar.bench.suites import DEFAULTS
 
     parser = argparse.ArgumentParser(prog="python -m tensorpar.bench all",
                                      description="Run every benchmark suite.")

@@ -1,0 +1,199 @@
+"""The benchmark suites' drivers: run a suite's ranks, print its tables, return its figures.
+
+`SUITES` maps each suite's name to its driver and `DEFAULTS` holds the options a command
+line leaves out; ``python -m tensorpar.bench`` and the ``all`` report both use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from tensorpar.bench._timing import format_table
+from tensorpar.testing import run_distributed
+
+__all__ = ["DEFAULTS", "SUITES"]
+
+
+def _run(args: argparse.Namespace, label: str, fn: Callable[..., Any], world: int,
+         *fn_args: Any) -> list[Any]:
+    """`run_distributed`, shown as one case by the ``all`` command's progress display."""
+    case = getattr(args, "on_case", None)  # set by tensorpar.bench.report
+    with case(label) if case is not None else contextlib.nullcontext():
+        return run_distributed(fn, world, *fn_args, timeout=args.timeout)
+
+
+def _scatter_gather(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import scatter_gather
+
+    results = []
+    for world in args.world_sizes:
+        for mib in args.mib:
+            per_rank = _run(args, f"{world} ranks, {mib:g} MiB", scatter_gather.run_rank,
+                            world, int(mib * 2**20), args.rounds)
+            results.append(per_rank[0])
+    rows = [[r["world_size"], f"{r['nbytes'] / 2**20:g} MiB",
+             *(f"{r[k] * 1e3:.2f}" for k in ("raw", "raw_alloc", "tensorpar",
+                                               "tensorpar_known_meta")),
+             *(f"{r[a] / r[b]:.2f}" for a, b in (("tensorpar", "raw"), ("tensorpar", "raw_alloc"),
+                                                 ("tensorpar_known_meta", "raw_alloc")))]
+            for r in results]
+    print(format_table(["ranks", "size", "raw ms", "raw+alloc ms", "tensorpar ms",
+                        "known-meta ms", "tp/raw", "tp/raw+alloc", "known-meta/raw+alloc"],
+                       rows))
+    return results
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import collectives
+
+    results: list[dict[str, Any]] = []
+    for world in args.world_sizes:
+        for mib in args.mib:
+            results += _run(args, f"{world} ranks, {mib:g} MiB", collectives.run_rank, world,
+                            int(mib * 2**20), args.rounds, args.budget)[0]
+    order = ["all_gather", "all_gather (exchange sizes)", "reduce_scatter", "all_reduce",
+             "all_reduce (in place)", "all_to_all"]
+    rows = sorted((r for r in results if r["table"] == "collectives"),
+                  key=lambda r: (order.index(r["collective"]), r["world_size"], r["nbytes"]))
+    print(format_table(
+        ["collective", "ranks", "size", "calls", "raw ms", "raw prealloc ms", "tensorpar ms",
+         "tp/raw", "tp/raw prealloc", "raw again/raw"],
+        [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", r["calls"],
+          _ms(r["raw"]), _ms(r["raw_prealloc"]), _ms(r["tensorpar"]), _x(r["ratio"]),
+          _x(r["ratio_prealloc"]), _x(r["noise"])] for r in rows]))
+    print("\nMedian per call over back-to-back calls, slowest rank. raw again/raw: the raw call "
+          "timed twice, the spread between identical cases.")
+    print()
+    uneven = [r for r in results if r["table"] == "uneven_all_to_all"]
+    print(format_table(
+        ["uneven all_to_all splits", "ranks", "size", "padded bytes", "tensorpar ms",
+         "native ms", "padded ms", "p2p ms", "tp/native", "padded/native", "p2p/native"],
+        [[":".join(str(s) for s in r["splits"]), r["world_size"],
+          f"{r['nbytes'] / 2**20:.3g} MiB", f"x{r['padded_nbytes'] / r['nbytes']:.2f}",
+          _ms(r["tensorpar"]), _ms(r["native"]), _ms(r["padded"]), _ms(r["p2p"]),
+          _x(1 / r["native_ratio"]), _x(r["padded_ratio"] / r["native_ratio"]),
+          _x(r["p2p_ratio"] / r["native_ratio"])] for r in uneven]))
+    print("(native: the backend's own uneven all_to_all_single, what tensorpar calls for a dim-0 "
+          "exchange with sizes; p2p: one isend/irecv per peer)")
+    return results
+
+
+def _mib(kib: int) -> str:
+    return f"{kib / 1024:.0f}"
+
+
+def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if getattr(args, "cluster", None):  # across simulated machines (needs root)
+        from tensorpar.bench import reducer_cluster
+
+        return reducer_cluster.suite(args)
+    from tensorpar.bench import reducer
+
+    timings: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
+    for world in args.world_sizes:
+        for name in args.models:
+            row = _run(args, f"{world} ranks, {name} time", reducer.run_rank, world, name,
+                       args.rounds)[0]
+            timings.append({"table": "time", **row})
+        for name in args.models:
+            for variant in reducer.MEMORY_VARIANTS:  # a fresh call each: one model at a time
+                per_rank = _run(args, f"{world} ranks, {name} memory ({variant})",
+                                reducer.memory_rank, world, name, variant, 3)
+                memory.append({"table": "memory", "model": name, "variant": variant,
+                               "world_size": world, "hwm": all(r["hwm"] for r in per_rank),
+                               **{k: max(r[k] for r in per_rank)
+                                  for k in ("base_kib", "peak_kib", "steady_base_kib",
+                                            "steady_kib")},
+                               "per_rank": per_rank})
+    print(format_table(
+        ["ranks", "model", "params", "tensors", "grads MiB",
+         *(f"{v} ms" for v in reducer.VARIANTS), "tp/ddp"],
+        [[r["world_size"], r["model"], f"{r['params']:,}", r["tensors"],
+          f"{r['grad_bytes'] / 2**20:.1f}", *(_ms(r[v]) for v in reducer.VARIANTS),
+          _x(r["tp_over_ddp"])] for r in timings]))
+    print()
+    exposed = ("tensorpar", "ddp", "per_param", "flatten_at_end")
+    print(format_table(
+        ["ranks", "model", "raw all_reduce ms", *(f"exposed {v} ms" for v in exposed),
+         "exposed tp/raw", "exposed ddp/raw"],
+        [[r["world_size"], r["model"], _ms(r["raw_all_reduce"]),
+          *(_ms(r[f"exposed_{v}"]) for v in exposed), _x(r["exposed_tensorpar_over_raw"]),
+          _x(r["exposed_ddp_over_raw"])] for r in timings]))
+    print()
+    if not all(m["hwm"] for m in memory):
+        print("(/proc/self/clear_refs was not writable: the peak columns show VmRSS after "
+              "the iterations, not VmHWM)")
+    print(format_table(
+        ["ranks", "model", "variant", "start RSS MiB", "peak MiB (build + 3 it)",
+         "peak - start MiB", "steady peak MiB (3 more it)", "steady peak - start MiB"],
+        [[m["world_size"], m["model"], m["variant"], _mib(m["base_kib"]), _mib(m["peak_kib"]),
+          _mib(max(r["peak_kib"] - r["base_kib"] for r in m["per_rank"])),
+          _mib(m["steady_kib"]),
+          _mib(max(r["steady_kib"] - r["base_kib"] for r in m["per_rank"]))]
+         for m in memory]))
+    print("(max over ranks; start RSS: after gc.collect() and malloc_trim, before building "
+          "the model; RSS also counts freed heap memory that glibc keeps)")
+    return timings + memory
+
+
+def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import layers
+
+    results = []
+    top = getattr(args, "profile", None) or 0
+    for tp in args.world_sizes:
+        for workload in layers.WORKLOADS:
+            results.append(_run(args, f"tp {tp}, {workload}", layers.run_rank, tp, workload,
+                                args.rounds, top)[0])
+    rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
+             _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
+             _x(r["tensorpar"] / r["floor"]), _x(r["floor_again"] / r["floor"]),
+             _x(r["tensorpar"] / r["dense"]), _ms(r["tensorpar_cpu"]), _ms(r["floor_cpu"]),
+             _ms(r["dtensor_cpu"]), _x(r["tensorpar_cpu"] / r["dtensor_cpu"])]
+            for r in results]
+    print(format_table(["workload", "tp", "dense ms", "floor ms", "tensorpar ms", "dtensor ms",
+                        "tp/dtensor", "tp/floor", "floor again/floor", "tp/dense", "tp CPU ms",
+                        "floor CPU ms", "dtensor CPU ms", "tp/dtensor CPU"], rows))
+    print("(forward+backward per step; dense: one process computing everything; floor: this "
+          "rank's share of the dense compute + the raw all-reduces of the same bytes, run back "
+          "to back; floor again/floor: the floor timed twice, the run's noise; CPU: the "
+          "calling thread's CPU time, without time blocked on other ranks)")
+    for r in results if top else []:
+        for case in ("tensorpar", "floor"):
+            print(f"\nprofile of {case}, {r['workload']}, tp {r['tp']} (rank 0, cProfile: "
+                  f"per step, sorted by time in the function itself)")
+            print(format_table(["function", "calls", "self us", "total us"],
+                               [[p["name"], f"{p['calls']:g}", f"{p['self_us']:.0f}",
+                                 f"{p['total_us']:.0f}"] for p in r["profile"][case]]))
+    return results
+
+
+def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import hierarchical
+
+    return hierarchical.suite(args)
+
+
+SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
+          "layers": _layers, "hierarchical": _hierarchical}
+DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
+    "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
+    "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
+    "reducer": {"world_sizes": [2, 4], "models": ["8M", "30M"], "rounds": 11,
+                "timeout": 900.0},
+    "layers": {"world_sizes": [2, 4], "rounds": 7},
+    "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
+                     "slice_mib": 4.0, "timeout": 900.0},
+}
