@@ -326,6 +326,43 @@ def test_reduces_within_a_subgroup():
     assert run_distributed(_on_subgroup, 4) == [1.0, 2.0, 1.0, 2.0]
 
 
+def _pool_on_subgroup():
+    """overlap_groups on a subgroup: only its members create the pool's groups."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)).double()
+    reducer = BucketedAllReduce(model, group=groups[rank % 2], overlap_groups=3,
+                                bucket_cap_mb=1e-5, first_bucket_mb=1e-5)
+    for _ in range(2):  # before and after the rebuild in execution order
+        model.zero_grad()
+        model(torch.full((1, 2), float(rank), dtype=torch.float64)).sum().backward()
+    sizes = [g.size for g in reducer._pool.groups]
+    grads = [p.grad.clone() for p in model.parameters()]
+    reducer.remove()
+    return sizes, len(reducer.buckets), len(reducer._pool), grads
+
+
+def test_overlap_groups_pool_on_a_subgroup_and_its_removal():
+    results = run_distributed(_pool_on_subgroup, 4)
+    for rank, (sizes, buckets, after_remove, grads) in enumerate(results):
+        assert sizes == [2, 2, 2] and buckets >= 3 and after_remove == 1  # buckets > groups
+        partner = results[(rank + 2) % 4][3]  # the other member of this rank's subgroup
+        assert all(torch.equal(a, b) for a, b in zip(grads, partner, strict=True))
+
+
+def _bad_overlap(value):
+    try:
+        BucketedAllReduce(nn.Linear(2, 2), overlap_groups=value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_overlap_groups_must_be_a_positive_int(value):
+    assert "overlap_groups" in run_distributed(_bad_overlap, 2, value)[0]
+
+
 # -- errors: each raised on every rank, none hangs ------------------------------------------
 
 def _error(case):

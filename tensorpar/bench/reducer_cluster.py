@@ -7,8 +7,9 @@ backward + gradient averaging, no optimizer step. Variants, each on its own copy
 (same seed on every rank):
 
 - ``tensorpar``: ``BucketedAllReduce(model, broadcast_buffers=False)`` with default settings;
-- ``tensorpar_one_group``: the same with ``overlap_groups=1`` (one bucket on the wire at a time
-  per process group, the reducer before overlap);
+- ``tensorpar_8mib``: the same with ``bucket_cap_mb=8`` (little left to send after backward);
+- ``tensorpar_overlap``: ``bucket_cap_mb=8, overlap_groups=2`` (buckets alternate between two
+  process groups, so up to four are on the wire at once);
 - ``ddp``: ``DistributedDataParallel(model, broadcast_buffers=False)`` (25 MiB buckets);
 - ``flatten_at_end``: backward, then one all-reduce of every gradient concatenated;
 - ``no_comm``: forward + backward only;
@@ -40,9 +41,12 @@ from tensorpar.testing.cluster import SimulatedCluster
 __all__ = ["VARIANTS", "rank_main", "run_cluster", "suite"]
 
 WIDTH, LAYERS, BATCH = 1024, 8, 128
-VARIANTS = ("tensorpar", "tensorpar_one_group", "ddp", "flatten_at_end", "no_comm",
+VARIANTS = ("tensorpar", "tensorpar_8mib", "tensorpar_overlap", "ddp", "flatten_at_end", "no_comm",
             "raw_all_reduce", "powersgd", "ddp_powersgd")
 _MARKER = "TENSORPAR-BENCH-RESULT "
+_TENSORPAR: dict[str, dict[str, Any]] = {  # the tensorpar variants' reducer options
+    "tensorpar": {}, "tensorpar_8mib": {"bucket_cap_mb": 8.0},
+    "tensorpar_overlap": {"bucket_cap_mb": 8.0, "overlap_groups": 2}, "powersgd": {}}
 
 
 def _model() -> nn.Sequential:
@@ -90,8 +94,8 @@ def _steps(variants: Sequence[str], options: dict[str, Any]
     for v in variants:
         model = _model()
         models.append(model)
-        if v in ("tensorpar", "tensorpar_one_group", "powersgd"):
-            extra = {"overlap_groups": 1} if v == "tensorpar_one_group" else {}
+        if v in _TENSORPAR:
+            extra = _TENSORPAR[v]
             reducer = BucketedAllReduce(model, broadcast_buffers=False,
                                         **{**options, **extra})
             if v == "powersgd":
