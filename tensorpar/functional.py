@@ -454,11 +454,10 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
     if g.is_single:
         return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
-    topo = hierarchical_topology(fn, algorithm, topology, tensor, op_name, g)
-    if topo is not None:
-        return as_result(hierarchical_data(tensor, topo, op_name, inplace, launch), launch,
-                         async_op)
-    out = apply_or_run(_AllReduce, tensor, g, op_name, backward, inplace, launch)
+    topo = None if algorithm == "flat" else \
+        hierarchical_topology(fn, algorithm, topology, tensor, op_name, g)
+    out = apply_or_run(_AllReduce, tensor, g, op_name, backward, inplace, launch) \
+        if topo is None else hierarchical_data(tensor, topo, op_name, inplace, launch)
     return as_result(out, launch, async_op)
 
 
