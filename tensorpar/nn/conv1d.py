@@ -7,19 +7,17 @@ is a slice of the dense one along the same dims, and dense checkpoints load as t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tensorpar._group import GroupLike
-from tensorpar.functional import broadcast
 from tensorpar.nn._column_fn import column_linear
 from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._shard import AnyShard, Shard, shard_of
-from tensorpar.nn.linear import column_shard, gather_shards, scatter_shards
-from tensorpar.placeholder import TensorPlaceholder
+from tensorpar.nn.linear import ShardedLayer, column_shard
 from tensorpar.regions import gather_from_group, reduce_from_group, split_to_group
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D"]
@@ -36,7 +34,7 @@ def _dense_params(conv: nn.Module) -> tuple[int, int, torch.Tensor, torch.Tensor
         else None
 
 
-class ColumnParallelConv1D(nn.Module):
+class ColumnParallelConv1D(ShardedLayer):
     """``y = x W + b`` (``W``: ``(in_features, out_features)``), output features split.
 
     The column-parallel layer of `ColumnParallelLinear` in ``Conv1D``'s layout: each rank
@@ -106,20 +104,6 @@ class ColumnParallelConv1D(nn.Module):
                 layer.bias.copy_(layer.shard.take(bias, 0))
         return layer
 
-    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
-        """The dense parameters in ``Conv1D``'s layout, on ``dst`` (placeholders elsewhere)."""
-        out = {"weight": gather_shards(self.weight.detach(), self.shard, 1, dst)}
-        if self.bias is not None:
-            out["bias"] = gather_shards(self.bias.detach(), self.shard, 0, dst)
-        return out
-
-    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
-        """Load ``Conv1D`` parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        with torch.no_grad():
-            self.weight.copy_(scatter_shards(state.get("weight"), self.shard, 1, src))
-            if self.bias is not None:
-                self.bias.copy_(scatter_shards(state.get("bias"), self.shard, 0, src))
-
     def extra_repr(self) -> str:
         """The sizes, with this rank's shard."""
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -127,7 +111,7 @@ class ColumnParallelConv1D(nn.Module):
                 f"gather_output={self.gather_output}")
 
 
-class RowParallelConv1D(nn.Module):
+class RowParallelConv1D(ShardedLayer):
     """``y = x W + b`` (``W``: ``(in_features, out_features)``), input features split.
 
     Each rank multiplies its slice of the input by ``W[shard, :]``; the partial results are
@@ -197,22 +181,6 @@ class RowParallelConv1D(nn.Module):
             if layer.bias is not None and bias is not None:
                 layer.bias.copy_(bias)
         return layer
-
-    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
-        """The dense parameters in ``Conv1D``'s layout, on ``dst`` (placeholders elsewhere)."""
-        g = self.shard.group
-        out = {"weight": gather_shards(self.weight.detach(), self.shard, 0, dst)}
-        if self.bias is not None:
-            out["bias"] = self.bias.detach().clone() if g.rank == dst else \
-                TensorPlaceholder.like(self.bias.detach(), owner=dst, group=g.handle)
-        return out
-
-    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
-        """Load ``Conv1D`` parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        with torch.no_grad():
-            self.weight.copy_(scatter_shards(state.get("weight"), self.shard, 0, src))
-            if self.bias is not None:
-                self.bias.copy_(broadcast(state.get("bias"), src=src, group=self.shard.group))
 
     def extra_repr(self) -> str:
         """The sizes, with this rank's shard."""

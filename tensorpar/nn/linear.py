@@ -21,7 +21,7 @@ from tensorpar.nn._spec_cache import SpecCache
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import reduce_from_group
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardedLayer"]
 
 DenseOrPlaceholders = nn.Linear | dict[str, TensorPlaceholder]
 
@@ -35,7 +35,42 @@ def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -
             bias.uniform_(-bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class ShardedLayer(nn.Module):
+    """A layer whose parameters are split per `sharded_dims` (the rest replicated).
+
+    Gives the dense parameters back (`full_state`) and takes them (`load_full_state`):
+    sharded parameters are gathered / scattered along their dim with every block of a
+    packed shard in its dense place; replicated ones (a row-parallel bias) are copied from
+    ``dst`` / broadcast from ``src``.
+    """
+
+    sharded_dims: ClassVar[dict[str, int]]
+    shard: AnyShard
+
+    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
+        """The dense parameters on ``dst`` (dense layout); placeholders elsewhere."""
+        g = self.shard.group
+        out: dict[str, torch.Tensor | TensorPlaceholder] = {}
+        for name, p in self.named_parameters(recurse=False):
+            dim = self.sharded_dims.get(name)
+            value = p.detach()
+            if dim is not None:
+                out[name] = gather_shards(value, self.shard, dim, dst)
+            else:
+                out[name] = value.clone() if g.rank == dst else \
+                    TensorPlaceholder.like(value, owner=dst, group=g.handle)
+        return out
+
+    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
+        """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters(recurse=False):
+                dim = self.sharded_dims.get(name)
+                p.copy_(scatter_shards(state.get(name), self.shard, dim, src) if dim is not None
+                        else broadcast(state.get(name), src=src, group=self.shard.group))
+
+
+class ColumnParallelLinear(ShardedLayer):
     """``y = x W^T + b`` with ``W``'s output features split across ``group``.
 
     Each rank holds ``out_features`` rows of its shard (balanced like ``tensor_split``, in
@@ -129,19 +164,6 @@ class ColumnParallelLinear(nn.Module):
         state = self.full_state(dst)
         return _dense_linear(state, self.in_features, self.out_features)
 
-    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
-        """The dense parameters (blocks in dense order) on ``dst``; placeholders elsewhere."""
-        params = {"weight": self.weight} if self.bias is None else \
-            {"weight": self.weight, "bias": self.bias}
-        return {k: gather_shards(p.detach(), self.shard, 0, dst) for k, p in params.items()}
-
-    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
-        """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        with torch.no_grad():
-            self.weight.copy_(scatter_shards(state.get("weight"), self.shard, 0, src))
-            if self.bias is not None:
-                self.bias.copy_(scatter_shards(state.get("bias"), self.shard, 0, src))
-
     def extra_repr(self) -> str:
         """The sizes, with this rank's shard."""
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -149,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedLayer):
     """``y = x W^T + b`` with ``W``'s input features split across ``group``.
 
     Each rank multiplies its slice of the input features; the partial results are summed
@@ -243,24 +265,6 @@ class RowParallelLinear(nn.Module):
     def to_dense(self, dst: int = 0) -> DenseOrPlaceholders:
         """The dense ``nn.Linear`` on ``dst``; placeholders of its parameters elsewhere."""
         return _dense_linear(self.full_state(dst), self.in_features, self.out_features)
-
-    def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:
-        """The dense parameters, gathered on ``dst`` (placeholders elsewhere)."""
-        g = self.shard.group
-        out = {"weight": gather(self.weight.detach(), dim=1, dst=dst, group=g,
-                                sizes=self.shard.sizes)}
-        if self.bias is not None:
-            out["bias"] = self.bias.detach().clone() if g.rank == dst else \
-                TensorPlaceholder.like(self.bias.detach(), owner=dst, group=g.handle)
-        return out
-
-    def load_full_state(self, state: Mapping[str, Any], src: int = 0) -> None:
-        """Load dense parameters held on ``src`` (``None``/placeholders elsewhere)."""
-        g, sizes = self.shard.group, self.shard.sizes
-        with torch.no_grad():
-            self.weight.copy_(scatter(state.get("weight"), dim=1, src=src, group=g, sizes=sizes))
-            if self.bias is not None:
-                self.bias.copy_(broadcast(state.get("bias"), src=src, group=g))
 
     def extra_repr(self) -> str:
         """The sizes, with this rank's shard."""
