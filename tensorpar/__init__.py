@@ -30,6 +30,7 @@ from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallel
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
 from tensorpar.reducer import BucketedAllReduce
 from tensorpar.regions import copy_to_group, gather_from_group, reduce_from_group, split_to_group
+from tensorpar.topology import Topology
 from tensorpar.validation import validation, validation_enabled
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "ReducerError",
     "TensorPlaceholder",
     "TensorparError",
+    "Topology",
     "UnresolvedCollectiveError",
     "WireFormatError",
     "__version__",

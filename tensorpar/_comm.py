@@ -25,6 +25,7 @@ from tensorpar._group import Group
 __all__ = ["CollectiveRecord", "CommCounter"]
 
 Purpose = Literal["data", "meta"]
+Scope = Literal["intra", "inter", "mixed"]
 _META = "all_gather (a metadata exchange)"
 
 
@@ -38,12 +39,18 @@ class CollectiveRecord:
         nbytes: payload this rank handed to the collective (its input buffers), in bytes.
             A rank that only receives (a non-source rank of a scatter) records 0.
         purpose: ``"data"`` for tensor payload, ``"meta"`` for a metadata header exchange.
+        scope: where the group's ranks live, once a `tensorpar.Topology` has described
+            them: ``"intra"`` (all on one machine), ``"inter"`` (each on a different machine:
+            every byte crosses the network, like the rails of a hierarchical all-reduce),
+            ``"mixed"`` (several machines, some holding several of the ranks: a flat
+            collective over a multi-machine job), or ``None`` (no topology covers the group).
     """
 
     kind: str
     group_size: int
     nbytes: int
     purpose: Purpose
+    scope: Scope | None = None
 
 
 class CommCounter:
@@ -73,17 +80,28 @@ class CommCounter:
         with _LOCK:
             _ACTIVE.remove(self)
 
-    def count(self, kind: str | None = None, *, purpose: Purpose | None = None) -> int:
-        """Number of recorded collectives, optionally only of one ``kind`` and/or ``purpose``."""
-        return sum(1 for r in self._select(kind, purpose))
+    def count(self, kind: str | None = None, *, purpose: Purpose | None = None,
+              scope: Scope | None = None) -> int:
+        """Number of recorded collectives matching ``kind``, ``purpose`` and ``scope``.
 
-    def nbytes(self, kind: str | None = None, *, purpose: Purpose | None = None) -> int:
-        """Total payload bytes of the recorded collectives matching ``kind``/``purpose``."""
-        return sum(r.nbytes for r in self._select(kind, purpose))
+        Each filter left at ``None`` matches every record; see `CollectiveRecord`.
+        """
+        return sum(1 for r in self._select(kind, purpose, scope))
 
-    def _select(self, kind: str | None, purpose: Purpose | None) -> Iterator[CollectiveRecord]:
+    def nbytes(self, kind: str | None = None, *, purpose: Purpose | None = None,
+               scope: Scope | None = None) -> int:
+        """Total payload bytes of the recorded collectives matching the filters of `count`.
+
+        ``nbytes(scope="intra")`` and ``nbytes(scope="inter")`` tell the bytes handed to
+        collectives within one machine from those handed to collectives across machines.
+        """
+        return sum(r.nbytes for r in self._select(kind, purpose, scope))
+
+    def _select(self, kind: str | None, purpose: Purpose | None, scope: Scope | None
+                ) -> Iterator[CollectiveRecord]:
         for r in self.records:
-            if (kind is None or r.kind == kind) and (purpose is None or r.purpose == purpose):
+            if (kind is None or r.kind == kind) and (purpose is None or r.purpose == purpose) \
+                    and (scope is None or r.scope == scope):
                 yield r
 
     def __repr__(self) -> str:
@@ -105,10 +123,38 @@ def _record(kind: str, group: Group, sent: Sequence[torch.Tensor] | None, purpos
 
     Callers check ``_ACTIVE`` first, so a call without a counter builds nothing.
     """
-    record = CollectiveRecord(kind, group.size, _nbytes(sent or []), purpose)
+    record = CollectiveRecord(kind, group.size, _nbytes(sent or []), purpose, _scope(group))
     with _LOCK:
         for counter in _ACTIVE:
             counter.records.append(record)
+
+
+_MACHINE_OF: dict[int, int] = {}
+"""Global rank -> its machine (the machine's lowest global rank), as topologies describe them."""
+
+
+def note_machines(machines: Sequence[Sequence[int]]) -> None:
+    """Record which global ranks share a machine (called by `tensorpar.Topology`)."""
+    for ranks in machines:
+        for rank in ranks:
+            _MACHINE_OF[rank] = min(ranks)
+
+
+def _scope(group: Group) -> Scope | None:
+    """Where ``group``'s ranks live (see `CollectiveRecord.scope`); only counters ask."""
+    handle = group.ref() if group.ref is not None else None
+    if handle is None or not _MACHINE_OF:
+        return None
+    try:
+        ranks = dist.get_process_group_ranks(handle)
+    except (RuntimeError, ValueError):
+        return None
+    if any(r not in _MACHINE_OF for r in ranks):
+        return None
+    machines = {_MACHINE_OF[r] for r in ranks}
+    if len(machines) == 1:
+        return "intra"
+    return "inter" if len(machines) == len(ranks) else "mixed"
 
 
 def _pg(group: Group) -> dist.ProcessGroup | None:

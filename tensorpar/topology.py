@@ -162,6 +162,7 @@ class Topology:
         me = world.rank
         topo: Topology | None = None
         for layout in layouts:  # every rank creates every subgroup, in this order
+            _comm.note_machines(layout.machines)
             machines, per_machine = len(layout.machines), len(layout.machines[0])
             intra = [_new_group(ranks) for ranks in layout.machines] if per_machine > 1 else []
             gather = ([_new_group(ranks) for ranks in layout.machines]

@@ -31,6 +31,7 @@ def _synthetic() -> dict[str, Any]:
                 "tensorpar": 1.3e-3, "tensorpar_known_meta": 1.2e-3}]
     hier = [{"mib": m, "flat": 0.1 * m, "hierarchical": 0.07 * m,
              "hierarchical_one_slice": 0.09 * m} for m in (1.0, 4.0)]
+    hier.append({"table": "reducer", "tensorpar": 1.0, "tensorpar_hierarchical": 0.8})
     suites = {"collectives": collectives, "reducer": reducer, "layers": layers,
               "scatter-gather": scatter, "hierarchical": hier}
     return {"machine": report.machine(), "date": "2026-01-01 00:00 UTC", "settings": {},

@@ -28,6 +28,21 @@ def _namespaces():
 
 @needs_root
 @pytest.mark.timeout(240)
+def test_reducer_end_to_end_with_the_hierarchical_algorithm():
+    from tensorpar.bench import reducer_cluster
+
+    row = reducer_cluster.run_cluster(
+        link="4gbit", machines=2, ranks_per_machine=2, rounds=1,
+        variants=("tensorpar_hierarchical", "no_comm", "raw_all_reduce", "raw_hierarchical"),
+        timeout=200)
+    assert row["world_size"] == 4 and row["params"] == 8 * (1024 * 1024 + 1024)
+    assert row["limit"] == max(row["no_comm"], min(row["raw_all_reduce"],
+                                                   row["raw_hierarchical"]))
+    assert row["tensorpar_hierarchical"] > row["no_comm"] > 0
+
+
+@needs_root
+@pytest.mark.timeout(240)
 def test_hierarchical_equals_flat_across_simulated_machines():
     before = _namespaces()
     with SimulatedCluster(machines=2, ranks_per_machine=2, link="1gbit") as cluster:

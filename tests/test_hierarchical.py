@@ -77,6 +77,31 @@ def test_async_calls_in_flight_together():
     assert run_distributed(_async_calls_overlap, 4, timeout=TIMEOUT) == [([True] * 3, 6.0)] * 4
 
 
+def _bytes_by_scope():
+    import tensorpar as tp
+
+    topo = Topology.grid(2)
+    n = 2**16
+    with tp.CommCounter() as hier:
+        tp.all_reduce(torch.ones(n), algorithm="hierarchical", topology=topo)
+    with tp.CommCounter() as flat:
+        tp.all_reduce(torch.ones(n))
+    with tp.CommCounter() as local:  # a collective on the machine's own group
+        dist.all_reduce(torch.ones(1), group=topo.intra_group)  # (not tensorpar's: not counted)
+        tp.all_reduce(torch.ones(n), group=topo.intra_group)
+    return ([hier.nbytes(scope=s) for s in ("intra", "inter", "mixed")],
+            [flat.nbytes(scope=s) for s in ("intra", "inter", "mixed")],
+            [local.nbytes(scope=s) for s in ("intra", "inter", "mixed")], local.count())
+
+
+def test_comm_counter_tells_intra_from_inter_machine_bytes():
+    # per rank of a 2 x 2 grid, n float32: reduce-scatter n*4 and all-gather of its half n*2
+    # within the machine, the half's all-reduce n*2 across; flat: n*4 over a mixed group
+    n4 = 4 * 2**16
+    assert run_distributed(_bytes_by_scope, 4, timeout=TIMEOUT) == \
+        [([n4 + n4 // 2, n4 // 2, 0], [0, 0, n4], [n4, 0, 0], 1)] * 4
+
+
 def _shapes_and_grad_leaf():
     topo = Topology.grid(2)
     x = torch.ones(3, 5, 7, requires_grad=True)  # a gradient bucket may be a leaf

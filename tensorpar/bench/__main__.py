@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(e.g. 2x1; needs root) instead of loopback")
     parser.add_argument("--slice-mib", type=float,
                         help="hierarchical: pipeline slice size in MiB; default: 4")
+    parser.add_argument("--skip-reducer", action="store_true", default=None,
+                        help="hierarchical: time the all-reduce only, not the reducer end to "
+                             "end on the same cluster")
+    parser.add_argument("--reducer-rounds", type=int,
+                        help="hierarchical: timed rounds of the reducer end to end; default: 7")
     parser.add_argument("--profile", type=int, nargs="?", const=15, metavar="TOP",
                         help="layers: also profile tensorpar's step and the floor's and print "
                              "the TOP functions per step (default 15)")

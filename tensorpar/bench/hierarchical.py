@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tensorpar.bench import reducer_cluster
 from tensorpar.bench._timing import format_table
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.testing.cluster import SimulatedCluster, link_bytes
@@ -78,6 +79,28 @@ def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     """
     rows = run_cluster(mib=args.mib, rounds=args.rounds, link=args.link,
                        slice_mib=args.slice_mib, timeout=args.timeout)
+    _print_table(rows, args)
+    if args.skip_reducer:
+        return rows
+    end_to_end = reducer_cluster.run_cluster(
+        link=args.link, machines=2, ranks_per_machine=2, rounds=args.reducer_rounds,
+        variants=reducer_cluster.HIERARCHICAL_VARIANTS, timeout=args.timeout)
+    _print_reducer_table(end_to_end, args)
+    return [*rows, {"table": "reducer", **end_to_end}]
+
+
+def _print_reducer_table(r: dict[str, Any], args: argparse.Namespace) -> None:
+    variants = reducer_cluster.HIERARCHICAL_VARIANTS
+    print(format_table(["variant", "ms / iteration", "/ limit", "/ tensorpar (flat)"],
+                       [[v, f"{r[v] * 1e3:.1f}", f"{r[f'{v}_over_limit']:.2f}",
+                         f"{r[v] / r['tensorpar']:.2f}"] for v in variants]))
+    print(f"(the reducer end to end on the same 2 x 2 cluster, {args.link} links: "
+          f"{r['params']:,} parameters, batch {reducer_cluster.BATCH} per rank, forward + "
+          f"backward + averaging; median of {args.reducer_rounds} rounds, slowest rank; "
+          f"limit = max(no_comm, fastest raw all-reduce) = {r['limit'] * 1e3:.1f} ms)")
+
+
+def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(format_table(
         ["size", "flat ms", "hier ms", "hier/flat", "1-slice ms", "1-slice/flat",
          "flat MB sent", "hier MB sent", "sent hier/flat"],
@@ -92,7 +115,6 @@ def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"{args.slice_mib:g} MiB slices; 1-slice: the three stages one after another. "
           f"MB sent: bytes each machine sent over its link per call (kernel counters, "
           f"headers included; the busiest machine))")
-    return rows
 
 
 def _measure(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, Any]:

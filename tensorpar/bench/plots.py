@@ -116,6 +116,7 @@ def _scatter_gather(plt: Any, rows: list[dict[str, Any]], title: str) -> Any:
 
 def _hierarchical(plt: Any, rows: list[dict[str, Any]], title: str) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = [r for r in rows if "mib" in r]  # the all-reduce rows, not the reducer's
     for key in ("flat", "hierarchical", "hierarchical_one_slice"):
         ax.plot([r["mib"] for r in rows], [r[key] * 1e3 for r in rows], marker="o", label=key)
     ax.set_xscale("log", base=2)

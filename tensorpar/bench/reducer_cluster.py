@@ -17,7 +17,14 @@ backward + gradient averaging, no optimizer step. Variants, each on its own copy
 - ``powersgd`` / ``ddp_powersgd``: PowerSGD (rank 1, from the third iteration) through
   ``register_comm_hook`` of tensorpar and of DDP.
 
-The limit is ``max(no_comm, raw_all_reduce)``: what perfect overlap would give.
+Not in the default set (``python -m tensorpar.bench hierarchical`` runs them on 2 x 2):
+
+- ``tensorpar_hierarchical``: ``BucketedAllReduce(..., algorithm="hierarchical")`` with the
+  `Topology` detected from torchrun;
+- ``raw_hierarchical``: one hierarchical all-reduce of a flat tensor as large as all the
+  gradients.
+
+The limit is ``max(no_comm, fastest raw all-reduce)``: what perfect overlap would give.
 """
 
 from __future__ import annotations
@@ -35,18 +42,23 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from tensorpar.bench._timing import format_table, time_side_by_side
+from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.reducer import BucketedAllReduce
 from tensorpar.testing.cluster import SimulatedCluster
+from tensorpar.topology import Topology
 
 __all__ = ["VARIANTS", "rank_main", "run_cluster", "suite"]
 
 WIDTH, LAYERS, BATCH = 1024, 8, 128
 VARIANTS = ("tensorpar", "tensorpar_8mib", "tensorpar_overlap", "ddp", "flatten_at_end", "no_comm",
             "raw_all_reduce", "powersgd", "ddp_powersgd")
+HIERARCHICAL_VARIANTS = ("tensorpar", "tensorpar_hierarchical", "ddp", "no_comm",
+                         "raw_all_reduce", "raw_hierarchical")
 _MARKER = "TENSORPAR-BENCH-RESULT "
 _TENSORPAR: dict[str, dict[str, Any]] = {  # the tensorpar variants' reducer options
     "tensorpar": {}, "tensorpar_8mib": {"bucket_cap_mb": 8.0},
-    "tensorpar_overlap": {"bucket_cap_mb": 8.0, "overlap_groups": 2}, "powersgd": {}}
+    "tensorpar_overlap": {"bucket_cap_mb": 8.0, "overlap_groups": 2}, "powersgd": {},
+    "tensorpar_hierarchical": {"algorithm": "hierarchical"}}
 
 
 def _model() -> nn.Sequential:
@@ -87,6 +99,8 @@ def _steps(variants: Sequence[str], options: dict[str, Any]
     steps: dict[str, Callable[[], object]] = {}
     models: list[nn.Module] = []
     reducers: list[BucketedAllReduce] = []
+    needs_topology = {"tensorpar_hierarchical", "raw_hierarchical"} & set(variants)
+    topology = Topology.detect() if needs_topology else None  # collective: all ranks alike
 
     def backward_of(module: nn.Module) -> Callable[[], object]:
         return lambda: module(x).square().mean().backward()
@@ -96,6 +110,8 @@ def _steps(variants: Sequence[str], options: dict[str, Any]
         models.append(model)
         if v in _TENSORPAR:
             extra = _TENSORPAR[v]
+            if extra.get("algorithm") == "hierarchical":
+                extra = {**extra, "topology": topology}
             reducer = BucketedAllReduce(model, broadcast_buffers=False,
                                         **{**options, **extra})
             if v == "powersgd":
@@ -114,9 +130,13 @@ def _steps(variants: Sequence[str], options: dict[str, Any]
         elif v == "raw_all_reduce":
             flat = torch.zeros(sum(p.numel() for p in model.parameters()))
             steps[v] = lambda flat=flat: dist.all_reduce(flat)  # type: ignore[misc]
+        elif v == "raw_hierarchical" and topology is not None:
+            flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+            steps[v] = lambda flat=flat: hierarchical_all_reduce(  # type: ignore[misc]
+                flat, topology)
         else:
             raise ValueError(f"reducer cluster benchmark: unknown variant {v!r}, expected one "
-                             f"of {VARIANTS}")
+                             f"of {sorted(set(VARIANTS + HIERARCHICAL_VARIANTS))}")
     return steps, models, reducers
 
 
@@ -167,7 +187,8 @@ def run_cluster(*, link: str, machines: int = 2, ranks_per_machine: int = 1, rou
 
     Returns:
         Median seconds per iteration of every variant (slowest rank), ``params``,
-        ``world_size``, ``link``, ``limit`` and ``<variant>_over_limit`` for each variant.
+        ``world_size``, ``link``, ``limit`` (``max(no_comm, fastest raw all-reduce)``) and
+        ``<variant>_over_limit`` for each variant.
 
     Raises:
         ClusterError: the cluster could not be built, or the job failed or timed out.
@@ -181,8 +202,9 @@ def run_cluster(*, link: str, machines: int = 2, ranks_per_machine: int = 1, rou
             row: dict[str, Any] = {"link": link, "machines": machines,
                                    "ranks_per_machine": ranks_per_machine,
                                    **json.loads(line[len(_MARKER):])}
-            if "no_comm" in row and "raw_all_reduce" in row:
-                row["limit"] = max(row["no_comm"], row["raw_all_reduce"])
+            raws = [row[k] for k in ("raw_all_reduce", "raw_hierarchical") if k in row]
+            if "no_comm" in row and raws:
+                row["limit"] = max(row["no_comm"], min(raws))
                 for v in variants:
                     row[f"{v}_over_limit"] = row[v] / row["limit"]
             return row

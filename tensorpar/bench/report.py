@@ -45,7 +45,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "reducer": {"world_sizes": [2], "models": ["8M"], "rounds": 3},
     "layers": {"world_sizes": [2], "rounds": 3},
     "hierarchical": {"mib": [1.0, 4.0], "rounds": 2, "link": "500mbit", "slice_mib": 1.0,
-                     "timeout": 600.0},
+                     "timeout": 600.0, "skip_reducer": True},
 }
 """Settings of ``all --quick``: one small world size, small payloads, few rounds."""
 

@@ -195,5 +195,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
                 "timeout": 900.0},
     "layers": {"world_sizes": [2, 4], "rounds": 7},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
-                     "slice_mib": 4.0, "timeout": 900.0},
+                     "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
+                     "reducer_rounds": 7},
 }

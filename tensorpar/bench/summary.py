@@ -82,7 +82,7 @@ def _hierarchical(rows: list[dict[str, Any]]) -> Table:
             ["size", "flat ms", "hierarchical ms", "hierarchical / flat", "one slice ms"],
             [[f"{r['mib']:g} MiB", _ms(r["flat"]), _ms(r["hierarchical"]),
               _x(r["hierarchical"] / r["flat"]), _ms(r["hierarchical_one_slice"])]
-             for r in rows],
+             for r in rows if "mib" in r],
             "Two simulated machines with rate-limited links; median of the slowest rank.")
 
 
