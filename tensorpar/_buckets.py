@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,3 +98,14 @@ def plan_buckets(params: Sequence[torch.Tensor], names: Sequence[str], order: Se
         buckets.append(Bucket(index, buffer, members, [names[i] for i in members], offsets,
                               comm_dtype_of.get(first.dtype, first.dtype)))
     return buckets
+
+
+def default_bucket_cap_mb(params: Iterable[torch.Tensor]) -> float:
+    """The bucket cap when none is given: a quarter of all the gradients, in [1, 25] MiB.
+
+    With DDP's fixed 25 MiB a model of under ~100 MiB of gradients gets one or two large
+    buckets, and the link idles while the largest fills. A quarter keeps at least four
+    buckets streaming behind the backward pass; large models keep DDP's 25 MiB.
+    """
+    total = sum(p.numel() * p.element_size() for p in params)
+    return min(25.0, max(1.0, total / 4 / MiB))

@@ -4,6 +4,14 @@ A DDP hook takes ``(state, bucket)`` and returns a ``torch.futures.Future`` whos
 bucket's reduced gradients. The hooks torch ships (``default_hooks.allreduce_hook``,
 ``fp16_compress_hook``, ``bf16_compress_hook``, PowerSGD) use a handful of ``GradBucket``
 methods; `HookBucket` offers them over a tensorpar bucket, so the hooks run unchanged.
+
+The reducer runs one hook at a time: it launches a bucket's hook only once the previous
+bucket's future has completed. Hooks issue collectives from their futures' callbacks, on the
+backend's threads (PowerSGD issues its P and Q all-reduces there, and even waits for one
+inside a callback). With several hooks in flight, those callbacks and the next bucket's
+launch could issue collectives in a different order on different ranks (gloo pairs them by
+order: a wrong pairing, or an abort on mismatched sizes), and callbacks blocked in a wait can
+hold every gloo worker thread, a deadlock. Both were seen with PowerSGD and five buckets.
 """
 
 from __future__ import annotations

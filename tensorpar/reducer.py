@@ -13,7 +13,7 @@ from torch import nn
 
 from tensorpar import _comm
 from tensorpar._algorithm import Algorithm, hierarchical_topology
-from tensorpar._buckets import Bucket, MiB, plan_buckets
+from tensorpar._buckets import Bucket, MiB, default_bucket_cap_mb, plan_buckets
 from tensorpar._comm_hook import CommHook
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._group_pool import GroupPool
@@ -46,7 +46,10 @@ class BucketedAllReduce:
         module: the model; every rank must hold the same parameters (checked here).
         group: the data-parallel group (``None``: the default group).
         bucket_cap_mb: bucket size in MiB: a bucket closes once it holds at least this much
-            (so it exceeds the cap by at most its last parameter).
+            (so it exceeds the cap by at most its last parameter). ``None`` (default): a
+            quarter of all the gradients, between 1 and 25 MiB, so that even a small model's
+            gradients stream in several buckets behind the backward pass instead of waiting
+            for one large bucket to fill (DDP's default is always 25 MiB).
         first_bucket_mb: the same for the first bucket launched, which is smaller so that
             communication starts early (``min`` with ``bucket_cap_mb``).
         find_unused_parameters: allow parameters that get no gradient on some or all ranks
@@ -81,13 +84,16 @@ class BucketedAllReduce:
     """
 
     def __init__(self, module: nn.Module, *, group: GroupLike = None,
-                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 bucket_cap_mb: float | None = None, first_bucket_mb: float = 1.0,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  average: bool = True, gradient_predivide_factor: float | None = None,
                  reduce_dtype: torch.dtype | None = None,
                  compress_dtype: torch.dtype | None = None,
                  rebuild_buckets: bool = True, algorithm: Algorithm = "flat",
                  topology: Topology | None = None, overlap_groups: int = 1) -> None:
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if bucket_cap_mb is None:
+            bucket_cap_mb = default_bucket_cap_mb(p for _, p in named)
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"BucketedAllReduce: bucket_cap_mb={bucket_cap_mb} and "
                              f"first_bucket_mb={first_bucket_mb} must be positive")
@@ -114,7 +120,6 @@ class BucketedAllReduce:
             self._comm_dtype_of.update({torch.float32: compress_dtype,
                                         torch.float64: compress_dtype})
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._registered = self._snapshot()
@@ -347,6 +352,10 @@ class BucketedAllReduce:
             self._check("BucketedAllReduce bucket", dtype=target.dtype, shape=target.shape,
                         bucket=bucket.index)
         if self._hook is not None:
+            if bucket.index:  # one hook in flight at a time (see tensorpar._comm_hook)
+                previous = self.buckets[bucket.index - 1].future
+                assert previous is not None  # buckets launch in index order
+                previous.wait()
             params = [self._params[i] for i in bucket.param_indices]
             bucket.future = self._hook.launch(bucket, params,
                                               bucket.index == len(self.buckets) - 1)

@@ -5,6 +5,8 @@ float32 MLP, built from the same seed on every rank, on the same per-rank input;
 step. Variants:
 
 - ``tensorpar``: ``BucketedAllReduce(model, bucket_cap_mb=25, broadcast_buffers=False)``;
+- ``tensorpar_default``: the same with its default bucket size (a quarter of the gradients,
+  in [1, 25] MiB);
 - ``ddp``: ``DistributedDataParallel(model, bucket_cap_mb=25, broadcast_buffers=False)``;
 - ``per_param``: after backward, one blocking all-reduce per gradient, then a division;
 - ``flatten_at_end``: after backward, concatenate every gradient, one all-reduce, divide,
@@ -39,7 +41,8 @@ MODELS: dict[str, int] = {"8M": 1000, "30M": 1936}
 """Model name -> width of its 8 square Linear layers (with bias): 16 parameter tensors."""
 LAYERS = 8
 BATCH = 8
-VARIANTS = ("tensorpar", "ddp", "per_param", "flatten_at_end", "no_comm", "raw_all_reduce")
+VARIANTS = ("tensorpar", "tensorpar_default", "ddp", "per_param", "flatten_at_end", "no_comm",
+            "raw_all_reduce")
 MEMORY_VARIANTS = ("tensorpar", "ddp")
 
 Step = Callable[[], object]
@@ -100,15 +103,15 @@ def _ddp(model: nn.Module) -> nn.Module:
                                                    broadcast_buffers=False)
 
 
-def _tensorpar(model: nn.Module) -> BucketedAllReduce:
-    return BucketedAllReduce(model, bucket_cap_mb=25, broadcast_buffers=False)
+def _tensorpar(model: nn.Module, bucket_cap_mb: float | None = 25) -> BucketedAllReduce:
+    return BucketedAllReduce(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
 
 
 def _make_steps(name: str
-                ) -> tuple[dict[str, nn.Module], dict[str, Step], BucketedAllReduce]:
-    """Each variant's model (its own copy, same seed), its one-iteration step, and the reducer.
+                ) -> tuple[dict[str, nn.Module], dict[str, Step], list[BucketedAllReduce]]:
+    """Each variant's model (its own copy, same seed), its one-iteration step, the reducers.
 
-    Call ``remove()`` on the reducer when done: its gradient hooks close a reference cycle
+    Call ``remove()`` on the reducers when done: its gradient hooks close a reference cycle
     through the parameters that the garbage collector cannot see, so it would never be freed.
     """
     world = dist.get_world_size()
@@ -116,27 +119,29 @@ def _make_steps(name: str
     models: dict[str, nn.Module] = {v: build_model(name) for v in VARIANTS
                                     if v != "raw_all_reduce"}
     tp_reducer = _tensorpar(models["tensorpar"])
+    default_reducer = _tensorpar(models["tensorpar_default"], None)
     ddp = _ddp(models["ddp"])
     numel = sum(p.numel() for p in models["no_comm"].parameters())
     flat = torch.zeros(numel)  # zeros stay zeros however often they are summed
     steps: dict[str, Step] = {
         "tensorpar": lambda: _loss(tp_reducer.module, x).backward(),
+        "tensorpar_default": lambda: _loss(default_reducer.module, x).backward(),
         "ddp": lambda: _loss(ddp, x).backward(),
         "per_param": lambda: _per_param_step(models["per_param"], x, world),
         "flatten_at_end": lambda: _flatten_step(models["flatten_at_end"], x, world),
         "no_comm": lambda: _loss(models["no_comm"], x).backward(),
         "raw_all_reduce": lambda: dist.all_reduce(flat),
     }
-    return models, steps, tp_reducer
+    return models, steps, [tp_reducer, default_reducer]
 
 
 def check_parity(models: dict[str, nn.Module], steps: dict[str, Step]) -> None:
     """One iteration of every averaging variant; assert their gradients equal DDP's."""
-    for v in ("tensorpar", "ddp", "per_param", "flatten_at_end"):
+    for v in ("tensorpar", "tensorpar_default", "ddp", "per_param", "flatten_at_end"):
         models[v].zero_grad(set_to_none=True)
         steps[v]()
     reference = _grads(models["ddp"])
-    for v in ("tensorpar", "per_param", "flatten_at_end"):
+    for v in ("tensorpar", "tensorpar_default", "per_param", "flatten_at_end"):
         for i, (ours, theirs) in enumerate(zip(_grads(models[v]), reference, strict=True)):
             assert torch.allclose(ours, theirs, rtol=1e-5), (
                 f"rank {dist.get_rank()}: {v}: gradient {i} differs from DDP's "
@@ -153,7 +158,7 @@ def run_rank(name: str, rounds: int) -> dict[str, Any]:
     """
     from tensorpar.bench._timing import time_side_by_side
 
-    models, steps, tp_reducer = _make_steps(name)
+    models, steps, reducers = _make_steps(name)
     check_parity(models, steps)
 
     def zero_all() -> None:
@@ -163,13 +168,15 @@ def run_rank(name: str, rounds: int) -> dict[str, Any]:
     # "zero_grad" runs first in every round, between barriers, so no variant's timed call
     # includes freeing or zeroing its gradients.
     t = time_side_by_side({"zero_grad": zero_all, **steps}, rounds=rounds)
-    tp_reducer.remove()
+    for reducer in reducers:
+        reducer.remove()
     params = list(models["no_comm"].parameters())
     row: dict[str, Any] = {
         "model": name, "world_size": dist.get_world_size(),
         "params": sum(p.numel() for p in params), "tensors": len(params),
         "grad_bytes": sum(p.numel() * p.element_size() for p in params), **t,
         "tp_over_ddp": t["tensorpar"] / t["ddp"],
+        "tp_default_over_ddp": t["tensorpar_default"] / t["ddp"],
     }
     for v in ("tensorpar", "ddp", "per_param", "flatten_at_end"):
         row[f"exposed_{v}"] = t[v] - t["no_comm"]

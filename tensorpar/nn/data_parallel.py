@@ -28,9 +28,11 @@ class DistributedDataParallel(nn.Module):
 
     DDP's arguments and what they do here:
 
-    - ``module``, ``process_group`` (or ``device_mesh``, a 1-D mesh), ``bucket_cap_mb``
-      (default 25), ``find_unused_parameters``, ``broadcast_buffers`` (default True) and
-      ``no_sync()`` work as in DDP; so does `register_comm_hook` with torch's own hooks.
+    - ``module``, ``process_group`` (or ``device_mesh``, a 1-D mesh), ``bucket_cap_mb``,
+      ``find_unused_parameters``, ``broadcast_buffers`` (default True) and ``no_sync()``
+      work as in DDP; so does `register_comm_hook` with torch's own hooks. Left out,
+      ``bucket_cap_mb`` is a quarter of the gradients between 1 and 25 MiB, where DDP's is
+      always 25 (see `BucketedAllReduce`).
     - ``device_ids`` / ``output_device``: at most one device (the module's); inputs are not
       moved (move them before the call, as with a single-device DDP module). ``dim``: only 0.
     - ``gradient_as_bucket_view``: always on (gradients are always bucket views).
@@ -88,7 +90,7 @@ class DistributedDataParallel(nn.Module):
         try:
             self.reducer = BucketedAllReduce(
                 module, group=device_mesh if device_mesh is not None else process_group,
-                bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
+                bucket_cap_mb=bucket_cap_mb,
                 first_bucket_mb=first_bucket_mb, find_unused_parameters=find_unused_parameters,
                 broadcast_buffers=True if broadcast_buffers is None else broadcast_buffers,
                 average=average, gradient_predivide_factor=gradient_predivide_factor,
