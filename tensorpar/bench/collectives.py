@@ -7,6 +7,9 @@ doing it by hand: the backend's own uneven ``all_to_all_single`` (what tensorpar
 exchange with ``sizes`` calls), padding every chunk to the largest, and point-to-point sends
 (what tensorpar does on gloo for its other uneven exchanges).
 
+Each equal-chunk call is also timed with validation mode on (`tensorpar.validation`): the
+"validation" rows give its cost, on over off.
+
 Every payload is a 1-D float32 tensor, so the split/concat dim is the only one and no reshaping
 copy is ever needed. ``nbytes`` is the size of the tensor each rank passes in.
 """
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.functional import all_gather, all_reduce, all_to_all, reduce_scatter
+from tensorpar.validation import validation
 
 __all__ = ["native_all_to_all", "padded_all_to_all", "p2p_all_to_all", "run_rank",
            "uneven_splits"]
@@ -79,6 +83,14 @@ def p2p_all_to_all(x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     for work in works:
         work.wait()
     return out
+
+
+def _validated(call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with validation mode on (every rank switches alike, around each call)."""
+    def run() -> object:
+        with validation(True):
+            return call()
+    return run
 
 
 def _check(name: str, *outputs: object) -> None:
@@ -169,6 +181,8 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
             "tensorpar": lambda: all_to_all(x, split_dim=0, concat_dim=0, sizes=even),
         },
     }
+    for cases in groups.values():  # the same call with validation mode on
+        cases["tensorpar_validated"] = _validated(cases["tensorpar"])
     _check("all_gather", raw_all_gather(), groups["all_gather"]["tensorpar"](),
            groups["all_gather"]["tensorpar_exchange"]())
     _check("reduce_scatter", raw_reduce_scatter(), groups["reduce_scatter"]["tensorpar"]())
@@ -191,6 +205,10 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
         calls = calls_within(budget_s, cases["raw"], minimum=rounds)
         t = time_back_to_back({**cases, "raw_again": cases["raw"]}, calls=calls)
         row(name, t, "tensorpar")
+        rows.append({"table": "validation", "collective": name, "world_size": world,
+                     "nbytes": numel * 4, "calls": calls, "off": t["tensorpar"],
+                     "on": t["tensorpar_validated"],
+                     "ratio": t["tensorpar_validated"] / t["tensorpar"]})
         if name == "all_gather":
             row("all_gather (exchange sizes)", t, "tensorpar_exchange")
         if name == "all_reduce":

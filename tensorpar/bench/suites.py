@@ -75,6 +75,15 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
     print("\nMedian per call over back-to-back calls, slowest rank. raw again/raw: the raw call "
           "timed twice, the spread between identical cases.")
     print()
+    checked = sorted((r for r in results if r["table"] == "validation"),
+                     key=lambda r: (order.index(r["collective"]), r["world_size"], r["nbytes"]))
+    print(format_table(
+        ["validation", "ranks", "size", "off ms", "on ms", "on/off"],
+        [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", _ms(r["off"]),
+          _ms(r["on"]), _x(r["ratio"])] for r in checked]))
+    print("(tensorpar's call with validation mode off and on, timed side by side: on adds one "
+          "small all-gather of every rank's fingerprint before the call)")
+    print()
     uneven = [r for r in results if r["table"] == "uneven_all_to_all"]
     print(format_table(
         ["uneven all_to_all splits", "ranks", "size", "padded bytes", "tensorpar ms",
@@ -119,10 +128,10 @@ def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
                                "per_rank": per_rank})
     print(format_table(
         ["ranks", "model", "params", "tensors", "grads MiB",
-         *(f"{v} ms" for v in reducer.VARIANTS), "tp/ddp"],
+         *(f"{v} ms" for v in reducer.VARIANTS), "tp/ddp", "tp default/ddp"],
         [[r["world_size"], r["model"], f"{r['params']:,}", r["tensors"],
           f"{r['grad_bytes'] / 2**20:.1f}", *(_ms(r[v]) for v in reducer.VARIANTS),
-          _x(r["tp_over_ddp"])] for r in timings]))
+          _x(r["tp_over_ddp"]), _x(r["tp_default_over_ddp"])] for r in timings]))
     print()
     exposed = ("tensorpar", "ddp", "per_param", "flatten_at_end")
     print(format_table(
