@@ -179,7 +179,8 @@ class BucketedAllReduce:
         ``torch.futures.Future`` of the reduced buffer, exactly as for DDP, so torch's own hooks
         (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
         PowerSGD) run unchanged. As in DDP the hook does the averaging: the reducer no longer
-        divides. Register it once, before the first backward pass.
+        divides. Register it once, before the first backward pass. Hooks run one bucket at
+        a time, for the reason in `tensorpar._comm_hook`.
 
         Args:
             state: passed to every call of ``hook`` (e.g. the process group, or a
@@ -352,9 +353,8 @@ class BucketedAllReduce:
             self._check("BucketedAllReduce bucket", dtype=target.dtype, shape=target.shape,
                         bucket=bucket.index)
         if self._hook is not None:
-            if bucket.index:  # one hook in flight at a time (see tensorpar._comm_hook)
-                previous = self.buckets[bucket.index - 1].future
-                assert previous is not None  # buckets launch in index order
+            previous = self.buckets[bucket.index - 1].future if bucket.index else None
+            if previous is not None:  # one hook in flight at a time (see tensorpar._comm_hook)
                 previous.wait()
             params = [self._params[i] for i in bucket.param_indices]
             bucket.future = self._hook.launch(bucket, params,

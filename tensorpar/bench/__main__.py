@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", metavar="MxR",
                         help="reducer: run on a simulated cluster of M machines x R ranks "
                              "(e.g. 2x1; needs root) instead of loopback")
+    parser.add_argument("--batch", type=int,
+                        help="reducer --cluster: rows per rank (default 128: communication-"
+                             "bound at 1gbit; about 640 balances compute and communication)")
     parser.add_argument("--slice-mib", type=float,
                         help="hierarchical: pipeline slice size in MiB; default: 4")
     parser.add_argument("--skip-reducer", action="store_true", default=None,

@@ -90,12 +90,12 @@ def _flatten_step(model: nn.Module, x: torch.Tensor, world: int) -> None:
         g.copy_(part.view_as(g))
 
 
-def _steps(variants: Sequence[str], options: dict[str, Any]
+def _steps(variants: Sequence[str], options: dict[str, Any], batch: int
            ) -> tuple[dict[str, Callable[[], object]], list[nn.Module], list[BucketedAllReduce]]:
     """Each variant's one-iteration step, the models to zero between rounds, the reducers."""
     world = dist.get_world_size()
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    x = torch.randn(BATCH, WIDTH, generator=gen)
+    x = torch.randn(batch, WIDTH, generator=gen)
     steps: dict[str, Callable[[], object]] = {}
     models: list[nn.Module] = []
     reducers: list[BucketedAllReduce] = []
@@ -151,10 +151,11 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--options", default="{}")
+    parser.add_argument("--batch", type=int, default=BATCH)
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    steps, models, reducers = _steps(opts.variants, json.loads(opts.options))
+    steps, models, reducers = _steps(opts.variants, json.loads(opts.options), opts.batch)
 
     def zero_all() -> None:
         for m in models:
@@ -173,7 +174,7 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
 
 def run_cluster(*, link: str, machines: int = 2, ranks_per_machine: int = 1, rounds: int = 11,
                 variants: Sequence[str] = VARIANTS, options: dict[str, Any] | None = None,
-                timeout: float = 1800.0) -> dict[str, Any]:
+                batch: int = BATCH, timeout: float = 1800.0) -> dict[str, Any]:
     """Run the benchmark on a fresh simulated cluster and return rank 0's figures.
 
     Args:
@@ -183,6 +184,8 @@ def run_cluster(*, link: str, machines: int = 2, ranks_per_machine: int = 1, rou
         rounds: timed rounds (after three warm-up rounds).
         variants: the variants to time (see the module's docstring).
         options: extra keyword arguments for the tensorpar reducers.
+        batch: rows per rank; the compute grows with it and the gradients do not (the
+            default 128 is communication-bound at 1 Gbit/s, about 640 balanced).
         timeout: seconds for the whole job.
 
     Returns:
@@ -196,10 +199,11 @@ def run_cluster(*, link: str, machines: int = 2, ranks_per_machine: int = 1, rou
     """
     with SimulatedCluster(machines, ranks_per_machine, link) as cluster:
         result = cluster.run(__file__, "--rounds", rounds, "--variants", *variants,
-                             "--options", json.dumps(options or {}), timeout=timeout).check()
+                             "--options", json.dumps(options or {}), "--batch", batch,
+                             timeout=timeout).check()
     for line in result.machines[0].output.splitlines():
         if line.startswith(_MARKER):
-            row: dict[str, Any] = {"link": link, "machines": machines,
+            row: dict[str, Any] = {"link": link, "machines": machines, "batch": batch,
                                    "ranks_per_machine": ranks_per_machine,
                                    **json.loads(line[len(_MARKER):])}
             raws = [row[k] for k in ("raw_all_reduce", "raw_hierarchical") if k in row]
@@ -216,7 +220,8 @@ def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``python -m tensorpar.bench reducer --cluster MxR --link RATE``: run and print the table.
 
     Args:
-        args: the command line's ``cluster`` (``"2x1"``), ``link``, ``rounds``, ``timeout``.
+        args: the command line's ``cluster`` (``"2x1"``), ``link``, ``batch``, ``rounds``,
+            ``timeout``.
 
     Returns:
         The figures of `run_cluster`, as a one-element list.
@@ -226,13 +231,14 @@ def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(f"reducer: --cluster={args.cluster!r}, expected MACHINESxRANKS "
                          f"(e.g. 2x1)")
     link = args.link or "1gbit"
+    batch = getattr(args, "batch", None) or BATCH
     r = run_cluster(link=link, machines=int(machines), ranks_per_machine=int(per_machine),
-                    rounds=args.rounds, timeout=args.timeout)
+                    rounds=args.rounds, batch=batch, timeout=args.timeout)
     print(format_table(["variant", "ms / iteration", "/ limit", "/ ddp"],
                        [[v, f"{r[v] * 1e3:.1f}", f"{r[f'{v}_over_limit']:.2f}",
                          f"{r[v] / r['ddp']:.2f}"] for v in VARIANTS]))
     print(f"(simulated cluster {args.cluster}, {link} links, gloo; {r['params']:,} parameters "
-          f"(8 x Linear({WIDTH}, {WIDTH}) + GELU), batch {BATCH} per rank; median of "
+          f"(8 x Linear({WIDTH}, {WIDTH}) + GELU), batch {batch} per rank; median of "
           f"{args.rounds} rounds, slowest rank; limit = max(no_comm, raw_all_reduce) = "
           f"{r['limit'] * 1e3:.1f} ms)")
     return [r]
