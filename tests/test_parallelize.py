@@ -310,3 +310,52 @@ def test_load_full_state_dict_missing_key_raises_on_every_rank():
     messages = run_distributed(_load_missing_key, 3)
     assert "['norm.weight']" in messages[0]
     assert all(m is not None and "lacks" in m for m in messages)
+
+
+class _CrossAttention(nn.Module):
+    """q from x; k and v from x too, or from a second input (cross-attention)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, 8) for _ in range(3))
+        self.o_proj = nn.Linear(8, 8)
+
+    def forward(self, x, memory=None):
+        kv = x if memory is None else memory
+        q, k, v = self.q_proj(x), self.k_proj(kv), self.v_proj(kv)
+        return self.o_proj(torch.tanh(q) * torch.sigmoid(k) + v)
+
+
+def _shared_input_all_reduces(cross):
+    dense = _CrossAttention()
+    parallel = tp.parallelize(_CrossAttention(), {"q_proj": "colwise", "k_proj": "colwise",
+                                                  "v_proj": "colwise", "o_proj": "rowwise"})
+    counts = []
+    for step in range(2):  # the same input tensor again: a fresh graph, still exact
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(5, 8, generator=g, requires_grad=True)
+        memory = torch.randn(5, 8, generator=g, requires_grad=True) if cross else None
+        xd = x.detach().clone().requires_grad_()
+        md = None if memory is None else memory.detach().clone().requires_grad_()
+        dense.zero_grad()
+        dense(xd, md).square().sum().backward()
+        parallel.zero_grad()
+        out = parallel(x, memory)
+        with tp.CommCounter() as backward:
+            out.square().sum().backward()
+        counts.append(backward.count("all_reduce"))
+        torch.testing.assert_close(out, dense(xd, md), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.grad, xd.grad, rtol=1e-6, atol=1e-6)
+        if memory is not None:
+            torch.testing.assert_close(memory.grad, md.grad, rtol=1e-6, atol=1e-6)
+        _compare_grads(dense, parallel, 1e-6)
+    return counts
+
+
+@pytest.mark.parametrize("cross, all_reduces", [(False, 1), (True, 2)])
+def test_siblings_reading_one_input_all_reduce_its_gradient_once(cross, all_reduces):
+    # q/k/v read x: one backward all-reduce for the three (was three); with k/v reading a
+    # second input, one for x and one for it
+    assert run_distributed(_shared_input_all_reduces, 2, cross) == \
+        [[all_reduces, all_reduces]] * 2

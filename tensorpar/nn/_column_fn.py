@@ -11,6 +11,7 @@ behind the weight gradient (Megatron's asynchronous tensor-parallel all-reduce).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _AllReduce
 from tensorpar.regions import copy_to_group
 
-__all__ = ["autocast_on", "column_linear"]
+__all__ = ["SharedInput", "autocast_on", "column_linear"]
 
 
 def autocast_on(device_type: str) -> bool:
@@ -93,3 +94,36 @@ class _ColumnLinear(torch.autograd.Function):
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None
+
+
+class SharedInput:
+    """One backward all-reduce for column-parallel layers that read the same input.
+
+    Layers such as an attention block's q/k/v projections, or an MLP's gate and up
+    projections, each need the all-reduce of their input gradient; when they read the same
+    tensor, the sum of their input gradients can be all-reduced once instead (Megatron gets
+    this by fusing the layers). Layers given one `SharedInput` (`tensorpar.parallelize`
+    gives one to the column-parallel siblings of each module) pass their input through
+    `copy`: the first call makes ``copy_to_group(x)``, and later calls with the same tensor,
+    unmodified, get that same copy, whose backward then sees the summed gradient. A
+    different input simply gets a copy of its own. Only weak references are kept.
+    """
+
+    def __init__(self) -> None:
+        self._input: weakref.ReferenceType[torch.Tensor] | None = None
+        self._copy: weakref.ReferenceType[torch.Tensor] | None = None
+        self._version = -1
+
+    def copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
+        """``copy_to_group(x)``, made once per input tensor and version."""
+        copied = self._copy() if self._copy is not None else None
+        if copied is not None and self._input is not None and self._input() is x \
+                and x._version == self._version:
+            return copied
+        copied = copy_to_group(x, group=group)
+        self._input, self._copy = weakref.ref(x), weakref.ref(copied)
+        self._version = x._version
+        return copied
+
+    def __getstate__(self) -> dict[str, Any]:  # (weak references do not pickle)
+        return {"_input": None, "_copy": None, "_version": -1}

@@ -11,6 +11,7 @@ from torch import nn
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_same_weights
 from tensorpar.functional import broadcast
+from tensorpar.nn._column_fn import SharedInput
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -116,6 +117,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     for name, new in built.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
+    _share_inputs(built)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)
@@ -123,6 +125,24 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
             owner, _, leaf = other.rpartition(".")
             setattr(model.get_submodule(owner), leaf, shared)
     return model
+
+
+def _share_inputs(built: dict[str, nn.Module]) -> None:
+    """Give the column-parallel siblings of each module one `SharedInput`.
+
+    Siblings such as q/k/v or gate/up projections usually read the same input; sharing
+    lets them all-reduce its gradient once. Siblings that read different inputs lose
+    nothing: each input gets its own copy.
+    """
+    siblings: dict[str, list[ColumnParallelLinear]] = {}
+    for name, layer in built.items():
+        if isinstance(layer, ColumnParallelLinear):
+            siblings.setdefault(name.rpartition(".")[0], []).append(layer)
+    for layers in siblings.values():
+        if len(layers) > 1:
+            share = SharedInput()
+            for layer in layers:
+                layer.input_share = share
 
 
 def _build(module: nn.Module, style: Style, group: GroupLike) -> nn.Module:

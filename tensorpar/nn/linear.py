@@ -13,7 +13,7 @@ from torch import nn
 from tensorpar._group import GroupLike
 from tensorpar._switch import VALIDATE
 from tensorpar.functional import broadcast, gather, scatter
-from tensorpar.nn._column_fn import autocast_on, column_linear
+from tensorpar.nn._column_fn import SharedInput, autocast_on, column_linear
 from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._row_fn import row_linear
 from tensorpar.nn._shard import AnyShard, Shard, packed_shard_of, shard_of
@@ -134,12 +134,19 @@ class ColumnParallelLinear(ShardedLayer):
             if bias else None
         _init_linear(self.weight, self.bias, in_features)
         self._specs = SpecCache("ColumnParallelLinear", self.shard)
+        self.input_share: SharedInput | None = None
+        """Set (by `tensorpar.parallelize`) on layers that may read the same input as their
+        siblings: they then share one backward all-reduce (see `SharedInput`)."""
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
-        y = column_linear(x, self.weight, self.bias, self.shard.group)
+        share, g = self.input_share, self.shard.group
+        if share is not None and torch.is_grad_enabled() and not g.is_single:
+            y = F.linear(share.copy(x, g), self.weight, self.bias)  # one all-reduce for all
+        else:
+            y = column_linear(x, self.weight, self.bias, g)
         if self.gather_output:
             y = self.shard.unpack(self._specs.gather(y), -1)
         return y
