@@ -102,28 +102,31 @@ class SharedInput:
     Layers such as an attention block's q/k/v projections, or an MLP's gate and up
     projections, each need the all-reduce of their input gradient; when they read the same
     tensor, the sum of their input gradients can be all-reduced once instead (Megatron gets
-    this by fusing the layers). Layers given one `SharedInput` (`tensorpar.parallelize`
-    gives one to the column-parallel siblings of each module) pass their input through
+    this by fusing the layers). Layers given one `SharedInput` pass their input through
     `copy`: the first call makes ``copy_to_group(x)``, and later calls with the same tensor,
     unmodified, get that same copy, whose backward then sees the summed gradient. A
-    different input simply gets a copy of its own. Only weak references are kept.
+    different input simply gets a copy of its own. `tensorpar.parallelize` gives one to the
+    column-parallel children of each module and clears it when that module's forward ends,
+    so no copy outlives the forward pass that made it.
     """
 
     def __init__(self) -> None:
         self._input: weakref.ReferenceType[torch.Tensor] | None = None
-        self._copy: weakref.ReferenceType[torch.Tensor] | None = None
+        self._copy: torch.Tensor | None = None
         self._version = -1
 
     def copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         """``copy_to_group(x)``, made once per input tensor and version."""
-        copied = self._copy() if self._copy is not None else None
-        if copied is not None and self._input is not None and self._input() is x \
+        if self._copy is not None and self._input is not None and self._input() is x \
                 and x._version == self._version:
-            return copied
+            return self._copy
         copied = copy_to_group(x, group=group)
-        self._input, self._copy = weakref.ref(x), weakref.ref(copied)
-        self._version = x._version
+        self._input, self._copy, self._version = weakref.ref(x), copied, x._version
         return copied
+
+    def clear(self, *hook_args: object) -> None:
+        """Forget the last copy (a forward hook: takes and ignores the hook's arguments)."""
+        self._input, self._copy, self._version = None, None, -1
 
     def __getstate__(self) -> dict[str, Any]:  # (weak references do not pickle)
         return {"_input": None, "_copy": None, "_version": -1}

@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     for name, new in built.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
-    _share_inputs(built)
+    _share_inputs(model, built)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)
@@ -127,20 +127,21 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     return model
 
 
-def _share_inputs(built: dict[str, nn.Module]) -> None:
+def _share_inputs(model: nn.Module, built: dict[str, nn.Module]) -> None:
     """Give the column-parallel siblings of each module one `SharedInput`.
 
     Siblings such as q/k/v or gate/up projections usually read the same input; sharing
     lets them all-reduce its gradient once. Siblings that read different inputs lose
-    nothing: each input gets its own copy.
+    nothing: each input gets its own copy. The parent's forward hook clears the share.
     """
     siblings: dict[str, list[ColumnParallelLinear]] = {}
     for name, layer in built.items():
         if isinstance(layer, ColumnParallelLinear):
             siblings.setdefault(name.rpartition(".")[0], []).append(layer)
-    for layers in siblings.values():
+    for parent, layers in siblings.items():
         if len(layers) > 1:
             share = SharedInput()
+            model.get_submodule(parent).register_forward_hook(share.clear, always_call=True)
             for layer in layers:
                 layer.input_share = share
 
