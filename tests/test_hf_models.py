@@ -333,3 +333,22 @@ def _bf16_errors(reduce_dtype):
 def test_bf16_with_float32_reduction_is_as_accurate_as_dense_bf16(world_size):
     dense_err, tp_err = run_distributed(_bf16_errors, world_size, torch.float32)[0]
     assert tp_err <= dense_err * 1.05, (tp_err, dense_err)
+
+
+def _backward_all_reduces(arch):
+    parallel = tp.parallelize(build(arch), plan_from_transformers(build(arch)))
+    ids = tokens(0)
+    head = parallel.get_output_embeddings()
+    loss = vocab_parallel_cross_entropy(parallel(ids).logits.flatten(0, 1),
+                                        ids.roll(-1, 1).flatten(), sizes=head.shard.sizes)
+    with tp.CommCounter() as backward:
+        loss.backward()
+    return backward.count("all_reduce"), parallel.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_decoder_layer_all_reduces_twice_in_backward(arch):
+    # q/k/v share one all-reduce of their input's gradient, gate/up another (Megatron's
+    # count, without fusing the layers); the vocab-parallel head adds one
+    for count, layers in run_distributed(_backward_all_reduces, 2, arch):
+        assert count == 2 * layers + 1, (count, layers)
