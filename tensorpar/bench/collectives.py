@@ -8,7 +8,9 @@ exchange with ``sizes`` calls), padding every chunk to the largest, and point-to
 (what tensorpar does on gloo for its other uneven exchanges).
 
 Each equal-chunk call is also timed with validation mode on (`tensorpar.validation`): the
-"validation" rows give its cost, on over off.
+"validation" rows give its cost, on over off, call by call as above and over blocks of
+``_BLOCK`` calls in a row (between barriers, off and on in turn, the slowest rank's time),
+as a loop that leaves validation on would see it.
 
 Every payload is a 1-D float32 tensor, so the split/concat dim is the only one and no reshaping
 copy is ever needed. ``nbytes`` is the size of the tensor each rank passes in.
@@ -28,6 +30,8 @@ from tensorpar.validation import validation
 __all__ = ["native_all_to_all", "padded_all_to_all", "p2p_all_to_all", "run_rank",
            "uneven_splits"]
 
+_BLOCK = 20
+"""Calls per block in the validation loop timing."""
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -85,6 +89,13 @@ def p2p_all_to_all(x: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
     return out
 
 
+def _repeat(call: Callable[[], object], times: int) -> Callable[[], object]:
+    def run() -> None:
+        for _ in range(times):
+            call()
+    return run
+
+
 def _validated(call: Callable[[], object]) -> Callable[[], object]:
     """``call`` with validation mode on (every rank switches alike, around each call)."""
     def run() -> object:
@@ -114,7 +125,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     (how far apart two identical cases land in this run; out-of-place rows only). Rows with
     ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and ``p2p``.
     """
-    from tensorpar.bench._timing import calls_within, time_back_to_back
+    from tensorpar.bench._timing import calls_within, time_back_to_back, time_side_by_side
 
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4 // world * world
@@ -205,10 +216,16 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
         calls = calls_within(budget_s, cases["raw"], minimum=rounds)
         t = time_back_to_back({**cases, "raw_again": cases["raw"]}, calls=calls)
         row(name, t, "tensorpar")
+        # and as a loop of calls would see it: blocks of calls, off and on in turn
+        loop = time_side_by_side({"off": _repeat(cases["tensorpar"], _BLOCK),
+                                  "on": _repeat(cases["tensorpar_validated"], _BLOCK)},
+                                 rounds=rounds)
         rows.append({"table": "validation", "collective": name, "world_size": world,
                      "nbytes": numel * 4, "calls": calls, "off": t["tensorpar"],
                      "on": t["tensorpar_validated"],
-                     "ratio": t["tensorpar_validated"] / t["tensorpar"]})
+                     "ratio": t["tensorpar_validated"] / t["tensorpar"],
+                     "loop_off": loop["off"] / _BLOCK, "loop_on": loop["on"] / _BLOCK,
+                     "loop_ratio": loop["on"] / loop["off"]})
         if name == "all_gather":
             row("all_gather (exchange sizes)", t, "tensorpar_exchange")
         if name == "all_reduce":

@@ -78,11 +78,14 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
     checked = sorted((r for r in results if r["table"] == "validation"),
                      key=lambda r: (order.index(r["collective"]), r["world_size"], r["nbytes"]))
     print(format_table(
-        ["validation", "ranks", "size", "off ms", "on ms", "on/off"],
+        ["validation", "ranks", "size", "off ms", "on ms", "on/off", "loop off ms",
+         "loop on ms", "loop on/off"],
         [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", _ms(r["off"]),
-          _ms(r["on"]), _x(r["ratio"])] for r in checked]))
-    print("(tensorpar's call with validation mode off and on, timed side by side: on adds one "
-          "small all-gather of every rank's fingerprint before the call)")
+          _ms(r["on"]), _x(r["ratio"]), _ms(r["loop_off"]), _ms(r["loop_on"]),
+          _x(r["loop_ratio"])] for r in checked]))
+    print("(tensorpar's call with validation mode off and on: call by call as above, and per "
+          "call over blocks of 20 calls in a row; on adds one small all-gather of every "
+          "rank's fingerprint before the call)")
     print()
     uneven = [r for r in results if r["table"] == "uneven_all_to_all"]
     print(format_table(
