@@ -90,10 +90,7 @@ def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _print_reducer_table(r: dict[str, Any], args: argparse.Namespace) -> None:
-    variants = reducer_cluster.HIERARCHICAL_VARIANTS
-    print(format_table(["variant", "ms / iteration", "/ limit", "/ tensorpar (flat)"],
-                       [[v, f"{r[v] * 1e3:.1f}", f"{r[f'{v}_over_limit']:.2f}",
-                         f"{r[v] / r['tensorpar']:.2f}"] for v in variants]))
+    print(reducer_cluster.variant_table(r, reducer_cluster.HIERARCHICAL_VARIANTS, "tensorpar"))
     print(f"(the reducer end to end on the same 2 x 2 cluster, {args.link} links: "
           f"{r['params']:,} parameters, batch {reducer_cluster.BATCH} per rank, forward + "
           f"backward + averaging; median of {args.reducer_rounds} rounds, slowest rank; "

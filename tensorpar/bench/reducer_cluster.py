@@ -47,7 +47,8 @@ from tensorpar.reducer import BucketedAllReduce
 from tensorpar.testing.cluster import SimulatedCluster
 from tensorpar.topology import Topology
 
-__all__ = ["VARIANTS", "rank_main", "run_cluster", "suite"]
+__all__ = ["HIERARCHICAL_VARIANTS", "VARIANTS", "rank_main", "run_cluster", "suite",
+           "variant_table"]
 
 WIDTH, LAYERS, BATCH = 1024, 8, 128
 VARIANTS = ("tensorpar", "tensorpar_8mib", "tensorpar_overlap", "ddp", "flatten_at_end", "no_comm",
@@ -216,6 +217,13 @@ def run_cluster(*, link: str, machines: int = 2, ranks_per_machine: int = 1, rou
                        f"{result.machines[0].output[-4000:]}")
 
 
+def variant_table(row: dict[str, Any], variants: Sequence[str], baseline: str) -> str:
+    """The table of `run_cluster`'s ``row``: time, over the limit, over ``baseline``."""
+    return format_table(["variant", "ms / iteration", "/ limit", f"/ {baseline}"],
+                        [[v, f"{row[v] * 1e3:.1f}", f"{row[f'{v}_over_limit']:.2f}",
+                          f"{row[v] / row[baseline]:.2f}"] for v in variants])
+
+
 def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``python -m tensorpar.bench reducer --cluster MxR --link RATE``: run and print the table.
 
@@ -234,9 +242,7 @@ def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     batch = getattr(args, "batch", None) or BATCH
     r = run_cluster(link=link, machines=int(machines), ranks_per_machine=int(per_machine),
                     rounds=args.rounds, batch=batch, timeout=args.timeout)
-    print(format_table(["variant", "ms / iteration", "/ limit", "/ ddp"],
-                       [[v, f"{r[v] * 1e3:.1f}", f"{r[f'{v}_over_limit']:.2f}",
-                         f"{r[v] / r['ddp']:.2f}"] for v in VARIANTS]))
+    print(variant_table(r, VARIANTS, "ddp"))
     print(f"(simulated cluster {args.cluster}, {link} links, gloo; {r['params']:,} parameters "
           f"(8 x Linear({WIDTH}, {WIDTH}) + GELU), batch {batch} per rank; median of "
           f"{args.rounds} rounds, slowest rank; limit = max(no_comm, raw_all_reduce) = "
