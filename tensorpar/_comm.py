@@ -147,7 +147,7 @@ def _scope(group: Group) -> Scope | None:
         return None
     try:
         ranks = dist.get_process_group_ranks(handle)
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError, KeyError):  # a group torch.distributed does not list
         return None
     if any(r not in _MACHINE_OF for r in ranks):
         return None
