@@ -20,6 +20,9 @@ def _synthetic() -> dict[str, Any]:
                     "ratio_prealloc": 1.2, "noise": 1.01 if "(" not in c else None}
                    for c in COLLECTIVE_ORDER for w in (2, 4) for mib in (0.25, 1, 4)]
     collectives.append({"table": "uneven_all_to_all", "world_size": 2, "nbytes": 2**20})
+    collectives += [{"table": "validation", "collective": c, "world_size": 2, "nbytes": 2**20,
+                     "off": 1e-3, "on": 1.4e-3, "ratio": 1.4, "loop_ratio": 1.3}
+                    for c in ("all_reduce", "all_to_all")]
     variants = ("tensorpar", "ddp", "per_param", "flatten_at_end", "no_comm")
     reducer = [{"table": "time", "world_size": 2, "model": m, "tp_over_ddp": 0.95,
                 **{v: 0.01 * (i + 1) for i, v in enumerate(variants)},
@@ -31,7 +34,8 @@ def _synthetic() -> dict[str, Any]:
                 "tensorpar": 1.3e-3, "tensorpar_known_meta": 1.2e-3}]
     hier = [{"mib": m, "flat": 0.1 * m, "hierarchical": 0.07 * m,
              "hierarchical_one_slice": 0.09 * m} for m in (1.0, 4.0)]
-    hier.append({"table": "reducer", "tensorpar": 1.0, "tensorpar_hierarchical": 0.8})
+    hier.append({"table": "reducer", "tensorpar": 1.0, "tensorpar_hierarchical": 0.8,
+                 "tensorpar_over_limit": 1.7, "tensorpar_hierarchical_over_limit": 1.3})
     suites = {"collectives": collectives, "reducer": reducer, "layers": layers,
               "scatter-gather": scatter, "hierarchical": hier}
     return {"machine": report.machine(), "date": "2026-01-01 00:00 UTC", "settings": {},
@@ -42,7 +46,9 @@ def _synthetic() -> dict[str, Any]:
 def test_summary_and_markdown() -> None:
     data = _synthetic()
     titles = [t[0] for t in summary_tables(data)]
-    assert len(titles) == 5
+    assert len(titles) == 7
+    assert "validation mode" in titles
+    assert "the reducer end to end on the simulated cluster" in titles
     text = report.markdown(data)
     assert "| all_reduce (in place) " in text and "### collectives" in text
     assert "tensorpar / DDP" in text
