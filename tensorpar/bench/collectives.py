@@ -8,9 +8,9 @@ exchange with ``sizes`` calls), padding every chunk to the largest, and point-to
 (what tensorpar does on gloo for its other uneven exchanges).
 
 Each equal-chunk call is also timed with validation mode on (`tensorpar.validation`): the
-"validation" rows give its cost, on over off, call by call as above and over blocks of
-``_BLOCK`` calls in a row (between barriers, off and on in turn, the slowest rank's time),
-as a loop that leaves validation on would see it.
+"validation" rows give its cost, on over off, call by call as above and over blocks of up
+to ``_BLOCK`` calls in a row (five blocks of each, between barriers, off and on in turn,
+the slowest rank's time), as a loop that leaves validation on would see it.
 
 Every payload is a 1-D float32 tensor, so the split/concat dim is the only one and no reshaping
 copy is ever needed. ``nbytes`` is the size of the tensor each rank passes in.
@@ -31,7 +31,7 @@ __all__ = ["native_all_to_all", "padded_all_to_all", "p2p_all_to_all", "run_rank
            "uneven_splits"]
 
 _BLOCK = 20
-"""Calls per block in the validation loop timing."""
+"""Calls per block in the validation loop timing (fewer for slow calls)."""
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -216,15 +216,17 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
         calls = calls_within(budget_s, cases["raw"], minimum=rounds)
         t = time_back_to_back({**cases, "raw_again": cases["raw"]}, calls=calls)
         row(name, t, "tensorpar")
-        # and as a loop of calls would see it: blocks of calls, off and on in turn
-        loop = time_side_by_side({"off": _repeat(cases["tensorpar"], _BLOCK),
-                                  "on": _repeat(cases["tensorpar_validated"], _BLOCK)},
-                                 rounds=rounds)
+        # and as a loop of calls would see it: blocks of calls, off and on in turn (up to
+        # _BLOCK calls a block, as many as fit in a fifth of the budget)
+        block = max(1, min(_BLOCK, int(budget_s / 5 / max(t["tensorpar"], 1e-9))))
+        loop = time_side_by_side({"off": _repeat(cases["tensorpar"], block),
+                                  "on": _repeat(cases["tensorpar_validated"], block)},
+                                 rounds=5, warmup=1)
         rows.append({"table": "validation", "collective": name, "world_size": world,
                      "nbytes": numel * 4, "calls": calls, "off": t["tensorpar"],
                      "on": t["tensorpar_validated"],
                      "ratio": t["tensorpar_validated"] / t["tensorpar"],
-                     "loop_off": loop["off"] / _BLOCK, "loop_on": loop["on"] / _BLOCK,
+                     "loop_off": loop["off"] / block, "loop_on": loop["on"] / block,
                      "loop_ratio": loop["on"] / loop["off"]})
         if name == "all_gather":
             row("all_gather (exchange sizes)", t, "tensorpar_exchange")

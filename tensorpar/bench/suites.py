@@ -84,7 +84,7 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
           _ms(r["on"]), _x(r["ratio"]), _ms(r["loop_off"]), _ms(r["loop_on"]),
           _x(r["loop_ratio"])] for r in checked]))
     print("(tensorpar's call with validation mode off and on: call by call as above, and per "
-          "call over blocks of 20 calls in a row; on adds one small all-gather of every "
+          "call over blocks of up to 20 calls in a row; on adds one small all-gather of every "
           "rank's fingerprint before the call)")
     print()
     uneven = [r for r in results if r["table"] == "uneven_all_to_all"]

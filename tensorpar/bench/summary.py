@@ -64,7 +64,7 @@ def _collectives(rows: list[dict[str, Any]]) -> list[Table]:
             [[r["collective"], str(r["world_size"]), _size(r["nbytes"]), _ms(r["off"]),
               _ms(r["on"]), _x(r["ratio"]), _x(r.get("loop_ratio"))] for r in checked],
             "tensorpar's call with validation mode off and on, call by call as above; loop: "
-            "over blocks of 20 calls in a row. On adds one small all-gather of a fingerprint "
+            "over blocks of up to 20 calls in a row. On adds one small all-gather of a fingerprint "
             "before every call."))
     return tables
 
