@@ -25,7 +25,7 @@ from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _AllReduce
 from tensorpar.regions import copy_to_group
 
-__all__ = ["SharedInput", "autocast_on", "column_linear"]
+__all__ = ["SharedInput", "autocast_on", "column_linear", "save_linear_inputs"]
 
 
 def autocast_on(device_type: str) -> bool:
@@ -61,16 +61,24 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.ndim == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def save_linear_inputs(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, group: Group) -> None:
+    """Save on ``ctx`` what a fused linear Function's backward needs, and only that.
+
+    As ``F.linear`` does: a frozen weight saves no ``x``, a frozen input no weight.
+    """
+    ctx.group, ctx.has_bias = group, bias is not None
+    need_x, need_w = ctx.needs_input_grad[:2]
+    ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+
+
 class _ColumnLinear(torch.autograd.Function):
     """Forward: ``x W^T + b``. Backward: ``all_reduce(g W)`` overlapped with ``g^T x``."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: Group) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        need_x, need_w = ctx.needs_input_grad[:2]
-        # keep only what the gradients need, as F.linear does (a frozen weight: no x)
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        save_linear_inputs(ctx, x, weight, bias, group)
         return F.linear(x, weight, bias)
 
     @staticmethod

@@ -20,7 +20,7 @@ from tensorpar import _comm
 from tensorpar._autograd import needs_graph, torch_op
 from tensorpar._group import Group
 from tensorpar._symmetric import _CopyToGroup
-from tensorpar.nn._column_fn import _rows
+from tensorpar.nn._column_fn import _rows, save_linear_inputs
 
 __all__ = ["row_linear"]
 
@@ -59,10 +59,7 @@ class _RowLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: Group) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        need_x, need_w = ctx.needs_input_grad[:2]
-        # keep only what the gradients need, as F.linear does (a frozen weight: no x)
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        save_linear_inputs(ctx, x, weight, bias, group)
         return row_linear_data(x, weight, bias, group)
 
     @staticmethod
