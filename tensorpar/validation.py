@@ -3,7 +3,8 @@
 Off by default, and then free: each collective entry point tests one flag. On
 (`validation`, or ``TENSORPAR_VALIDATE=1`` in the environment), before each collective, each
 backward collective, each bucket the data-parallel reducer launches and its end-of-backward
-synchronisation, the ranks all-gather a fixed-size int64 fingerprint: a per-group sequence
+synchronisation, the ranks all-gather a fixed-size int64 fingerprint (on CPU in one
+all-to-all step, see `tensorpar._comm.all_gather_into`): a per-group sequence
 number, the operation, forward or backward, the reduce op, the backward mode, dims, dtype,
 shape or chunk lengths, src/dst, and the reducer's iteration, bucket and ``no_sync``
 count. On any difference every rank raises the same `CollectiveMismatchError`, e.g.

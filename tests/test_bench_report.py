@@ -89,3 +89,18 @@ def test_all_quick_smoke(tmp_path: Path) -> None:
     assert [r["nbytes"] for r in rows] == [int(0.25 * 2**20), 4 * 2**20]
     assert saved["quick"] is True and saved["machine"]["backend"] == "gloo"
     assert (tmp_path / "scatter_gather.png").exists()
+
+
+def test_paired_ratio_cancels_drift() -> None:
+    """Turn by turn the case is 5% slower, while the machine slows down 4x partway through."""
+    import torch
+
+    from tensorpar.bench._timing import paired_ratio
+
+    speed = torch.tensor([1.0] * 4 + [4.0] * 5, dtype=torch.float64)
+    baseline = speed * torch.tensor([1.0, 1.02, 0.98, 1.01, 1.0, 0.99, 1.03, 1.0, 0.97])
+    samples = {"raw": baseline, "ours": baseline * 1.05,
+               "ours_noisy": baseline * torch.tensor([1.05] * 8 + [3.0], dtype=torch.float64)}
+    assert paired_ratio(samples, "ours", "raw") == pytest.approx(1.05)
+    assert paired_ratio(samples, "raw", "raw") == 1.0
+    assert paired_ratio(samples, "ours_noisy", "raw") == pytest.approx(1.05)  # one outlier

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=["8M", "30M"],
                         help="reducer: models to train; default: 8M 30M")
     parser.add_argument("--rounds", type=int,
-                        help="timed rounds per case; default: 15 (reducer: 11)")
+                        help="timed rounds per case; default: 15 (reducer: 11, layers: 31)")
     parser.add_argument("--budget", type=float,
                         help="collectives: seconds of raw calls that set each case's number "
                              "of calls; default: 1.5")

@@ -16,17 +16,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["calls_within", "format_table", "time_back_to_back", "time_side_by_side"]
+__all__ = ["back_to_back_samples", "calls_within", "format_table", "paired_ratio",
+           "time_back_to_back", "time_side_by_side"]
 
 
 def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
-                      warmup: int = 2, cpu: bool = False) -> dict[str, float]:
+                      warmup: int = 2, cpu: bool = False,
+                      pairs: tuple[tuple[str, str], ...] = ()) -> dict[str, float]:
     """Median seconds per call of each case, measured in interleaved rounds.
 
     Each round runs every case once, in turn, between barriers; a call's time is the
     slowest rank's (an all-reduce of MAX), since a collective is only done when every rank is.
     With ``cpu=True`` the result also has ``<case>_cpu``: the median CPU time of the calling
     thread (the slowest rank's), which leaves out time spent blocked waiting for other ranks.
+    For each ``(case, baseline)`` in ``pairs`` the result also has ``"case/baseline"``: the
+    median over rounds of the two calls' ratio within one round (see `paired_ratio`).
     Runs on every rank; returns the same numbers everywhere.
     """
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -45,6 +49,9 @@ def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
     result = {name: statistics.median(values) for name, values in samples.items()}
     if cpu:
         result |= {f"{name}_cpu": statistics.median(v) for name, v in cpu_samples.items()}
+    for case, baseline in pairs:
+        result[f"{case}/{baseline}"] = statistics.median(
+            a / b for a, b in zip(samples[case], samples[baseline], strict=True))
     return result
 
 
@@ -52,10 +59,22 @@ def time_back_to_back(cases: dict[str, Callable[[], object]], *, calls: int,
                       warmup: int = 3) -> dict[str, float]:
     """Median seconds per call of each case, timed call by call with no barrier in between.
 
+    The medians of `back_to_back_samples` (see there).
+    """
+    samples = back_to_back_samples(cases, calls=calls, warmup=warmup)
+    return {name: times.median().item() for name, times in samples.items()}
+
+
+def back_to_back_samples(cases: dict[str, Callable[[], object]], *, calls: int,
+                         warmup: int = 3) -> dict[str, torch.Tensor]:
+    """Seconds of every timed call of each case (``calls`` each), in turn order.
+
     The cases take turns, one call each, in an order shuffled every turn (the same shuffle
     on every rank), so no case keeps following the same neighbour. Every rank times its own
     calls; a call's time is the slowest rank's (an element-wise MAX over ranks, exchanged
-    once at the end). Runs on every rank; returns the same numbers everywhere.
+    once at the end). Entry ``t`` of every case comes from the same turn, so `paired_ratio`
+    can compare calls made a few milliseconds apart. Runs on every rank; returns the same
+    numbers everywhere.
     """
     names = list(cases)
     n = len(names)
@@ -73,7 +92,17 @@ def time_back_to_back(cases: dict[str, Callable[[], object]], *, calls: int,
             if turn >= warmup:
                 durations[i, turn - warmup] = elapsed
     dist.all_reduce(durations, op=dist.ReduceOp.MAX)
-    return {name: durations[i].median().item() for i, name in enumerate(names)}
+    return {name: durations[i] for i, name in enumerate(names)}
+
+
+def paired_ratio(samples: dict[str, torch.Tensor], case: str, baseline: str) -> float:
+    """The median over turns of ``case``'s call time over ``baseline``'s in the same turn.
+
+    A shared machine speeds up and slows down over seconds; two calls of one turn see the
+    same machine, so their ratio drifts far less than the ratio of two medians taken over
+    the whole run.
+    """
+    return (samples[case] / samples[baseline]).median().item()
 
 
 def calls_within(budget_s: float, fn: Callable[[], object], *, minimum: int,

@@ -122,10 +122,19 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     Returns one dict per table row, the same on every rank. Rows with
     ``table="collectives"`` carry ``raw``, ``raw_prealloc`` and ``tensorpar`` median seconds
     per call, and ``noise``: the raw call timed a second time as its own case, over the first
-    (how far apart two identical cases land in this run; out-of-place rows only). Rows with
-    ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and ``p2p``.
+    (how far apart two identical cases land in this run; out-of-place rows only), and the
+    same two ratios paired call by call (``paired_ratio``, ``paired_noise``: the median over
+    turns of the ratio of two calls made in the same turn). Rows with
+    ``table="validation"`` carry ``off``, ``on``, their ``ratio`` and ``paired_ratio``, and the
+    loop timings. Rows with ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and
+    ``p2p``.
     """
-    from tensorpar.bench._timing import calls_within, time_back_to_back, time_side_by_side
+    from tensorpar.bench._timing import (
+        back_to_back_samples,
+        calls_within,
+        paired_ratio,
+        time_side_by_side,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4 // world * world
@@ -209,12 +218,16 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
                      "raw_prealloc": None if prealloc is None else t[prealloc],
                      "tensorpar": t[ours], "ratio": t[ours] / t[raw],
                      "ratio_prealloc": None if prealloc is None else t[ours] / t[prealloc],
-                     "noise": t["raw_again"] / t["raw"] if raw == "raw" else None})
+                     "noise": t["raw_again"] / t["raw"] if raw == "raw" else None,
+                     "paired_ratio": paired_ratio(samples, ours, raw),
+                     "paired_noise": paired_ratio(samples, "raw_again", "raw")
+                     if raw == "raw" else None})
 
     for name, cases in groups.items():
         # "raw_again" is the raw call timed as a second case: raw_again/raw shows the noise
         calls = calls_within(budget_s, cases["raw"], minimum=rounds)
-        t = time_back_to_back({**cases, "raw_again": cases["raw"]}, calls=calls)
+        samples = back_to_back_samples({**cases, "raw_again": cases["raw"]}, calls=calls)
+        t = {case: times.median().item() for case, times in samples.items()}
         row(name, t, "tensorpar")
         # and as a loop of calls would see it: blocks of calls, off and on in turn (up to
         # _BLOCK calls a block, as many as fit in a fifth of the budget)
@@ -226,6 +239,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
                      "nbytes": numel * 4, "calls": calls, "off": t["tensorpar"],
                      "on": t["tensorpar_validated"],
                      "ratio": t["tensorpar_validated"] / t["tensorpar"],
+                     "paired_ratio": paired_ratio(samples, "tensorpar_validated", "tensorpar"),
                      "loop_off": loop["off"] / block, "loop_on": loop["on"] / block,
                      "loop_ratio": loop["on"] / loop["off"]})
         if name == "all_gather":
@@ -243,7 +257,8 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     }
     _check("uneven all_to_all", *(fn() for fn in strategies.values()))
     calls = calls_within(budget_s, strategies["tensorpar"], minimum=rounds)
-    t = time_back_to_back(strategies, calls=calls)
+    t = {case: times.median().item()
+         for case, times in back_to_back_samples(strategies, calls=calls).items()}
     rows.append({"table": "uneven_all_to_all", "world_size": world, "nbytes": numel * 4,
                  "calls": calls, "splits": splits, "padded_nbytes": world * max(splits) * 4, **t,
                  "native_ratio": t["native"] / t["tensorpar"],

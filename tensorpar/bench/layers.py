@@ -186,7 +186,9 @@ def run_rank(workload: str, rounds: int, profile: int = 0) -> dict[str, Any]:
     cases: dict[str, Callable[[], object]] = {
         "dense": dense_on_rank_0, "floor": floor, "tensorpar": lambda: step(ours),
         "dtensor": lambda: step(theirs), "floor_again": floor}
-    times = time_side_by_side(cases, rounds=rounds, cpu=True)
+    times = time_side_by_side(cases, rounds=rounds, cpu=True,
+                              pairs=(("tensorpar", "floor"), ("floor_again", "floor"),
+                                     ("tensorpar", "dtensor")))
     result = {"workload": workload, "tp": dist.get_world_size(), **times}
     if profile > 0:
         steps = max(rounds, 10)

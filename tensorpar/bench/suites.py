@@ -68,23 +68,25 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
                   key=lambda r: (order.index(r["collective"]), r["world_size"], r["nbytes"]))
     print(format_table(
         ["collective", "ranks", "size", "calls", "raw ms", "raw prealloc ms", "tensorpar ms",
-         "tp/raw", "tp/raw prealloc", "raw again/raw"],
+         "tp/raw", "tp/raw prealloc", "raw again/raw", "paired tp/raw", "paired again/raw"],
         [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", r["calls"],
           _ms(r["raw"]), _ms(r["raw_prealloc"]), _ms(r["tensorpar"]), _x(r["ratio"]),
-          _x(r["ratio_prealloc"]), _x(r["noise"])] for r in rows]))
+          _x(r["ratio_prealloc"]), _x(r["noise"]), _x(r.get("paired_ratio")),
+          _x(r.get("paired_noise"))] for r in rows]))
     print("\nMedian per call over back-to-back calls, slowest rank. raw again/raw: the raw call "
-          "timed twice, the spread between identical cases.")
+          "timed twice, the spread between identical cases. paired: the median over turns of "
+          "the two calls' ratio within one turn (drift of the machine's speed cancels).")
     print()
     checked = sorted((r for r in results if r["table"] == "validation"),
                      key=lambda r: (order.index(r["collective"]), r["world_size"], r["nbytes"]))
     print(format_table(
         ["validation", "ranks", "size", "off ms", "on ms", "on/off", "loop off ms",
-         "loop on ms", "loop on/off"],
+         "loop on ms", "loop on/off", "paired on/off"],
         [[r["collective"], r["world_size"], f"{r['nbytes'] / 2**20:.3g} MiB", _ms(r["off"]),
           _ms(r["on"]), _x(r["ratio"]), _ms(r["loop_off"]), _ms(r["loop_on"]),
-          _x(r["loop_ratio"])] for r in checked]))
+          _x(r["loop_ratio"]), _x(r.get("paired_ratio"))] for r in checked]))
     print("(tensorpar's call with validation mode off and on: call by call as above, and per "
-          "call over blocks of up to 20 calls in a row; on adds one small all-gather of every "
+          "call over blocks of up to 20 calls in a row; on adds one small exchange of every "
           "rank's fingerprint before the call)")
     print()
     uneven = [r for r in results if r["table"] == "uneven_all_to_all"]
@@ -173,15 +175,19 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
              _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
              _x(r["tensorpar"] / r["floor"]), _x(r["floor_again"] / r["floor"]),
              _x(r["tensorpar"] / r["dense"]), _ms(r["tensorpar_cpu"]), _ms(r["floor_cpu"]),
-             _ms(r["dtensor_cpu"]), _x(r["tensorpar_cpu"] / r["dtensor_cpu"])]
+             _ms(r["dtensor_cpu"]), _x(r["tensorpar_cpu"] / r["dtensor_cpu"]),
+             _x(r.get("tensorpar/floor")), _x(r.get("floor_again/floor")),
+             _x(r.get("tensorpar/dtensor"))]
             for r in results]
     print(format_table(["workload", "tp", "dense ms", "floor ms", "tensorpar ms", "dtensor ms",
                         "tp/dtensor", "tp/floor", "floor again/floor", "tp/dense", "tp CPU ms",
-                        "floor CPU ms", "dtensor CPU ms", "tp/dtensor CPU"], rows))
+                        "floor CPU ms", "dtensor CPU ms", "tp/dtensor CPU", "paired tp/floor",
+                        "paired again/floor", "paired tp/dtensor"], rows))
     print("(forward+backward per step; dense: one process computing everything; floor: this "
           "rank's share of the dense compute + the raw all-reduces of the same bytes, run back "
           "to back; floor again/floor: the floor timed twice, the run's noise; CPU: the "
-          "calling thread's CPU time, without time blocked on other ranks)")
+          "calling thread's CPU time, without time blocked on other ranks; paired: the median "
+          "over rounds of the two steps' ratio within one round)")
     for r in results if top else []:
         for case in ("tensorpar", "floor"):
             print(f"\nprofile of {case}, {r['workload']}, tp {r['tp']} (rank 0, cProfile: "
@@ -205,7 +211,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
     "reducer": {"world_sizes": [2, 4], "models": ["8M", "30M"], "rounds": 11,
                 "timeout": 900.0},
-    "layers": {"world_sizes": [2, 4], "rounds": 7},
+    "layers": {"world_sizes": [2, 4], "rounds": 31},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
                      "reducer_rounds": 7},

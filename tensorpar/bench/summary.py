@@ -49,23 +49,27 @@ def _in_order(rows: list[dict[str, Any]], table: str) -> list[dict[str, Any]]:
 def _collectives(rows: list[dict[str, Any]]) -> list[Table]:
     tables: list[Table] = [(
         "collectives", ["collective", "ranks", "size", "raw ms", "tensorpar ms",
-                        "tensorpar / raw", "raw again / raw"],
+                        "tensorpar / raw", "raw again / raw", "paired tensorpar / raw",
+                        "paired raw again / raw"],
         [[r["collective"], str(r["world_size"]), _size(r["nbytes"]), _ms(r["raw"]),
-          _ms(r["tensorpar"]), _x(r["ratio"]), _x(r["noise"])]
+          _ms(r["tensorpar"]), _x(r["ratio"]), _x(r["noise"]), _x(r.get("paired_ratio")),
+          _x(r.get("paired_noise"))]
          for r in _in_order(rows, "collectives")],
         "Median per call, back to back, slowest rank. raw: the `torch.distributed` call "
         "allocating its output; raw again / raw: the raw call timed a second time, the "
-        "noise of the run.")]
+        "noise of the run; paired: the median over turns of the two calls' ratio within "
+        "one turn.")]
     checked = _in_order(rows, "validation")
     if checked:
         tables.append((
             "validation mode", ["collective", "ranks", "size", "off ms", "on ms", "on / off",
-                                "loop on / off"],
+                                "paired on / off", "loop on / off"],
             [[r["collective"], str(r["world_size"]), _size(r["nbytes"]), _ms(r["off"]),
-              _ms(r["on"]), _x(r["ratio"]), _x(r.get("loop_ratio"))] for r in checked],
+              _ms(r["on"]), _x(r["ratio"]), _x(r.get("paired_ratio")),
+              _x(r.get("loop_ratio"))] for r in checked],
             "tensorpar's call with validation mode off and on, call by call as above; loop: "
-            "over blocks of up to 20 calls in a row. On adds one small all-gather of a fingerprint "
-            "before every call."))
+            "over blocks of up to 20 calls in a row. On adds one small exchange of a "
+            "fingerprint before every call."))
     return tables
 
 
@@ -87,12 +91,15 @@ def _reducer(rows: list[dict[str, Any]]) -> list[Table]:
 def _layers(rows: list[dict[str, Any]]) -> list[Table]:
     return [("tensor-parallel layers", ["workload", "tp", "dense ms", "floor ms",
                                        "tensorpar ms", "DTensor ms", "tensorpar / DTensor",
-                                       "tensorpar / floor"],
+                                       "tensorpar / floor", "paired tensorpar / floor",
+                                       "paired floor again / floor"],
             [[r["workload"], str(r["tp"]), _ms(r["dense"]), _ms(r["floor"]),
               _ms(r["tensorpar"]), _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
-              _x(r["tensorpar"] / r["floor"])] for r in rows],
+              _x(r["tensorpar"] / r["floor"]), _x(r.get("tensorpar/floor")),
+              _x(r.get("floor_again/floor"))] for r in rows],
             "Forward + backward per step. dense: one process computing everything; floor: "
-            "this rank's share of the dense compute plus the raw all-reduces of the same bytes.")]
+            "this rank's share of the dense compute plus the raw all-reduces of the same bytes; "
+            "paired: the median over rounds of the two steps' ratio within one round.")]
 
 
 def _hierarchical(rows: list[dict[str, Any]]) -> list[Table]:
