@@ -163,10 +163,16 @@ def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch:
         return recv
     mine = sizes[group.rank]
     recv = send.new_empty((mine * n, *send.shape[1:]))
-    per_row = send.numel() // send.shape[0]
-    launch.add(_comm.all_to_all(recv.view(-1), send.view(-1), [mine * per_row] * n,
+    if send.ndim == 1:  # (the common case needs no flat views: each is a Python call)
+        work = _comm.all_to_all(recv, send, [mine] * n, list(sizes), group, launch.async_op,
+                                native=True)
+    else:
+        per_row = send.numel() // send.shape[0]
+        work = _comm.all_to_all(recv.view(-1), send.view(-1), [mine * per_row] * n,
                                 [k * per_row for k in sizes], group, launch.async_op,
-                                native=True), send)
+                                native=True)
+    if work is not None:
+        launch.add(work, send)
     return recv
 
 
