@@ -34,7 +34,9 @@ class CollectiveRecord:
     """One collective issued by tensorpar on this rank.
 
     Attributes:
-        kind: the ``torch.distributed`` operation, e.g. ``"scatter"``, ``"all_gather"``.
+        kind: the ``torch.distributed`` operation, e.g. ``"scatter"``, ``"all_gather"``. A
+            metadata exchange counts as an ``"all_gather"`` (on CPU it travels as one
+            all-to-all step, faster than gloo's all-gather ring for a few bytes).
         group_size: number of ranks in the group it ran on.
         nbytes: payload this rank handed to the collective (its input buffers), in bytes.
             A rank that only receives (a non-source rank of a scatter) records 0.

@@ -3,11 +3,11 @@
 Off by default, and then free: each collective entry point tests one flag. On
 (`validation`, or ``TENSORPAR_VALIDATE=1`` in the environment), before each collective, each
 backward collective, each bucket the data-parallel reducer launches and its end-of-backward
-synchronisation, the ranks all-gather a fixed-size int64 fingerprint (on CPU in one
-all-to-all step, see `tensorpar._comm.all_gather_into`): a per-group sequence
-number, the operation, forward or backward, the reduce op, the backward mode, dims, dtype,
-shape or chunk lengths, src/dst, and the reducer's iteration, bucket and ``no_sync``
-count. On any difference every rank raises the same `CollectiveMismatchError`, e.g.
+synchronisation, the ranks all-gather a fixed-size int64 fingerprint (on CPU it travels
+as one all-to-all step): a per-group sequence number, the operation, forward or backward,
+the reduce op, the backward mode, dims, dtype, shape or chunk lengths, src/dst, and the
+reducer's iteration, bucket and ``no_sync`` count. On any difference every rank raises the
+same `CollectiveMismatchError`, e.g.
 ``all_reduce #12 on a group of 4: op differs: ranks 0,1,3 "sum", rank 2 "max"``.
 
 A rank that skipped a collective, or issued another one, is caught at the next
