@@ -17,7 +17,8 @@ def _synthetic() -> dict[str, Any]:
     collectives = [{"table": "collectives", "collective": c, "world_size": w,
                     "nbytes": mib * 2**20, "calls": 5, "raw": 1e-3 * mib,
                     "raw_prealloc": 0.9e-3 * mib, "tensorpar": 1.1e-3 * mib, "ratio": 1.1,
-                    "ratio_prealloc": 1.2, "noise": 1.01 if "(" not in c else None}
+                    "ratio_prealloc": 1.2, "noise": 1.01 if "(" not in c else None,
+                    "paired_ratio": 1.05, "paired_noise": 1.0 if "(" not in c else None}
                    for c in COLLECTIVE_ORDER for w in (2, 4) for mib in (0.25, 1, 4)]
     collectives.append({"table": "uneven_all_to_all", "world_size": 2, "nbytes": 2**20})
     collectives += [{"table": "validation", "collective": c, "world_size": 2, "nbytes": 2**20,

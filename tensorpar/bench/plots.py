@@ -1,7 +1,8 @@
 """PNG plots of a ``python -m tensorpar.bench all`` report (matplotlib, imported lazily).
 
-- ``collectives.png``: tensorpar / raw time against payload size, one line per collective,
-  one panel per world size, with the run's noise (raw again / raw) in grey;
+- ``collectives.png``: tensorpar / raw time against payload size (paired, where the run
+  has paired ratios), one line per collective, one panel per world size, with the run's
+  noise (raw again / raw, paired alike) in grey;
 - ``reducer.png``: one training iteration per variant (tensorpar, DDP, the baselines);
 - ``layers.png``: tensorpar, DTensor, the dense process and the floor, per workload;
 - ``scatter_gather.png`` and ``hierarchical.png`` where those suites ran.
@@ -55,14 +56,17 @@ def _collectives(plt: Any, rows: list[dict[str, Any]], title: str) -> Any:
     worlds = sorted({r["world_size"] for r in rows})
     fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.2), squeeze=False,
                              sharey=True)
+    # the paired ratios where the run has them (see `tensorpar.bench._timing.paired_ratio`)
+    paired = all("paired_ratio" in r for r in rows)
+    ratio, spread = ("paired_ratio", "paired_noise") if paired else ("ratio", "noise")
     for ax, world in zip(axes[0], worlds, strict=True):
         for name in COLLECTIVE_ORDER:
-            pts = sorted((r["nbytes"] / 2**20, r["ratio"]) for r in rows
+            pts = sorted((r["nbytes"] / 2**20, r[ratio]) for r in rows
                          if r["collective"] == name and r["world_size"] == world)
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=name)
-        noise = sorted((r["nbytes"] / 2**20, r["noise"]) for r in rows
-                       if r["world_size"] == world and r["noise"] is not None)
+        noise = sorted((r["nbytes"] / 2**20, r[spread]) for r in rows
+                       if r["world_size"] == world and r[spread] is not None)
         if noise:
             ax.scatter(*zip(*noise, strict=True), color="grey", marker="x", alpha=0.6,
                        label="raw again / raw (noise)")
@@ -71,7 +75,7 @@ def _collectives(plt: Any, rows: list[dict[str, Any]], title: str) -> Any:
         ax.set_xlabel("payload per rank (MiB)")
         ax.set_title(f"{world} ranks")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("tensorpar / raw time")
+    axes[0][0].set_ylabel("tensorpar / raw time" + (" (paired)" if paired else ""))
     axes[0][-1].legend(fontsize="small")
     fig.suptitle(title)
     return fig
