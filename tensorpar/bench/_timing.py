@@ -1,8 +1,9 @@
 """Side-by-side timing on every rank: interleaved cases, the slowest rank's time, medians.
 
 `time_side_by_side` starts every call from a barrier (for calls of many milliseconds: training
-steps, layer stacks). `time_back_to_back` times short collectives as they run in real code,
-one after another with no barrier in between, cases interleaved call by call.
+steps, layer stacks). `back_to_back_samples` times short collectives as they run in real
+code, one after another with no barrier in between, cases interleaved call by call;
+`paired_ratio` compares two of its cases turn by turn.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["back_to_back_samples", "calls_within", "format_table", "paired_ratio",
-           "time_back_to_back", "time_side_by_side"]
+           "time_side_by_side"]
 
 
 def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
@@ -53,16 +54,6 @@ def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
         result[f"{case}/{baseline}"] = statistics.median(
             a / b for a, b in zip(samples[case], samples[baseline], strict=True))
     return result
-
-
-def time_back_to_back(cases: dict[str, Callable[[], object]], *, calls: int,
-                      warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each case, timed call by call with no barrier in between.
-
-    The medians of `back_to_back_samples` (see there).
-    """
-    samples = back_to_back_samples(cases, calls=calls, warmup=warmup)
-    return {name: times.median().item() for name, times in samples.items()}
 
 
 def back_to_back_samples(cases: dict[str, Callable[[], object]], *, calls: int,
