@@ -241,30 +241,6 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
     return Pending(work, "all_gather", group) if async_op else None
 
 
-def exchange_ints(values: list[int], group: Group) -> list[list[int]]:
-    """Every rank's ``values`` (int64s, the same count on every rank), in group rank order.
-
-    A metadata exchange (recorded as an ``"all_gather"``); built straight from the list, so
-    the one-step path below needs no copy of a tensor.
-    """
-    device = group.comm_device()
-    n, width = group.size, len(values)
-    out = torch.empty(n * width, dtype=torch.int64, device=device)
-    if device.type != "cpu":
-        all_gather_into(out, torch.tensor(values, dtype=torch.int64, device=device), group,
-                        purpose="meta")
-    else:
-        send = torch.tensor(values * n, dtype=torch.int64)
-        if _ACTIVE:
-            _record("all_gather", group, [send[:width]], "meta")
-        try:
-            _all_to_all_equal(out, send, group)
-        except RuntimeError as exc:
-            raise_translated(exc, _META, group)
-    rows: list[list[int]] = out.view(n, width).cpu().tolist()
-    return rows
-
-
 def _all_gather_in_one_step(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     """A small all-gather on CPU as one all-to-all of ``inp`` repeated once per rank.
 
@@ -274,11 +250,7 @@ def _all_gather_in_one_step(out: torch.Tensor, inp: torch.Tensor, group: Group) 
     0.92 ms on 4 ranks, 0.34 ms against 0.26 ms on 2. (Only on CPU: on NCCL an all-to-all
     would open a connection to every peer.)
     """
-    _all_to_all_equal(out, torch.cat([inp] * group.size), group)
-
-
-def _all_to_all_equal(out: torch.Tensor, send: torch.Tensor, group: Group) -> None:
-    """A synchronous equal-split all-to-all of flat ``send`` into ``out``."""
+    send = torch.cat([inp] * group.size)
     pg = _direct(group, out, send)
     if pg is not None and _PG_ALL_TO_ALL is not None:
         opts = _c10d.AllToAllOptions()
