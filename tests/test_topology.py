@@ -114,3 +114,39 @@ def test_single_process_and_argument_errors():
         Topology.grid(0)
     with pytest.raises(TypeError, match="must be an int, got float"):
         Topology.grid(2.0)
+
+
+def _foreign_topology(where):
+    """A topology built on the groups {0, 2}, {1, 3}, used with the groups {0, 1}, {2, 3}."""
+    import torch
+
+    import tensorpar as tp
+
+    rails = [dist.new_group(p) for p in ([0, 2], [1, 3])]
+    dp = [dist.new_group(p) for p in ([0, 1], [2, 3])]
+    rank = dist.get_rank()
+    topo = Topology.grid(1, group=rails[rank % 2])
+    group = dp[rank // 2]
+    x = torch.tensor([float(rank)])
+    flat = tp.all_reduce(x, group=group).item()
+    try:
+        if where == "all_reduce":
+            got = tp.all_reduce(x, group=group, algorithm="hierarchical", topology=topo).item()
+        else:
+            tp.BucketedAllReduce(torch.nn.Linear(2, 2), group=group, algorithm="hierarchical",
+                                 topology=topo)
+            got = None
+    except ValueError as e:
+        return flat, str(e)
+    return flat, got
+
+
+@pytest.mark.parametrize("where", ["all_reduce", "reducer"])
+def test_a_topology_of_another_group_of_the_same_size_raises_on_every_rank(where):
+    got = run_distributed(_foreign_topology, 4, where, timeout=TIMEOUT)
+    assert [flat for flat, _ in got] == [1.0, 1.0, 5.0, 5.0]
+    for rank, (_, error) in enumerate(got):
+        assert isinstance(error, str), got  # not a (wrong) sum: 2, 4, 2, 4 before the check
+        mine, other = ([0, 2], [1, 3])[rank % 2], ([0, 1], [2, 3])[rank // 2]
+        assert f"topology describes the group of global ranks {mine}" in error, error
+        assert f"group= has global ranks {other}" in error, error
