@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 
-from tensorpar._autograd import Launch, needs_graph
+from tensorpar._autograd import SYNC, Launch, apply_or_run, scale_for_mean, tie_to_output
 from tensorpar._group import Group
+from tensorpar._switch import VALIDATE
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.topology import Topology
+from tensorpar.validation import check_backward
 
 __all__ = ["AUTO_MIN_BYTES", "Algorithm", "hierarchical_data", "hierarchical_topology"]
 
@@ -27,8 +29,9 @@ def hierarchical_topology(fn: str, algorithm: object, topology: object, x: torch
 
     Raises:
         ValueError: an unknown ``algorithm``, no ``topology`` for a non-flat one, a topology
-            of another size than the group, or what the hierarchical path cannot do
-            (max/min, a tensor autograd records) when asked for explicitly.
+            of another group than ``g`` (another size, or other ranks: every rank of a group
+            that passes its own topology of the same kind raises), or max/min asked of the
+            hierarchical algorithm explicitly.
         TypeError: ``topology`` is not a `Topology`.
     """
     if algorithm == "flat":
@@ -46,26 +49,97 @@ def hierarchical_topology(fn: str, algorithm: object, topology: object, x: torch
         raise ValueError(f"{fn}: the topology describes {topology.machines} machines x "
                          f"{topology.ranks_per_machine} ranks = {ranks}, but the group has "
                          f"{g.size} ranks")
+    members = g.global_ranks()
+    if members != topology.global_ranks:
+        raise ValueError(f"{fn}: the topology describes the group of global ranks "
+                         f"{list(topology.global_ranks)}, but group= has global ranks "
+                         f"{list(members)}; build the topology on the group it serves "
+                         f"(Topology.grid(..., group=group) or Topology.detect(group))")
     if algorithm == "auto":
         wins = (topology.machines > 1 and topology.ranks_per_machine > 1 and op != "max"
-                and op != "min" and not needs_graph(x)
-                and x.numel() * x.element_size() >= AUTO_MIN_BYTES)
+                and op != "min" and x.numel() * x.element_size() >= AUTO_MIN_BYTES)
         return topology if wins else None
-    if op in ("max", "min") or needs_graph(x):
-        raise ValueError(f"{fn}: algorithm='hierarchical' sums or averages tensors outside "
-                         f"autograd (gradient buckets); got op={op!r}"
-                         + (" and a tensor autograd records (detach it)" if needs_graph(x)
-                            else ""))
+    if op in ("max", "min"):
+        raise ValueError(f"{fn}: algorithm='hierarchical' sums or averages; got op={op!r} "
+                         f"(use algorithm='flat' for max/min)")
     return topology
 
 
-def hierarchical_data(x: torch.Tensor, topology: Topology, op: str, inplace: bool,
-                      launch: Launch) -> torch.Tensor:
-    """The hierarchical all-reduce of ``x`` (in place, or into a contiguous copy)."""
+def hierarchical_data(x: torch.Tensor, g: Group, topology: Topology, op: str, mode: str,
+                      inplace: bool, launch: Launch) -> torch.Tensor:
+    """The hierarchical all-reduce of ``x`` (in place, or into a contiguous copy).
+
+    Recorded by autograd where ``x`` needs it, like the flat all-reduce: the backward runs
+    the same algorithm on the gradient (``mode="sum"``) or passes it through
+    (``"identity"``).
+    """
+    return apply_or_run(_HierarchicalAllReduce, x, g, topology, op, mode, inplace, launch)
+
+
+def _reduce(x: torch.Tensor, topology: Topology, op: str, inplace: bool, launch: Launch
+            ) -> torch.Tensor:
     out = x if inplace else x.detach().clone(memory_format=torch.contiguous_format)
     work = hierarchical_all_reduce(out, topology, op="mean" if op == "mean" else "sum",
                                    async_op=launch.async_op)
     launch.add(work, out)
-    if inplace:
-        torch.autograd.graph.increment_version(x)
     return out
+
+
+class _HierarchicalAllReduce(torch.autograd.Function):
+    """The flat `_AllReduce`'s contract, machine by machine.
+
+    ``mode="sum"``: the backward all-reduces the gradient (hierarchically too);
+    ``"identity"``: it passes the gradient through.
+    """
+
+    @staticmethod
+    def data(x: torch.Tensor, g: Group, topology: Topology, op: str, mode: str, inplace: bool,
+             launch: Launch) -> torch.Tensor:
+        out = _reduce(x, topology, op, inplace, launch)
+        if inplace:  # what mark_dirty does: autograd must see that x was overwritten
+            torch.autograd.graph.increment_version(x)
+        return out
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: Group, topology: Topology, op: str, mode: str,
+                inplace: bool, launch: Launch) -> torch.Tensor:
+        ctx.group, ctx.topology, ctx.op, ctx.mode = g, topology, op, mode
+        if inplace:
+            ctx.mark_dirty(x)
+        out = _reduce(x, topology, op, inplace, launch)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = tie_to_output(grad, ctx)
+        if VALIDATE[0]:
+            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode)
+        if ctx.mode == "sum":
+            out = apply_or_run(_HierarchicalAllReduce, grad, ctx.group,
+                               ctx.topology, "sum", "sum", False, SYNC)
+        else:
+            out = apply_or_run(_HierarchicalCopy, grad, ctx.group, ctx.topology)
+        return (scale_for_mean(out, ctx.op, ctx.group.size),
+                None, None, None, None, None, None)
+
+
+class _HierarchicalCopy(torch.autograd.Function):
+    """Forward: identity. Backward: the hierarchical all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def data(x: torch.Tensor, g: Group, topology: Topology) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: Group, topology: Topology) -> torch.Tensor:
+        ctx.group, ctx.topology = g, topology
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if VALIDATE[0]:
+            check_backward("copy_to_group", ctx.group, None, grad)
+        return apply_or_run(_HierarchicalAllReduce, tie_to_output(grad, ctx),
+                            ctx.group, ctx.topology, "sum", "identity", False, SYNC), None, None

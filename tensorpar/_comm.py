@@ -241,6 +241,31 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
     return Pending(work, "all_gather", group) if async_op else None
 
 
+def exchange_ints(group: Group, values: Sequence[int] | torch.Tensor,
+                  device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (a few int64s, the same count on every rank), in rank order.
+
+    The one metadata exchange of small integers: an `all_gather_into` with
+    ``purpose="meta"`` (one all-to-all step on CPU, recorded as an ``"all_gather"``).
+
+    Args:
+        group: the group to exchange over (more than one rank).
+        values: this rank's integers, a sequence or a 1-D int64 tensor.
+        device: where the data lives, a hint for the buffers' device (see
+            `Group.comm_device`); ``None``: the group's own choice.
+
+    Returns:
+        ``rows[r]`` is rank ``r``'s ``values``.
+    """
+    where = group.comm_device(device)
+    mine = values.to(where, torch.int64) if isinstance(values, torch.Tensor) else \
+        torch.tensor(values, dtype=torch.int64, device=where)
+    out = torch.empty(group.size * mine.numel(), dtype=torch.int64, device=where)
+    all_gather_into(out, mine, group, purpose="meta")
+    rows: list[list[int]] = out.view(group.size, mine.numel()).tolist()
+    return rows
+
+
 def _all_gather_in_one_step(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     """A small all-gather on CPU as one all-to-all of ``inp`` repeated once per rank.
 

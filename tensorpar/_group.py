@@ -69,6 +69,13 @@ class Group(NamedTuple):
             return group_rank
         return dist.get_global_rank(handle, group_rank)
 
+    def global_ranks(self) -> tuple[int, ...]:
+        """The global rank of each rank of the group, in group-rank order (no communication)."""
+        handle = self.handle
+        if handle is None or handle is dist.group.WORLD:
+            return tuple(range(self.size))
+        return tuple(dist.get_process_group_ranks(handle))
+
     def check_rank(self, fn: str, name: str, value: object) -> int:
         """Validate a ``src``/``dst``/``owner`` argument: an int in ``[0, size)``."""
         if isinstance(value, bool) or not isinstance(value, int):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 
 from tensorpar import _comm
@@ -84,10 +83,6 @@ def _names_agree(group: Group) -> bool:
     """Whether every member of ``group`` knows as many groups (so torch names new ones alike)."""
     known = getattr(dist.distributed_c10d, "_world", None)
     names = getattr(known, "pg_names", None)
-    count = torch.tensor([len(names) if names is not None else -1], dtype=torch.int64)
-    device = group.comm_device(count.device)
-    mine = count.to(device)
-    every = torch.empty(group.size, dtype=torch.int64, device=device)
-    _comm.all_gather_into(every, mine, group, purpose="meta")
-    counts = every.cpu().tolist()
+    counts = [row[0] for row in
+              _comm.exchange_ints(group, [len(names) if names is not None else -1])]
     return counts[0] >= 0 and all(c == counts[0] for c in counts)

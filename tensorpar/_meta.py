@@ -17,7 +17,6 @@ from tensorpar._group import Group
 from tensorpar._split import SplitSpec, check_total
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
-    HEADER_LEN,
     KIND_NONE,
     KIND_OTHER,
     KIND_PLACEHOLDER,
@@ -97,10 +96,7 @@ def check_roots(fn: str, name: str, headers: Sequence[Header]) -> None:
 
 def exchange(g: Group, header: torch.Tensor) -> list[Header]:
     """All-gather one header per rank (one collective) and decode them."""
-    device = g.comm_device()
-    out = torch.empty(g.size * HEADER_LEN, dtype=torch.int64, device=device)
-    _comm.all_gather_into(out, header.to(device), g, purpose="meta")
-    return [decode_header(row) for row in out.view(g.size, HEADER_LEN).cpu()]
+    return [decode_header(torch.tensor(row)) for row in _comm.exchange_ints(g, header)]
 
 
 def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -> Header:

@@ -2,12 +2,16 @@
 
 `check_and_broadcast_replicas` (the data-parallel reducer) compares the parameters' names,
 dtypes and shapes and then broadcasts rank 0's values; `check_same_weights` (`parallelize`)
-compares exact checksums of the values and raises where they differ.
+compares hashes of the values and raises where they differ.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -34,16 +38,14 @@ def check_and_broadcast_replicas(module: nn.Module, group: Group) -> None:
         return
     mine = "\n".join(_signature(module)).encode()
     device = group.comm_device(next((p.device for p in module.parameters()), None))
-    length = torch.tensor([len(mine)], dtype=torch.int64, device=device)
-    lengths = torch.empty(group.size, dtype=torch.int64, device=device)
-    _comm.all_gather_into(lengths, length, group, purpose="meta")
-    width = int(lengths.max())
+    lengths = [row[0] for row in _comm.exchange_ints(group, [len(mine)], device)]
+    width = max(lengths)
     padded = torch.zeros(width, dtype=torch.uint8, device=device)
     padded[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
     every = torch.empty(group.size * width, dtype=torch.uint8, device=device)
     _comm.all_gather_into(every, padded, group, purpose="meta")
     rows = every.view(group.size, width).cpu()
-    signatures = [bytes(rows[r, : int(lengths[r])].tolist()).decode().split("\n")
+    signatures = [bytes(rows[r, : lengths[r]].tolist()).decode().split("\n")
                   for r in range(group.size)]
     reference = signatures[0]
     for rank, sig in enumerate(signatures[1:], start=1):
@@ -79,25 +81,74 @@ def _dense_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _fingerprint(name: str, t: torch.Tensor) -> list[int]:
-    """Three int64s: the name, dtype and shape (crc32), and two checksums of the bytes.
+SEGMENT_BYTES = 1 << 20
+"""The unit of the weight check's hash: each tensor's bytes, in row-major order, are hashed in
+segments of this size (in parallel, and never more than a few segments copied at a time)."""
 
-    The checksums are exact (integer sums of the tensor's bytes taken as 32-bit words), so
-    any difference in any bit shows; the second weights each word by its position, so a
-    permutation shows too.
+
+def _fingerprints(tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """Three int64s per tensor: its name, dtype and shape (crc32), and a hash of its values.
+
+    The values' part is 128 bits of a SHA-1 of the tensor's bytes in row-major order,
+    whatever its strides, so any difference in any bit, and any permutation, shows (short of
+    a hash collision). It needs no copy of a whole tensor: CPU tensors are hashed where they
+    lie, and only a segment (`SEGMENT_BYTES`) at a time is copied from a strided or
+    accelerator tensor. The segments of all tensors are hashed on a few threads (``hashlib``
+    releases the GIL).
     """
-    layout = zlib.crc32(f"{name} {t.dtype} {list(t.shape)}".encode())
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = (data.view(torch.int32) if t.element_size() % 4 == 0 else data).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device) % 65521 + 1
-    return [layout, int(words.sum()), int((words * weights).sum())]
+    jobs = [(k, t, start) for k, (_, t) in enumerate(tensors)
+            for start in range(0, t.numel(), max(1, SEGMENT_BYTES // t.element_size()))]
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda job: _segment_digest(*job[1:]), jobs))
+    per_tensor: list[list[bytes]] = [[] for _ in tensors]
+    for (k, _, _), digest in zip(jobs, digests, strict=True):
+        per_tensor[k].append(digest)
+    out: list[int] = []
+    for (name, t), parts in zip(tensors, per_tensor, strict=True):
+        digest = hashlib.sha1(b"".join(parts), usedforsecurity=False).digest()
+        out += [zlib.crc32(f"{name} {t.dtype} {list(t.shape)}".encode()),
+                int.from_bytes(digest[:8], "little", signed=True),
+                int.from_bytes(digest[8:16], "little", signed=True)]
+    return out
+
+
+def _segment_digest(t: torch.Tensor, start: int) -> bytes:
+    """SHA-1 of the elements ``[start, start + segment)`` of ``t`` in row-major order."""
+    stop = min(t.numel(), start + max(1, SEGMENT_BYTES // t.element_size()))
+    sha = hashlib.sha1(usedforsecurity=False)
+    for part in _row_major(t.detach(), start, stop):
+        sha.update(part.cpu().view(torch.uint8).numpy().data)
+    return sha.digest()
+
+
+def _row_major(t: torch.Tensor, start: int, stop: int) -> Iterator[torch.Tensor]:
+    """Elements ``[start, stop)`` of ``t.reshape(-1)``, as contiguous 1-D pieces in order.
+
+    Views where ``t`` is contiguous; otherwise copies of at most ``stop - start`` elements
+    (one piece at a time), never of the whole tensor.
+    """
+    if t.is_contiguous():
+        yield t.reshape(-1)[start:stop]
+    elif t.dim() == 1:
+        yield t[start:stop].contiguous()
+    else:
+        row = t[0].numel()
+        first, last = start // row, (stop - 1) // row
+        if first == last:
+            yield from _row_major(t[first], start - first * row, stop - first * row)
+            return
+        yield from _row_major(t[first], start - first * row, row)
+        if last > first + 1:
+            yield t[first + 1: last].reshape(-1)
+        yield from _row_major(t[last], 0, stop - last * row)
 
 
 def check_same_weights(fn: str, module: nn.Module, group: GroupLike) -> None:
     """Raise on every rank of ``group`` unless every rank holds the same dense weights.
 
-    Compares exact checksums of every parameter and buffer (two int64 all-gathers: the
-    count, then three int64s per tensor), so it costs one pass over the weights.
+    Compares a hash of every parameter and buffer (two small int64 exchanges: the count,
+    then three int64s per tensor), so it costs one pass over the weights and a few MiB of
+    memory at most, whatever their size (`_fingerprints`).
 
     Raises:
         CollectiveArgumentError: the ranks differ; names the first differing parameter or
@@ -108,14 +159,13 @@ def check_same_weights(fn: str, module: nn.Module, group: GroupLike) -> None:
         return
     tensors = _dense_tensors(module)
     device = g.comm_device(next((t.device for _, t in tensors), None))
-    counts = _all_gather_ints(torch.tensor([len(tensors)], dtype=torch.int64), g, device)
+    counts = [row[0] for row in _comm.exchange_ints(g, [len(tensors)], device)]
     if counts.count(counts[0]) != g.size:
         raise CollectiveArgumentError(
             f"{fn}: the ranks hold different models: {ranks_by_value(counts, _tensors)}; "
             f"build the same dense model on every rank")
-    mine = torch.tensor([v for name, t in tensors for v in _fingerprint(name, t)],
-                        dtype=torch.int64)
-    every = torch.tensor(_all_gather_ints(mine, g, device)).view(g.size, -1, 3)
+    every = torch.tensor(_comm.exchange_ints(g, _fingerprints(tensors), device)
+                         ).view(g.size, -1, 3)
     for k, (name, _) in enumerate(tensors):
         rows = every[:, k]
         if bool((rows == rows[0]).all()):
@@ -137,9 +187,3 @@ def check_same_weights(fn: str, module: nn.Module, group: GroupLike) -> None:
 def _tensors(count: object) -> str:
     return f"{count} parameters and buffers"
 
-
-def _all_gather_ints(mine: torch.Tensor, g: Group, device: torch.device) -> list[int]:
-    out = torch.empty(g.size * mine.numel(), dtype=torch.int64, device=device)
-    _comm.all_gather_into(out, mine.to(device), g, purpose="meta")
-    values: list[int] = out.cpu().tolist()
-    return values

@@ -426,8 +426,8 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
             when nothing else reads or writes ``x`` until the result is resolved and autograd
             has not saved ``x`` for a backward pass (as for gradient buffers).
             Autograd refuses it on a leaf that requires grad.
-        algorithm: ``"flat"``, ``"hierarchical"`` (machine by machine; sum/mean outside
-            autograd) or ``"auto"`` (hierarchical where it wins; the multi-machine guide).
+        algorithm: ``"flat"``, ``"hierarchical"`` (machine by machine; sum/mean, with
+            the same backward) or ``"auto"`` (hierarchical where it wins; the multi-machine guide).
         topology: the `Topology` of ``group``, for the non-flat algorithms.
 
     Returns:
@@ -457,7 +457,7 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
     topo = None if algorithm == "flat" else \
         hierarchical_topology(fn, algorithm, topology, tensor, op_name, g)
     out = apply_or_run(_AllReduce, tensor, g, op_name, backward, inplace, launch) \
-        if topo is None else hierarchical_data(tensor, topo, op_name, inplace, launch)
+        if topo is None else hierarchical_data(tensor, g, topo, op_name, backward, inplace, launch)
     return as_result(out, launch, async_op)
 
 

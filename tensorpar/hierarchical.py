@@ -233,6 +233,9 @@ class _Engine:
         def group(pg: dist.ProcessGroup | None) -> Group | None:
             return resolve_group(pg) if pg is not None else None
 
+        # the subgroups, held until the thread has issued what was queued (not the topology:
+        # the engine stops when the topology goes)
+        self._subgroups = (topology.intra_group, topology.rails_group, topology.gather_group)
         self.intra = group(topology.intra_group)
         self.rails = group(topology.rails_group)
         self.gather = group(topology.gather_group)
@@ -333,12 +336,30 @@ class _Engine:
         self.calls.put(None)
 
 
-def _engine(topology: Topology) -> _Engine:
-    """The topology's engine, started on first use and stopped when the topology goes."""
-    if not topology._slot:
-        engine = _Engine(topology)
-        topology._slot.append(engine)
-        weakref.finalize(topology, engine.stop)
-    engine = topology._slot[0]
-    assert isinstance(engine, _Engine)
-    return engine
+class _Engines:
+    """The engine of each live topology, held weakly by topology.
+
+    A `Topology` is a frozen description of a layout and its subgroups; the engine (a
+    thread and its queue) is how this module uses those subgroups. It lives here, beside
+    the code that needs it, rather than in a mutable slot of the topology: a topology stays
+    a plain value that other algorithms can use without knowing this one. One engine per
+    topology is what keeps the ranks in step (every call on a topology goes through the
+    same queue, in call order), so the first use creates it under a lock, and the engine
+    stops when its topology is collected.
+    """
+
+    def __init__(self) -> None:
+        self._by_topology: weakref.WeakKeyDictionary[Topology, _Engine] = \
+            weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, topology: Topology) -> _Engine:
+        with self._lock:
+            engine = self._by_topology.get(topology)
+            if engine is None:
+                engine = self._by_topology[topology] = _Engine(topology)
+                weakref.finalize(topology, engine.stop)
+        return engine
+
+
+_engine = _Engines()

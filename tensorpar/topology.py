@@ -26,9 +26,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from tensorpar import _comm
@@ -57,6 +55,9 @@ class Topology:
             by their lowest rank).
         local_rank: this rank's index within its machine (and its rail).
         machine_ranks: the group ranks of every machine, ``machine_ranks[m][j]``.
+        global_ranks: the group the topology describes, as the global rank of each of its
+            ranks (``global_ranks[r]`` is group rank ``r``); a topology serves only a group
+            of these ranks in this order (`matches`).
         intra_group: the ranks of this machine, or ``None`` with one rank per machine.
         rails_group: rank ``local_rank`` of every machine, or ``None`` on one machine.
         gather_group: a second group of this machine's ranks (``None`` unless
@@ -72,11 +73,10 @@ class Topology:
     machine: int
     local_rank: int
     machine_ranks: tuple[tuple[int, ...], ...] = field(repr=False)
+    global_ranks: tuple[int, ...] = field(repr=False)
     intra_group: dist.ProcessGroup | None = field(default=None, repr=False)
     rails_group: dist.ProcessGroup | None = field(default=None, repr=False)
     gather_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    _slot: list[Any] = field(default_factory=list, init=False, repr=False)
-    """Per-topology state of the algorithms that run on its subgroups (their issue queue)."""
 
     @property
     def size(self) -> int:
@@ -87,6 +87,15 @@ class Topology:
     def is_hierarchical(self) -> bool:
         """True with several machines of several ranks each: a 2-D algorithm can help."""
         return self.machines > 1 and self.ranks_per_machine > 1
+
+    def matches(self, group: GroupLike) -> bool:
+        """Whether ``group`` is the group this topology describes.
+
+        It is when it has the same global ranks in the same order (another process group
+        over those ranks qualifies). Local (no communication): every rank of a group that
+        passes its own topology of the same kind gets the same answer.
+        """
+        return resolve_group(group, "Topology.matches").global_ranks() == self.global_ranks
 
     def __str__(self) -> str:
         m, r = self.machines, self.ranks_per_machine
@@ -173,8 +182,8 @@ class Topology:
                 if me in machine:
                     j = machine.index(me)
                     topo = cls(machines, per_machine, m, j, layout.group_ranks,
-                               intra[m] if intra else None, rails[j] if rails else None,
-                               gather[m] if gather else None)
+                               tuple(layout.global_ranks), intra[m] if intra else None,
+                               rails[j] if rails else None, gather[m] if gather else None)
         if topo is None:  # unreachable: the exchange included this rank
             raise RuntimeError(f"{fn}: rank {me} is missing from its own topology")
         return topo
@@ -187,15 +196,9 @@ def _host_key() -> int:
 
 
 def _exchange(world: Group, g: Group, key: int, declared: int) -> list[list[int]]:
-    """All-gather one int64 row per rank over the default group (no pickle)."""
-    handle = g.handle
-    first = g.global_rank(0) if handle is not None else 0
-    device = world.comm_device()
-    row = torch.tensor([first, g.rank, g.size, key, declared], dtype=torch.int64, device=device)
-    out = row.new_empty(world.size * _ROW)
-    _comm.all_gather_into(out, row, world, purpose="meta")
-    values: list[int] = out.tolist()
-    return [values[i: i + _ROW] for i in range(0, len(values), _ROW)]
+    """One row of `_ROW` int64s per rank, exchanged over the default group (no pickle)."""
+    first = g.global_rank(0) if g.handle is not None else 0
+    return _comm.exchange_ints(world, [first, g.rank, g.size, key, declared])
 
 
 def _partition(fn: str, table: Sequence[Sequence[int]]) -> list[list[tuple[int, int, int]]]:
@@ -230,6 +233,7 @@ def _partition(fn: str, table: Sequence[Sequence[int]]) -> list[list[tuple[int, 
 class _Layout:
     group_ranks: tuple[tuple[int, ...], ...]  # group ranks of each machine
     machines: list[list[int]]  # global ranks of each machine, in increasing order
+    global_ranks: list[int]  # global rank of each group rank
 
 
 def _layout(fn: str, members: list[tuple[int, int, int]], declared: int) -> _Layout:
@@ -260,7 +264,8 @@ def _layout(fn: str, members: list[tuple[int, int, int]], declared: int) -> _Lay
     global_of = [rank for rank, _, _ in members]
     # a subgroup numbers its ranks in increasing global-rank order; order the machine that way
     machines = [sorted(m, key=lambda r: global_of[r]) for m in machines]
-    return _Layout(tuple(tuple(m) for m in machines), [[global_of[r] for r in m] for m in machines])
+    return _Layout(tuple(tuple(m) for m in machines), [[global_of[r] for r in m] for m in machines],
+                   global_of)
 
 
 def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:

@@ -185,12 +185,7 @@ def _next_count(g: Group) -> int:
 
 
 def _exchange(g: Group, fp: list[int]) -> list[list[int]]:
-    device = g.comm_device()
-    out = torch.empty(g.size * LENGTH, dtype=torch.int64, device=device)
-    _comm.all_gather_into(out, torch.tensor(fp, dtype=torch.int64, device=device), g,
-                          purpose="meta")
-    rows: list[list[int]] = out.view(g.size, LENGTH).cpu().tolist()
-    return rows
+    return _comm.exchange_ints(g, fp)
 
 
 def _compare(operation: str, g: Group, every: list[list[int]]) -> None:
