@@ -54,7 +54,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, topology: Topology, *,
     """All-reduce ``tensor`` in place over the ranks of ``topology``, machine by machine.
 
     Forward: every rank's ``tensor`` becomes the sum (or mean) over the group, in place.
-    Backward: none (an in-place primitive for gradient buckets, outside autograd).
+    Backward: none (an in-place primitive for gradient buckets, outside autograd;
+    ``tensorpar.all_reduce(..., algorithm="hierarchical")`` is the differentiable form).
 
     Every rank of the topology's group must call it with a tensor of the same numel and dtype,
     in the same order with respect to other calls on the same topology. ``"mean"`` divides
