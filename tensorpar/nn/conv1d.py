@@ -17,8 +17,9 @@ from tensorpar._group import GroupLike
 from tensorpar.nn._column_fn import column_linear
 from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._shard import AnyShard, Shard, shard_of
-from tensorpar.nn.linear import ShardedLayer, column_shard
-from tensorpar.regions import gather_from_group, reduce_from_group, split_to_group
+from tensorpar.nn._spec_cache import SpecCache
+from tensorpar.nn.linear import ShardedLayer, column_shard, row_output
+from tensorpar.regions import gather_from_group
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D"]
 
@@ -153,19 +154,19 @@ class RowParallelConv1D(ShardedLayer):
             if bias else None
         with torch.no_grad():
             self.weight.normal_(0.0, 0.02)
+        self._specs = SpecCache("RowParallelConv1D", self.shard)
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W + b``: the partial products summed across the group, then the bias."""
-        g = self.shard.group
+        """``x W + b``: the partial products summed across the group, then the bias.
+
+        The arithmetic of `RowParallelLinear` (its one-Function path, autocast and
+        ``reduce_dtype`` included) on the transposed weight.
+        """
         if not self.input_is_parallel:
-            x = split_to_group(x, dim=-1, group=g, sizes=self.shard.sizes)
-        wide = self.reduce_dtype or self.weight.dtype
-        y = reduce_from_group(x.to(wide).matmul(self.weight.to(wide)), group=g)
-        if self.bias is not None:
-            y = y + self.bias.to(wide)
-        return y.to(torch.promote_types(x.dtype, self.weight.dtype))
+            x = self._specs.split(x)
+        return row_output(x, self.weight.t(), self.bias, self.shard.group, self.reduce_dtype)
 
     @classmethod
     def from_dense(cls, conv: nn.Module, *, group: GroupLike = None,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar._group import GroupLike
+from tensorpar._group import Group, GroupLike
 from tensorpar._switch import VALIDATE
 from tensorpar.functional import broadcast, gather, scatter
 from tensorpar.nn._column_fn import SharedInput, autocast_on, column_linear
@@ -24,6 +24,28 @@ from tensorpar.regions import reduce_from_group
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardedLayer"]
 
 DenseOrPlaceholders = nn.Linear | dict[str, TensorPlaceholder]
+
+
+def row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: Group,
+               wide: torch.dtype | None) -> torch.Tensor:
+    """The row-parallel layers' output from this rank's input slice ``x``.
+
+    ``reduce_from_group(F.linear(x, weight)) + bias`` (``weight``: ``(out, shard)``), as one
+    Function where it can be, in ``wide`` (a ``reduce_dtype``) where one is given.
+    """
+    if wide is None or wide == weight.dtype:
+        if g.is_single:
+            return F.linear(x, weight, bias)
+        if not VALIDATE[0] and not autocast_on(x.device.type):
+            return row_linear(x, weight, bias, g)  # one Function, one node
+        # the composition: every region call fingerprinted, or autocast's casts (the bias
+        # joins in the matmul's dtype, as in F.linear under autocast)
+        y = reduce_from_group(F.linear(x, weight), group=g)
+        return y + bias.to(y.dtype) if bias is not None else y
+    y = reduce_from_group(F.linear(x.to(wide), weight.to(wide)), group=g)
+    if bias is not None:
+        y = y + bias.to(wide)
+    return y.to(torch.promote_types(x.dtype, weight.dtype))
 
 
 def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
@@ -236,22 +258,9 @@ class RowParallelLinear(ShardedLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``: the partial products summed across the group, then the bias."""
-        g = self.shard.group
         if not self.input_is_parallel:
             x = self._specs.split(x)
-        wide = self.reduce_dtype
-        if wide is None or wide == self.weight.dtype:
-            if g.is_single:
-                return F.linear(x, self.weight, self.bias)
-            if not VALIDATE[0] and not autocast_on(x.device.type):
-                return row_linear(x, self.weight, self.bias, g)  # one Function, one node
-            # the composition: every region call fingerprinted, or autocast's casts
-            y = reduce_from_group(F.linear(x, self.weight), group=g)
-            return y + self.bias if self.bias is not None else y
-        y = reduce_from_group(F.linear(x.to(wide), self.weight.to(wide)), group=g)
-        if self.bias is not None:
-            y = y + self.bias.to(wide)
-        return y.to(torch.promote_types(x.dtype, self.weight.dtype))
+        return row_output(x, self.weight, self.bias, self.shard.group, self.reduce_dtype)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, group: GroupLike = None,
