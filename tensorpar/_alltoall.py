@@ -31,7 +31,7 @@ from tensorpar._split import NATIVE_DTYPES, as_bytes, balanced_sizes, check_size
 from tensorpar._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.placeholder import _normalize_dim
-from tensorpar.validation import check, check_backward
+from tensorpar.validation import check_all_to_all, check_backward, last_site
 
 __all__ = ["AllToAllSpec", "run_all_to_all"]
 
@@ -42,10 +42,7 @@ def run_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: Grou
     fn = "all_to_all"
     g = resolve_group(group, fn)
     if VALIDATE[0] and g.size > 1:
-        tensor = x if isinstance(x, torch.Tensor) else None
-        check(fn, g, dtype=getattr(tensor, "dtype", None), shape=getattr(tensor, "shape", None),
-              shape_skips=(split_dim, concat_dim) if sizes is None else (), dim=split_dim,
-              dim2=concat_dim, sizes=sizes)
+        check_all_to_all(g, x, split_dim, concat_dim, sizes)
     if _dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
         assert sizes is not None
         return all_to_all_dim0(x, sizes, g, SYNC, agreed=False)  # no graph, no spec
@@ -57,7 +54,8 @@ def run_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: Grou
         check_total(fn, sizes, tensor.shape[sd], sd, "this rank's tensor")
     if g.is_single:
         return tensor
-    return apply_or_run(_AllToAll, tensor, all_to_all_spec(fn, tensor, sd, cd, g, sizes), SYNC)
+    spec, tensor = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
+    return apply_or_run(_AllToAll, tensor, spec, SYNC)
 
 
 def _dim0_exchange(x: object, split_dim: object, concat_dim: object,
@@ -112,12 +110,17 @@ class AllToAllSpec:
 
 
 def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
-                    sizes: tuple[int, ...] | None) -> AllToAllSpec:
-    """Send lengths and receive shapes, from ``sizes`` or from every rank's shape."""
+                    sizes: tuple[int, ...] | None) -> tuple[AllToAllSpec, torch.Tensor]:
+    """Send lengths and receive shapes, from ``sizes`` or from every rank's shape.
+
+    Also returns this rank's autograd input: learned from every rank's metadata, it
+    requires grad on every rank if it does on any, so that every rank joins the backward
+    all-to-all (with ``sizes`` the ranks must agree, as validation mode checks).
+    """
     if sizes is not None:  # every rank holds this shape: every received chunk is alike
         piece = list(x.shape)
         piece[sd] = sizes[g.rank]
-        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size, even=False)
+        return AllToAllSpec(g, sd, cd, sizes, (torch.Size(piece),) * g.size, even=False), x
     headers = exchange(g, local_header(x))
     shapes = [h.shape for h in headers]
     if any(h.dtype != x.dtype or len(h.shape) != x.ndim for h in headers):
@@ -143,7 +146,10 @@ def all_to_all_spec(fn: str, x: torch.Tensor, sd: int, cd: int, g: Group,
     # even on every rank only if every rank splits the same shape evenly (decided from every
     # rank's shape, so all ranks take the same gloo path)
     even = all(s == shapes[0] for s in shapes) and len(set(splits[0])) == 1
-    return AllToAllSpec(g, sd, cd, splits[g.rank], recv_all[g.rank], even)
+    if any(h.requires_grad for h in headers) and torch.is_grad_enabled() \
+            and not x.requires_grad:  # another rank needs the backward: join it
+        x = x.detach().requires_grad_()
+    return AllToAllSpec(g, sd, cd, splits[g.rank], recv_all[g.rank], even), x
 
 
 def all_to_all_dim0(x: torch.Tensor, sizes: Sequence[int], group: Group, launch: Launch,
@@ -213,6 +219,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torch.Tensor:
         ctx.spec, ctx.in_shape = spec, x.shape
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         out = all_to_all_data(x, spec, launch)
         ctx.save_for_backward(out)
         return out
@@ -220,6 +227,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if VALIDATE[0]:
-            check_backward("all_to_all", ctx.spec.group, ctx.spec.dual(ctx.in_shape))
+            check_backward("all_to_all", ctx.spec.group, ctx.spec.dual(ctx.in_shape),
+                           site=ctx.site)
         return _AllToAll.apply(tie_to_output(grad, ctx), ctx.spec.dual(ctx.in_shape), SYNC), \
             None, None

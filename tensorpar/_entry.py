@@ -18,16 +18,17 @@ __all__ = ["resolve_args"]
 
 
 def resolve_args(fn: str, group: GroupLike, sizes: Sequence[int] | None, *, x: object = None,
-                 dim: object = None, op: object = None, backward: object = None, **ranks: int
-                 ) -> tuple[Group, tuple[int, ...] | None]:
+                 dim: object = None, op: object = None, backward: object = None,
+                 label: str = "", **ranks: int) -> tuple[Group, tuple[int, ...] | None]:
     """Resolve ``group``, check the rank arguments (group ranks) and the form of ``sizes``.
 
     In validation mode the ranks first compare the call's fingerprint (``x``'s dtype and
-    shape, ``dim``, ``op``, ``backward``, ``sizes`` and the rank arguments).
+    shape, ``dim``, ``op``, ``backward``, ``sizes``, the rank arguments and the call site;
+    ``label`` names what the call is part of in messages).
     """
     g = resolve_group(group, fn)
     if VALIDATE[0] and g.size > 1:
-        check_call(fn, g, x, dim, op, backward, sizes, next(iter(ranks.values()), -1))
+        check_call(fn, g, x, dim, op, backward, sizes, next(iter(ranks.values()), -1), label)
     for name, value in ranks.items():
         g.check_rank(fn, name, value)
     return g, None if sizes is None else check_sizes(fn, sizes, g.size)

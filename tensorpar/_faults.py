@@ -64,14 +64,12 @@ def raise_translated(exc: RuntimeError, kind: str, group: Group, seq: int | None
     head = f"{where} on a group of {group.size} (this rank is {group.rank})"
     raw = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if lost:
-        who = (f"rank {_ranks(missing)} went away" if missing
-               else "a peer went away")
+        who = f"{_ranks(missing)} went away" if missing else "a peer went away"
         raise PeerLostError(
             f"{head}: {who}: its connection closed mid-collective (the process died, was "
             f"killed or exited). The process group cannot be used again; restart the job and "
             f"resume from a checkpoint. Backend: {raw}") from exc
-    who = (f"rank {_ranks(missing)} did not arrive" if missing
-           else "a peer did not arrive")
+    who = f"{_ranks(missing)} did not arrive" if missing else "a peer did not arrive"
     raise CollectiveTimeoutError(
         f"{head}: timed out: {who} within the process group's timeout (it skipped this "
         f"collective or issued a different one, is stuck, or died). Turn on "
@@ -80,7 +78,8 @@ def raise_translated(exc: RuntimeError, kind: str, group: Group, seq: int | None
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks)) if len(ranks) == 1 else "s " + ",".join(map(str, ranks))
+    """``"rank 2"`` or ``"ranks 0,2"``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} " + ",".join(map(str, ranks))
 
 
 def _store(group: Group) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, TypeAlias
 import torch
 import torch.distributed as dist
 
-from tensorpar.errors import TensorparError
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, TensorparError
 
 __all__ = ["Group", "GroupLike", "resolve_group"]
 
@@ -77,13 +77,20 @@ class Group(NamedTuple):
         return tuple(dist.get_process_group_ranks(handle))
 
     def check_rank(self, fn: str, name: str, value: object) -> int:
-        """Validate a ``src``/``dst``/``owner`` argument: an int in ``[0, size)``."""
+        """Validate a ``src``/``dst``/``owner`` argument: an int in ``[0, size)``.
+
+        Raises:
+            CollectiveTypeError: not an int (also a ``TypeError``).
+            CollectiveArgumentError: out of range (also a ``ValueError``).
+        """
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{fn}: {name} must be an int (a rank within the group), "
-                            f"got {type(value).__name__}")
+            raise CollectiveTypeError(
+                f"{fn}: {name} must be an int (a rank within the group), "
+                f"got {type(value).__name__}")
         if not 0 <= value < self.size:
-            raise ValueError(f"{fn}: {name}={value} is not a rank of the group; "
-                             f"expected 0 <= {name} < {self.size} (group ranks, not global ranks)")
+            raise CollectiveArgumentError(
+                f"{fn}: {name}={value} is not a rank of the group; "
+                f"expected 0 <= {name} < {self.size} (group ranks, not global ranks)")
         return value
 
     def comm_device(self, hint: torch.device | None = None) -> torch.device:
@@ -117,8 +124,9 @@ def _device_types(handle: dist.ProcessGroup) -> list[torch.device]:
 
 def _from_mesh(group: Any) -> dist.ProcessGroup:
     if group.ndim != 1:
-        raise ValueError(f"a DeviceMesh passed as group must be 1-D, got a {group.ndim}-D mesh "
-                         f"with shape {tuple(group.shape)}; pass mesh[dim_name] instead")
+        raise CollectiveArgumentError(
+            f"a DeviceMesh passed as group must be 1-D, got a {group.ndim}-D mesh "
+            f"with shape {tuple(group.shape)}; pass mesh[dim_name] instead")
     pg: dist.ProcessGroup = group.get_group()
     return pg
 
@@ -154,11 +162,13 @@ def resolve_group(group: GroupLike, fn: str = "tensorpar") -> Group:
     elif type(group).__name__ == "DeviceMesh":
         handle = _from_mesh(group)
     elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to non-members
-        raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member "
-                         f"of the group it was given")
+        raise CollectiveArgumentError(
+            f"{fn}: this process (global rank {dist.get_rank()}) is not a member "
+            f"of the group it was given")
     else:
-        raise TypeError(f"{fn}: group must be None, a ProcessGroup or a 1-D DeviceMesh, "
-                        f"got {type(group).__name__}")
+        raise CollectiveTypeError(
+            f"{fn}: group must be None, a ProcessGroup or a 1-D DeviceMesh, "
+            f"got {type(group).__name__}")
     # the handle's own rank and size: its group rank, without torch's per-call lookups
     resolved = Group(weakref.ref(handle), handle.rank(), handle.size())
     if group is None:

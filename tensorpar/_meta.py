@@ -180,8 +180,9 @@ def chunks_spec(fn: str, x: object, dim: int, g: Group, sizes: tuple[int, ...] |
         tensor = require_tensor(fn, x)
         d = _normalize_dim(fn, dim, tensor.ndim)
         if tensor.shape[d] != sizes[g.rank]:
-            raise ValueError(f"{fn}: sizes[{g.rank}]={sizes[g.rank]} but this rank's chunk has "
-                             f"length {tensor.shape[d]} along dim {d}")
+            raise CollectiveArgumentError(
+                f"{fn}: sizes[{g.rank}]={sizes[g.rank]} but this rank's chunk has "
+                f"length {tensor.shape[d]} along dim {d}")
         requires_grad = tensor.requires_grad
     else:
         d, headers = chunk_headers(fn, x, dim, g, root)

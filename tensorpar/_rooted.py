@@ -17,7 +17,7 @@ from tensorpar._meta import placeholder_input
 from tensorpar._split import RootSpec, SplitSpec, as_bytes
 from tensorpar._switch import VALIDATE
 from tensorpar.placeholder import Header, TensorPlaceholder
-from tensorpar.validation import check_backward
+from tensorpar.validation import check_backward, last_site
 
 __all__ = ["placeholder_of", "root_input"]
 
@@ -91,6 +91,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         out = scatter_data(x, spec)
         ctx.save_for_backward(out)
         return out
@@ -98,7 +99,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if VALIDATE[0]:
-            check_backward("gather", ctx.spec.group, ctx.spec)
+            check_backward("gather", ctx.spec.group, ctx.spec, site=ctx.site)
         return _Gather.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
@@ -106,6 +107,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         out = gather_data(x, spec)
         ctx.save_for_backward(out)
         return out
@@ -113,7 +115,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if VALIDATE[0]:
-            check_backward("scatter", ctx.spec.group, ctx.spec)
+            check_backward("scatter", ctx.spec.group, ctx.spec, site=ctx.site)
         return _Scatter.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
@@ -123,6 +125,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, launch: Launch) -> torch.Tensor:
         ctx.spec = spec
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         # a contiguous copy: the bytes travel in memory order, whatever x's strides are
         out = x.detach().clone(memory_format=torch.contiguous_format) if spec.is_root \
             else x.new_empty(spec.full_shape)
@@ -135,7 +138,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if VALIDATE[0]:
-            check_backward("reduce", ctx.spec.group, ctx.spec, op="sum")
+            check_backward("reduce", ctx.spec.group, ctx.spec, op="sum", site=ctx.site)
         return _Reduce.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
 
 
@@ -146,6 +149,7 @@ class _Reduce(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, op: str, launch: Launch
                 ) -> torch.Tensor:
         ctx.spec, ctx.op = spec, op
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         # torch.distributed.reduce may use non-root inputs as scratch: reduce a copy.
         buf = scale_for_mean(x.detach(), op, spec.group.size).clone(
             memory_format=torch.contiguous_format)
@@ -161,6 +165,6 @@ class _Reduce(torch.autograd.Function):
         if ctx.op in ("max", "min"):
             raise no_backward("reduce", ctx.op)
         if VALIDATE[0]:
-            check_backward("broadcast", ctx.spec.group, ctx.spec)
+            check_backward("broadcast", ctx.spec.group, ctx.spec, site=ctx.site)
         out = _Broadcast.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorpar._group import Group
-from tensorpar.errors import CollectiveArgumentError
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 
 __all__ = ["RootSpec", "SplitSpec", "balanced_sizes", "check_sizes", "sizes_or_balanced"]
 
@@ -32,14 +32,16 @@ def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
 def check_sizes(fn: str, sizes: object, parts: int) -> tuple[int, ...]:
     """Validate a ``sizes=`` argument's form: one non-negative int per rank."""
     if not isinstance(sizes, (list, tuple)):
-        raise TypeError(f"{fn}: sizes must be a list of ints (one per rank), "
-                        f"got {type(sizes).__name__}")
+        raise CollectiveTypeError(
+            f"{fn}: sizes must be a list of ints (one per rank), "
+            f"got {type(sizes).__name__}")
     if len(sizes) != parts:
-        raise ValueError(f"{fn}: sizes={list(sizes)} has {len(sizes)} entries, expected one per "
-                         f"rank of the group ({parts})")
+        raise CollectiveArgumentError(
+            f"{fn}: sizes={list(sizes)} has {len(sizes)} entries, expected one per "
+            f"rank of the group ({parts})")
     for s in sizes:  # a plain loop: this runs on every call that passes sizes
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"{fn}: sizes={list(sizes)} must hold non-negative ints")
+            raise CollectiveArgumentError(f"{fn}: sizes={list(sizes)} must hold non-negative ints")
     return tuple(sizes)
 
 

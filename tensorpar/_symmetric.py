@@ -27,7 +27,8 @@ from tensorpar._autograd import (
 from tensorpar._group import Group
 from tensorpar._split import NATIVE_DTYPES, SplitSpec, as_bytes
 from tensorpar._switch import VALIDATE
-from tensorpar.validation import check_backward
+from tensorpar.errors import CollectiveArgumentError
+from tensorpar.validation import check_backward, last_site
 
 __all__ = ["all_gather_equal", "check_all_reduce_args", "equal_on_dim0", "reduce_scatter_equal"]
 
@@ -35,11 +36,12 @@ __all__ = ["all_gather_equal", "check_all_reduce_args", "equal_on_dim0", "reduce
 def check_all_reduce_args(fn: str, x: torch.Tensor, backward: object, inplace: bool) -> None:
     """Validate all_reduce's ``backward`` mode and that an in-place reduction is possible."""
     if backward not in ("sum", "identity"):
-        raise ValueError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
+        raise CollectiveArgumentError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
     if inplace and not x.is_contiguous():
-        raise ValueError(f"{fn}: inplace=True needs a contiguous tensor (its bytes are reduced "
-                         f"in memory order); got strides {x.stride()} for shape "
-                         f"{tuple(x.shape)}. Call .contiguous() first or reduce out of place")
+        raise CollectiveArgumentError(
+            f"{fn}: inplace=True needs a contiguous tensor (its bytes are reduced "
+            f"in memory order); got strides {x.stride()} for shape "
+            f"{tuple(x.shape)}. Call .contiguous() first or reduce out of place")
 
 
 def all_gather_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:
@@ -138,6 +140,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec, launch: Launch) -> torch.Tensor:
         ctx.spec = spec
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         out = all_gather_data(x, spec, launch)
         ctx.save_for_backward(out)
         return out
@@ -145,7 +148,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if VALIDATE[0]:
-            check_backward("reduce_scatter", ctx.spec.group, ctx.spec, op="sum")
+            check_backward("reduce_scatter", ctx.spec.group, ctx.spec, op="sum", site=ctx.site)
         return apply_or_run(_ReduceScatter, tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), \
             None, None
 
@@ -157,6 +160,7 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec, op: str, launch: Launch
                 ) -> torch.Tensor:
         ctx.spec, ctx.op = spec, op
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         out = reduce_scatter_data(x, spec, op, launch)
         ctx.save_for_backward(out)
         return out
@@ -166,7 +170,7 @@ class _ReduceScatter(torch.autograd.Function):
         if ctx.op in ("max", "min"):
             raise no_backward("reduce_scatter", ctx.op)
         if VALIDATE[0]:
-            check_backward("all_gather", ctx.spec.group, ctx.spec)
+            check_backward("all_gather", ctx.spec.group, ctx.spec, site=ctx.site)
         out = apply_or_run(_AllGather, tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None
 
@@ -186,6 +190,7 @@ class _AllReduce(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Group, op: str, mode: str, inplace: bool,
                 launch: Launch) -> torch.Tensor:
         ctx.group, ctx.op, ctx.mode = group, op, mode
+        ctx.site = last_site(group) if VALIDATE[0] else None  # for the backward's check
         if inplace:
             ctx.mark_dirty(x)
         out = all_reduce_data(x, group, op, inplace, launch)
@@ -198,7 +203,8 @@ class _AllReduce(torch.autograd.Function):
             raise no_backward("all_reduce", ctx.op)
         grad = tie_to_output(grad, ctx)
         if VALIDATE[0]:  # the identity mode issues nothing: its fingerprint is all the same
-            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode)
+            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
+                           site=ctx.site)
         if ctx.mode == "sum":
             out = apply_or_run(_AllReduce, grad, ctx.group, "sum", "sum", False, SYNC)
         else:
@@ -216,13 +222,14 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
+        ctx.site = last_site(group) if VALIDATE[0] else None  # for the backward's check
         ctx.save_for_backward(x)
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if VALIDATE[0]:
-            check_backward("copy_to_group", ctx.group, None, grad)
+            check_backward("copy_to_group", ctx.group, None, grad, site=ctx.site)
         return apply_or_run(_AllReduce, tie_to_output(grad, ctx), ctx.group, "sum", "identity",
                             False, SYNC), None
 
@@ -239,6 +246,7 @@ class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
+        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
         out = _SplitToGroup.data(x, spec)
         ctx.save_for_backward(out)
         return out
@@ -246,7 +254,7 @@ class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if VALIDATE[0]:
-            check_backward("split_to_group", ctx.spec.group, ctx.spec)
+            check_backward("split_to_group", ctx.spec.group, ctx.spec, site=ctx.site)
         return apply_or_run(_GatherFromGroup, tie_to_output(grad, ctx), ctx.spec), None
 
 

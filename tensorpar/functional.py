@@ -95,7 +95,8 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
                 [4., 5.]])
     """
     fn = "scatter"
-    g, sizes = resolve_args(fn, group, sizes, dim=dim, src=src)
+    # without the header exchange, validation mode compares every rank's x (placeholders)
+    g, sizes = resolve_args(fn, group, sizes, x=None if exchange_meta else x, dim=dim, src=src)
     if g.is_single:
         tensor = sole_input(fn, x)
         d = _normalize_dim(fn, dim, tensor.ndim)
@@ -203,7 +204,7 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = 0,
         tensor([1., 2.])
     """
     fn = "broadcast"
-    g, _ = resolve_args(fn, group, None, src=src)
+    g, _ = resolve_args(fn, group, None, x=None if exchange_meta else x, src=src)
     if g.is_single:
         return as_result(sole_input(fn, x), Launch(async_op), async_op)
     header = source_header(fn, x, src, g, exchange_meta)

@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from tensorpar._not_data import NotData
-from tensorpar.errors import PlaceholderError, TensorparError, WireFormatError
+from tensorpar.errors import (
+    CollectiveArgumentError,
+    CollectiveTypeError,
+    PlaceholderError,
+    TensorparError,
+    WireFormatError,
+)
 
 __all__ = ["TensorPlaceholder", "is_placeholder"]
 
@@ -71,20 +77,25 @@ class TensorPlaceholder(NotData):
                  owner: int | None = None, group: dist.ProcessGroup | None = None,
                  _anchor: torch.Tensor | None = None) -> None:
         if isinstance(shape, int):
-            raise TypeError(f"TensorPlaceholder: shape must be a sequence of ints, got int "
-                            f"{shape}; use ({shape},) for a 1-D tensor")
+            raise CollectiveTypeError(
+                f"TensorPlaceholder: shape must be a sequence of ints, got int "
+                f"{shape}; use ({shape},) for a 1-D tensor")
         dims = tuple(shape)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-            raise ValueError(f"TensorPlaceholder: shape must hold non-negative ints, got {dims}")
+            raise CollectiveArgumentError(
+                f"TensorPlaceholder: shape must hold non-negative ints, got {dims}")
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"TensorPlaceholder: dtype must be a torch.dtype, "
-                            f"got {type(dtype).__name__} {dtype!r}")
+            raise CollectiveTypeError(
+                f"TensorPlaceholder: dtype must be a torch.dtype, "
+                f"got {type(dtype).__name__} {dtype!r}")
         if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
-            raise ValueError(f"TensorPlaceholder: requires_grad=True needs a floating point or "
-                             f"complex dtype, got {dtype}")
+            raise CollectiveArgumentError(
+                f"TensorPlaceholder: requires_grad=True needs a floating point or "
+                f"complex dtype, got {dtype}")
         if owner is not None and (isinstance(owner, bool) or not isinstance(owner, int)
                                   or owner < 0):
-            raise ValueError(f"TensorPlaceholder: owner must be None or a rank >= 0, got {owner!r}")
+            raise CollectiveArgumentError(
+                f"TensorPlaceholder: owner must be None or a rank >= 0, got {owner!r}")
         if group is not None and dist.is_initialized() and group is dist.group.WORLD:
             group = None  # one spelling for the default group, so equality holds
         set_ = object.__setattr__
@@ -101,8 +112,9 @@ class TensorPlaceholder(NotData):
              group: dist.ProcessGroup | None = None) -> TensorPlaceholder:
         """A placeholder with ``tensor``'s shape, dtype, device and ``requires_grad``."""
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"TensorPlaceholder.like: expected a tensor, "
-                            f"got {type(tensor).__name__}")
+            raise CollectiveTypeError(
+                f"TensorPlaceholder.like: expected a tensor, "
+                f"got {type(tensor).__name__}")
         return cls(tensor.shape, tensor.dtype, device=tensor.device,
                    requires_grad=tensor.requires_grad, owner=owner, group=group)
 
@@ -258,7 +270,7 @@ class TensorPlaceholder(NotData):
 
     def __len__(self) -> int:
         if not self._shape:
-            raise TypeError("len() of a 0-d TensorPlaceholder")
+            raise CollectiveTypeError("len() of a 0-d TensorPlaceholder")
         return self._shape[0]
 
 
@@ -290,12 +302,13 @@ def is_placeholder(x: object) -> bool:
 
 def _normalize_dim(fn: str, dim: object, ndim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{fn}: dim must be an int, got {type(dim).__name__}")
+        raise CollectiveTypeError(f"{fn}: dim must be an int, got {type(dim).__name__}")
     if ndim == 0:
-        raise ValueError(f"{fn}: dim={dim} is out of range for a 0-d tensor")
+        raise CollectiveArgumentError(f"{fn}: dim={dim} is out of range for a 0-d tensor")
     if not -ndim <= dim < ndim:
-        raise ValueError(f"{fn}: dim={dim} is out of range for a {ndim}-d tensor "
-                         f"(expected {-ndim} <= dim < {ndim})")
+        raise CollectiveArgumentError(
+            f"{fn}: dim={dim} is out of range for a {ndim}-d tensor "
+            f"(expected {-ndim} <= dim < {ndim})")
     return dim % ndim
 
 
@@ -367,10 +380,11 @@ def encode_header(kind: int, shape: Sequence[int] = (), dtype: torch.dtype | Non
     rank can check that all of them named the same one.
     """
     if len(shape) > MAX_NDIM:
-        raise ValueError(f"tensorpar supports tensors of at most {MAX_NDIM} dimensions in "
-                         f"collectives, got {len(shape)}")
+        raise CollectiveArgumentError(
+            f"tensorpar supports tensors of at most {MAX_NDIM} dimensions in "
+            f"collectives, got {len(shape)}")
     if dtype is not None and dtype not in _DTYPE_TO_CODE:
-        raise ValueError(f"tensorpar cannot send metadata of dtype {dtype}")
+        raise CollectiveArgumentError(f"tensorpar cannot send metadata of dtype {dtype}")
     values = [MAGIC, kind, -1 if dtype is None else _DTYPE_TO_CODE[dtype], int(requires_grad),
               _DEVICE_TYPE_TO_CODE.get(device_type, -1) if device_type else -1,
               len(shape), *shape, *([0] * (MAX_NDIM - len(shape))), root]

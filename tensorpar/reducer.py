@@ -266,17 +266,23 @@ class BucketedAllReduce:
         for buf in buffers:
             _comm.broadcast(buf, 0, self.group)
 
-    def _check(self, operation: str, **fields: Any) -> None:
+    def _check(self, operation: str, *, bucket: int = -1, **fields: Any) -> None:
         """Compare this step of the reducer across the ranks (validation mode).
 
         A mismatch raises on every rank at once; the ranks then count forward passes and
         iterations afresh from this point, so they agree again on the next iteration.
         """
+        counters = (
+            ("no_sync backward passes since the last synchronised one", self._unsynced,
+             "no_sync() on some ranks only"),
+            ("reducer forward passes", self._forwards - self._forward_base,
+             "a rank skipped a batch, or ran an extra forward"),
+            ("reducer iteration", self.iterations - self._iteration_base,
+             "a rank skipped or repeated a backward pass"),
+            ("reducer bucket", bucket, ""))
         try:
             check(operation, self.group, backward=operation != "BucketedAllReduce forward",
-                  forwards=self._forwards - self._forward_base,
-                  iteration=self.iterations - self._iteration_base, unsynced=self._unsynced,
-                  **fields)
+                  counters=counters, **fields)
         except CollectiveMismatchError:
             self._forward_base, self._iteration_base = self._forwards, self.iterations
             self._unsynced = 0

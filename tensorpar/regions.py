@@ -29,7 +29,8 @@ from tensorpar._split import SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import _AllReduce, _CopyToGroup, _GatherFromGroup, _SplitToGroup
 from tensorpar.placeholder import _normalize_dim
 
-__all__ = ["copy_to_group", "gather_from_group", "reduce_from_group", "split_to_group"]
+__all__ = ["copy_to_group", "enter_region", "gather_from_group", "reduce_from_group",
+           "split_to_group"]
 
 
 def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
@@ -37,6 +38,9 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
     Forward: identity. Backward: all-reduce (sum) of the gradient, since every rank's
     partial computation contributes to the input's gradient (Megatron's *f*).
+
+    In validation mode (`tensorpar.validation`) the ranks also compare a checksum of ``x``
+    and raise `CollectiveMismatchError` on every rank if it differs.
 
     Args:
         x: the input, the same on every rank of ``group``.
@@ -47,6 +51,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
     Raises:
         CollectiveTypeError: ``x`` is not a tensor.
+        CollectiveMismatchError: in validation mode, ``x`` differs across the ranks.
 
     Shape:
         output: the shape of ``x``.
@@ -56,8 +61,13 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
         >>> tensorpar.copy_to_group(torch.ones(2))
         tensor([1., 1.])
     """
+    return enter_region(x, group)
+
+
+def enter_region(x: torch.Tensor, group: GroupLike, label: str = "") -> torch.Tensor:
+    """`copy_to_group`, with ``label`` naming the caller (a layer) in validation messages."""
     fn = "copy_to_group"
-    g, _ = resolve_args(fn, group, None, x=x)
+    g, _ = resolve_args(fn, group, None, x=x, label=label)
     tensor = require_tensor(fn, x)
     if g.is_single:
         return tensor
@@ -105,6 +115,8 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
 
     Forward: own chunk along ``dim`` (no communication). Backward: all-gather of the chunk
     gradients.
+
+    In validation mode the ranks also compare a checksum of ``x``, as `copy_to_group` does.
 
     Args:
         x: the full tensor, the same on every rank of ``group``.

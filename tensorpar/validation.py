@@ -1,13 +1,15 @@
 """Validation mode: every rank checks that its peers issue the same collective, before it runs.
 
 Off by default, and then free: each collective entry point tests one flag. On
-(`validation`, or ``TENSORPAR_VALIDATE=1`` in the environment), before each collective, each
-backward collective, each bucket the data-parallel reducer launches and its end-of-backward
-synchronisation, the ranks all-gather a fixed-size int64 fingerprint (on CPU it travels
-as one all-to-all step): a per-group sequence number, the operation, forward or backward,
-the reduce op, the backward mode, dims, dtype, shape or chunk lengths, src/dst, and the
-reducer's iteration, bucket and ``no_sync`` count. On any difference every rank raises the
-same `CollectiveMismatchError`, e.g.
+(`validation`, or ``TENSORPAR_VALIDATE=1`` in the environment), before each collective and
+each backward collective (and wherever a caller such as the data-parallel reducer asks,
+`check`), the ranks all-gather a fixed-size int64 fingerprint (on CPU it travels as one
+all-to-all step): a per-group sequence number, the operation, forward or backward, the
+reduce op, the backward mode, dims, dtype, shape or chunk lengths, ``requires_grad`` where
+the ranks must agree on it, src/dst, the call site (`tensorpar._callsite`), a checksum of an
+input that must be the same on every rank (`copy_to_group`, `split_to_group`, and so every
+column-parallel layer), and integer counters the caller names. On any difference every rank
+raises the same `CollectiveMismatchError`, e.g.
 ``all_reduce #12 on a group of 4: op differs: ranks 0,1,3 "sum", rank 2 "max"``.
 
 A rank that skipped a collective, or issued another one, is caught at the next
@@ -19,6 +21,7 @@ from __future__ import annotations
 import weakref
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -26,19 +29,48 @@ import torch
 import torch.distributed as dist
 
 from tensorpar import _comm
+from tensorpar._callsite import Site, call_site
+from tensorpar._fingerprint import (
+    LENGTH,
+    MAGIC,
+    MAX_COUNTERS,
+    MAX_SIZES,
+    MODES,
+    NAME_SLOTS,
+    NO_DIM,
+    NONE,
+    OTHER,
+    REDUCE_OPS,
+    TEXT_SLOTS,
+    Counter,
+    compare,
+    pack,
+    put,
+)
 from tensorpar._group import Group
-from tensorpar._meta import ranks_by_value
 from tensorpar._switch import VALIDATE
 from tensorpar.errors import CollectiveMismatchError
-from tensorpar.placeholder import _DTYPE_TO_CODE, MAX_NDIM
+from tensorpar.placeholder import _DTYPE_TO_CODE, MAX_NDIM, TensorPlaceholder
 
 __all__ = ["validation", "validation_enabled"]
 
 SWITCH = VALIDATE  # the switch itself lives in `tensorpar._switch`, readable by every layer
-# While validation is on: the number of checked collectives per process group (weakly held,
-# so a destroyed group takes its count with it). Every rank counts alike, so a rank that
-# skipped a collective shows a different number.
-_COUNTS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Counts:
+    """What validation mode counts per process group while it is on."""
+
+    checked: int = 0
+    """Collectives checked on the group: every rank counts alike."""
+    sites: dict[tuple[int, bool], int] = field(default_factory=dict)
+    """Calls per call site (forward or backward), shown in messages."""
+    last_site: Site | None = None
+    """The site of the last checked call: a Function's forward records it for its backward."""
+
+
+# Weakly held, so that a destroyed group takes its counts with it.
+_COUNTS: weakref.WeakKeyDictionary[dist.ProcessGroup, _Counts] = weakref.WeakKeyDictionary()
 
 
 class validation:  # lower case: it reads as a call, tensorpar.validation(True)
@@ -83,188 +115,231 @@ def validation_enabled() -> bool:
 
 # -- the fingerprint --------------------------------------------------------------------
 
-OPERATIONS = ("scatter", "gather", "broadcast", "reduce", "all_gather", "reduce_scatter",
-              "all_reduce", "all_to_all", "copy_to_group", "reduce_from_group",
-              "split_to_group", "gather_from_group", "BucketedAllReduce bucket",
-              "BucketedAllReduce end of backward", "BucketedAllReduce forward")
-_REDUCE_OPS = ("sum", "mean", "max", "min")
-_MODES = ("sum", "identity")
-_MAX_SIZES = 16
-_MAGIC = 0x7470_5600  # "tpV"
-_TAIL = 11 + MAX_NDIM + _MAX_SIZES  # the first of the scalar fields after the chunk lengths
-_TAIL_FIELDS = ("src/dst", "no_sync backward passes since the last synchronised one",
-                "reducer forward passes", "reducer iteration", "reducer bucket",
-                "sequence number")
-# (name, first slot, slots), in the order differences are reported
-_FIELDS = (("operation", 1, 1), ("forward/backward", 2, 1), ("op", 3, 1),
-           ("backward mode", 4, 1), ("dtype", 5, 1), ("dim", 6, 2), ("shape", 8, 1 + MAX_NDIM),
-           ("chunk lengths", 9 + MAX_NDIM, 2 + _MAX_SIZES),
-           *((name, _TAIL + i, 1) for i, name in enumerate(_TAIL_FIELDS)))
-LENGTH = _TAIL + len(_TAIL_FIELDS)
-_NONE = -1
-_OTHER = -2  # a value the fingerprint has no code for (the call raises on every rank later)
-
-
-def _code(value: object, names: Sequence[str]) -> int:
-    if value is None:
-        return _NONE
-    return names.index(value) if value in names else _OTHER
 
 
 def check(operation: str, g: Group, *, backward: bool = False, dtype: object = None,
           shape: Sequence[int] | None = None, shape_skips: Sequence[int] = (),
           op: object = None, mode: object = None, dim: object = None, dim2: object = None,
-          sizes: Sequence[int] | None = None, root: object = -1, forwards: int = -1,
-          iteration: int = -1, bucket: int = -1, unsynced: int = -1) -> None:
+          sizes: Sequence[int] | None = None, against_sizes: int | None = None,
+          requires_grad: bool | None = None, root: object = -1,
+          counters: Sequence[Counter] = (), values: torch.Tensor | None = None,
+          site: Site | None = None, label: str = "") -> None:
     """Compare this collective's fingerprint with every rank's; raise on every rank if any differ.
 
-    ``shape_skips``: dims of ``shape`` whose length may legitimately differ across ranks
-    (e.g. the concatenation dim of an all-gather). Call only when validation is on and
-    ``g`` has more than one rank.
+    Call only when validation is on and ``g`` has more than one rank. Every argument but
+    ``operation`` and ``g`` is optional: what is not given is not compared.
+
+    Args:
+        operation: the name in messages (up to 40 characters travel).
+        g: the group.
+        backward: issued by a backward pass.
+        dtype: the tensor's dtype.
+        shape: the tensor's shape.
+        shape_skips: dims of ``shape`` whose length may legitimately differ across ranks
+            (e.g. the concatenation dim of an all-gather).
+        op: the reduce op.
+        mode: the backward mode (`tensorpar.all_reduce`'s ``backward``).
+        dim: the collective's dim (an all-to-all's ``split_dim``).
+        dim2: an all-to-all's ``concat_dim``.
+        sizes: the chunk lengths.
+        root: ``src`` or ``dst``.
+        against_sizes: this rank's chunk length minus ``sizes[rank]`` (0 when they agree).
+        requires_grad: where every rank must agree on it (e.g. with ``sizes=``).
+        counters: ``(name, value, hint)`` for up to four integers the caller keeps (for
+            instance the data-parallel reducer's iteration), compared and named in messages.
+        values: a tensor whose values must be the same on every rank: its checksum is
+            compared (bit for bit).
+        site: the call site (`tensorpar._callsite.call_site`); a backward passes its
+            forward's.
+        label: what the call is part of, for messages (e.g. ``"the input of
+            ColumnParallelLinear"``).
 
     Raises:
         CollectiveMismatchError: the ranks' fingerprints differ (the same error on every rank).
     """
-    fp = [_NONE] * LENGTH
-    fp[0] = _MAGIC
-    fp[1] = _code(operation, OPERATIONS)
-    fp[2] = int(backward)
-    fp[3] = _code(op, _REDUCE_OPS)
-    fp[4] = _code(mode, _MODES)
+    fp = [NONE] * LENGTH
+    fp[0] = MAGIC
+    put(fp, "operation", pack(operation, NAME_SLOTS))
+    put(fp, "forward/backward", [int(backward)])
+    put(fp, "op", [_code(op, REDUCE_OPS)])
+    put(fp, "backward mode", [_code(mode, MODES)])
     if isinstance(dtype, torch.dtype):
-        fp[5] = _DTYPE_TO_CODE.get(dtype, _OTHER)
+        put(fp, "dtype", [_DTYPE_TO_CODE.get(dtype, OTHER)])
     ndim = None if shape is None else len(shape)
-    fp[6], fp[7] = _dim(dim, ndim), _dim(dim2, ndim)
+    put(fp, "dim", [_dim(dim, ndim), _dim(dim2, ndim)])
     if shape is not None:
         skips = {_dim(d, ndim) for d in shape_skips}
-        fp[8] = len(shape)
-        for i, n in enumerate(list(shape)[:MAX_NDIM]):
-            fp[9 + i] = _NONE if i in skips else int(n)
+        dims = [NONE if i in skips else int(n) for i, n in enumerate(list(shape)[:MAX_NDIM])]
+        put(fp, "shape", [len(shape), *dims])
     if sizes is not None:
-        base = 9 + MAX_NDIM
-        fp[base] = len(sizes)
-        fp[base + 1] = zlib.crc32(repr(list(sizes)).encode())
-        for i, n in enumerate(list(sizes)[:_MAX_SIZES]):
-            fp[base + 2 + i] = n if isinstance(n, int) and not isinstance(n, bool) else _OTHER
-    fp[_TAIL: LENGTH] = [root if isinstance(root, int) else _OTHER, unsynced, forwards,
-                         iteration, bucket, _next_count(g)]
-    _compare(operation, g, _exchange(g, fp))
+        shown = [n if isinstance(n, int) and not isinstance(n, bool) else OTHER
+                 for n in list(sizes)[:MAX_SIZES]]
+        put(fp, "chunk lengths", [len(sizes), zlib.crc32(repr(list(sizes)).encode()), *shown])
+    if against_sizes is not None:
+        put(fp, "this rank's chunk against sizes", [against_sizes])
+    if requires_grad is not None:
+        put(fp, "requires_grad", [int(requires_grad)])
+    put(fp, "src/dst", [root if isinstance(root, int) else OTHER])
+    if counters:
+        names = "|".join(name for name, _, _ in counters)
+        put(fp, "counters", [zlib.crc32(names.encode()),
+                              *(value for _, value, _ in counters[:MAX_COUNTERS])])
+    if values is not None:
+        put(fp, "input values", checksum(values))
+    state = _state(g)
+    if site is not None:
+        key = (site.count_key, backward)
+        calls = state.sites[key] = state.sites.get(key, 0) + 1
+        put(fp, "call site", [*site.slots, calls, *pack(site.text, TEXT_SLOTS)])
+    state.last_site = site
+    state.checked += 1
+    fp[-1] = state.checked
+    every = _exchange(g, fp)
+    try:
+        compare(operation, g.size, every, counters, label)
+    except CollectiveMismatchError:
+        state.sites.clear()  # every rank raises here: the counts start afresh together
+        raise
 
 
-def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: object,
-               sizes: object, root: object) -> None:
-    """The fingerprint of a public collective, from its arguments as passed (before checks)."""
-    tensor = x if isinstance(x, torch.Tensor) else None
-    skips: tuple[object, ...] = ()
-    if fn in ("all_gather", "gather", "gather_from_group") and sizes is None:
-        skips = (dim,)
-    seq = list(sizes) if isinstance(sizes, (list, tuple)) else None
-    check(fn, g, dtype=None if tensor is None else tensor.dtype,
-          shape=None if tensor is None else tensor.shape,
-          shape_skips=[d for d in skips if isinstance(d, int)], op=op, mode=backward, dim=dim,
-          sizes=seq, root=root)
+def last_site(g: Group) -> Site | None:
+    """The call site of the last collective checked on ``g`` (for a Function's backward)."""
+    handle = g.handle
+    counts = None if handle is None else _COUNTS.get(handle)
+    return None if counts is None else counts.last_site
+
+
+def checksum(t: torch.Tensor) -> list[int]:
+    """Two int64s that change when any bit of ``t`` changes, or when values move around.
+
+    The sum of ``t``'s bits read as integers, and a sum weighted by position (modulo 61).
+    Integer sums are exact and do not depend on the order of summation, so equal tensors
+    give equal checksums on any device and thread count.
+    """
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    flat = x.contiguous().view(-1)
+    if flat.numel() == 0:
+        return [0, 0]
+    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
+    n, k = bits.numel(), 61
+    whole = bits[: n - n % k].view(-1, k).sum(0, dtype=torch.int64)
+    weights = torch.arange(1, k + 1, dtype=torch.int64, device=bits.device)
+    weighted = (whole * weights).sum() + (bits[n - n % k:].to(torch.int64)
+                                          * weights[: n % k]).sum()
+    result: list[int] = torch.stack([bits.sum(dtype=torch.int64), weighted]).tolist()
+    return result
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _code(value: object, names: Sequence[str]) -> int:
+    if value is None:
+        return NONE
+    return names.index(value) if value in names else OTHER
 
 
 def _dim(dim: object, ndim: int | None) -> int:
     if dim is None:
-        return -1000
+        return NO_DIM
     if isinstance(dim, bool) or not isinstance(dim, int):
-        return _OTHER
+        return OTHER
     if ndim and -ndim <= dim < ndim:
         return dim % ndim
     return dim
 
 
-def _next_count(g: Group) -> int:
+def _state(g: Group) -> _Counts:
     handle = g.handle
     if handle is None:
-        return 0
-    count = _COUNTS.get(handle, 0) + 1
-    _COUNTS[handle] = count
-    return count
+        return _Counts()
+    state = _COUNTS.get(handle)
+    if state is None:
+        state = _COUNTS[handle] = _Counts()
+    return state
 
 
 def _exchange(g: Group, fp: list[int]) -> list[list[int]]:
     return _comm.exchange_ints(g, fp)
 
 
-def _compare(operation: str, g: Group, every: list[list[int]]) -> None:
-    first = every[0]
-    if all(row == first for row in every):
-        return
-    if any(row[0] != _MAGIC for row in every):
-        raise CollectiveMismatchError(
-            f"{operation} on a group of {g.size}: validation mode is on on some ranks only: "
-            + ranks_by_value(["on" if row[0] == _MAGIC else "off" for row in every])
-            + "; switch it alike on every rank")
-    seq_slot = _FIELDS[-1][1]
-    counts = [row[seq_slot] for row in every]
-    label = f"{_show_op(first[1])} #{counts[0]}" if len(set(counts)) == 1 else \
-        f"{_show_op(first[1])} (#{counts[0]} on rank 0)"
-    for name, start, width in _FIELDS:
-        values = [tuple(row[start: start + width]) for row in every]
-        if len(set(values)) == 1:
-            continue
-        shown = [_show(name, v) for v in values]
-        hint = _HINTS.get(name, "")
-        raise CollectiveMismatchError(
-            f"{label} on a group of {g.size}: {name} differs: {ranks_by_value(shown)}{hint}")
+# -- the collectives' fingerprints ----------------------------------------------------------
+
+_CONCATENATIONS = ("all_gather", "gather", "gather_from_group")
+_REPLICATED_INPUT = ("copy_to_group", "split_to_group")
+_ROOTED_SOURCE = ("scatter", "broadcast")  # given x only without the metadata exchange
 
 
-_HINTS = {
-    "operation": " (a rank skipped a collective or issued another one)",
-    "sequence number": " (a rank skipped or added a collective earlier)",
-    "reducer forward passes": " (a rank skipped a batch, or ran an extra forward)",
-    "reducer iteration": " (a rank skipped or repeated a backward pass)",
-    "no_sync backward passes since the last synchronised one": " (no_sync() on some ranks only)",
-}
+def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: object,
+               sizes: object, root: object, label: str = "") -> None:
+    """The fingerprint of a public collective, from its arguments as passed (before checks).
+
+    ``x``: the tensor (or, for a rooted collective without a metadata exchange, the
+    placeholder) whose dtype and shape every rank must agree on; ``None`` for nothing.
+    With ``sizes`` (or a placeholder) the ranks must also agree on ``requires_grad``, which
+    they cannot learn from each other; a region's replicated input must hold the same
+    values on every rank.
+    """
+    tensor = x if isinstance(x, torch.Tensor) else None
+    described = tensor if tensor is not None else x if isinstance(x, TensorPlaceholder) else None
+    seq = list(sizes) if isinstance(sizes, (list, tuple)) else None
+    concat = fn in _CONCATENATIONS
+    skips = [dim] if concat and isinstance(dim, int) else []
+    requires_grad = against = None
+    if described is not None and ((seq is not None and concat) or fn in _ROOTED_SOURCE):
+        requires_grad = described.requires_grad and torch.is_grad_enabled()
+    if tensor is not None and seq is not None and concat:
+        against = _against_sizes(tensor, dim, seq, g.rank)
+    check(fn, g, dtype=None if described is None else described.dtype,
+          shape=None if described is None else described.shape, shape_skips=skips, op=op,
+          mode=backward, dim=dim, sizes=seq, against_sizes=against,
+          requires_grad=requires_grad, root=root,
+          values=tensor if fn in _REPLICATED_INPUT else None, site=call_site(), label=label)
 
 
-def _show_op(code: int) -> str:
-    return OPERATIONS[code] if 0 <= code < len(OPERATIONS) else "an unknown operation"
+def _against_sizes(x: torch.Tensor, dim: object, sizes: list[object], rank: int) -> int | None:
+    """This rank's chunk length minus ``sizes[rank]`` (``None`` where either is malformed)."""
+    d = _dim(dim, x.ndim)
+    expected = sizes[rank] if rank < len(sizes) else None
+    if not 0 <= d < x.ndim or not isinstance(expected, int) or isinstance(expected, bool):
+        return None
+    return int(x.shape[d]) - expected
 
 
-def _show(name: str, value: tuple[int, ...]) -> str:
-    v = value[0]
-    if name == "operation":
-        return f'"{_show_op(v)}"'
-    if name == "forward/backward":
-        return "backward" if v else "forward"
-    if name in ("op", "backward mode"):
-        names = _REDUCE_OPS if name == "op" else _MODES
-        return f'"{names[v]}"' if 0 <= v < len(names) else ("none" if v == _NONE else "other")
-    if name == "dtype":
-        return next((str(d).removeprefix("torch.") for d, c in _DTYPE_TO_CODE.items()
-                     if c == v), "none")
-    if name == "dim":  # (split_dim, concat_dim) for all_to_all
-        shown = [str(d) for d in value if d != -1000]
-        return ("dim=" + ",".join(shown)) if shown else "no dim"
-    if name == "src/dst":
-        return "no src/dst" if v == _NONE else f"src/dst={v}"
-    if name == "shape":
-        return "none" if v == _NONE else "[" + ", ".join(
-            "*" if d == _NONE else str(d) for d in value[1: 1 + v]) + "]"
-    if name == "chunk lengths":
-        return "none" if v == _NONE else str(list(value[2: 2 + min(v, _MAX_SIZES)]))
-    return "none" if v == _NONE else str(v)
+def check_all_to_all(g: Group, x: object, split_dim: object, concat_dim: object,
+                     sizes: Sequence[int] | None) -> None:
+    """The fingerprint of `tensorpar.all_to_all` (its dims play the part of ``dim``)."""
+    tensor = x if isinstance(x, torch.Tensor) else None
+    check("all_to_all", g, dtype=getattr(tensor, "dtype", None),
+          shape=getattr(tensor, "shape", None),
+          shape_skips=(split_dim, concat_dim) if sizes is None else (),  # type: ignore[arg-type]
+          dim=split_dim, dim2=concat_dim, sizes=sizes,
+          requires_grad=None if sizes is None or tensor is None
+          else tensor.requires_grad and torch.is_grad_enabled(), site=call_site())
 
 
 def check_backward(operation: str, g: Group, spec: Any = None, grad: torch.Tensor | None = None,
-                   *, op: str | None = None, mode: str | None = None) -> None:
+                   *, op: str | None = None, mode: str | None = None,
+                   site: Site | None = None) -> None:
     """The fingerprint of a collective a backward pass issues (``operation``, the dual's name).
 
     ``spec`` (a `RootSpec`, `SplitSpec` or `AllToAllSpec`) supplies what every rank shares;
-    without one, ``grad``'s dtype and shape (which every rank's must match).
+    without one, ``grad``'s dtype and shape (which every rank's must match). ``site``: the
+    forward call's site (a backward runs inside autograd, where the user's frames tell
+    nothing about which call it belongs to).
     """
     if g.size == 1:
         return
     if spec is None:
         assert grad is not None
-        check(operation, g, backward=True, dtype=grad.dtype, shape=grad.shape, op=op, mode=mode)
+        check(operation, g, backward=True, dtype=grad.dtype, shape=grad.shape, op=op,
+              mode=mode, site=site)
         return
     if hasattr(spec, "split_dim"):  # all_to_all: shapes may differ; dims and dtype may not
-        check(operation, g, backward=True, dim=spec.split_dim, dim2=spec.concat_dim)
+        check(operation, g, backward=True, dim=spec.split_dim, dim2=spec.concat_dim, site=site)
         return
     check(operation, g, backward=True, dtype=spec.dtype, shape=spec.full_shape, op=op,
           mode=mode, dim=getattr(spec, "dim", None), sizes=getattr(spec, "sizes", None),
-          root=spec.root)
+          root=spec.root, site=site)

@@ -133,12 +133,21 @@ def _agreeing_calls():
         (z.sum() + tp.all_reduce(b).sum()).backward()
         assert tp.validation_enabled()
     assert not tp.validation_enabled()
-    return tuple(w.shape), x.grad.sum().item(), p
+    return tuple(w.shape), x.grad, s, b.detach(), y.detach(), x.detach()
 
 
 def test_agreeing_ranks_pass_and_the_switch_is_restored():
-    results = run_distributed(_agreeing_calls, 3, timeout=30)
-    assert [r[2] for r in results] == [3, 3, 3]
+    p = 3
+    results = run_distributed(_agreeing_calls, p, timeout=30)
+    gathered = torch.cat([result[-1] for result in results])  # 1 + 3 + 5 = 9 rows
+    for rank, (w_shape, x_grad, s, b, y, x) in enumerate(results):
+        torch.testing.assert_close(y, gathered, rtol=0, atol=0)
+        # z = reduce_scatter(2 y) of p equal copies: every element of x reaches the loss
+        # through every rank's z, twice each: d loss / d x = 2 p
+        torch.testing.assert_close(x_grad, torch.full_like(x, 2.0 * p))
+        assert w_shape == (p * 3, 1)  # (rows / p, 3) split along dim 1, concatenated on 0
+        torch.testing.assert_close(s, torch.arange(2.0 * rank, 2.0 * rank + 2))
+        torch.testing.assert_close(b, torch.tensor([5.0]))  # rank 1's chunk: 2 + 3
 
 
 def test_the_switch_works_globally_and_as_a_context_manager():

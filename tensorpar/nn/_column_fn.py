@@ -23,9 +23,11 @@ from tensorpar._group import Group
 from tensorpar._meta import require_tensor
 from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _AllReduce
-from tensorpar.regions import copy_to_group
+from tensorpar.regions import enter_region
 
 __all__ = ["SharedInput", "autocast_on", "column_linear", "save_linear_inputs"]
+
+_LABEL = "the input of a column-parallel layer: ColumnParallelLinear or ColumnParallelConv1D"
 
 
 def autocast_on(device_type: str) -> bool:
@@ -49,7 +51,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if group.is_single:
         return F.linear(x, weight, bias)
     if VALIDATE[0] or autocast_on(x.device.type):  # copy_to_group fingerprints its calls
-        return F.linear(copy_to_group(x, group=group), weight, bias)
+        return F.linear(enter_region(x, group, _LABEL), weight, bias)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return F.linear(x, weight, bias)
     out: torch.Tensor = _ColumnLinear.apply(x, weight, bias, group)
@@ -128,7 +130,7 @@ class SharedInput:
         if self._copy is not None and self._input is not None and self._input() is x \
                 and x._version == self._version:
             return self._copy
-        copied = copy_to_group(x, group=group)
+        copied = enter_region(x, group, _LABEL)
         self._input, self._copy, self._version = weakref.ref(x), copied, x._version
         return copied
 
