@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -14,11 +15,13 @@ from torch import nn
 from tensorpar import _comm
 from tensorpar._algorithm import Algorithm, hierarchical_topology
 from tensorpar._buckets import Bucket, MiB, default_bucket_cap_mb, plan_buckets
+from tensorpar._buffers import broadcast_coalesced
 from tensorpar._comm_hook import CommHook
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._group_pool import GroupPool
 from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
+from tensorpar._unused import exchange_usage, local_unused_error, unused_error
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
 from tensorpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ReducerError
 from tensorpar.functional import all_reduce
@@ -90,13 +93,11 @@ class BucketedAllReduce:
                  reduce_dtype: torch.dtype | None = None,
                  compress_dtype: torch.dtype | None = None,
                  rebuild_buckets: bool = True, algorithm: Algorithm = "flat",
-                 topology: Topology | None = None, overlap_groups: int = 1) -> None:
+                 topology: Topology | None = None, overlap_groups: int = 1,
+                 init_sync: bool = True) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if bucket_cap_mb is None:
-            bucket_cap_mb = default_bucket_cap_mb(p for _, p in named)
-        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
-            raise ValueError(f"BucketedAllReduce: bucket_cap_mb={bucket_cap_mb} and "
-                             f"first_bucket_mb={first_bucket_mb} must be positive")
+        self._configure_buckets([p for _, p in named], bucket_cap_mb, first_bucket_mb,
+                                reduce_dtype, compress_dtype)
         self.module = module
         self.group = resolve_group(group, "BucketedAllReduce")
         if algorithm != "flat":  # checked here, once: the same checks as every call's
@@ -105,12 +106,28 @@ class BucketedAllReduce:
         self._algorithm, self._topology = algorithm, topology
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        size = self.group.size
-        factor = float(size if gradient_predivide_factor is None else gradient_predivide_factor)
-        if not factor > 0:
-            raise ValueError(f"BucketedAllReduce: gradient_predivide_factor={factor} must be > 0")
-        self._pre = factor if average else 1.0
-        self._post = size / factor if average else 1.0
+        self._configure_division(average, gradient_predivide_factor)
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._registered = self._snapshot()
+        if init_sync:
+            check_and_broadcast_replicas(module, self.group)
+        self._init_state(rebuild_buckets)
+        self._pool = GroupPool(self.group, overlap_groups if algorithm == "flat" else 1,
+                               "BucketedAllReduce")  # on every rank, in the same order
+        if self.group.is_single:
+            return
+        self._build(list(reversed(range(len(self._params)))))
+        self._attach(module)
+
+    def _configure_buckets(self, params: list[nn.Parameter], bucket_cap_mb: float | None,
+                           first_bucket_mb: float, reduce_dtype: torch.dtype | None,
+                           compress_dtype: torch.dtype | None) -> None:
+        if bucket_cap_mb is None:
+            bucket_cap_mb = default_bucket_cap_mb(params)
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError(f"BucketedAllReduce: bucket_cap_mb={bucket_cap_mb} and "
+                             f"first_bucket_mb={first_bucket_mb} must be positive")
         self._cap = int(bucket_cap_mb * MiB)
         self._first_cap = int(min(first_bucket_mb, bucket_cap_mb) * MiB)
         self._comm_dtype_of: dict[torch.dtype, torch.dtype] = {}
@@ -120,11 +137,16 @@ class BucketedAllReduce:
             self._comm_dtype_of.update({torch.float32: compress_dtype,
                                         torch.float64: compress_dtype})
 
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self._registered = self._snapshot()
-        check_and_broadcast_replicas(module, self.group)
+    def _configure_division(self, average: bool, predivide: float | None) -> None:
+        size = self.group.size
+        factor = float(size if predivide is None else predivide)
+        if not factor > 0:
+            raise ValueError(f"BucketedAllReduce: gradient_predivide_factor={factor} must be > 0")
+        self._pre = factor if average else 1.0
+        self._post = size / factor if average else 1.0
+        self._divisor: float | None = None  # this iteration's divisor, when Join sets one
 
+    def _init_state(self, rebuild_buckets: bool) -> None:
         self.buckets: list[Bucket] = []
         """The buckets, in launch order."""
         self.bytes_reduced = 0
@@ -133,14 +155,17 @@ class BucketedAllReduce:
         """Time spent waiting at the end-of-backward synchronisation point so far."""
         self.iterations = 0
         """Synchronised backward passes so far."""
-
-        self._sync_enabled = True
+        self._sync_enabled = True  # no_sync() clears it
+        self._sync_armed = True  # a wrapper's require_backward_grad_sync, set at its forward
+        self._forward_sync = True  # sync buffers at the next training forward (DDP's rule)
+        self._joining = False  # in a Join context: the ranks' counts legitimately differ
         self._rebuild_pending = rebuild_buckets
         self._ready_order: list[int] = []
         self._ready = [False] * len(self._params)
         self._used_since_sync = [False] * len(self._params)
+        self._saved: dict[int, torch.Tensor | None] = {}  # unused parameters' earlier grads
         self._task: int | None = None
-        self._forwards = 0  # forward passes, compared across ranks in validation mode
+        self._forwards = 0  # training forward passes, compared across ranks in validation mode
         # the counts at the last mismatch every rank raised together: compared from there on
         self._forward_base = self._iteration_base = 0
         self._unsynced = 0  # backward passes under no_sync since the last synchronised one
@@ -148,18 +173,24 @@ class BucketedAllReduce:
         self._late: list[str] = []
         self._hook: CommHook | None = None
         self._hooks: list[Any] = []
-        self._pool = GroupPool(self.group, overlap_groups if algorithm == "flat" else 1,
-                               "BucketedAllReduce")  # on every rank, in the same order
-        if self.group.is_single:
-            return
-        self._build(list(reversed(range(len(self._params)))))
+
+    def _attach(self, module: nn.Module) -> None:
+        """Hook the parameters (and the module's forward, for buffers) to this reducer."""
         # The module owns the reducer (a cycle the garbage collector can see); the hooks on
         # the parameters hold it weakly, so dropping the model frees everything.
         module.__dict__.setdefault("_tensorpar_reducers", []).append(self)
         me = weakref.ref(self)
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
-        self._hooks.append(module.register_forward_pre_hook(_forward_hook(me)))
+        self._forward_hook = module.register_forward_pre_hook(_forward_hook(me))
+        self._hooks.append(self._forward_hook)
+
+    def _leave_forward_to_caller(self) -> None:
+        """Drop the forward hook: a wrapper calls `_begin_forward` from its own forward."""
+        if self.group.is_single:
+            return
+        self._forward_hook.remove()
+        self._hooks.remove(self._forward_hook)
 
     # -- public ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -253,6 +284,16 @@ class BucketedAllReduce:
         return tuple((id(p), p.requires_grad) for p in self.module.parameters())
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """The module's forward pre-hook (the reducer used alone, without a wrapper)."""
+        if not torch.is_grad_enabled():  # evaluation: never communicates (see the class doc)
+            return
+        self._begin_forward()
+        if self._will_sync_buffers():
+            self._sync_buffers(0)
+        self._forward_sync = self._sync_enabled
+
+    def _begin_forward(self) -> None:
+        """Bookkeeping at a training forward (grad enabled); issues no collective."""
         if self._snapshot() != self._registered:
             raise ReducerError(self._describe_change())
         if self._task is not None and torch._C._current_graph_task_id() == -1:
@@ -260,11 +301,17 @@ class BucketedAllReduce:
             # check in it did): drain what it launched and start this iteration clean
             self._abandon()
         self._forwards += 1
-        buffers = list(module.buffers()) if self.broadcast_buffers else []
-        if VALIDATE[0] and buffers:  # the broadcasts must not pair with a peer's other call
+
+    def _will_sync_buffers(self) -> bool:
+        """DDP's rule: after a synchronised training forward (or none yet), if any buffers."""
+        return (self._forward_sync and self.broadcast_buffers and not self.group.is_single
+                and next(self.module.buffers(), None) is not None)
+
+    def _sync_buffers(self, src: int) -> None:
+        """Broadcast every buffer of the module from group rank ``src``: one collective."""
+        if VALIDATE[0] and not self._joining:  # must not pair with a peer's other call
             self._check("BucketedAllReduce forward")
-        for buf in buffers:
-            _comm.broadcast(buf, 0, self.group)
+        broadcast_coalesced(list(self.module.buffers()), src, self.group)
 
     def _check(self, operation: str, *, bucket: int = -1, **fields: Any) -> None:
         """Compare this step of the reducer across the ranks (validation mode).
@@ -305,9 +352,10 @@ class BucketedAllReduce:
 
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
         view, grad = self._views[i], p.grad
+        syncing = self._sync_enabled and self._sync_armed
         # Divide for the average while the gradient is copied in (one pass over memory);
         # under no_sync the sum accumulates and is divided by the synchronised backward.
-        pre = self._pre if self._sync_enabled else 1.0
+        pre = self._factors()[0] if syncing else 1.0
         if grad is not view:
             assert grad is not None  # the hook runs after a gradient was accumulated
             torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
@@ -315,7 +363,7 @@ class BucketedAllReduce:
         elif pre != 1.0:
             view.div_(pre)
         self._used_since_sync[i] = True
-        if not self._sync_enabled:
+        if not syncing:
             task = torch._C._current_graph_task_id()
             if task != self._unsynced_task:
                 self._unsynced_task = task
@@ -355,7 +403,7 @@ class BucketedAllReduce:
             target = bucket.comm
         else:
             target = bucket.buffer
-        if VALIDATE[0]:
+        if VALIDATE[0] and not self._joining:
             self._check("BucketedAllReduce bucket", dtype=target.dtype, shape=target.shape,
                         bucket=bucket.index)
         if self._hook is not None:
@@ -373,27 +421,27 @@ class BucketedAllReduce:
         self.bytes_reduced += target.numel() * target.element_size()
 
     # -- end of backward ------------------------------------------------------------------
+    def _factors(self) -> tuple[float, float]:
+        """(divide before, divide after) the all-reduce, for this iteration."""
+        return (self._pre, self._post) if self._divisor is None else (self._divisor, 1.0)
+
     def _finish_backward(self) -> None:
         """Runs once at the end of every synchronised backward pass, on every rank."""
+        pre, post = self._factors()
         try:
             missing = [i for i, ready in enumerate(self._ready) if not ready]
-            for i in missing:  # zeros, or what earlier micro-batches accumulated
-                if not self._used_since_sync[i]:
-                    self._views[i].zero_()
-                elif self._pre != 1.0:
-                    self._views[i].div_(self._pre)
-                self._params[i].grad = self._views[i]  # another rank may have used it
-                self._bucket_of[i].pending -= 1
+            for i in missing:
+                self._fill_missing(i, pre)
             self._launch_ready()
             if self._hook is not None:  # before any collective of this thread: a hook's
                 self._wait_for_hooks()   # callbacks may issue collectives of their own
-            if VALIDATE[0]:
+            checking = VALIDATE[0] and not self._joining
+            if checking:
                 self._check("BucketedAllReduce end of backward")
-            used = torch.tensor(self._used_since_sync, dtype=torch.uint8,
-                                device=self.group.comm_device(self.buckets[0].buffer.device))
-            usage = torch.empty(self.group.size * used.numel(), dtype=torch.uint8,
-                                device=used.device)
-            _comm.all_gather_into(usage, used, self.group, purpose="meta")
+            usage = None  # exchanged only where needed: no extra collective or host sync
+            if self.find_unused_parameters or checking:
+                usage = exchange_usage(self._used_since_sync, self.group,
+                                       self.buckets[0].buffer.device)
             start = time.perf_counter()
             if self._hook is None:
                 sync_collectives(_handles(self.buckets))
@@ -402,9 +450,9 @@ class BucketedAllReduce:
                 if bucket.comm is not None:
                     bucket.buffer.copy_(bucket.comm)
                     bucket.comm = None
-                if self._post != 1.0:
-                    bucket.buffer.div_(self._post)
-            self._check_after_sync(usage.view(self.group.size, -1).cpu())
+                if post != 1.0:
+                    bucket.buffer.div_(post)
+            self._settle(missing, usage)
             if self._rebuild_pending:
                 self._rebuild_pending = False
                 self._rebuild_in_ready_order()
@@ -416,9 +464,31 @@ class BucketedAllReduce:
             raise
         finally:
             self._used_since_sync = [False] * len(self._params)
+            self._saved.clear()
+            self._divisor = None
             self._unsynced = 0
             self.iterations += 1
             self._reset_iteration()
+
+    def _fill_missing(self, i: int, pre: float) -> None:
+        """A parameter this backward pass did not reach contributes what its .grad holds.
+
+        That is zeros (no .grad), or what earlier steps accumulated (no ``zero_grad``, or
+        micro-batches under no_sync), divided like a fresh gradient, as DDP does. Without a
+        rank that used it, the earlier value is put back after the all-reduce.
+        """
+        p, view = self._params[i], self._views[i]
+        grad = p.grad
+        if self.find_unused_parameters and not self._used_since_sync[i]:
+            self._saved[i] = None if grad is None else grad.detach().clone()
+        if grad is None:
+            view.zero_()
+        elif grad is not view:
+            torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
+        elif pre != 1.0:
+            view.div_(pre)
+        p.grad = view  # another rank may have used it
+        self._bucket_of[i].pending -= 1
 
     def _wait_for_hooks(self) -> None:
         start = time.perf_counter()
@@ -430,19 +500,24 @@ class BucketedAllReduce:
             bucket.future = None
         self.sync_wait_seconds += time.perf_counter() - start
 
-    def _check_after_sync(self, usage: torch.Tensor) -> None:
-        unused = [i for i in range(len(self._params)) if not bool(usage[:, i].all())]
-        if unused and not self.find_unused_parameters:
-            lines = [f"{self._names[i]!r} (no gradient on ranks "
-                     f"{[r for r in range(self.group.size) if not usage[r, i]]})"
-                     for i in unused]
-            raise ReducerError(
-                "BucketedAllReduce: parameters got no gradient in this backward pass: "
-                + ", ".join(lines) + ". Pass find_unused_parameters=True if parts of the "
-                "model are legitimately skipped, or detach the unused parameters.")
-        for i in unused:
-            if not bool(usage[:, i].any()):
-                self._params[i].grad = None  # no rank used it
+    def _settle(self, missing: list[int], usage: torch.Tensor | None) -> None:
+        """After the all-reduce: unused parameters, then the consistency errors."""
+        if usage is not None:
+            if not self.find_unused_parameters:
+                error = unused_error(self._names, usage)
+                if error is not None:
+                    raise error
+            for i in missing:
+                if not bool(usage[:, i].any()):  # no rank used it: as it was before
+                    saved = self._saved.get(i)
+                    if saved is None:
+                        self._params[i].grad = None
+                    else:
+                        self._views[i].copy_(saved)
+        else:
+            unused = [self._names[i] for i in missing if not self._used_since_sync[i]]
+            if unused:
+                raise local_unused_error(unused, self.group.rank)
         moved = [self._names[i] for i, p in enumerate(self._params)
                  if p.grad is not None and p.grad is not self._views[i]]
         if moved:
@@ -457,12 +532,43 @@ class BucketedAllReduce:
 
     def _rebuild_in_ready_order(self) -> None:
         """Rebuild the buckets in rank 0's ready order (every rank then agrees)."""
-        order = self._ready_order + [i for i in range(len(self._params))
-                                     if i not in set(self._ready_order)]
+        seen = set(self._ready_order)
+        order = self._ready_order + [i for i in range(len(self._params)) if i not in seen]
         device = self.group.comm_device(self.buckets[0].buffer.device)
         shared = torch.tensor(order, dtype=torch.int64, device=device)
         _comm.broadcast(shared, 0, self.group)
         self._build(shared.cpu().tolist())
+
+    # -- uneven inputs (tensorpar.nn.DistributedDataParallel.join) -------------------------
+    def _shadow_backward(self) -> None:
+        """Issue a synchronised backward pass's collectives with zeros (a rank out of inputs).
+
+        The same collectives, in the same order, as `_finish_backward` on the ranks that
+        still train under ``Join``: every bucket's all-reduce (or comm hook), the usage
+        exchange, the one-time rebuild. This rank's own gradients are left alone.
+        """
+        handles = []
+        for bucket in self.buckets:
+            zeros = dataclasses.replace(bucket, buffer=torch.zeros_like(bucket.buffer),
+                                        handle=None, future=None, comm=None)
+            self._launch(zeros)
+            if zeros.future is not None:  # one hook at a time, as in a backward pass
+                zeros.future.wait()
+            if zeros.handle is not None:
+                handles.append(zeros.handle)
+        if self.find_unused_parameters:
+            exchange_usage([False] * len(self._params), self.group,
+                           self.buckets[0].buffer.device)
+        sync_collectives(handles)
+        if self._rebuild_pending:
+            self._rebuild_pending = False
+            self._reset_iteration()
+            self._rebuild_in_ready_order()
+
+    def _sync_state_from(self, src: int, buffers: bool) -> None:
+        """Broadcast the parameters (and buffers) from group rank ``src``: one collective."""
+        tensors = [*self.module.parameters(), *(self.module.buffers() if buffers else ())]
+        broadcast_coalesced(tensors, src, self.group)
 
     def _abandon(self) -> None:
         """Drain the collectives an unfinished iteration launched, then start clean."""

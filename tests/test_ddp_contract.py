@@ -1,7 +1,6 @@
 """tensorpar.nn.DistributedDataParallel takes DDP's arguments and runs torch's own comm hooks."""
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -162,10 +161,6 @@ def _refusals():
         except (TypeError, ValueError) as e:
             outcomes.append(str(e))
     wrapped = tp.nn.DistributedDataParallel(net)
-    try:
-        wrapped.join()
-    except NotImplementedError as e:
-        outcomes.append(str(e))
     wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     try:
         wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -176,14 +171,7 @@ def _refusals():
 
 def test_unsupported_arguments_are_refused_naming_the_class():
     outcomes = run_distributed(_refusals, 2)[0]
-    assert len(outcomes) == 6
-    assert all(o.startswith("DistributedDataParallel") for o in outcomes[:5]), outcomes
-    assert "already registered" in outcomes[5]
+    assert len(outcomes) == 5
+    assert all(o.startswith("DistributedDataParallel") for o in outcomes[:4]), outcomes
+    assert "already registered" in outcomes[4]
 
-
-def test_the_old_name_still_works_and_warns():
-    with pytest.warns(DeprecationWarning, match="DistributedDataParallel"):
-        wrapped = tp.nn.DataParallel(nn.Linear(2, 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert wrapped(torch.ones(1, 2)).shape == (1, 2)

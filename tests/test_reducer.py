@@ -372,8 +372,13 @@ def test_overlap_groups_must_be_a_positive_int(value):
 # -- errors: each raised on every rank, none hangs ------------------------------------------
 
 def _error(case):
+    with tp.validation(case == "unused, validation"):
+        return _error_in(case)
+
+
+def _error_in(case):
     rank = dist.get_rank()
-    model = make("branchy" if case == "unused" else "mlp")
+    model = make("branchy" if case.startswith("unused") else "mlp")
     if case == "models differ" and rank == 1:
         model[2] = nn.Linear(16, 17)
     try:
@@ -411,8 +416,12 @@ def _error(case):
 @pytest.mark.parametrize("case, match", [
     ("models differ", r"parameter #2 is '2.weight float64\[16, 16\]' on rank 0 but "
                       r"'2.weight float32\[17, 16\]' on rank 1"),
-    ("unused", r"'branch.weight' \(no gradient on ranks \[1\]\).*'never.weight' \(no gradient "
-               r"on ranks \[0, 1\]\).*find_unused_parameters=True"),
+    # validation mode exchanges which rank used what: every rank names every rank's
+    ("unused, validation", r"'branch.weight' \(no gradient on ranks \[1\]\).*'never.weight' "
+                           r"\(no gradient on ranks \[0, 1\]\).*find_unused_parameters=True"),
+    # otherwise nothing is exchanged: each rank names its own (here both ranks skip one)
+    ("unused", r"on rank \d: \[('branch.weight', 'branch.bias', )?'never.weight', "
+               r"'never.bias'\]\. Pass find_unused_parameters=True"),
     ("added", r"parameter 'extra.weight' was added"),
     ("frozen", r"parameter '0.bias' had requires_grad=True .* now False"),
     ("grad replaced", r"the .grad of \['0.bias'\] was replaced"),

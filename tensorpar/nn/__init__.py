@@ -2,7 +2,7 @@
 
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
-from tensorpar.nn.data_parallel import DataParallel, DistributedDataParallel
+from tensorpar.nn.data_parallel import DistributedDataParallel
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -24,7 +24,6 @@ __all__ = [
     "Colwise",
     "ColumnParallelConv1D",
     "ColumnParallelLinear",
-    "DataParallel",
     "DistributedDataParallel",
     "EmbeddingDim",
     "Gather",

@@ -1,0 +1,346 @@
+"""DistributedDataParallel follows torch DDP's contract one step beyond the training loop.
+
+Evaluation on one rank, accumulation across synchronised steps, ``require_backward_grad_sync``,
+``join()`` with uneven inputs, every constructor argument: each against torch's DDP in the
+same ranks.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import tensorpar as tp
+from tensorpar import BucketedAllReduce, CommCounter
+from tensorpar.testing import run_distributed
+
+
+class WithBuffers(nn.Module):
+    """BatchNorm running statistics, a constant table (rotary ``inv_freq``-like), a mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
+
+    def forward(self, x):
+        h = self.bn(self.fc(x)) * self.scale
+        return self.out(torch.tanh(h.masked_fill(~self.mask, 0.0)))
+
+
+class Gated(nn.Module):
+    """``branch`` runs only where ``use`` says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(5, 5)
+        self.branch = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x, use=True):
+        h = torch.tanh(self.trunk(x))
+        if use:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def with_buffers():
+    torch.manual_seed(0)
+    return WithBuffers().double()
+
+
+def gated():
+    torch.manual_seed(0)
+    return Gated().double()
+
+
+def data(step, rank=None, width=6):
+    rank = dist.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, width, generator=g, dtype=torch.float64) * (rank + 1)
+
+
+def wrap(kind, model, **options):
+    """Our wrapper, torch's DDP, or the bare reducer (the model itself is then called)."""
+    if kind == "ours":
+        return tp.nn.DistributedDataParallel(model, **options)
+    if kind == "torch":
+        return TorchDDP(model, **options)
+    BucketedAllReduce(model, **options)
+    return model
+
+
+def gap(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
+
+
+# -- a forward under no_grad on one rank -----------------------------------------------------
+
+def _eval_on_one_rank(via, validate):
+    rank = dist.get_rank()
+    ours_model, theirs_model = with_buffers(), with_buffers()
+    with tp.validation(validate):
+        ours = tp.nn.DistributedDataParallel(ours_model)
+        theirs = TorchDDP(theirs_model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+        seconds, collectives = 0.0, 0
+        for step in range(3):
+            for wrapped, opt in zip((ours, theirs), opts, strict=True):
+                wrapped(data(step)).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if rank == 0 and step < 2:  # rank 0 evaluates; the others go on training
+                    wrapped.eval()
+                    target = wrapped.module if via == "module" or wrapped is theirs else wrapped
+                    start = time.perf_counter()
+                    with torch.no_grad(), CommCounter() as counter:
+                        for _ in range(3):
+                            target(data(50 + step))
+                    if wrapped is ours:
+                        seconds += time.perf_counter() - start
+                        collectives += counter.count()
+                    wrapped.train()
+    return seconds, collectives, gap(ours_model, theirs_model)
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["plain", "validation"])
+@pytest.mark.parametrize("via", ["module", "wrapper"])
+def test_no_grad_forward_on_one_rank_never_communicates(via, validate):
+    for seconds, collectives, diff in run_distributed(_eval_on_one_rank, 2, via, validate,
+                                                      timeout=40):
+        assert collectives == 0 and seconds < 5.0
+        assert diff <= 1e-12  # training after the evaluation still equals torch DDP's
+
+
+def _eval_with_bare_reducer():
+    model = with_buffers()
+    BucketedAllReduce(model)
+    model(data(0)).sum().backward()
+    with torch.no_grad(), CommCounter() as counter:
+        if dist.get_rank() == 0:
+            model(data(1))
+    model.zero_grad()
+    model(data(2)).sum().backward()
+    return counter.count(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_bare_reducer_no_grad_forward_on_one_rank_never_communicates():
+    results = run_distributed(_eval_with_bare_reducer, 2, timeout=40)
+    assert [count for count, _ in results] == [0, 0]
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+# -- buffers: in the wrapper's forward, coalesced, when DDP would ------------------------------
+
+def _buffer_broadcasts(kind):
+    model = with_buffers()
+    wrapped = wrap(kind, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = []
+    for step in range(3):
+        with CommCounter() as counter:
+            for micro in range(3):  # accumulation: DDP syncs buffers at the first micro-step
+                context = wrapped.no_sync() if micro < 2 else torch.enable_grad()
+                with context:
+                    wrapped(data(10 * step + micro)).pow(2).sum().backward()
+        counts.append(counter.count("broadcast"))
+        opt.step()
+        opt.zero_grad()
+    hooks = len(model._forward_pre_hooks)
+    return counts, hooks, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_buffers_broadcast_once_per_step_coalesced_and_equal_to_ddp():
+    ours = run_distributed(_buffer_broadcasts, 3, "ours")
+    theirs = run_distributed(_buffer_broadcasts, 3, "torch")
+    for (counts, hooks, state), (_, _, reference) in zip(ours, theirs, strict=True):
+        # one call for the four buffers, once per optimizer step (and once, at the end of
+        # the first step, the buckets' new order)
+        assert counts == [2, 1, 1]
+        assert hooks == 0  # no forward hook on the user's module
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+# -- accumulation across synchronised steps with unused parameters ---------------------------
+
+def _accumulate_unused(kind, who):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours_model = gated()
+    theirs_model = copy.deepcopy(ours_model)
+    ours = wrap(kind, ours_model, find_unused_parameters=True)
+    theirs = TorchDDP(theirs_model, find_unused_parameters=True)
+    for wrapped in (ours, theirs):
+        wrapped(data(0, width=5)).pow(2).sum().backward()  # step 1: every rank uses branch
+        use = {"none": False, "some": rank == world - 1}[who]
+        wrapped(data(1, width=5), use).pow(2).sum().backward()  # step 2, no zero_grad
+    return [(n, None if a.grad is None else (a.grad - b.grad).abs().max().item(),
+             b.grad is None) for (n, a), b in zip(ours_model.named_parameters(),
+                                                  theirs_model.parameters(), strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["ours", "reducer"])
+@pytest.mark.parametrize("who", ["none", "some"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_with_unused_parameters_equals_ddp(kind, who, world):
+    for rows in run_distributed(_accumulate_unused, world, kind, who):
+        for name, diff, theirs_none in rows:
+            assert not theirs_none, name
+            assert diff is not None and diff <= 1e-12, (name, diff)
+
+
+# -- require_backward_grad_sync (nanoGPT's accumulation) ------------------------------------
+
+def _grad_sync_flag(kind):
+    model = with_buffers()
+    wrapped = wrap(kind, model)
+    forward_counts, backward_counts = [], []
+    for micro in range(4):
+        wrapped.require_backward_grad_sync = micro == 3
+        with CommCounter() as forward:
+            loss = wrapped(data(micro)).pow(2).mean() / 4
+        with CommCounter() as backward:
+            loss.backward()
+        forward_counts.append(forward.count())
+        backward_counts.append(backward.count())
+    return forward_counts, backward_counts, [p.grad.clone() for p in model.parameters()]
+
+
+def test_require_backward_grad_sync_false_skips_the_sync_like_ddp():
+    ours = run_distributed(_grad_sync_flag, 2, "ours")
+    theirs = run_distributed(_grad_sync_flag, 2, "torch")
+    for (forwards, backwards, grads), (_, _, reference) in zip(ours, theirs, strict=True):
+        assert backwards[:3] == [0, 0, 0] and backwards[3] > 0  # the last one synchronises
+        assert forwards == [1, 0, 0, 0]  # the buffers, at the first micro-step (as in DDP)
+        for a, b in zip(grads, reference, strict=True):
+            assert (a - b).abs().max() <= 1e-12
+
+
+# -- join() with uneven inputs ---------------------------------------------------------------
+
+def _join(kind, find_unused):
+    rank = dist.get_rank()
+    model = with_buffers()
+    wrapped = wrap(kind, model, find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with wrapped.join():
+        for step in range(2 + 2 * rank):  # rank r has 2 + 2r batches
+            wrapped(data(step)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_join_with_uneven_inputs_equals_ddp(world, find_unused):
+    ours = run_distributed(_join, world, "ours", find_unused, timeout=60)
+    theirs = run_distributed(_join, world, "torch", find_unused, timeout=60)
+    for state, reference in zip(ours, theirs, strict=True):
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+# -- no extra collective or host sync per backward ------------------------------------------
+
+def _backward_collectives(find_unused):
+    model = with_buffers()
+    wrapped = tp.nn.DistributedDataParallel(model, find_unused_parameters=find_unused,
+                                            bucket_cap_mb=1e-4)
+    kinds = []
+    for step in range(3):
+        out = wrapped(data(step)).pow(2).sum()
+        with CommCounter() as counter:
+            out.backward()
+        kinds.append(sorted({r.kind for r in counter.records}))
+        if step == 0:
+            continue
+        assert counter.count("all_reduce") == len(wrapped.reducer.buckets)
+    return kinds
+
+
+def test_no_extra_collective_per_backward_without_find_unused():
+    for kinds in run_distributed(_backward_collectives, 2, False):
+        assert kinds[1:] == [["all_reduce"], ["all_reduce"]], kinds
+
+
+# -- constructor arguments: honoured or refused ---------------------------------------------
+
+def _refused(name, value):
+    try:
+        tp.nn.DistributedDataParallel(with_buffers(), **{name: value})
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("name, value", [
+    ("static_graph", True), ("gradient_as_bucket_view", False), ("check_reduction", True),
+    ("skip_all_reduce_unused_params", True), ("bucket_cap_mb_list", [1, 25]),
+    ("batched_grad_copy", True), ("device_ids", [0]), ("output_device", 0)])
+def test_unhonoured_arguments_are_refused_naming_them(name, value):
+    for outcome in run_distributed(_refused, 2, name, value):
+        assert outcome is not None, name
+        assert outcome[1].startswith("DistributedDataParallel") and name in outcome[1], outcome
+
+
+def _torch_refuses_device_ids_on_cpu():
+    try:
+        TorchDDP(with_buffers(), device_ids=[dist.get_rank()])
+    except ValueError:
+        ours_kind = _refused("device_ids", [dist.get_rank()])
+        return ours_kind is not None and ours_kind[0] == "ValueError"
+    return False
+
+
+def test_device_ids_on_a_cpu_model_refused_like_torch():
+    assert run_distributed(_torch_refuses_device_ids_on_cpu, 2) == [True, True]
+
+
+def _init_sync_false():
+    torch.manual_seed(dist.get_rank())  # different weights on every rank
+    model = WithBuffers().double()
+    before = copy.deepcopy(model.state_dict())
+    with CommCounter() as counter:
+        tp.nn.DistributedDataParallel(model, init_sync=False)
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    return counter.count(), same
+
+
+def test_init_sync_false_leaves_the_replicas_alone():
+    assert run_distributed(_init_sync_false, 2) == [(0, True), (0, True)]
+
+
+def _buffer_options(kind, options):
+    rank = dist.get_rank()
+    model = with_buffers()
+    if rank == 1:  # a rank-local buffer value before wrapping
+        model.scale.mul_(3)
+    wrapped = wrap(kind, model, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        wrapped(data(step)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("options", [{"forward_sync_buffers": False},
+                                     {"forward_sync_buffers": True},
+                                     {"broadcast_buffers": False},
+                                     {"broadcast_buffers": False, "forward_sync_buffers": True}])
+def test_buffer_options_match_ddp(options):
+    ours = run_distributed(_buffer_options, 2, "ours", options)
+    theirs = run_distributed(_buffer_options, 2, "torch", options)
+    for state, reference in zip(ours, theirs, strict=True):
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
