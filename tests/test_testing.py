@@ -72,3 +72,12 @@ def test_pool_is_replaced_after_ranks_were_left_blocked():
     with pytest.raises(ValueError, match="boom on rank 0"):
         run_distributed(_raise_on_zero_while_others_block, 3, timeout=30)
     assert run_distributed(_all_reduce_rank, 3) == [3.0, 3.0, 3.0]
+
+
+def test_the_harness_errors_live_with_the_others():
+    import tensorpar.errors
+    import tensorpar.testing
+
+    for name in ("RankError", "RankTimeoutError"):
+        assert getattr(tensorpar.testing, name) is getattr(tensorpar.errors, name)
+        assert issubclass(getattr(tensorpar.errors, name), tensorpar.errors.TensorparError)

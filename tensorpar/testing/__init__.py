@@ -40,7 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tensorpar.errors import TensorparError
+from tensorpar.errors import RankError, RankTimeoutError
 
 __all__ = ["RankError", "RankTimeoutError", "run_distributed", "shutdown_pools"]
 
@@ -48,14 +48,6 @@ T = TypeVar("T")
 
 ERROR_GRACE_S = 3.0
 """After one rank raises, how long the others get to finish before the pool is replaced."""
-
-
-class RankError(TensorparError):
-    """A rank raised an exception that could not be re-created in the caller."""
-
-
-class RankTimeoutError(TensorparError, TimeoutError):
-    """Some ranks did not finish within the timeout (usually a collective mismatch)."""
 
 
 class _RemoteTraceback(Exception):
