@@ -381,7 +381,9 @@ def test_heads_that_do_not_pair_up_are_described_by_projection():
     kv = {"attn.k_proj": Colwise(), "attn.v_proj": Colwise()}
     [problem] = check_heads(model, kv, 2)  # q_proj left whole
     assert "None" not in problem, problem
-    assert ("q_proj replicated (every query head on every rank), key heads [1, 1] (k_proj), "
-            "value heads [1, 1] (v_proj)") in problem, problem
+    assert ("q_proj replicated (every query head on every rank), key/value heads [1, 1] "
+            "(k_proj and v_proj)") in problem, problem
+    [problem] = check_heads(model, {**kv, "attn.v_proj": Colwise(multiple_of=8)}, 2)
+    assert "key heads [1, 1] (k_proj), value heads [2, 0] (v_proj)" in problem, problem
     [problem] = check_heads(model, {**kv, "attn.q_proj": Colwise()}, 3)  # 16 rows: 6, 5, 5
     assert "q_proj split into rows [6, 5, 5], not whole heads of 4" in problem, problem

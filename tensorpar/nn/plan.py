@@ -353,8 +353,12 @@ def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int,
             continue
         q, k, v = (_heads(w, head_dim) for w in where)
         if q is None or k is None or k != v or q != [group * n for n in k]:
-            split = ", ".join(_describe_heads(p, w, head_dim)
-                              for p, w in zip(qkv, where, strict=True))
+            if k is not None and where[1] == where[2]:  # k and v alike: say it once
+                split = (f"{_describe_heads('q_proj', where[0], head_dim)}, key/value heads "
+                         f"{k} (k_proj and v_proj)")
+            else:
+                split = ", ".join(_describe_heads(p, w, head_dim)
+                                  for p, w in zip(qkv, where, strict=True))
             problems.append(
                 f"{name!r}: per rank, query heads and key/value heads do not pair up: {split} "
                 f"({heads} query heads, {kv_heads} key/value heads: {group} query heads per "
