@@ -16,6 +16,8 @@ __all__ = [
     "CollectiveTypeError",
     "PeerLostError",
     "PlaceholderError",
+    "RankError",
+    "RankTimeoutError",
     "ReducerError",
     "TensorparError",
     "UnresolvedCollectiveError",
@@ -65,6 +67,17 @@ class ClusterError(TensorparError):
     Raised by `tensorpar.testing.cluster` without root (or ``CAP_NET_ADMIN`` and
     ``CAP_SYS_ADMIN``), without iproute2's ``ip`` / ``tc``, when a network command fails, and
     when a job runs past its timeout.
+    """
+
+
+class RankError(TensorparError):
+    """A rank of `tensorpar.testing.run_distributed` died or raised an unpicklable error."""
+
+
+class RankTimeoutError(TensorparError, TimeoutError):
+    """Ranks of `tensorpar.testing.run_distributed` did not finish within the timeout.
+
+    The usual cause is a collective mismatch: a rank waits in a collective its peers skipped.
     """
 
 

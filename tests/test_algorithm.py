@@ -116,15 +116,30 @@ def _backward_parity(ranks_per_machine):
                 (rec_f, y_f, grad_f, _), (rec_h, y_h, grad_h, scatters) = runs
                 out[op, mode, inplace] = (rec_f and rec_h, torch.equal(y_f, y_h),
                                           torch.equal(grad_f, grad_h), scatters)
+    for mode in ("sum", "identity"):  # double backward: the same second derivatives
+        seconds = []
+        for algorithm in ("flat", "hierarchical"):
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randint(-4, 5, (6,), generator=g).double().requires_grad_()
+            w = torch.randint(-4, 5, (6,), generator=g).double()
+            y = tp.all_reduce(x * x, backward=mode, algorithm=algorithm, topology=topo)
+            (gx,) = torch.autograd.grad((y * w).sum(), x, create_graph=True)
+            (ggx,) = torch.autograd.grad((gx * w).sum(), x)
+            seconds.append((gx.detach(), ggx))
+        (gx_f, ggx_f), (gx_h, ggx_h) = seconds
+        out["double", mode, False] = (True, torch.equal(gx_f, gx_h), torch.equal(ggx_f, ggx_h),
+                                      None)
     return out
 
 
 @pytest.mark.parametrize("ranks_per_machine", [2, 4], ids=["2x2", "1x4"])
 def test_hierarchical_backward_equals_flat_backward(ranks_per_machine):
     for got in run_distributed(_backward_parity, 4, ranks_per_machine, timeout=120):
-        assert len(got) == 8
+        assert len(got) == 10
         for (op, mode, inplace), (recorded, same_out, same_grad, scatters) in got.items():
             assert recorded and same_out and same_grad, (op, mode, inplace, got)
+            if op == "double":
+                continue
             # the 2 x 2 backward reduces the gradient machine by machine; identity issues none
             expected = 1 if ranks_per_machine == 2 and mode == "sum" else 0
             assert scatters == expected, (op, mode, inplace, scatters)

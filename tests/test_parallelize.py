@@ -361,3 +361,29 @@ def test_siblings_reading_one_input_all_reduce_its_gradient_once(cross, all_redu
     # second input, one for x and one for it
     assert run_distributed(_shared_input_all_reduces, 2, cross) == \
         [[all_reduces, all_reduces]] * 2
+
+
+def test_heads_that_do_not_pair_up_are_described_by_projection():
+    from types import SimpleNamespace
+
+    from tensorpar.nn.plan import check_heads
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.k_proj, self.v_proj = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    model = nn.Module()
+    model.attn = Attn()
+    model.config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                                   hidden_size=16)
+    kv = {"attn.k_proj": Colwise(), "attn.v_proj": Colwise()}
+    [problem] = check_heads(model, kv, 2)  # q_proj left whole
+    assert "None" not in problem, problem
+    assert ("q_proj replicated (every query head on every rank), key/value heads [1, 1] "
+            "(k_proj and v_proj)") in problem, problem
+    [problem] = check_heads(model, {**kv, "attn.v_proj": Colwise(multiple_of=8)}, 2)
+    assert "key heads [1, 1] (k_proj), value heads [2, 0] (v_proj)" in problem, problem
+    [problem] = check_heads(model, {**kv, "attn.q_proj": Colwise()}, 3)  # 16 rows: 6, 5, 5
+    assert "q_proj split into rows [6, 5, 5], not whole heads of 4" in problem, problem

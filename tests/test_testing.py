@@ -51,7 +51,9 @@ def test_exception_names_rank_and_keeps_type(world_size):
 
 
 def test_hang_fails_with_timeout_and_pool_recovers():
-    with pytest.raises(RankTimeoutError, match=r"ranks \[0\] did not finish"):
+    assert run_distributed(_all_reduce_rank, 2) == [1.0, 1.0]  # the pool is up: 2 s to reply
+    with pytest.raises(RankTimeoutError,
+                       match=r"\): rank 0 did not finish within 2.0 s \(rank 1 did\)"):
         run_distributed(_hang_on_rank_zero, 2, timeout=2.0)
     assert run_distributed(_all_reduce_rank, 2) == [1.0, 1.0]
 
@@ -72,3 +74,12 @@ def test_pool_is_replaced_after_ranks_were_left_blocked():
     with pytest.raises(ValueError, match="boom on rank 0"):
         run_distributed(_raise_on_zero_while_others_block, 3, timeout=30)
     assert run_distributed(_all_reduce_rank, 3) == [3.0, 3.0, 3.0]
+
+
+def test_the_harness_errors_live_with_the_others():
+    import tensorpar.errors
+    import tensorpar.testing
+
+    for name in ("RankError", "RankTimeoutError"):
+        assert getattr(tensorpar.testing, name) is getattr(tensorpar.errors, name)
+        assert issubclass(getattr(tensorpar.errors, name), tensorpar.errors.TensorparError)

@@ -108,6 +108,7 @@ def test_single_process_and_argument_errors():
     assert (topo.size, topo.is_hierarchical, str(topo)) == (1, False, "1 machine x 1 rank")
     assert repr(topo) == "Topology(machines=1, ranks_per_machine=1, machine=0, local_rank=0)"
     assert Topology.detect().machine_ranks == ((0,),)
+    assert topo.global_ranks == (0,) and topo.matches(None)
     with pytest.raises(ValueError, match=r"ranks_per_machine=2 does not divide the group size 1"):
         Topology.grid(2)
     with pytest.raises(ValueError, match="must be >= 1, got 0"):
@@ -150,3 +151,15 @@ def test_a_topology_of_another_group_of_the_same_size_raises_on_every_rank(where
         mine, other = ([0, 2], [1, 3])[rank % 2], ([0, 1], [2, 3])[rank // 2]
         assert f"topology describes the group of global ranks {mine}" in error, error
         assert f"group= has global ranks {other}" in error, error
+
+
+def _matches():
+    dp = [dist.new_group(p) for p in ([0, 1], [2, 3])]
+    again = [dist.new_group(p) for p in ([0, 1], [2, 3])]  # other groups, the same ranks
+    rank = dist.get_rank()
+    topo = Topology.grid(2, group=dp[rank // 2])
+    return topo.matches(dp[rank // 2]), topo.matches(again[rank // 2]), topo.matches(None)
+
+
+def test_a_topology_matches_its_ranks_whichever_group_object():
+    assert run_distributed(_matches, 4, timeout=TIMEOUT) == [(True, True, False)] * 4

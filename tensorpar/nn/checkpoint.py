@@ -37,8 +37,9 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     Keys are the dense model's. Sharded parameters become `ShardAtOffset`s that view this
     rank's shard (no copy), so ``torch.distributed.checkpoint.load`` into this dict writes
     straight into the model; replicated parameters and buffers stay plain tensors (DCP
-    writes them once). Every rank of the model's groups must call it, in the same order
-    (it exchanges shard metadata).
+    writes them once). It communicates nothing: each rank computes every offset from its
+    layers' own sizes (``torch.distributed.checkpoint``'s ``save`` and ``load``, which take
+    the result, are the collective steps).
 
     Args:
         model: a model parallelised by `parallelize` (or built from tensorpar's layers).

@@ -54,10 +54,9 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     ``embed_scale``) are swapped, and the classes given in ``builders``; the model's own forward
     code is untouched, so it must infer per-rank sizes from the tensors (e.g.
     ``rearrange(q, "b t (h d) -> b h t d", d=64)``). Every rank must hold the same dense
-    weights (e.g. the same seed or checkpoint). This is checked first, on every rank: exact
-    checksums of every parameter and buffer (layers that are already tensor-parallel left
-    out) are all-gathered as int64s, and a difference raises instead of mixing the ranks'
-    weights.
+    weights (e.g. the same seed or checkpoint). This is checked first, on every rank: a hash
+    of every parameter and buffer (layers that are already tensor-parallel left out) is
+    exchanged as int64s, and a difference raises instead of mixing the ranks' weights.
 
     The whole plan is validated first, and nothing changes unless all of it fits: every
     pattern must match a module, every matched module must be of the type its style splits,

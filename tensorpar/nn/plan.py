@@ -353,10 +353,16 @@ def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int,
             continue
         q, k, v = (_heads(w, head_dim) for w in where)
         if q is None or k is None or k != v or q != [group * n for n in k]:
+            if k is not None and where[1] == where[2]:  # k and v alike: say it once
+                split = (f"{_describe_heads('q_proj', where[0], head_dim)}, key/value heads "
+                         f"{k} (k_proj and v_proj)")
+            else:
+                split = ", ".join(_describe_heads(p, w, head_dim)
+                                  for p, w in zip(qkv, where, strict=True))
             problems.append(
-                f"{name!r}: per rank, query heads {q} and key/value heads {k}/{v} do not pair "
-                f"up ({heads} query heads, {kv_heads} key/value heads: {group} query heads "
-                f"per key/value head; head_dim {head_dim}; {size} ranks). Split q_proj with "
+                f"{name!r}: per rank, query heads and key/value heads do not pair up: {split} "
+                f"({heads} query heads, {kv_heads} key/value heads: {group} query heads per "
+                f"key/value head; head_dim {head_dim}; {size} ranks). Split q_proj with "
                 f"Colwise(multiple_of={group * head_dim}), k_proj and v_proj with "
                 f"Colwise(multiple_of={head_dim}) and o_proj with Rowwise(multiple_of="
                 f"{group * head_dim}), or use tensorpar.nn.plan_from_transformers(model)")
@@ -371,6 +377,18 @@ def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int,
                     f"{name + '.o_proj'!r} must be split like the query heads, "
                     f"Rowwise(multiple_of={group * head_dim}); got {_describe(o_style, o_where)}")
     return problems
+
+
+def _describe_heads(proj: str, where: Layout, head_dim: int) -> str:
+    """How ``proj`` is split, in heads per rank where it can be (`check_heads`' message)."""
+    kind = {"q_proj": "query", "k_proj": "key", "v_proj": "value"}[proj]
+    if where is None:
+        return f"{proj} replicated (every {kind} head on every rank)"
+    if where[0] != 0:
+        return f"{proj} split along its input features {list(where[1])}"
+    if any(n % head_dim for n in where[1]):
+        return f"{proj} split into rows {list(where[1])}, not whole heads of {head_dim}"
+    return f"{kind} heads {[n // head_dim for n in where[1]]} ({proj})"
 
 
 def _heads(where: Layout, head_dim: int) -> list[int] | None:

@@ -40,7 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tensorpar.errors import TensorparError
+from tensorpar.errors import RankError, RankTimeoutError
 
 __all__ = ["RankError", "RankTimeoutError", "run_distributed", "shutdown_pools"]
 
@@ -48,14 +48,6 @@ T = TypeVar("T")
 
 ERROR_GRACE_S = 3.0
 """After one rank raises, how long the others get to finish before the pool is replaced."""
-
-
-class RankError(TensorparError):
-    """A rank raised an exception that could not be re-created in the caller."""
-
-
-class RankTimeoutError(TensorparError, TimeoutError):
-    """Some ranks did not finish within the timeout (usually a collective mismatch)."""
 
 
 class _RemoteTraceback(Exception):
@@ -182,13 +174,14 @@ class _RankPool:
                 first = min(errors)
                 self.shutdown()
                 _reraise(first, errors[first], self.world_size,
-                         note=f"ranks {late} were still blocked {ERROR_GRACE_S:.0f} s later, "
-                              f"so the rank pool was restarted")
+                         note=f"{_ranks(late)} {'was' if len(late) == 1 else 'were'} still "
+                              f"blocked {ERROR_GRACE_S:.0f} s later, so the rank pool was "
+                              f"restarted")
             raise RankTimeoutError(
-                f"run_distributed({_name(fn)}, world_size={self.world_size}): ranks {late} did "
-                f"not finish within {timeout} s (ranks {sorted(replies)} did); the rank pool "
-                f"was shut down. A rank waiting in a collective that its peers never issued "
-                f"is the usual cause.")
+                f"run_distributed({_name(fn)}, world_size={self.world_size}): {_ranks(late)} "
+                f"did not finish within {timeout} s ({_ranks(sorted(replies)) or 'none'} did); "
+                f"the rank pool was shut down. A rank waiting in a collective that its peers "
+                f"never issued is the usual cause.")
         return replies
 
     def shutdown(self) -> None:
@@ -205,6 +198,13 @@ class _RankPool:
         self.procs = []
         self.conns = []
         self._tmp.cleanup()
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``"rank 2"``, ``"ranks 0,1"``, or ``""`` for none."""
+    if not ranks:
+        return ""
+    return f"rank{'s' * (len(ranks) > 1)} {','.join(map(str, ranks))}"
 
 
 def _name(fn: Callable[..., Any]) -> str:
