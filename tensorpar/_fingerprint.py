@@ -82,8 +82,8 @@ def compare(operation: str, size: int, every: list[list[int]], counters: Sequenc
     where = f" ({label})" if label else ""
     head = f"{name} #{counts[0]}{where}" if len(set(counts)) == 1 else \
         f"{name} (#{counts[0]} on rank 0){where}"
+    head += f" on a group of {size}"
     backward = all(row[START["forward/backward"]] == 1 for row in every)
-    head += f"{' (backward)' if backward else ''} on a group of {size}"
     for field_name, _ in LAYOUT[1:]:
         values = [tuple(slots(row, field_name)) for row in every]
         if field_name == "call site":
