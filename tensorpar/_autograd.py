@@ -9,7 +9,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 
 from tensorpar._group import Group
-from tensorpar.errors import CollectiveTypeError, TensorparError
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, TensorparError
 
 __all__ = ["SYNC", "Launch", "apply_or_run", "backend_of", "check_op", "check_reducible",
            "needs_graph", "scale_for_mean", "tie_to_output", "torch_op"]
@@ -26,12 +26,14 @@ def check_op(fn: str, op: object, x: torch.Tensor | None = None, group: Group | 
     the same dtype, so every rank raises together, before any communication.
     """
     if op not in REDUCE_OPS:
-        raise ValueError(f"{fn}: op={op!r} is not supported; expected one of {REDUCE_OPS}")
+        raise CollectiveArgumentError(
+            f"{fn}: op={op!r} is not supported; expected one of {REDUCE_OPS}")
     if x is None:
         return str(op)
     dtype = x.dtype
     if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{fn}: op='mean' needs a floating point dtype, got {dtype}")
+        raise CollectiveArgumentError(
+            f"{fn}: op='mean' needs a floating point dtype, got {dtype}")
     if dtype not in _REDUCIBLE_EVERYWHERE and group is not None:  # the rare dtypes only
         check_reducible(fn, str(op), x, group)
     return str(op)

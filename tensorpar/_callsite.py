@@ -32,7 +32,7 @@ import os
 import sys
 import zlib
 from collections.abc import Sequence
-from types import FrameType
+from types import CodeType, FrameType
 from typing import NamedTuple
 
 import torch
@@ -58,30 +58,32 @@ class Site(NamedTuple):
 def call_site() -> Site | None:
     """The call site of the collective being called (``None``: no frame outside tensorpar)."""
     frame: FrameType | None = sys._getframe(1)
-    users: list[FrameType] = []
-    while frame is not None and len(users) < 2:
+    places: list[tuple[CodeType, int]] = []
+    while frame is not None and len(places) < 2:
         if not frame.f_code.co_filename.startswith(_LIBRARIES):
-            users.append(frame)
+            places.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
-    if not users:
-        return None
+    return _site(*places) if places else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _site(*places: tuple[CodeType, int]) -> Site:
+    """The `Site` of the user's frame and its caller, each a code object and a line."""
     slots: list[int] = []
-    places = []
-    for f in users:
-        code = f.f_code
+    merged = []
+    for code, line in places:
         name = f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
-        arm = _branch_arms(code.co_filename).get(f.f_lineno)
+        arm = _branch_arms(code.co_filename).get(line)
         head = _NONE if arm is None else _key(f"{name}:if{arm[0]}")
-        slots += [_key(f"{name}:{f.f_lineno}"), head, _NONE if arm is None else arm[1]]
-        places.append(slots[-3] if arm is None else head)
+        slots += [_key(f"{name}:{line}"), head, _NONE if arm is None else arm[1]]
+        merged.append(slots[-3] if arm is None else head)
     slots += [_NONE] * (SLOTS - 1 - len(slots))
-    first = users[0].f_code
+    first, line = places[0]
     slots.append(_key(f"{os.path.basename(first.co_filename)}:{first.co_firstlineno}"))
     # counted where the ranks agree: the outermost chain they may diverge in
-    count_key = slots[4] if len(users) > 1 and slots[4] != _NONE else _key(repr(places))
-    f = users[0]
-    text = (f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in "
-            f"{getattr(f.f_code, 'co_qualname', f.f_code.co_name)}")
+    count_key = slots[4] if slots[4] != _NONE else _key(repr(merged))
+    text = (f"{os.path.basename(first.co_filename)}:{line} in "
+            f"{getattr(first, 'co_qualname', first.co_name)}")
     return Site(tuple(slots), count_key, text)
 
 

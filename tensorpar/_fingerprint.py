@@ -7,6 +7,7 @@ lies and how to show it; it knows nothing about collectives or about who calls i
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 from tensorpar._callsite import SLOTS, sites_agree
@@ -82,13 +83,14 @@ def compare(operation: str, size: int, every: list[list[int]], counters: Sequenc
     head = f"{name} #{counts[0]}{where}" if len(set(counts)) == 1 else \
         f"{name} (#{counts[0]} on rank 0){where}"
     head += f" on a group of {size}"
+    backward = all(row[START["forward/backward"]] == 1 for row in every)
     for field_name, _ in LAYOUT[1:]:
         values = [tuple(slots(row, field_name)) for row in every]
         if field_name == "call site":
             if not all(sites_agree(v[:SLOTS], values[0][:SLOTS]) for v in values):
+                sites = [_show_site(v, backward) for v in values]
                 raise CollectiveMismatchError(
-                    f"{head}: call site differs: "
-                    f"{ranks_by_value([_show_site(v) for v in values])} (a rank skipped a "
+                    f"{head}: call site differs: {ranks_by_value(sites)} (a rank skipped a "
                     f"collective or issued another one; ranks may call from different lines "
                     f"only in different arms of one if/elif/else)")
             continue
@@ -126,16 +128,18 @@ _HINTS = {
                     "the same: give every rank of the group the same batch, and the same "
                     "random state for dropout before the region)",
     "requires_grad": " (with sizes= or exchange_meta=False the ranks cannot learn it from each "
-                     "other: every rank must pass tensors that require grad, or none)",
+                     "other: every rank's tensor or placeholder must require grad, or none)",
     "this rank's chunk against sizes": " (a chunk's length along dim must be sizes[rank])",
 }
 
 
-def _show_site(value: tuple[int, ...]) -> str:
+def _show_site(value: tuple[int, ...], backward: bool) -> str:
     if value[0] == NONE:
         return "no call site"
-    calls = value[SLOTS]
-    return f"{unpack(value[SLOTS + 1:])} (call {calls} there)"
+    text, calls = unpack(value[SLOTS + 1:]), value[SLOTS]
+    if backward:
+        return f"the backward of {text} (backward {calls} there)"
+    return f"{text} (call {calls} there)"
 
 
 def _show(name: str, value: tuple[int, ...]) -> str:
@@ -165,7 +169,8 @@ def _show(name: str, value: tuple[int, ...]) -> str:
     if name == "requires_grad":
         return "none" if v == NONE else str(bool(v))
     if name == "input values":
-        return f"checksum {(value[0] ^ (value[1] * 31)) & 0xFFFFFFFF:08x}"
+        raw = b"".join(x.to_bytes(8, "little", signed=True) for x in value)
+        return f"checksum {zlib.crc32(raw):08x}"
     if name == "counters":
         return " ".join(str(x) for x in value[1:] if x != NONE) or "none"
     return "none" if v == NONE else str(v)

@@ -212,27 +212,37 @@ def last_site(g: Group) -> Site | None:
 def checksum(t: torch.Tensor) -> list[int]:
     """Two int64s that change when any bit of ``t`` changes, or when values move around.
 
-    The sum of ``t``'s bits read as integers, and a sum weighted by position (modulo 61).
-    Integer sums are exact and do not depend on the order of summation, so equal tensors
-    give equal checksums on any device and thread count.
+    ``t``'s bytes are read as int64s, in rows of 64: the 64 column sums and the 64 sums of
+    consecutive blocks (one pass each, no copy, no widening), combined with weights by
+    position. Integer sums wrap exactly and do not depend on the order of summation, so
+    equal tensors give equal checksums on any device and thread count.
     """
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
-    flat = x.contiguous().view(-1)
-    if flat.numel() == 0:
+    raw = x.contiguous().view(-1)
+    if raw.numel() == 0:
         return [0, 0]
-    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    n, k = bits.numel(), 61
-    whole = bits[: n - n % k].view(-1, k).sum(0, dtype=torch.int64)
-    weights = torch.arange(1, k + 1, dtype=torch.int64, device=bits.device)
-    weighted = (whole * weights).sum() + (bits[n - n % k:].to(torch.int64)
-                                          * weights[: n % k]).sum()
-    result: list[int] = torch.stack([bits.sum(dtype=torch.int64), weighted]).tolist()
-    return result
+    raw = raw.view(torch.uint8)
+    whole = raw.numel() - raw.numel() % 512  # 64 int64s a row
+    try:
+        words = raw[:whole].view(torch.int64)
+    except RuntimeError:  # a storage offset that is no multiple of 8 bytes
+        words = raw[:whole].clone().view(torch.int64)
+    parts = [raw[whole:].to(torch.int64)]  # the last < 512 bytes
+    if whole:
+        parts += [words.view(-1, 64).sum(0), words.view(64, -1).sum(1)]
+    values = torch.cat(parts).tolist()
+    total = weighted = 0
+    for i, v in enumerate(values):
+        total += v
+        weighted += v * (2 * i + 1)
+    return [_int64(total), _int64(weighted)]
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _int64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _code(value: object, names: Sequence[str]) -> int:

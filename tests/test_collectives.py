@@ -215,9 +215,9 @@ def _errors(case):
 
 
 @pytest.mark.parametrize("case, error, match", [
-    ("bad op", "ValueError", r"op='prod' is not supported"),
-    ("bad backward", "ValueError", "expected 'sum' or 'identity'"),
-    ("mean of ints", "ValueError", "floating point"),
+    ("bad op", "CollectiveArgumentError", r"op='prod' is not supported"),
+    ("bad backward", "CollectiveArgumentError", "expected 'sum' or 'identity'"),
+    ("mean of ints", "CollectiveArgumentError", "floating point"),
     ("max backward", "TensorparError", r"all_reduce\(op='max'\) is forward-only"),
     ("reduce_scatter max backward", "TensorparError", "forward-only"),
     ("all_gather dims", "CollectiveArgumentError", r"rank 1 has float32\[2, 4\]"),

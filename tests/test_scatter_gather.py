@@ -305,11 +305,11 @@ def _scatter_error(case):
     ("shape mismatch", "CollectiveArgumentError", r"float32\[6, 5, 3\].*float32\[7, 5, 3\]"),
     ("dtype mismatch", "CollectiveArgumentError", "float64.*float32"),
     ("requires_grad mismatch", "CollectiveArgumentError", "requiring grad"),
-    ("dim out of range", "ValueError", "dim=3 is out of range for a 3-d tensor"),
+    ("dim out of range", "CollectiveArgumentError", "dim=3 is out of range for a 3-d tensor"),
     ("sizes sum", "CollectiveArgumentError", "sum to 9.*length 7 along dim 0"),
-    ("sizes length", "ValueError", "has 1 entries, expected one per rank of the group"),
-    ("sizes negative", "ValueError", "non-negative"),
-    ("src not in group", "ValueError", "src=3 is not a rank of the group"),
+    ("sizes length", "CollectiveArgumentError", "has 1 entries, expected one per rank"),
+    ("sizes negative", "CollectiveArgumentError", "non-negative"),
+    ("src not in group", "CollectiveArgumentError", "src=3 is not a rank of the group"),
 ])
 def test_scatter_bad_input_raises_on_every_rank(case, error, match):
     outcomes = run_distributed(_scatter_error, 3, case)

@@ -122,7 +122,7 @@ def test_a_mismatch_raises_the_same_error_on_every_rank(case):
 
 
 def _agreeing_calls():
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     with tp.validation(True):
         x = torch.randn(2 * rank + 1, 3, dtype=torch.float64, requires_grad=True)
         y = tp.all_gather(x, dim=-2)  # -2 and 0 name the same dim
