@@ -227,12 +227,12 @@ def test_require_backward_grad_sync_false_skips_the_sync_like_ddp():
 
 # -- join() with uneven inputs ---------------------------------------------------------------
 
-def _join(kind, find_unused):
+def _join(kind, find_unused, divide_by_initial=True):
     rank = dist.get_rank()
     model = with_buffers()
     wrapped = wrap(kind, model, find_unused_parameters=find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with wrapped.join():
+    with wrapped.join(divide_by_initial_world_size=divide_by_initial):
         for step in range(2 + 2 * rank):  # rank r has 2 + 2r batches
             wrapped(data(step)).pow(2).mean().backward()
             opt.step()
@@ -245,6 +245,14 @@ def _join(kind, find_unused):
 def test_join_with_uneven_inputs_equals_ddp(world, find_unused):
     ours = run_distributed(_join, world, "ours", find_unused, timeout=60)
     theirs = run_distributed(_join, world, "torch", find_unused, timeout=60)
+    for state, reference in zip(ours, theirs, strict=True):
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+def test_join_dividing_by_the_ranks_still_training_equals_ddp():
+    ours = run_distributed(_join, 3, "ours", False, False, timeout=60)
+    theirs = run_distributed(_join, 3, "torch", False, False, timeout=60)
     for state, reference in zip(ours, theirs, strict=True):
         for k in state:
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_map
 
-from tensorpar import _comm
 from tensorpar._algorithm import Algorithm
-from tensorpar._buffers import common_rank
+from tensorpar._buffers import common_rank, sum_flags
 from tensorpar._group import GroupLike
 from tensorpar.errors import ReducerError
 from tensorpar.nn._join import DDPJoinHook
@@ -178,8 +176,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             src = common_rank(reducer.group, True, self.join_device) if joining else 0
             reducer._sync_buffers(src)
         if joining:  # tell the ranks that ran out whether this backward synchronises
-            flag = torch.full((1,), float(sync), device=self.join_device)
-            _comm.all_reduce(flag, dist.ReduceOp.SUM, reducer.group)
+            sum_flags(reducer.group, sync, self.join_device)
         out = self.module(*args, **kwargs)
         reducer._forward_sync = sync and reducer._sync_enabled
         return out
@@ -251,7 +248,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.group.handle
 
 
-def _refuse(name: str, given: dict[str, object], bucket_cap_mb_list: object, dim: int,
+def _refuse(name: str, given: Mapping[str, object], bucket_cap_mb_list: object, dim: int,
             process_group: object, device_mesh: object, unsupported: dict[str, object]) -> None:
     for arg, value in unsupported.items():
         if value is not None:
