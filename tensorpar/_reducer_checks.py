@@ -18,7 +18,7 @@ from tensorpar import _comm
 from tensorpar._group import Group
 from tensorpar.errors import ReducerError
 
-__all__ = ["check_grads_in_place", "describe_change", "exchange_usage", "local_unused_error",
+__all__ = ["describe_change", "exchange_usage", "grads_in_place_error", "local_unused_error",
            "unused_error"]
 
 
@@ -71,17 +71,19 @@ def describe_change(module: nn.Module, names: Sequence[str], params: Sequence[to
             "built (a parameter was removed or replaced)")
 
 
-def check_grads_in_place(names: Sequence[str], params: Sequence[torch.Tensor],
-                         views: Sequence[torch.Tensor], late: Sequence[str]) -> None:
-    """Raise if a .grad left its bucket view, or a parameter got two gradients in one pass."""
+def grads_in_place_error(names: Sequence[str], params: Sequence[torch.Tensor],
+                         views: Sequence[torch.Tensor], late: Sequence[str]
+                         ) -> ReducerError | None:
+    """The error if a .grad left its bucket view, or a parameter got two gradients in a pass."""
     moved = [names[i] for i, p in enumerate(params)
              if p.grad is not None and p.grad is not views[i]]
     if moved:
-        raise ReducerError(
+        return ReducerError(
             f"BucketedAllReduce: the .grad of {moved} was replaced during backward, after "
             f"its bucket took it; the averaged gradient is in the bucket, not in .grad")
     if late:
-        raise ReducerError(
+        return ReducerError(
             f"BucketedAllReduce: {sorted(set(late))} received a gradient twice in one "
             f"backward pass, so their averaged gradient is wrong; a parameter's "
             f"AccumulateGrad must run once per backward")
+    return None

@@ -21,8 +21,8 @@ from tensorpar._buckets import Bucket
 from tensorpar._comm_hook import CommHook
 from tensorpar._group import Group
 from tensorpar._reducer_checks import (
-    check_grads_in_place,
     exchange_usage,
+    grads_in_place_error,
     local_unused_error,
     unused_error,
 )
@@ -94,10 +94,12 @@ class SyncPoint:
                     bucket.comm = None
                 if post != 1.0:
                     bucket.buffer.div_(post)
-            self._settle(missing, usage)
-            if self._rebuild_pending:
+            error = self._settle(missing, usage)
+            if self._rebuild_pending:  # before raising: a peer may have nothing to raise
                 self._rebuild_pending = False
                 self._rebuild_in_ready_order()
+            if error is not None:
+                raise error
         except CollectiveTimeoutError as exc:  # name the reducer's step, keep the error's kind
             raise type(exc)(f"BucketedAllReduce, end of backward pass (iteration "
                             f"{self.iterations}): {exc}") from exc
@@ -142,13 +144,13 @@ class SyncPoint:
             bucket.future = None
         self.sync_wait_seconds += time.perf_counter() - start
 
-    def _settle(self, missing: list[int], usage: torch.Tensor | None) -> None:
-        """After the all-reduce: unused parameters, then the consistency errors."""
+    def _settle(self, missing: list[int], usage: torch.Tensor | None) -> ReducerError | None:
+        """After the all-reduce: restore unused parameters; return the error to raise, if any."""
         if usage is not None:
             if not self.find_unused_parameters:
                 error = unused_error(self._names, usage)
                 if error is not None:
-                    raise error
+                    return error
             for i in missing:
                 if not bool(usage[:, i].any()):  # no rank used it: as it was before
                     saved = self._saved.get(i)
@@ -159,8 +161,8 @@ class SyncPoint:
         else:
             unused = [self._names[i] for i in missing if not self._used_since_sync[i]]
             if unused:
-                raise local_unused_error(unused, self.group.rank)
-        check_grads_in_place(self._names, self._params, self._views, self._late)
+                return local_unused_error(unused, self.group.rank)
+        return grads_in_place_error(self._names, self._params, self._views, self._late)
 
     def _rebuild_in_ready_order(self) -> None:
         """Rebuild the buckets in rank 0's ready order (every rank then agrees)."""

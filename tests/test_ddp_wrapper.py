@@ -352,3 +352,21 @@ def test_buffer_options_match_ddp(options):
     for state, reference in zip(ours, theirs, strict=True):
         for k in state:
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+def _unused_on_one_rank():
+    rank = dist.get_rank()
+    wrapped = tp.nn.DistributedDataParallel(gated())
+    try:
+        wrapped(data(0, width=5), rank == 0).pow(2).sum().backward()
+        outcome = None
+    except tp.ReducerError as exc:
+        outcome = str(exc)
+    # the first backward also rebuilt the buckets (a broadcast): no rank is left behind
+    return outcome, tp.all_reduce(torch.ones(1)).item()
+
+
+def test_unused_parameter_without_an_exchange_raises_where_it_was_skipped():
+    (mine, total0), (theirs, total1) = run_distributed(_unused_on_one_rank, 2)
+    assert mine is None and total0 == total1 == 2.0
+    assert "on rank 1: ['branch.weight', 'branch.bias']" in theirs, theirs
