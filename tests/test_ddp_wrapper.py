@@ -250,6 +250,19 @@ def test_join_with_uneven_inputs_equals_ddp(world, find_unused):
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
 
 
+def _join_validated():
+    with tp.validation(True):
+        return _join("ours", False)
+
+
+def test_join_in_validation_mode_equals_ddp():
+    ours = run_distributed(_join_validated, 2, timeout=60)
+    theirs = run_distributed(_join, 2, "torch", False, timeout=60)
+    for state, reference in zip(ours, theirs, strict=True):
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
 def test_join_dividing_by_the_ranks_still_training_equals_ddp():
     ours = run_distributed(_join, 3, "ours", False, False, timeout=60)
     theirs = run_distributed(_join, 3, "torch", False, False, timeout=60)
