@@ -72,11 +72,14 @@ def describe_change(module: nn.Module, names: Sequence[str], params: Sequence[to
 
 
 def grads_in_place_error(names: Sequence[str], params: Sequence[torch.Tensor],
-                         views: Sequence[torch.Tensor], late: Sequence[str]
+                         views: Sequence[torch.Tensor] | None, late: Sequence[str]
                          ) -> ReducerError | None:
-    """The error if a .grad left its bucket view, or a parameter got two gradients in a pass."""
-    moved = [names[i] for i, p in enumerate(params)
-             if p.grad is not None and p.grad is not views[i]]
+    """The error if a .grad left its bucket view, or a parameter got two gradients in a pass.
+
+    ``views``: the bucket views each .grad must be (None: gradients are not bucket views).
+    """
+    moved = [] if views is None else [names[i] for i, p in enumerate(params)
+                                       if p.grad is not None and p.grad is not views[i]]
     if moved:
         return ReducerError(
             f"BucketedAllReduce: the .grad of {moved} was replaced during backward, after "

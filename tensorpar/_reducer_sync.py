@@ -57,6 +57,7 @@ class SyncPoint:
     _unsynced: int
     _joining: bool
     _rebuild_pending: bool
+    _as_views: bool
     _launch: Callable[[Bucket], None]
     _launch_ready: Callable[[], None]
     _check: Callable[..., None]
@@ -123,7 +124,7 @@ class SyncPoint:
         """
         p, view = self._params[i], self._views[i]
         grad = p.grad
-        if self.find_unused_parameters and not self._used_since_sync[i]:
+        if self.find_unused_parameters and not self._used_since_sync[i] and self._as_views:
             self._saved[i] = None if grad is None else grad.detach().clone()
         if grad is None:
             view.zero_()
@@ -131,7 +132,8 @@ class SyncPoint:
             torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
         elif pre != 1.0:
             view.div_(pre)
-        p.grad = view  # another rank may have used it
+        if self._as_views:
+            p.grad = view  # another rank may have used it
         self._bucket_of[i].pending -= 1
 
     def _wait_for_hooks(self) -> None:
@@ -146,23 +148,35 @@ class SyncPoint:
 
     def _settle(self, missing: list[int], usage: torch.Tensor | None) -> ReducerError | None:
         """After the all-reduce: restore unused parameters; return the error to raise, if any."""
+        unused: set[int] = set()  # no rank used them: their .grad stays as it was
         if usage is not None:
             if not self.find_unused_parameters:
                 error = unused_error(self._names, usage)
                 if error is not None:
                     return error
-            for i in missing:
-                if not bool(usage[:, i].any()):  # no rank used it: as it was before
-                    saved = self._saved.get(i)
-                    if saved is None:
-                        self._params[i].grad = None
-                    else:
-                        self._views[i].copy_(saved)
+            unused = {i for i in missing if not bool(usage[:, i].any())}
+            for i in unused:
+                saved = self._saved.get(i)
+                if not self._as_views:
+                    continue  # .grad was never touched
+                if saved is None:
+                    self._params[i].grad = None
+                else:
+                    self._views[i].copy_(saved)
         else:
-            unused = [self._names[i] for i in missing if not self._used_since_sync[i]]
-            if unused:
-                return local_unused_error(unused, self.group.rank)
-        return grads_in_place_error(self._names, self._params, self._views, self._late)
+            skipped = [self._names[i] for i in missing if not self._used_since_sync[i]]
+            if skipped:
+                return local_unused_error(skipped, self.group.rank)
+        if not self._as_views:  # the averages go back into each .grad
+            for i, p in enumerate(self._params):
+                if i in unused:
+                    continue
+                if p.grad is None:
+                    p.grad = self._views[i].clone()
+                else:
+                    p.grad.copy_(self._views[i])
+        return grads_in_place_error(self._names, self._params,
+                                    self._views if self._as_views else None, self._late)
 
     def _rebuild_in_ready_order(self) -> None:
         """Rebuild the buckets in rank 0's ready order (every rank then agrees)."""

@@ -90,6 +90,10 @@ class BucketedAllReduce(SyncPoint):
         init_sync: check that the ranks hold the same parameters and broadcast rank 0's
             parameters and buffers (default); ``False``: neither (the ranks must already
             agree).
+        gradient_as_bucket_view: ``.grad`` is a view of its bucket (default: no copy, no
+            second copy of the gradients in memory); ``False``: ``.grad`` stays a tensor of
+            its own, copied into the bucket at the synchronised backward and back after
+            the all-reduce (DDP's default; twice the gradient memory, two more copies).
 
     Raises:
         ReducerError: the ranks' parameters differ (names the first difference and ranks).
@@ -111,7 +115,7 @@ class BucketedAllReduce(SyncPoint):
                  compress_dtype: torch.dtype | None = None,
                  rebuild_buckets: bool = True, algorithm: Algorithm = "flat",
                  topology: Topology | None = None, overlap_groups: int = 1,
-                 init_sync: bool = True) -> None:
+                 init_sync: bool = True, gradient_as_bucket_view: bool = True) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._configure_buckets([p for _, p in named], bucket_cap_mb, first_bucket_mb,
                                 reduce_dtype, compress_dtype)
@@ -123,6 +127,7 @@ class BucketedAllReduce(SyncPoint):
         self._algorithm, self._topology = algorithm, topology
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self._as_views = gradient_as_bucket_view
         self._configure_division(average, gradient_predivide_factor)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -279,7 +284,7 @@ class BucketedAllReduce(SyncPoint):
                 p = self._params[i]
                 self._bucket_of[i] = bucket
                 self._views[i] = bucket.view_of(slot, p.shape)
-                if p.grad is not None:
+                if p.grad is not None and self._as_views:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
         self._reset_iteration()
@@ -352,8 +357,11 @@ class BucketedAllReduce(SyncPoint):
         # Divide for the average while the gradient is copied in (one pass over memory);
         # under no_sync the sum accumulates and is divided by the synchronised backward.
         pre = self._factors()[0] if syncing else 1.0
-        if grad is not view:
-            assert grad is not None  # the hook runs after a gradient was accumulated
+        assert grad is not None  # the hook runs after a gradient was accumulated
+        if not self._as_views:  # .grad keeps its own storage: the bucket gets a copy
+            if syncing:
+                torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
+        elif grad is not view:
             torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
             p.grad = view  # a fresh gradient (e.g. after zero_grad(set_to_none=True))
         elif pre != 1.0:
