@@ -1,4 +1,4 @@
-"""Coalesced broadcasts of module state for the data-parallel reducer.
+"""Coalesced broadcasts of module state, and the small agreements of uneven-input training.
 
 A model's buffers (BatchNorm statistics, rotary tables, causal masks) and, at the end of an
 uneven-input run, its parameters travel from one rank to the others in one broadcast per
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from tensorpar import _comm
+from tensorpar._autograd import torch_op
 from tensorpar._group import Group
 
-__all__ = ["broadcast_coalesced", "common_rank"]
+__all__ = ["broadcast_coalesced", "common_rank", "sum_flags"]
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Group) -> None:
@@ -51,5 +51,12 @@ def common_rank(group: Group, candidate: bool, device: torch.device) -> int:
     """
     mine = torch.tensor([group.rank if candidate else -1], dtype=torch.int64,
                         device=group.comm_device(device))
-    _comm.all_reduce(mine, dist.ReduceOp.MAX, group)
+    _comm.all_reduce(mine, torch_op("max"), group)
     return int(mine.item())
+
+
+def sum_flags(group: Group, flag: bool, device: torch.device) -> int:
+    """How many ranks of ``group`` pass ``flag=True`` (one all-reduce; every rank calls it)."""
+    total = torch.tensor([int(flag)], dtype=torch.int64, device=group.comm_device(device))
+    _comm.all_reduce(total, torch_op("sum"), group)
+    return int(total.item())

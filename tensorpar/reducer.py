@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from tensorpar import _comm
 from tensorpar._algorithm import Algorithm, hierarchical_topology
 from tensorpar._buckets import Bucket, MiB, default_bucket_cap_mb, plan_buckets
 from tensorpar._buffers import broadcast_coalesced
 from tensorpar._comm_hook import CommHook
 from tensorpar._group import GroupLike, resolve_group
 from tensorpar._group_pool import GroupPool
+from tensorpar._reducer_checks import describe_change
+from tensorpar._reducer_sync import SyncPoint
 from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
-from tensorpar._unused import exchange_usage, local_unused_error, unused_error
-from tensorpar.collaborative import CollaborativeTensor, sync_collectives
-from tensorpar.errors import CollectiveMismatchError, CollectiveTimeoutError, ReducerError
+from tensorpar.errors import CollectiveMismatchError, ReducerError
 from tensorpar.functional import all_reduce
 from tensorpar.topology import Topology
 from tensorpar.validation import check
@@ -33,7 +30,7 @@ __all__ = ["BucketedAllReduce"]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class BucketedAllReduce:
+class BucketedAllReduce(SyncPoint):
     """Average gradients across a data-parallel group, bucket by bucket, during backward.
 
     Gradients live as views in flat per-(dtype, device) buckets. A bucket is all-reduced in
@@ -44,6 +41,19 @@ class BucketedAllReduce:
 
     After the first iteration the buckets are rebuilt in the order the gradients became
     ready (rank 0's order), keeping the gradient values.
+
+    Used alone (without `tensorpar.nn.DistributedDataParallel`), the reducer sees the
+    model's forward through a forward pre-hook on ``module``, and follows DDP's rules
+    there: a forward under ``torch.no_grad()`` does nothing at all (no collective, not
+    counted by validation mode), so evaluating on one rank is safe; a training forward
+    broadcasts the buffers from rank 0 in one collective, when DDP would (if
+    ``broadcast_buffers`` and the previous training forward was synchronised, i.e. not
+    under `no_sync`: once per step under accumulation). A training forward on one rank
+    alone would still broadcast; the wrapper has ``.module`` for that.
+
+    Nothing is exchanged besides the buckets (no per-iteration host synchronisation)
+    unless ``find_unused_parameters`` is on or validation mode is: then which rank used
+    which parameter is all-gathered at the end of the backward pass.
 
     Args:
         module: the model; every rank must hold the same parameters (checked here).
@@ -56,9 +66,13 @@ class BucketedAllReduce:
         first_bucket_mb: the same for the first bucket launched, which is smaller so that
             communication starts early (``min`` with ``bucket_cap_mb``).
         find_unused_parameters: allow parameters that get no gradient on some or all ranks
-            in an iteration. They contribute zeros; a parameter no rank used keeps
-            ``.grad = None``. Off: such a parameter raises `ReducerError` naming it.
-        broadcast_buffers: broadcast the module's buffers from rank 0 before every forward.
+            in an iteration. As in DDP, such a parameter contributes what its ``.grad``
+            holds (zeros without one; the earlier steps' sum when gradients accumulate
+            without ``zero_grad``), and one no rank used keeps its ``.grad`` as it was
+            (``None`` after ``zero_grad()``). Off: such a parameter raises `ReducerError`
+            naming it, on the ranks that skipped it (on every rank in validation mode).
+        broadcast_buffers: broadcast the module's buffers from rank 0 at training forwards
+            (DDP's ``forward_sync_buffers``; see above).
         average: divide by the group size (default) or return the sum.
         gradient_predivide_factor: divide by this before the all-reduce and by
             ``group_size / factor`` after. Default: the group size (all division before the
@@ -73,6 +87,13 @@ class BucketedAllReduce:
             buckets take in turn, so that more buckets are on the wire at once (gloo runs at
             most two collectives of one group at a time). 1 (default): ``group`` alone. The
             flat algorithm only; a comm hook reduces on its own group.
+        init_sync: check that the ranks hold the same parameters and broadcast rank 0's
+            parameters and buffers (default); ``False``: neither (the ranks must already
+            agree).
+        gradient_as_bucket_view: ``.grad`` is a view of its bucket (default: no copy, no
+            second copy of the gradients in memory); ``False``: ``.grad`` stays a tensor of
+            its own, copied into the bucket at the synchronised backward and back after
+            the all-reduce (DDP's default; twice the gradient memory, two more copies).
 
     Raises:
         ReducerError: the ranks' parameters differ (names the first difference and ranks).
@@ -94,7 +115,7 @@ class BucketedAllReduce:
                  compress_dtype: torch.dtype | None = None,
                  rebuild_buckets: bool = True, algorithm: Algorithm = "flat",
                  topology: Topology | None = None, overlap_groups: int = 1,
-                 init_sync: bool = True) -> None:
+                 init_sync: bool = True, gradient_as_bucket_view: bool = True) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._configure_buckets([p for _, p in named], bucket_cap_mb, first_bucket_mb,
                                 reduce_dtype, compress_dtype)
@@ -106,6 +127,7 @@ class BucketedAllReduce:
         self._algorithm, self._topology = algorithm, topology
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self._as_views = gradient_as_bucket_view
         self._configure_division(average, gradient_predivide_factor)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -262,7 +284,7 @@ class BucketedAllReduce:
                 p = self._params[i]
                 self._bucket_of[i] = bucket
                 self._views[i] = bucket.view_of(slot, p.shape)
-                if p.grad is not None:
+                if p.grad is not None and self._as_views:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
         self._reset_iteration()
@@ -295,7 +317,7 @@ class BucketedAllReduce:
     def _begin_forward(self) -> None:
         """Bookkeeping at a training forward (grad enabled); issues no collective."""
         if self._snapshot() != self._registered:
-            raise ReducerError(self._describe_change())
+            raise ReducerError(describe_change(self.module, self._names, self._params))
         if self._task is not None and torch._C._current_graph_task_id() == -1:
             # the last backward pass never reached its end on this rank (it raised, or a
             # check in it did): drain what it launched and start this iteration clean
@@ -335,29 +357,17 @@ class BucketedAllReduce:
             self._unsynced = 0
             raise
 
-    def _describe_change(self) -> str:
-        known = {id(p): n for n, p in zip(self._names, self._params, strict=True)}
-        for name, p in self.module.named_parameters():
-            if id(p) not in known and p.requires_grad:
-                return (f"BucketedAllReduce: parameter {name!r} was added (or made trainable) "
-                        f"after the reducer was built; its gradient would never be averaged. "
-                        f"Build the reducer after the model is final.")
-        for i, p in enumerate(self._params):
-            if not p.requires_grad:
-                return (f"BucketedAllReduce: parameter {self._names[i]!r} had requires_grad="
-                        f"True when the reducer was built and is now False. Build the reducer "
-                        f"after freezing parameters.")
-        return ("BucketedAllReduce: the module's parameters changed after the reducer was "
-                "built (a parameter was removed or replaced)")
-
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
         view, grad = self._views[i], p.grad
         syncing = self._sync_enabled and self._sync_armed
         # Divide for the average while the gradient is copied in (one pass over memory);
         # under no_sync the sum accumulates and is divided by the synchronised backward.
         pre = self._factors()[0] if syncing else 1.0
-        if grad is not view:
-            assert grad is not None  # the hook runs after a gradient was accumulated
+        assert grad is not None  # the hook runs after a gradient was accumulated
+        if not self._as_views:  # .grad keeps its own storage: the bucket gets a copy
+            if syncing:
+                torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
+        elif grad is not view:
             torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
             p.grad = view  # a fresh gradient (e.g. after zero_grad(set_to_none=True))
         elif pre != 1.0:
@@ -420,178 +430,9 @@ class BucketedAllReduce:
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()
 
-    # -- end of backward ------------------------------------------------------------------
-    def _factors(self) -> tuple[float, float]:
-        """(divide before, divide after) the all-reduce, for this iteration."""
-        return (self._pre, self._post) if self._divisor is None else (self._divisor, 1.0)
-
-    def _finish_backward(self) -> None:
-        """Runs once at the end of every synchronised backward pass, on every rank."""
-        pre, post = self._factors()
-        try:
-            missing = [i for i, ready in enumerate(self._ready) if not ready]
-            for i in missing:
-                self._fill_missing(i, pre)
-            self._launch_ready()
-            if self._hook is not None:  # before any collective of this thread: a hook's
-                self._wait_for_hooks()   # callbacks may issue collectives of their own
-            checking = VALIDATE[0] and not self._joining
-            if checking:
-                self._check("BucketedAllReduce end of backward")
-            usage = None  # exchanged only where needed: no extra collective or host sync
-            if self.find_unused_parameters or checking:
-                usage = exchange_usage(self._used_since_sync, self.group,
-                                       self.buckets[0].buffer.device)
-            start = time.perf_counter()
-            if self._hook is None:
-                sync_collectives(_handles(self.buckets))
-            self.sync_wait_seconds += time.perf_counter() - start
-            for bucket in self.buckets:
-                if bucket.comm is not None:
-                    bucket.buffer.copy_(bucket.comm)
-                    bucket.comm = None
-                if post != 1.0:
-                    bucket.buffer.div_(post)
-            self._settle(missing, usage)
-            if self._rebuild_pending:
-                self._rebuild_pending = False
-                self._rebuild_in_ready_order()
-        except CollectiveTimeoutError as exc:  # name the reducer's step, keep the error's kind
-            raise type(exc)(f"BucketedAllReduce, end of backward pass (iteration "
-                            f"{self.iterations}): {exc}") from exc
-        except CollectiveMismatchError:  # every rank raised here: this pass does not count
-            self.iterations -= 1
-            raise
-        finally:
-            self._used_since_sync = [False] * len(self._params)
-            self._saved.clear()
-            self._divisor = None
-            self._unsynced = 0
-            self.iterations += 1
-            self._reset_iteration()
-
-    def _fill_missing(self, i: int, pre: float) -> None:
-        """A parameter this backward pass did not reach contributes what its .grad holds.
-
-        That is zeros (no .grad), or what earlier steps accumulated (no ``zero_grad``, or
-        micro-batches under no_sync), divided like a fresh gradient, as DDP does. Without a
-        rank that used it, the earlier value is put back after the all-reduce.
-        """
-        p, view = self._params[i], self._views[i]
-        grad = p.grad
-        if self.find_unused_parameters and not self._used_since_sync[i]:
-            self._saved[i] = None if grad is None else grad.detach().clone()
-        if grad is None:
-            view.zero_()
-        elif grad is not view:
-            torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
-        elif pre != 1.0:
-            view.div_(pre)
-        p.grad = view  # another rank may have used it
-        self._bucket_of[i].pending -= 1
-
-    def _wait_for_hooks(self) -> None:
-        start = time.perf_counter()
-        for bucket in self.buckets:
-            assert bucket.future is not None  # every bucket was launched
-            reduced = bucket.future.wait()
-            if reduced.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(reduced.view_as(bucket.buffer))
-            bucket.future = None
-        self.sync_wait_seconds += time.perf_counter() - start
-
-    def _settle(self, missing: list[int], usage: torch.Tensor | None) -> None:
-        """After the all-reduce: unused parameters, then the consistency errors."""
-        if usage is not None:
-            if not self.find_unused_parameters:
-                error = unused_error(self._names, usage)
-                if error is not None:
-                    raise error
-            for i in missing:
-                if not bool(usage[:, i].any()):  # no rank used it: as it was before
-                    saved = self._saved.get(i)
-                    if saved is None:
-                        self._params[i].grad = None
-                    else:
-                        self._views[i].copy_(saved)
-        else:
-            unused = [self._names[i] for i in missing if not self._used_since_sync[i]]
-            if unused:
-                raise local_unused_error(unused, self.group.rank)
-        moved = [self._names[i] for i, p in enumerate(self._params)
-                 if p.grad is not None and p.grad is not self._views[i]]
-        if moved:
-            raise ReducerError(
-                f"BucketedAllReduce: the .grad of {moved} was replaced during backward, after "
-                f"its bucket took it; the averaged gradient is in the bucket, not in .grad")
-        if self._late:
-            raise ReducerError(
-                f"BucketedAllReduce: {sorted(set(self._late))} received a gradient twice in one "
-                f"backward pass, so their averaged gradient is wrong; a parameter's "
-                f"AccumulateGrad must run once per backward")
-
-    def _rebuild_in_ready_order(self) -> None:
-        """Rebuild the buckets in rank 0's ready order (every rank then agrees)."""
-        seen = set(self._ready_order)
-        order = self._ready_order + [i for i in range(len(self._params)) if i not in seen]
-        device = self.group.comm_device(self.buckets[0].buffer.device)
-        shared = torch.tensor(order, dtype=torch.int64, device=device)
-        _comm.broadcast(shared, 0, self.group)
-        self._build(shared.cpu().tolist())
-
-    # -- uneven inputs (tensorpar.nn.DistributedDataParallel.join) -------------------------
-    def _shadow_backward(self) -> None:
-        """Issue a synchronised backward pass's collectives with zeros (a rank out of inputs).
-
-        The same collectives, in the same order, as `_finish_backward` on the ranks that
-        still train under ``Join``: every bucket's all-reduce (or comm hook), the usage
-        exchange, the one-time rebuild. This rank's own gradients are left alone.
-        """
-        handles = []
-        for bucket in self.buckets:
-            zeros = dataclasses.replace(bucket, buffer=torch.zeros_like(bucket.buffer),
-                                        handle=None, future=None, comm=None)
-            self._launch(zeros)
-            if zeros.future is not None:  # one hook at a time, as in a backward pass
-                zeros.future.wait()
-            if zeros.handle is not None:
-                handles.append(zeros.handle)
-        if self.find_unused_parameters:
-            exchange_usage([False] * len(self._params), self.group,
-                           self.buckets[0].buffer.device)
-        sync_collectives(handles)
-        if self._rebuild_pending:
-            self._rebuild_pending = False
-            self._reset_iteration()
-            self._rebuild_in_ready_order()
-
-    def _sync_state_from(self, src: int, buffers: bool) -> None:
-        """Broadcast the parameters (and buffers) from group rank ``src``: one collective."""
-        tensors = [*self.module.parameters(), *(self.module.buffers() if buffers else ())]
-        broadcast_coalesced(tensors, src, self.group)
-
-    def _abandon(self) -> None:
-        """Drain the collectives an unfinished iteration launched, then start clean."""
-        with contextlib.suppress(Exception):
-            if self._hook is None:
-                sync_collectives(_handles(b for b in self.buckets if b.launched))
-            for bucket in self.buckets:
-                if bucket.future is not None:
-                    bucket.future.wait()
-        self._reset_iteration()
-
     def __repr__(self) -> str:
         return (f"BucketedAllReduce({len(self._params)} parameters in {len(self.buckets)} "
                 f"buckets, group size {self.group.size})")
-
-
-def _handles(buckets: Iterable[Bucket]) -> list[CollaborativeTensor]:
-    """The handles of launched buckets (every bucket at the end of a backward pass)."""
-    handles = [b.handle for b in buckets]
-    if any(h is None for h in handles):
-        raise ReducerError("BucketedAllReduce: a bucket was never launched in this backward "
-                           "pass; this is a bug in the reducer, please report it")
-    return [h for h in handles if h is not None]
 
 
 def _grad_hook(reducer: weakref.ref[BucketedAllReduce], i: int) -> Any:

@@ -173,12 +173,12 @@ def test_buffers_broadcast_once_per_step_coalesced_and_equal_to_ddp():
 
 # -- accumulation across synchronised steps with unused parameters ---------------------------
 
-def _accumulate_unused(kind, who):
+def _accumulate_unused(kind, who, views=True):
     rank, world = dist.get_rank(), dist.get_world_size()
     ours_model = gated()
     theirs_model = copy.deepcopy(ours_model)
-    ours = wrap(kind, ours_model, find_unused_parameters=True)
-    theirs = TorchDDP(theirs_model, find_unused_parameters=True)
+    ours = wrap(kind, ours_model, find_unused_parameters=True, gradient_as_bucket_view=views)
+    theirs = TorchDDP(theirs_model, find_unused_parameters=True, gradient_as_bucket_view=views)
     for wrapped in (ours, theirs):
         wrapped(data(0, width=5)).pow(2).sum().backward()  # step 1: every rank uses branch
         use = {"none": False, "some": rank == world - 1}[who]
@@ -188,11 +188,12 @@ def _accumulate_unused(kind, who):
                                                   theirs_model.parameters(), strict=True)]
 
 
+@pytest.mark.parametrize("views", [True, False], ids=["views", "copies"])
 @pytest.mark.parametrize("kind", ["ours", "reducer"])
 @pytest.mark.parametrize("who", ["none", "some"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_accumulation_with_unused_parameters_equals_ddp(kind, who, world):
-    for rows in run_distributed(_accumulate_unused, world, kind, who):
+def test_accumulation_with_unused_parameters_equals_ddp(kind, who, world, views):
+    for rows in run_distributed(_accumulate_unused, world, kind, who, views):
         for name, diff, theirs_none in rows:
             assert not theirs_none, name
             assert diff is not None and diff <= 1e-12, (name, diff)
@@ -227,12 +228,12 @@ def test_require_backward_grad_sync_false_skips_the_sync_like_ddp():
 
 # -- join() with uneven inputs ---------------------------------------------------------------
 
-def _join(kind, find_unused):
+def _join(kind, find_unused, divide_by_initial=True):
     rank = dist.get_rank()
     model = with_buffers()
     wrapped = wrap(kind, model, find_unused_parameters=find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with wrapped.join():
+    with wrapped.join(divide_by_initial_world_size=divide_by_initial):
         for step in range(2 + 2 * rank):  # rank r has 2 + 2r batches
             wrapped(data(step)).pow(2).mean().backward()
             opt.step()
@@ -245,6 +246,27 @@ def _join(kind, find_unused):
 def test_join_with_uneven_inputs_equals_ddp(world, find_unused):
     ours = run_distributed(_join, world, "ours", find_unused, timeout=60)
     theirs = run_distributed(_join, world, "torch", find_unused, timeout=60)
+    for state, reference in zip(ours, theirs, strict=True):
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+def _join_validated():
+    with tp.validation(True):
+        return _join("ours", False)
+
+
+def test_join_in_validation_mode_equals_ddp():
+    ours = run_distributed(_join_validated, 2, timeout=60)
+    theirs = run_distributed(_join, 2, "torch", False, timeout=60)
+    for state, reference in zip(ours, theirs, strict=True):
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+def test_join_dividing_by_the_ranks_still_training_equals_ddp():
+    ours = run_distributed(_join, 3, "ours", False, False, timeout=60)
+    theirs = run_distributed(_join, 3, "torch", False, False, timeout=60)
     for state, reference in zip(ours, theirs, strict=True):
         for k in state:
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
@@ -284,7 +306,7 @@ def _refused(name, value):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("static_graph", True), ("gradient_as_bucket_view", False), ("check_reduction", True),
+    ("static_graph", True), ("check_reduction", True),
     ("skip_all_reduce_unused_params", True), ("bucket_cap_mb_list", [1, 25]),
     ("batched_grad_copy", True), ("device_ids", [0]), ("output_device", 0)])
 def test_unhonoured_arguments_are_refused_naming_them(name, value):
@@ -344,3 +366,51 @@ def test_buffer_options_match_ddp(options):
     for state, reference in zip(ours, theirs, strict=True):
         for k in state:
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+
+
+def _unused_on_one_rank():
+    rank = dist.get_rank()
+    wrapped = tp.nn.DistributedDataParallel(gated())
+    try:
+        wrapped(data(0, width=5), rank == 0).pow(2).sum().backward()
+        outcome = None
+    except tp.ReducerError as exc:
+        outcome = str(exc)
+    # the first backward also rebuilt the buckets (a broadcast): no rank is left behind
+    return outcome, tp.all_reduce(torch.ones(1)).item()
+
+
+def test_unused_parameter_without_an_exchange_raises_where_it_was_skipped():
+    (mine, total0), (theirs, total1) = run_distributed(_unused_on_one_rank, 2)
+    assert mine is None and total0 == total1 == 2.0
+    assert "on rank 1: ['branch.weight', 'branch.bias']" in theirs, theirs
+
+
+def _grads_as_copies(kind):
+    model = with_buffers()
+    wrapped = wrap(kind, model, gradient_as_bucket_view=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        with wrapped.no_sync():
+            wrapped(data(10 * step)).pow(2).sum().backward()
+        wrapped(data(10 * step + 1)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=step != 1)
+    wrapped(data(99)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    buffers = set()
+    if kind == "ours":
+        buffers = {b.buffer.untyped_storage().data_ptr() for b in wrapped.reducer.buckets}
+    views = [p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()]
+    return {k: v.clone() for k, v in model.state_dict().items()}, grads, views
+
+
+def test_gradient_as_bucket_view_false_equals_ddp():
+    ours = run_distributed(_grads_as_copies, 2, "ours")
+    theirs = run_distributed(_grads_as_copies, 2, "torch")
+    for (state, grads, views), (reference, reference_grads, _) in zip(ours, theirs, strict=True):
+        assert not any(views)  # every .grad has storage of its own, as DDP's default
+        for k in state:
+            assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
+        for a, b in zip(grads, reference_grads, strict=True):
+            assert (a - b).abs().max() <= 1e-12

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from tensorpar import _comm
-from tensorpar._buffers import common_rank
+from tensorpar._buffers import broadcast_coalesced, common_rank, sum_flags
 
 if TYPE_CHECKING:
     from tensorpar.nn.data_parallel import DistributedDataParallel
@@ -63,9 +60,7 @@ class DDPJoinHook(JoinHook):
         device = ddp.join_device
         if reducer._will_sync_buffers():
             reducer._sync_buffers(common_rank(reducer.group, False, device))
-        flag = torch.zeros(1, device=device)
-        _comm.all_reduce(flag, dist.ReduceOp.SUM, reducer.group)
-        synchronised = bool(flag.item())
+        synchronised = sum_flags(reducer.group, False, device) > 0
         reducer._forward_sync = synchronised
         if synchronised:
             reducer._shadow_backward()
@@ -74,4 +69,6 @@ class DDPJoinHook(JoinHook):
         """Every rank takes the model of the last rank to join."""
         reducer = self.ddp.reducer
         src = common_rank(reducer.group, is_last_joiner, self.ddp.join_device)
-        reducer._sync_state_from(src, buffers=reducer.broadcast_buffers)
+        module = self.ddp.module
+        state = [*module.parameters(), *(module.buffers() if reducer.broadcast_buffers else ())]
+        broadcast_coalesced(state, src, reducer.group)

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_map
 
-from tensorpar import _comm
 from tensorpar._algorithm import Algorithm
-from tensorpar._buffers import common_rank
+from tensorpar._buffers import common_rank, sum_flags
 from tensorpar._group import GroupLike
 from tensorpar.errors import ReducerError
 from tensorpar.nn._join import DDPJoinHook
@@ -27,8 +25,6 @@ __all__ = ["DistributedDataParallel"]
 _REFUSED = (
     ("static_graph", True, "the reducer makes no use of a static graph; for parameters some "
      "steps skip pass find_unused_parameters=True, and checkpoint with use_reentrant=False"),
-    ("gradient_as_bucket_view", False, "gradients are always views of the flat buckets here "
-     "(DDP's gradient_as_bucket_view=True); leave it out"),
     ("check_reduction", True, "torch deprecates it and ignores it; here an unfinished "
      "reduction is always detected at the next forward"),
     ("skip_all_reduce_unused_params", True, "unused parameters always take part in their "
@@ -68,8 +64,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     - ``device_ids`` / ``output_device``: a GPU module on one device only, and that device;
       inputs are moved to it as DDP does. On a CPU or multi-device module both must be
       ``None`` (DDP's rule). ``dim``: only 0.
-    - ``gradient_as_bucket_view``: honoured as ``True`` only, the default here (DDP's
-      default is ``False``): gradients are always bucket views; ``False`` is refused.
+    - ``gradient_as_bucket_view``: honoured; the default here is ``True`` (gradients are
+      views of the buckets: no copies, half the memory), where DDP's is ``False``.
     - Refused with a ``ValueError`` naming them: ``static_graph=True``,
       ``check_reduction=True``, ``skip_all_reduce_unused_params=True``,
       ``bucket_cap_mb_list``, ``batched_grad_copy=True``; and with a ``TypeError``:
@@ -116,7 +112,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         nn.Module.__init__(self)
         Joinable.__init__(self)
         name = type(self).__name__
-        given = {"static_graph": static_graph, "gradient_as_bucket_view": gradient_as_bucket_view,
+        given = {"static_graph": static_graph,
                  "check_reduction": check_reduction, "batched_grad_copy": batched_grad_copy,
                  "skip_all_reduce_unused_params": skip_all_reduce_unused_params}
         _refuse(name, given, bucket_cap_mb_list, dim, process_group, device_mesh,
@@ -138,7 +134,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 gradient_predivide_factor=gradient_predivide_factor,
                 reduce_dtype=reduce_dtype, compress_dtype=compress_dtype,
                 rebuild_buckets=rebuild_buckets, algorithm=algorithm, topology=topology,
-                overlap_groups=overlap_groups, init_sync=init_sync)
+                overlap_groups=overlap_groups, init_sync=init_sync,
+                gradient_as_bucket_view=gradient_as_bucket_view)
         except (ValueError, TypeError, ReducerError) as exc:  # name the class the user called
             raise type(exc)(str(exc).replace("BucketedAllReduce", name, 1)) from exc
         if kept is not None:  # broadcast_buffers=False: the buffers stay this rank's own
@@ -178,8 +175,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             src = common_rank(reducer.group, True, self.join_device) if joining else 0
             reducer._sync_buffers(src)
         if joining:  # tell the ranks that ran out whether this backward synchronises
-            flag = torch.full((1,), float(sync), device=self.join_device)
-            _comm.all_reduce(flag, dist.ReduceOp.SUM, reducer.group)
+            sum_flags(reducer.group, sync, self.join_device)
         out = self.module(*args, **kwargs)
         reducer._forward_sync = sync and reducer._sync_enabled
         return out
@@ -251,7 +247,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.group.handle
 
 
-def _refuse(name: str, given: dict[str, object], bucket_cap_mb_list: object, dim: int,
+def _refuse(name: str, given: Mapping[str, object], bucket_cap_mb_list: object, dim: int,
             process_group: object, device_mesh: object, unsupported: dict[str, object]) -> None:
     for arg, value in unsupported.items():
         if value is not None:
