@@ -6,11 +6,13 @@ shards of every rank would be taken for replicas of one tensor and one rank's ke
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 import torch
 from torch import nn
+
+from tensorpar.nn._params import TAG, ParamTag
 
 __all__ = ["LocalShard", "mark_shards"]
 
@@ -42,6 +44,12 @@ def _refusal(fqn: str, verb: str) -> ValueError:
 def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
     """Make ``layer.state_dict()`` return its sharded parameters as `LocalShard` views."""
     dims = tuple(leaves)
+    shard = getattr(layer, "shard", None)
+    if isinstance(leaves, Mapping) and shard is not None:  # for lists of parameters (clipping)
+        for leaf, dim in leaves.items():
+            p = layer._parameters.get(leaf)
+            if p is not None:
+                setattr(p, TAG, ParamTag(None, shard, dim, shard.group))
 
     def hook(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         for leaf in dims:
