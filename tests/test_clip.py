@@ -57,7 +57,7 @@ def _loss(model, ids, head):
     target = ids.roll(-1, 1)
     local = model(ids).logits
     return vocab_parallel_cross_entropy(local.flatten(0, 1), target.flatten(),
-                                        sizes=head.shard.sizes)
+                                        sizes=head.shard.sizes, group=head.shard.group)
 
 
 def _dense_step(dense, ids):

@@ -44,6 +44,9 @@ def _refusal(fqn: str, verb: str) -> ValueError:
 def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
     """Make ``layer.state_dict()`` return its sharded parameters as `LocalShard` views."""
     dims = tuple(leaves)
+    from tensorpar.nn.replica_check import install
+
+    install()  # optimizer.state_dict() then refuses DCP for the shards' state
     shard = getattr(layer, "shard", None)
     if isinstance(leaves, Mapping) and shard is not None:  # for lists of parameters (clipping)
         for leaf, dim in leaves.items():

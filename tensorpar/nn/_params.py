@@ -81,7 +81,13 @@ def parameter_infos(model: nn.Module) -> list[ParamInfo]:
 
 
 def tag_model(model: nn.Module, group: Group) -> None:
-    """Tag every parameter of ``model`` with its name, shard and ``group`` (`ParamTag`)."""
+    """Tag every parameter of ``model`` with its name, shard and ``group`` (`ParamTag`).
+
+    Also installs the optimizer step hook that checks the replicas (validation mode).
+    """
+    from tensorpar.nn.replica_check import install
+
+    install()
     for info in parameter_infos(model):
         group_of = info.shard.group if info.shard is not None else group
         setattr(info.param, TAG, ParamTag(info.name, info.shard, info.dim, group_of))

@@ -12,6 +12,7 @@ from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_same_weights
 from tensorpar.functional import broadcast
 from tensorpar.nn._column_fn import SharedInput
+from tensorpar.nn._params import tag_model
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -124,6 +125,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         for other in names[1:]:
             owner, _, leaf = other.rpartition(".")
             setattr(model.get_submodule(owner), leaf, shared)
+    tag_model(model, resolve_group(group, "parallelize"))  # for clipping and replica checks
     return model
 
 
