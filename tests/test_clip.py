@@ -112,6 +112,7 @@ def _assert_same_across_ranks(results):
             assert torch.equal(value, replicas0[name]), f"{name} differs across ranks"
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 def test_clip_equals_dense_torch_clip(world):
     results = run_distributed(_tp_runs, world, NORM_TYPES[world], False, timeout=300)
@@ -119,6 +120,7 @@ def test_clip_equals_dense_torch_clip(world):
         _assert_same_across_ranks([per_rank[k] for per_rank in results])
 
 
+@pytest.mark.timeout(600)
 def test_clip_takes_a_list_of_parameters():
     _assert_same_across_ranks(run_distributed(_tp_run, 3, 2.0, True, timeout=120))
 
@@ -161,6 +163,7 @@ def _ddp_tp_run():
     return norms, _replicas(inner)
 
 
+@pytest.mark.timeout(600)
 def test_clip_with_ddp_over_tp_on_a_2x2_mesh():
     _assert_same_across_ranks(run_distributed(_ddp_tp_run, 4, timeout=180))
 
@@ -196,6 +199,7 @@ def _fsdp_tp_run():
     return norms, _replicas(model, lambda p: p.to_local().detach())
 
 
+@pytest.mark.timeout(600)
 def test_clip_with_fsdp2_over_tp_on_a_2x2_mesh():
     results = run_distributed(_fsdp_tp_run, 4, timeout=180)
     # replicas are compared between the two tensor-parallel ranks of each FSDP shard

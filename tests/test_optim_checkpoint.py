@@ -68,6 +68,7 @@ def _resume(path, kind, steps, total, parallel):
     return True
 
 
+@pytest.mark.timeout(600)
 def test_adamw_saved_at_tp2_resumes_at_tp3_and_dense_like_five_dense_steps(tmp_path):
     path = str(tmp_path / "ckpt")
     run_distributed(_save, 2, path, "adamw", 2, timeout=120)
@@ -75,6 +76,7 @@ def test_adamw_saved_at_tp2_resumes_at_tp3_and_dense_like_five_dense_steps(tmp_p
     assert all(run_distributed(_resume, 1, path, "adamw", 2, 5, False, timeout=120))
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad", "rmsprop"])
 def test_other_optimizers_resume_at_another_tp_size(tmp_path, kind):
     path = str(tmp_path / kind)

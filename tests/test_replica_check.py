@@ -31,6 +31,7 @@ def _train(clip, steps):
     return done, None
 
 
+@pytest.mark.timeout(600)
 def test_torch_clip_on_a_tp_model_raises_on_every_rank_at_the_first_step():
     for done, message in run_distributed(_train, 2, torch.nn.utils.clip_grad_norm_, 1,
                                          timeout=120):
@@ -40,6 +41,7 @@ def test_torch_clip_on_a_tp_model_raises_on_every_rank_at_the_first_step():
         assert "tensorpar.nn.clip_grad_norm_" in message
 
 
+@pytest.mark.timeout(600)
 def test_tensorpar_clip_stays_silent_over_twenty_steps():
     for done, message in run_distributed(_train, 2, tp.nn.clip_grad_norm_, 20, timeout=300):
         assert (done, message) == (20, None)

@@ -35,10 +35,20 @@ class LocalShard(torch.Tensor):
 
 def _refusal(fqn: str, verb: str) -> ValueError:
     return ValueError(
-        f"torch.distributed.checkpoint cannot {verb} {fqn!r} from model.state_dict(): it is "
+        f"torch.distributed.checkpoint cannot {verb} {fqn!r} from a state_dict(): it is "
         f"this rank's shard of a tensor-parallel parameter, and DCP would take every rank's "
         f"shard for the same tensor. Use tensorpar.sharded_state_dict(model), which gives each "
-        f"shard its global offset (and tensorpar.load_sharded_state_dict after loading)")
+        f"shard its global offset (and tensorpar.load_sharded_state_dict after loading); for "
+        f"an optimizer's state, tensorpar.sharded_optimizer_state_dict(model, optimizer)")
+
+
+def _fsdp_refusal(key: str) -> str:
+    return (f"state_dict: {key!r} is this rank's tensor-parallel shard, sliced again by "
+            f"fully_shard: as a DTensor it would claim to be the whole tensor and every "
+            f"tensor-parallel rank's shard would be saved under the same offsets. Use "
+            f"tensorpar.sharded_state_dict(model) (torch.distributed.checkpoint) or "
+            f"tensorpar.full_state_dict(model) (the dense tensors); "
+            f"model.state_dict(keep_vars=True) still gives the parameters")
 
 
 def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
@@ -58,8 +68,11 @@ def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
         for leaf in dims:
             key = prefix + leaf
             value = state.get(key)
-            if isinstance(value, torch.Tensor) and not isinstance(value, LocalShard) \
-                    and not isinstance(value, nn.Parameter):
+            if isinstance(value, nn.Parameter):  # keep_vars=True: the parameters themselves
+                continue
+            if hasattr(value, "device_mesh"):  # fully_shard made the shard a DTensor
+                raise ValueError(_fsdp_refusal(key))
+            if isinstance(value, torch.Tensor) and not isinstance(value, LocalShard):
                 state[key] = value.as_subclass(LocalShard)
 
     register = getattr(layer, "register_state_dict_post_hook", None) \

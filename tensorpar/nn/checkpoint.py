@@ -18,8 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorpar._group import Group
 from tensorpar.nn._params import sharded_layers
 from tensorpar.nn._shard import Piece
+from tensorpar.nn.linear import gather_shards
+from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ShardAtOffset", "load_sharded_state_dict", "sharded_state_dict"]
 
@@ -83,6 +86,32 @@ def load_sharded_state_dict(model: nn.Module, state: Mapping[str, Any]) -> None:
     with torch.no_grad():
         for key, tensor in own.items():
             copy_into(tensor, state[key])
+
+
+def fsdp_full_state_dict(model: nn.Module, dst: int, group: Group
+                         ) -> dict[str, torch.Tensor | TensorPlaceholder]:
+    """`tensorpar.full_state_dict` of a model with ``fully_shard`` beside tensor parallelism.
+
+    Every ``DTensor`` is all-gathered over its mesh first (the tensor-parallel shard or the
+    replica), then the shards are gathered over their group on ``dst``, in state-dict order
+    on every rank.
+    """
+    layers = sharded_layers(model)
+    out: dict[str, torch.Tensor | TensorPlaceholder] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        owner, _, leaf = key.rpartition(".")
+        layer = layers.get(owner)
+        dim = layer.sharded_dims.get(leaf) if layer is not None else None
+        local = value.detach()
+        full_tensor = getattr(local, "full_tensor", None)
+        if callable(full_tensor):
+            local = full_tensor()
+        if layer is not None and dim is not None and not layer.shard.group.is_single:
+            out[key] = gather_shards(local, layer.shard, dim, dst)
+        else:
+            out[key] = local.clone() if group.rank == dst else \
+                TensorPlaceholder.like(local, owner=dst, group=group.handle)
+    return out
 
 
 def copy_into(tensor: torch.Tensor, value: Any) -> None:
