@@ -59,7 +59,7 @@ class ParamInfo:
         return self.shard is not None and not self.shard.group.is_single
 
 
-def sharded_layers(model: nn.Module) -> dict[str, nn.Module]:
+def sharded_layers(model: nn.Module) -> dict[str, Any]:
     """Every submodule that holds shards: a ``shard`` and a ``sharded_dims`` dict."""
     return {n: m for n, m in model.named_modules()
             if isinstance(getattr(m, "sharded_dims", None), dict) and hasattr(m, "shard")}

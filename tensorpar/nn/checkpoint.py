@@ -60,7 +60,8 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
         owner, _, leaf = key.rpartition(".")
         layer = layers.get(owner)
         dim = layer.sharded_dims.get(leaf) if layer is not None else None
-        state[key] = dcp_value(value.detach(), layer.shard if dim is not None else None, dim)
+        shard = layer.shard if layer is not None and dim is not None else None
+        state[key] = dcp_value(value.detach(), shard, dim)
     return state
 
 
@@ -126,7 +127,8 @@ def local_of(value: Any) -> torch.Tensor:
     if isinstance(value, ShardAtOffset):
         return value.local
     to_local = getattr(value, "to_local", None)
-    return to_local() if callable(to_local) else value
+    out: torch.Tensor = to_local() if callable(to_local) else value
+    return out
 
 
 def dcp_value(value: torch.Tensor, shard: Any, dim: int | None) -> Any:

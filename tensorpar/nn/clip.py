@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -77,7 +77,8 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
     if not present:
         return torch.tensor(0.0)
     first = present[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in present]), p)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(first) for n in present]),
+                                                   p)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(f"grad_norm: the total norm of order {p} of the gradients is "
                            f"{float(total)}; it cannot be clipped (error_if_nonfinite=True). "
@@ -213,15 +214,17 @@ def _reduce(per_param: list[torch.Tensor | None], groups: list[list[Any]],
                 order.append(g)
     if not order:
         return
-    op = "max" if p == math.inf else "min" if p == -math.inf else "sum"
+    op: Literal["sum", "max", "min"] = \
+        "max" if p == math.inf else "min" if p == -math.inf else "sum"
     finite = math.isfinite(p) and p != 0
     empty = math.inf if op == "min" else 0.0
     device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
     stats: dict[int, torch.Tensor] = {}
     for i, n in enumerate(per_param):
+        local = locals_[i]
         if groups[i]:
-            wide = torch.promote_types(locals_[i].dtype, torch.float32) \
-                if locals_[i] is not None else torch.float32
+            wide = torch.promote_types(local.dtype, torch.float32) \
+                if local is not None else torch.float32
             if n is None:
                 stats[i] = torch.tensor(empty, dtype=wide, device=device)
             else:
