@@ -36,10 +36,10 @@ def _train(model, opt, steps, parallel):
         opt.zero_grad()
 
 
-def _save(path, kind, steps):
-    model = _parallel_model()
+def _save(path, kind, steps, parallel=True):
+    model = _parallel_model() if parallel else build()
     opt = OPTIMIZERS[kind](model.parameters())
-    _train(model, opt, range(steps), parallel=True)
+    _train(model, opt, range(steps), parallel=parallel)
     dcp.save({"model": tp.sharded_state_dict(model),
               "optim": tp.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
 
@@ -74,6 +74,13 @@ def test_adamw_saved_at_tp2_resumes_at_tp3_and_dense_like_five_dense_steps(tmp_p
     run_distributed(_save, 2, path, "adamw", 2, timeout=120)
     assert all(run_distributed(_resume, 3, path, "adamw", 2, 5, True, timeout=120))
     assert all(run_distributed(_resume, 1, path, "adamw", 2, 5, False, timeout=120))
+
+
+@pytest.mark.timeout(600)
+def test_the_dense_models_checkpoint_resumes_a_tp3_run(tmp_path):
+    path = str(tmp_path / "dense")
+    run_distributed(_save, 1, path, "adamw", 2, False, timeout=120)
+    assert all(run_distributed(_resume, 3, path, "adamw", 2, 5, True, timeout=120))
 
 
 @pytest.mark.timeout(600)

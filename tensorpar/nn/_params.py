@@ -43,6 +43,14 @@ class ParamTag:
     dim: int | None
     group: Group
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # a pickled parameter (torch.save, another process) drops the tag: its group is local
+        return _untagged, ()
+
+
+def _untagged() -> None:
+    return None
+
 
 @dataclass(frozen=True)
 class ParamInfo:
