@@ -206,3 +206,30 @@ def test_clip_with_fsdp2_over_tp_on_a_2x2_mesh():
     for dp_rank in range(2):
         _assert_same_across_ranks([results[2 * dp_rank], results[2 * dp_rank + 1]])
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[3][0], strict=True))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf, 0.0, 0.5, 1.0, 3.0])
+def test_one_process_equals_torch(norm_type):
+    def model_with_grads():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(),
+                                    torch.nn.Linear(7, 3)).double()
+        model(torch.randn(4, 5, dtype=torch.float64)).square().sum().backward()
+        return model
+
+    ours, theirs = model_with_grads(), model_with_grads()
+    got = tp.nn.clip_grad_norm_(ours, 0.1, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1, norm_type)
+    assert torch.equal(got, expected)
+    assert torch.equal(tp.nn.grad_norm(ours, norm_type), torch.nn.utils.get_total_norm(
+        [p.grad for p in theirs.parameters()], norm_type))
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_error_if_nonfinite_raises():
+    layer = torch.nn.Linear(3, 2)
+    layer(torch.ones(1, 3)).sum().backward()
+    layer.weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+        tp.nn.clip_grad_norm_(layer, 1.0, error_if_nonfinite=True)
