@@ -42,9 +42,10 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
     holds shards, none on a model that is not parallelised).
 
     Args:
-        model_or_parameters: the model (preferred: a wrapper that replaces parameters,
-            ``fully_shard``, is seen through), or its parameters (tensorpar's layers tag
-            their shards so that a list is classified too).
+        model_or_parameters: the model, or its parameters (tensorpar's layers tag their
+            shards, so a list is classified too). Under ``fully_shard`` pass the model:
+            FSDP2 replaces the parameter objects, and only the model's layers still say
+            which are tensor-parallel shards.
         norm_type: the p of the p-norm, as for ``torch.nn.utils.clip_grad_norm_``
             (``inf``, ``0`` and fractional included).
         error_if_nonfinite: raise if the total norm is ``nan`` or ``inf`` (on every rank).
