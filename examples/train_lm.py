@@ -9,13 +9,24 @@ On GPUs the same script picks NCCL and cuda:LOCAL_RANK (e.g. --nproc-per-node 8 
 The corpus is the Python standard library's own source, read as bytes (vocabulary 256), so
 nothing is downloaded. The model is parallelised from its dense weights by a plan: attention
 heads, MLP and the (tied) embedding / LM head are split across the tensor-parallel group, and
-BucketedAllReduce averages gradients across the data-parallel group. At the end rank 0 checks
-that the loss fell and that a single process training the dense model on the same batches
-gives the same losses, and the model is saved as a sharded checkpoint with
-torch.distributed.checkpoint.
+BucketedAllReduce averages gradients across the data-parallel group; gradients are clipped to
+the dense model's norm (tensorpar.nn.clip_grad_norm_). At the end rank 0 checks that the loss
+fell and that a single process training the dense model on the same batches gives the same
+losses.
+
+Checkpoints (model and optimizer state sharded with torch.distributed.checkpoint, plus the
+step, the losses so far and the RNG state; the data position is the step) go to
+OUT/checkpoints/step_NNNNNN, written under a temporary name and renamed when complete; the
+file OUT/checkpoints/LATEST names the newest complete one and is replaced last, so a crash
+during a save leaves the previous checkpoint in force. Stop a run and continue it, at the same
+or another --tp (same global batch), with the losses of a run that was never stopped:
+
+    torchrun --nproc-per-node 4 examples/train_lm.py --steps 300 --stop-at 150
+    torchrun --nproc-per-node 4 examples/train_lm.py --steps 300 --resume --tp 4 --batch 16
 """
 
 import argparse
+import json
 import os
 import pathlib
 import shutil
@@ -118,13 +129,14 @@ def device_and_backend():
 def dense_losses(data, args, device):
     """The reference: one process, the dense model, the same global batches."""
     torch.manual_seed(0)
-    model = GPT().to(device)
+    model = GPT().to(device, args.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):
         x, y = (t.to(device) for t in global_batch(data, step, args.batch * args.dp))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -140,7 +152,17 @@ def main():
     parser.add_argument("--out", default="train_lm_out", help="checkpoint and plot directory")
     parser.add_argument("--max-loss", type=float, default=2.8,
                         help="the check: the last 10 steps' mean loss must fall below this")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="checkpoint every N steps (always at the end and at --stop-at)")
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="stop after this many steps (checkpoint saved), as if interrupted")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in --out")
+    parser.add_argument("--crash-in-save", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.dtype = getattr(torch, args.dtype)
 
     device, backend = device_and_backend()
     dist.init_process_group(backend)
@@ -152,13 +174,20 @@ def main():
     data = corpus(2_000_000)
 
     torch.manual_seed(0)                                    # the same dense weights everywhere
-    model = GPT().to(device)
+    model = GPT().to(device, args.dtype)
     tensorpar.parallelize(model, PLAN, group=mesh["tp"])
     reducer = tensorpar.BucketedAllReduce(model, group=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    out = pathlib.Path(args.out)
+    first, losses = 0, []
+    if args.resume:
+        first, losses = load_checkpoint(out / "checkpoints", model, opt, args)
+        if rank == 0:
+            print(f"resumed at step {first} from {out / 'checkpoints'}", flush=True)
+    last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
 
-    losses, start = [], time.perf_counter()
-    for step in range(args.steps):
+    start = time.perf_counter()
+    for step in range(first, last):
         x, y = global_batch(data, step, args.batch * args.dp)
         mine = slice(mesh["dp"].get_local_rank() * args.batch,
                      (mesh["dp"].get_local_rank() + 1) * args.batch)
@@ -166,22 +195,30 @@ def main():
         loss = vocab_parallel_cross_entropy(local_logits.flatten(0, 1),
                                             y[mine].to(device).flatten(), group=mesh["tp"])
         loss.backward()                                     # gradients averaged over dp here
+        tensorpar.nn.clip_grad_norm_(model, args.clip)      # the dense model's norm
         opt.step()
         opt.zero_grad()
         global_loss = tensorpar.all_reduce(loss.detach(), op="mean", group=mesh["dp"])
         losses.append(global_loss.item())
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            rate = (step + 1) * args.batch * args.dp * CONTEXT / (time.perf_counter() - start)
+            rate = (step + 1 - first) * args.batch * args.dp * CONTEXT \
+                / (time.perf_counter() - start)
             print(f"step {step:4d}  loss {losses[-1]:.3f}  {rate:,.0f} tokens/s", flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < last:
+            save_checkpoint(out / "checkpoints", step + 1, model, opt, losses, args)
 
-    out = pathlib.Path(args.out)
-    if rank == 0:  # a fresh checkpoint directory (DCP warns when it overwrites one)
-        shutil.rmtree(out / "checkpoint", ignore_errors=True)
-    dist.barrier()
-    dcp.save(tensorpar.sharded_state_dict(model), checkpoint_id=str(out / "checkpoint"))
+    save_checkpoint(out / "checkpoints", last, model, opt, losses, args)
     if rank == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
         print(f"{reducer.iterations} steps; waited {reducer.sync_wait_seconds:.2f} s at the "
-              f"gradient sync; sharded checkpoint in {out / 'checkpoint'}")
+              f"gradient sync; checkpoint in {out / 'checkpoints'}")
+    if last < args.steps:  # stopped early, as if interrupted: nothing to check yet
+        if rank == 0:
+            print(f"stopped at step {last}: OK", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    if rank == 0:
         reference = dense_losses(data, args, device)
         early = max(abs(a - b) for a, b in zip(losses[:20], reference[:20], strict=True))
         final, final_ref = (sum(v[-10:]) / 10 for v in (losses, reference))
@@ -198,6 +235,59 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(0 if verdict.item() else 1)
+
+
+def save_checkpoint(root, step, model, opt, losses, args):
+    """Model, optimizer and loop state at ``step``; LATEST moves only once it is complete.
+
+    DCP writes into ``step_N.tmp``; after every rank has finished, rank 0 renames it to
+    ``step_N`` and then replaces LATEST (a write to a temporary file and an atomic rename).
+    A crash before that leaves LATEST naming the previous checkpoint.
+    """
+    rank = dist.get_rank()
+    final, temp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temp, ignore_errors=True)
+    dist.barrier()
+    if args.crash_in_save == step and rank == dist.get_world_size() - 1:
+        os._exit(3)  # a rank dies in the middle of the save (for the crash test)
+    state = {"model": tensorpar.sharded_state_dict(model),
+             "optim": tensorpar.sharded_optimizer_state_dict(model, opt),
+             "loop": {"step": step, "losses": list(losses), "rng": torch.get_rng_state(),
+                      "global_batch": args.batch * args.dp}}
+    dcp.save(state, checkpoint_id=str(temp))
+    dist.barrier()                                          # every rank has written its part
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(temp, final)
+        pointer = root / "LATEST.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "LATEST")               # the commit point
+        keep = {p.name for p in sorted(root.glob("step_??????"))[-2:]}  # the newest two
+        for old in root.glob("step_*"):                    # and no stale temporary ones
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(root, model, opt, args):
+    """Load the checkpoint LATEST names into ``model`` and ``opt``; return (step, losses)."""
+    name = (root / "LATEST").read_text().strip()
+    loop = {"step": 0, "losses": [], "rng": torch.get_rng_state(), "global_batch": 0}
+    state = {"model": tensorpar.sharded_state_dict(model),
+             "optim": tensorpar.sharded_optimizer_state_dict(model, opt), "loop": loop}
+    dcp.load(state, checkpoint_id=str(root / name))
+    tensorpar.load_sharded_state_dict(model, state["model"])
+    tensorpar.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    loop = state["loop"]
+    if loop["global_batch"] != args.batch * args.dp:
+        raise SystemExit(f"--resume: the checkpoint was trained with a global batch of "
+                         f"{loop['global_batch']} sequences, this run has {args.batch} x "
+                         f"{args.dp} replicas = {args.batch * args.dp}; pass --batch "
+                         f"{loop['global_batch'] // args.dp}")
+    torch.set_rng_state(loop["rng"])
+    return loop["step"], list(loop["losses"])
 
 
 def plot(losses, reference, path):

@@ -27,6 +27,10 @@ from tensorpar.functional import (
 )
 from tensorpar.nn.checkpoint import load_sharded_state_dict, sharded_state_dict
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
+from tensorpar.nn.optim_checkpoint import (
+    load_sharded_optimizer_state_dict,
+    sharded_optimizer_state_dict,
+)
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
 from tensorpar.reducer import BucketedAllReduce
 from tensorpar.regions import copy_to_group, gather_from_group, reduce_from_group, split_to_group
@@ -74,4 +78,6 @@ __all__ = [
     "sync_collectives",
     "validation",
     "validation_enabled",
+    "load_sharded_optimizer_state_dict",
+    "sharded_optimizer_state_dict",
 ]

@@ -69,17 +69,18 @@ def _load_dense(path):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("save_tp, load_tp", [(2, 3), (3, 2), (4, 1)])
 def test_save_at_one_tp_size_load_at_another_and_into_the_dense_model(tmp_path, save_tp,
                                                                       load_tp):
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_save, save_tp, path)[0]
-    loaded, tied = run_distributed(_load, load_tp, path)[0]
+    saved = run_distributed(_save, save_tp, path, timeout=180)[0]
+    loaded, tied = run_distributed(_load, load_tp, path, timeout=180)[0]
     assert tied
     assert saved.keys() == loaded.keys()
     for key in saved:
         assert torch.equal(saved[key], loaded[key]), key
-    dense = run_distributed(_load_dense, 1, path)[0]
+    dense = run_distributed(_load_dense, 1, path, timeout=180)[0]
     for key in saved:
         assert torch.equal(saved[key], dense[key]), key
 

@@ -1,7 +1,9 @@
 """Every example runs under torchrun on CPU and ends with its own check (small settings)."""
 
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -10,11 +12,13 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 
-def torchrun(script, ranks, *args, timeout=240):
+def torchrun(script, ranks, *args, timeout=240, check=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", str(EXAMPLES / script), *map(str, args)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if not check:
+        return done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -23,7 +27,47 @@ def torchrun(script, ranks, *args, timeout=240):
 def test_train_lm_two_by_two(tmp_path):
     out = torchrun("train_lm.py", 4, "--steps", 25, "--max-loss", 6, "--out", tmp_path)
     assert "check:" in out and out.rstrip().endswith("OK"), out
-    assert (tmp_path / "checkpoint" / ".metadata").exists()
+    assert (tmp_path / "checkpoints" / "step_000025" / ".metadata").exists()
+    assert (tmp_path / "checkpoints" / "LATEST").read_text() == "step_000025"
+
+
+# float64, so that runs at different TP sizes agree to far better than the 1e-6 asked
+RESUMABLE = ("--steps", 8, "--batch", 2, "--dtype", "float64", "--max-loss", 9)
+
+
+def losses(out):
+    return json.loads((out / "losses.json").read_text())
+
+
+@pytest.mark.timeout(1200)
+def test_train_lm_stopped_and_resumed_at_the_same_and_another_tp_continues_exactly(tmp_path):
+    whole = torchrun("train_lm.py", 4, *RESUMABLE, "--out", tmp_path / "whole")
+    assert whole.rstrip().endswith("OK"), whole
+    expected = losses(tmp_path / "whole")
+    assert len(expected) == 8
+    stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 4, "--out", tmp_path / "a")
+    assert "stopped at step 4" in stopped and len(losses(tmp_path / "a")) == 4
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    # the same --tp, and --tp 4 (one data-parallel replica: the same global batch of 4)
+    for out, tp_args in ((tmp_path / "a", ()), (tmp_path / "b", ("--tp", 4, "--batch", 4))):
+        resumed = torchrun("train_lm.py", 4, *RESUMABLE, *tp_args, "--resume", "--out", out)
+        assert "resumed at step 4" in resumed and resumed.rstrip().endswith("OK"), resumed
+        assert losses(out) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.timeout(900)
+def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 6, "--save-every", 2,
+                       "--crash-in-save", 4, "--out", tmp_path, check=False)
+    assert stopped.returncode != 0  # a rank died in the save at step 4
+    root = tmp_path / "checkpoints"
+    assert (root / "LATEST").read_text() == "step_000002"
+    assert not (root / "step_000004").exists()
+    whole = torchrun("train_lm.py", 4, *RESUMABLE, "--out", tmp_path / "whole")
+    resumed = torchrun("train_lm.py", 4, *RESUMABLE, "--resume", "--out", tmp_path)
+    assert "resumed at step 2" in resumed and resumed.rstrip().endswith("OK"), resumed
+    assert losses(tmp_path) == pytest.approx(losses(tmp_path / "whole"), rel=1e-6, abs=1e-6)
+    assert whole.rstrip().endswith("OK")
 
 
 @pytest.mark.timeout(300)

@@ -1,5 +1,6 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
+from tensorpar.nn.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.data_parallel import DistributedDataParallel
@@ -42,4 +43,6 @@ __all__ = [
     "parallelize",
     "plan_from_transformers",
     "vocab_parallel_cross_entropy",
+    "clip_grad_norm_",
+    "grad_norm",
 ]

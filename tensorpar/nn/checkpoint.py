@@ -18,17 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorpar._group import Group
+from tensorpar.nn._params import sharded_layers
 from tensorpar.nn._shard import Piece
-from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
-from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.nn.linear import gather_shards
+from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ShardAtOffset", "load_sharded_state_dict", "sharded_state_dict"]
 
-ParallelLayer = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding \
-    | ParallelEmbedding | ColumnParallelConv1D | RowParallelConv1D
-PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                   ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D)
+Chunk = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""``(offsets in the local shard, offsets in the dense tensor, sizes)`` of one chunk."""
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -37,9 +36,10 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     Keys are the dense model's. Sharded parameters become `ShardAtOffset`s that view this
     rank's shard (no copy), so ``torch.distributed.checkpoint.load`` into this dict writes
     straight into the model; replicated parameters and buffers stay plain tensors (DCP
-    writes them once). It communicates nothing: each rank computes every offset from its
-    layers' own sizes (``torch.distributed.checkpoint``'s ``save`` and ``load``, which take
-    the result, are the collective steps).
+    writes them once). Under ``fully_shard`` (FSDP2 beside tensor parallelism) a replica
+    stays the ``DTensor`` it is, and a shard's FSDP slice becomes a `ShardAtOffset` of the
+    pieces it holds, at their dense offsets. It communicates nothing: every offset comes from
+    the layers' own sizes (DCP's ``save`` and ``load`` are the collective steps).
 
     Args:
         model: a model parallelised by `parallelize` (or built from tensorpar's layers).
@@ -56,15 +56,13 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
         ['0.bias', '0.weight']
     """
     state: dict[str, Any] = {}
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, PARALLEL_LAYERS)}
+    layers = sharded_layers(model)
     for key, value in model.state_dict(keep_vars=True).items():
         owner, _, leaf = key.rpartition(".")
         layer = layers.get(owner)
         dim = layer.sharded_dims.get(leaf) if layer is not None else None
-        if layer is None or dim is None or layer.shard.group.is_single:
-            state[key] = value.detach()
-            continue
-        state[key] = _sharded(value.detach(), layer, dim)
+        shard = layer.shard if layer is not None and dim is not None else None
+        state[key] = dcp_value(value.detach(), shard, dim)
     return state
 
 
@@ -89,17 +87,85 @@ def load_sharded_state_dict(model: nn.Module, state: Mapping[str, Any]) -> None:
         raise KeyError(f"load_sharded_state_dict: the state lacks {missing}")
     with torch.no_grad():
         for key, tensor in own.items():
-            value = state[key]
-            if isinstance(value, ShardAtOffset):
-                value = value.local
-            if value.data_ptr() != tensor.data_ptr():
-                tensor.copy_(value)
+            copy_into(tensor, state[key])
 
 
-def _sharded(local: torch.Tensor, layer: ParallelLayer, dim: int) -> ShardAtOffset:
-    full = list(local.shape)
-    full[dim] = layer.shard.total
-    return ShardAtOffset.of(local, torch.Size(full), dim=dim, pieces=layer.shard.pieces)
+def fsdp_full_state_dict(model: nn.Module, dst: int, group: Group
+                         ) -> dict[str, torch.Tensor | TensorPlaceholder]:
+    """`tensorpar.full_state_dict` of a model with ``fully_shard`` beside tensor parallelism.
+
+    Every ``DTensor`` is all-gathered over its mesh first (the tensor-parallel shard or the
+    replica), then the shards are gathered over their group on ``dst``, in state-dict order
+    on every rank.
+    """
+    layers = sharded_layers(model)
+    out: dict[str, torch.Tensor | TensorPlaceholder] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        owner, _, leaf = key.rpartition(".")
+        layer = layers.get(owner)
+        dim = layer.sharded_dims.get(leaf) if layer is not None else None
+        local = value.detach()
+        full_tensor = getattr(local, "full_tensor", None)
+        if callable(full_tensor):
+            local = full_tensor()
+        if layer is not None and dim is not None and not layer.shard.group.is_single:
+            out[key] = gather_shards(local, layer.shard, dim, dst)
+        else:
+            out[key] = local.clone() if group.rank == dst else \
+                TensorPlaceholder.like(local, owner=dst, group=group.handle)
+    return out
+
+
+def copy_into(tensor: torch.Tensor, value: Any) -> None:
+    """Copy a loaded value into ``tensor`` unless it already shares its storage."""
+    target, source = local_of(tensor), local_of(value)
+    if source.data_ptr() != target.data_ptr():
+        target.copy_(source)
+
+
+def local_of(value: Any) -> torch.Tensor:
+    """The plain tensor under a `ShardAtOffset` or a ``DTensor`` (``value`` otherwise)."""
+    if isinstance(value, ShardAtOffset):
+        return value.local
+    to_local = getattr(value, "to_local", None)
+    out: torch.Tensor = to_local() if callable(to_local) else value
+    return out
+
+
+def dcp_value(value: torch.Tensor, shard: Any, dim: int | None) -> Any:
+    """``value`` (a parameter or a tensor of its shape) as DCP must see it.
+
+    A replica stays as it is (a plain tensor, or the ``DTensor`` ``fully_shard`` made of
+    it); a tensor-parallel shard becomes a `ShardAtOffset`, and so does a ``DTensor``
+    slice of one (FSDP beside tensor parallelism): its chunks are the pieces of the
+    tensor-parallel shard that the slice holds, at their dense offsets.
+    """
+    if shard is None or dim is None or shard.group.is_single:
+        return value
+    local, offsets = _slice_of(value)
+    full = list(value.shape)
+    full[dim] = shard.total
+    chunks = []
+    for start, at, n in shard.pieces:
+        lo, hi = max(at, offsets[dim]), min(at + n, offsets[dim] + local.shape[dim])
+        if hi <= lo or 0 in local.shape:
+            continue
+        local_off, dense_off, sizes = [0] * local.dim(), list(offsets), list(local.shape)
+        local_off[dim], dense_off[dim], sizes[dim] = lo - offsets[dim], start + lo - at, hi - lo
+        chunks.append((tuple(local_off), tuple(dense_off), tuple(sizes)))
+    return ShardAtOffset.of_chunks(local, torch.Size(full), tuple(chunks))
+
+
+def _slice_of(value: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The plain local tensor and its offsets in the tensor-parallel shard."""
+    mesh = getattr(value, "device_mesh", None)
+    if mesh is None:
+        return value.detach(), [0] * value.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(value.shape, mesh,
+                                                       value.placements)  # type: ignore[attr-defined]
+    return value.to_local().detach(), list(offsets)  # type: ignore[attr-defined]
 
 
 class ShardAtOffset(torch.Tensor):
@@ -109,20 +175,18 @@ class ShardAtOffset(torch.Tensor):
     (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, and
     ``size()`` giving the dense shape), the protocol DTensor implements, for shards at any
     offset (DTensor's placements cannot describe tensorpar's balanced uneven shards). The
-    shard may be several pieces of the dense tensor along one dim (a packed layer's slice of
-    each block): each is one chunk of the checkpoint, written at its own offset. Its data is
-    the shard, shared with the parameter, so DCP loads straight into the model. Operations
-    on it give plain tensors.
+    shard may be several chunks of the dense tensor (a packed layer's slice of each block,
+    or an FSDP slice of them): each is one chunk of the checkpoint, written at its own
+    offset. Its data is the shard, shared with the parameter, so DCP loads straight into
+    the model. Operations on it give plain tensors.
 
     Attributes:
         global_size: the dense tensor's shape.
-        split_dim: the dim the shard is split along.
-        pieces: ``(dense start, local start, length)`` along ``dim`` for every piece.
+        chunks: ``(local offsets, dense offsets, sizes)`` of every chunk.
     """
 
     global_size: torch.Size
-    split_dim: int
-    pieces: tuple[Piece, ...]
+    chunks: tuple[Chunk, ...]
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
@@ -142,8 +206,19 @@ class ShardAtOffset(torch.Tensor):
         if expected != local.shape[dim] or len(local_starts) != len(pieces):
             raise ValueError(f"ShardAtOffset.of: pieces={list(pieces)} do not tile the local "
                              f"shard of shape {tuple(local.shape)} along dim {dim}")
+        chunks = []
+        for start, at, n in pieces:
+            local_off, dense_off, sizes = [0] * local.dim(), [0] * local.dim(), list(local.shape)
+            local_off[dim], dense_off[dim], sizes[dim] = at, start, n
+            chunks.append((tuple(local_off), tuple(dense_off), tuple(sizes)))
+        return ShardAtOffset.of_chunks(local, global_size, tuple(chunks))
+
+    @staticmethod
+    def of_chunks(local: torch.Tensor, global_size: torch.Size,
+                  chunks: tuple[Chunk, ...]) -> ShardAtOffset:
+        """``local`` (shared) as ``chunks``: ``(local offsets, dense offsets, sizes)`` each."""
         shard = local.as_subclass(ShardAtOffset)
-        shard.global_size, shard.split_dim, shard.pieces = global_size, dim, pieces
+        shard.global_size, shard.chunks = torch.Size(global_size), chunks
         return shard
 
     @property
@@ -151,13 +226,12 @@ class ShardAtOffset(torch.Tensor):
         """The shard as a plain tensor (a view of the parameter)."""
         return self.as_subclass(torch.Tensor)
 
-    def _offsets(self, piece: Piece) -> torch.Size:
-        offsets = [0] * len(self.global_size)
-        offsets[self.split_dim] = piece[0]
-        return torch.Size(offsets)
-
-    def _view(self, piece: Piece) -> torch.Tensor:
-        return self.local.narrow(self.split_dim, piece[1], piece[2])
+    def _view(self, chunk: Chunk) -> torch.Tensor:
+        view = self.local
+        for d, (at, n) in enumerate(zip(chunk[0], chunk[2], strict=True)):
+            if at != 0 or n != view.shape[d]:
+                view = view.narrow(d, at, n)
+        return view
 
     def size(self, dim: int | None = None) -> Any:
         """The dense tensor's shape (what DCP compares with the checkpoint's)."""
@@ -172,8 +246,8 @@ class ShardAtOffset(torch.Tensor):
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         items = []
-        for piece in self.pieces:
-            view, offsets = self._view(piece), self._offsets(piece)
+        for chunk in self.chunks:
+            view, offsets = self._view(chunk), torch.Size(chunk[1])
             items.append(WriteItem(
                 index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
@@ -185,20 +259,18 @@ class ShardAtOffset(torch.Tensor):
     def __create_chunk_list__(self) -> list[Any]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        return [ChunkStorageMetadata(offsets=self._offsets(p), sizes=self._view(p).shape)
-                for p in self.pieces]
+        return [ChunkStorageMetadata(offsets=torch.Size(c[1]), sizes=torch.Size(c[2]))
+                for c in self.chunks]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        if index.offset is None and len(self.pieces) == 1:
-            return self._view(self.pieces[0])
-        for piece in self.pieces:
-            if index.offset is not None and self._offsets(piece) == torch.Size(index.offset):
-                return self._view(piece)
-        raise ValueError(f"ShardAtOffset: no piece of {index.fqn!r} starts at offset "
-                         f"{index.offset}; this rank holds "
-                         f"{[tuple(self._offsets(p)) for p in self.pieces]}")
+        if index.offset is None and len(self.chunks) == 1:
+            return self._view(self.chunks[0])
+        for chunk in self.chunks:
+            if index.offset is not None and torch.Size(chunk[1]) == torch.Size(index.offset):
+                return self._view(chunk)
+        raise ValueError(f"ShardAtOffset: no chunk of {index.fqn!r} starts at offset "
+                         f"{index.offset}; this rank holds {[c[1] for c in self.chunks]}")
 
     def __repr__(self) -> str:  # type: ignore[override]
-        where = ", ".join(f"{n} at {tuple(self._offsets((s, a, n)))}" for s, a, n in self.pieces)
-        return (f"ShardAtOffset({tuple(self.local.shape)}: {where} along dim {self.split_dim} "
-                f"of {tuple(self.global_size)})")
+        where = ", ".join(f"{c[2]} at {c[1]}" for c in self.chunks)
+        return f"ShardAtOffset({tuple(self.local.shape)}: {where} of {tuple(self.global_size)})"

@@ -12,6 +12,8 @@ from tensorpar._group import GroupLike, resolve_group
 from tensorpar._replica import check_same_weights
 from tensorpar.functional import broadcast
 from tensorpar.nn._column_fn import SharedInput
+from tensorpar.nn._params import tag_model
+from tensorpar.nn.checkpoint import fsdp_full_state_dict
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
@@ -123,6 +125,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         for other in names[1:]:
             owner, _, leaf = other.rpartition(".")
             setattr(model.get_submodule(owner), leaf, shared)
+    tag_model(model, resolve_group(group, "parallelize"))  # for clipping and replica checks
     return model
 
 
@@ -178,6 +181,8 @@ def full_state_dict(model: nn.Module, dst: int = 0, *, group: GroupLike = None
     """
     g = resolve_group(group, "full_state_dict")
     g.check_rank("full_state_dict", "dst", dst)
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):  # fully_shard beside TP
+        return fsdp_full_state_dict(model, dst, g)
     out: dict[str, torch.Tensor | TensorPlaceholder] = {}
     sharded = _sharded_modules(model)
     for key, value in model.state_dict(keep_vars=False).items():

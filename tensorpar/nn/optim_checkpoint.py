@@ -1,0 +1,158 @@
+"""Optimizer state in sharded checkpoints: every moment at its dense offset, like the weights.
+
+An optimizer of a tensor-parallel model keeps, per parameter, tensors of the parameter's
+shard shape (Adam's moments, SGD's momentum). ``optimizer.state_dict()`` keys them by
+position and gives no offsets, so ``torch.distributed.checkpoint`` would take every rank's
+shard for the same tensor. Here they are keyed by the parameter's dense name and travel as
+`ShardAtOffset` exactly as `sharded_state_dict` sends the parameters: a checkpoint loads
+at another tensor-parallel size and into the dense model's optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorpar.nn._params import ParamInfo, parameter_infos
+from tensorpar.nn.checkpoint import copy_into, dcp_value, local_of
+
+__all__ = ["load_sharded_optimizer_state_dict", "sharded_optimizer_state_dict"]
+
+
+def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
+                                 ) -> dict[str, Any]:
+    """The optimizer's state for ``torch.distributed.checkpoint``, every shard at its offset.
+
+    ``{"state": {dense name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
+    A state tensor of the parameter's shape is a `ShardAtOffset` viewing this rank's
+    shard (or a plain tensor / ``DTensor`` for a replica), so ``dcp.load`` into this dict
+    writes straight into the optimizer; scalars (``step``) are saved once. An optimizer
+    that has not stepped yet is given its initial state first (one step at learning rate 0
+    with zero gradients, which changes no parameter), so that there is something to load
+    into. On a model that is not parallelised it gives plain tensors in the same layout.
+    No communication.
+
+    Args:
+        model: the model whose parameters ``optimizer`` updates.
+        optimizer: a ``torch.optim`` optimizer whose per-parameter state tensors have the
+            parameter's shape (Adam, AdamW, SGD, Adagrad, RMSprop, ...).
+
+    Returns:
+        The state to pass to ``dcp.save`` or ``dcp.load``.
+
+    Raises:
+        ValueError: ``optimizer`` holds a parameter that is not ``model``'s, or a state
+            tensor whose shape is neither the parameter's nor a scalar.
+
+    Example:
+        >>> import torch
+        >>> import tensorpar
+        >>> model = torch.nn.Linear(3, 2)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> state = tensorpar.sharded_optimizer_state_dict(model, opt)
+        >>> sorted(state["state"]["weight"])
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+    infos = _infos(model, optimizer, "sharded_optimizer_state_dict")
+    _initialise(optimizer)
+    state: dict[str, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        names = []
+        for p in group["params"]:
+            info = infos[id(p)]
+            names.append(info.name)
+            state[info.name] = {key: _value(info, key, value)
+                                for key, value in optimizer.state.get(p, {}).items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                      state: Mapping[str, Any]) -> None:
+    """Copy a state filled by ``dcp.load`` into ``optimizer`` (hyperparameters included).
+
+    ``state`` is what `sharded_optimizer_state_dict` returned for this model and optimizer
+    (then loaded, possibly from a checkpoint saved at another tensor-parallel size or by
+    the dense model). Tensors DCP wrote in place are left alone; everything else is copied.
+
+    Args:
+        model: the model whose parameters ``optimizer`` updates.
+        optimizer: its optimizer.
+        state: its sharded optimizer state, loaded.
+
+    Raises:
+        KeyError: ``state`` lacks one of the optimizer's parameters or a state key.
+        ValueError: the parameter groups differ from the checkpoint's.
+    """
+    fn = "load_sharded_optimizer_state_dict"
+    infos = _infos(model, optimizer, fn)
+    saved, saved_groups = state["state"], state["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
+                         f"optimizer {len(optimizer.param_groups)}; expected the same groups")
+    with torch.no_grad():
+        for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
+            names = [infos[id(p)].name for p in group["params"]]
+            if list(saved_group["params"]) != names:
+                raise ValueError(f"{fn}: a parameter group holds {list(saved_group['params'])} "
+                                 f"in the checkpoint and {names} in the optimizer")
+            for k, v in saved_group.items():
+                if k != "params":
+                    group[k] = v
+            for p, name in zip(group["params"], names, strict=True):
+                if name not in saved:
+                    raise KeyError(f"{fn}: the state lacks parameter {name!r}")
+                own = optimizer.state[p]
+                for key, value in saved[name].items():
+                    current = own.get(key)
+                    if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                        copy_into(current, value)
+                    else:
+                        own[key] = local_of(value).clone() \
+                            if isinstance(value, torch.Tensor) else value
+
+
+def _infos(model: nn.Module, optimizer: torch.optim.Optimizer, fn: str) -> dict[int, ParamInfo]:
+    infos = {id(info.param): info for info in parameter_infos(model)}
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in infos:
+                raise ValueError(f"{fn}: parameter {j} of the optimizer's group {i} (shape "
+                                 f"{tuple(p.shape)}) is not a parameter of the model; expected "
+                                 f"the model whose parameters the optimizer updates")
+    return infos
+
+
+def _value(info: ParamInfo, key: str, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.shape != info.param.shape:
+        raise ValueError(f"sharded_optimizer_state_dict: the state {key!r} of {info.name!r} has "
+                         f"shape {tuple(value.shape)}; expected the parameter's shape "
+                         f"{tuple(info.param.shape)} or a scalar (this optimizer's state cannot "
+                         f"be placed at offsets)")
+    return dcp_value(value, info.shard if info.sharded else None, info.dim)
+
+
+def _initialise(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter without state its initial state: a step at lr 0, zero grads."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:  # parameters that have state sit this step out
+            p.grad = None if optimizer.state.get(p) else torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"].clone().fill_(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
