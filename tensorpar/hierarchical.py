@@ -234,9 +234,6 @@ class _Engine:
         def group(pg: dist.ProcessGroup | None) -> Group | None:
             return resolve_group(pg) if pg is not None else None
 
-        # the subgroups, held until the thread has issued what was queued (not the topology:
-        # the engine stops when the topology goes)
-        self._subgroups = (topology.intra_group, topology.rails_group, topology.gather_group)
         self.intra = group(topology.intra_group)
         self.rails = group(topology.rails_group)
         self.gather = group(topology.gather_group)
