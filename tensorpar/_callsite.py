@@ -41,6 +41,9 @@ __all__ = ["SLOTS", "Site", "call_site", "sites_agree"]
 
 _LIBRARIES = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
                    for path in (__file__, torch.__file__))
+_SELF_CHECKED = frozenset(os.path.join(_LIBRARIES[0], name)
+                          for name in ("reducer.py", "_reducer_sync.py"))
+"""The modules whose collectives carry no call site (see `call_site`)."""
 _NONE = -1
 SLOTS = 7
 """Integers a site takes in the fingerprint: for the user's frame and its caller, the line,
@@ -56,12 +59,21 @@ class Site(NamedTuple):
 
 
 def call_site() -> Site | None:
-    """The call site of the collective being called (``None``: no frame outside tensorpar)."""
+    """The call site of the collective being called.
+
+    ``None`` where there is no frame outside tensorpar and torch, and for the collectives the
+    data-parallel reducer issues: it launches them from gradient hooks and, under ``Join``,
+    from a rank that has run out of inputs, so their sites differ across correct ranks; the
+    reducer fingerprints its own iteration, bucket and forward counts instead.
+    """
     frame: FrameType | None = sys._getframe(1)
     places: list[tuple[CodeType, int]] = []
     while frame is not None and len(places) < 2:
-        if not frame.f_code.co_filename.startswith(_LIBRARIES):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARIES):
             places.append((frame.f_code, frame.f_lineno))
+        elif not places and filename in _SELF_CHECKED:
+            return None
         frame = frame.f_back
     return _site(*places) if places else None
 
