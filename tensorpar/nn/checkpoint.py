@@ -21,14 +21,15 @@ from torch import nn
 from tensorpar.nn._shard import Piece
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.experts import ParallelExperts
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ShardAtOffset", "load_sharded_state_dict", "sharded_state_dict"]
 
 ParallelLayer = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding \
-    | ParallelEmbedding | ColumnParallelConv1D | RowParallelConv1D
+    | ParallelEmbedding | ColumnParallelConv1D | RowParallelConv1D | ParallelExperts
 PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                   ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D)
+                   ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D, ParallelExperts)
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from tensorpar.nn._shard import shard_of
 from tensorpar.nn.linear import ShardedLayer
 from tensorpar.regions import gather_from_group, split_to_group
 
-__all__ = ["ExpertParallel", "ParallelExperts"]
+__all__ = ["ExpertParallel", "ParallelExperts", "experts_problem"]
 
 Tokens = Literal["replicated", "local"]
 _WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
@@ -100,7 +100,9 @@ class ParallelExperts(ShardedLayer):
         self.has_gate = bool(getattr(experts, "has_gate", True))
         self.has_bias = bool(getattr(experts, "has_bias", False))
         self.is_transposed = bool(getattr(experts, "is_transposed", False))
-        _check_layout(fn, experts, self.has_gate)
+        problem = _layout_problem(experts)
+        if problem:
+            raise ValueError(f"{fn}: {problem}")
         first = "gate_up_proj" if self.has_gate else "up_proj"
         weight = getattr(experts, first)
         self.num_experts = int(weight.shape[0])
@@ -211,15 +213,19 @@ class ParallelExperts(ShardedLayer):
                 f"tokens={self.tokens!r}")
 
 
-def _check_layout(fn: str, experts: nn.Module, has_gate: bool) -> None:
+def experts_problem(name: str, module: nn.Module) -> str | None:
+    """Why ``module`` (named ``name`` in its model) cannot be split by expert, or ``None``."""
+    problem = _layout_problem(module)
+    return f"{name!r}: {problem} (style ExpertParallel)" if problem else None
+
+
+def _layout_problem(experts: nn.Module) -> str | None:
     cls = type(experts)
+    has_gate = bool(getattr(experts, "has_gate", True))
     problems = []
-    if has_gate and not all(isinstance(getattr(experts, n, None), torch.Tensor)
-                            for n in ("gate_up_proj", "down_proj")):
-        problems.append("stacked gate_up_proj and down_proj parameters")
-    if not has_gate and not all(isinstance(getattr(experts, n, None), torch.Tensor)
-                                for n in ("up_proj", "down_proj")):
-        problems.append("stacked up_proj and down_proj parameters")
+    names = ("gate_up_proj" if has_gate else "up_proj", "down_proj")
+    if not all(getattr(getattr(experts, n, None), "ndim", 0) == 3 for n in names):
+        problems.append(f"stacked (3-D) {names[0]} and {names[1]} parameters")
     if getattr(experts, "has_post_expert_norm", False):
         problems.append("no post-expert norm")
     if not getattr(experts, "is_concatenated", True):
@@ -229,9 +235,9 @@ def _check_layout(fn: str, experts: nn.Module, has_gate: bool) -> None:
         problems.append(f"the default gate (act(gate) * up), not {cls.__name__}._apply_gate")
     if not callable(getattr(experts, "act_fn", None)):
         problems.append("an act_fn")
-    if problems:
-        raise ValueError(f"{fn}: {cls.__name__} cannot be split by expert: expected "
-                         + ", ".join(problems))
+    if not problems:
+        return None
+    return f"{cls.__name__} cannot be split by expert: expected " + ", ".join(problems)
 
 
 def _starts(sizes: tuple[int, ...]) -> list[int]:
