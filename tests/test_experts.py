@@ -4,12 +4,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import tensorpar as tp
 from tensorpar.nn import ParallelExperts
 from tensorpar.testing import run_distributed
 
 pytest.importorskip("transformers")
 
 E, H, INTER, K = 8, 16, 12, 2
+T = 240  # seconds per multi-rank call (transformers' import on a loaded machine)
 
 
 def _dense(dtype=torch.float64, bias=False, transposed=False):
@@ -110,7 +112,7 @@ def _layer_vs_dense(tokens, routing, dtype_name, mode, bias=False, transposed=Fa
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("mode", ["replicated", "local"])
 def test_layer_equals_dense_float64(world, mode):
-    counts = run_distributed(_layer_vs_dense, world, 7, "uniform", "float64", mode)
+    counts = run_distributed(_layer_vs_dense, world, 7, "uniform", "float64", mode, timeout=T)
     sizes = counts[0][1]
     assert sum(sizes) == E and max(sizes) - min(sizes) <= 1
     per_expert = 3 * INTER * H
@@ -120,20 +122,63 @@ def test_layer_equals_dense_float64(world, mode):
 @pytest.mark.parametrize("routing", ["one_expert", "skip_last_rank"])
 @pytest.mark.parametrize("world", [3, 4])
 def test_layer_skewed_routing(world, routing):
-    run_distributed(_layer_vs_dense, world, 5, routing, "float64", "local")
-    run_distributed(_layer_vs_dense, world, 5, routing, "float64", "replicated")
+    run_distributed(_layer_vs_dense, world, 5, routing, "float64", "local", timeout=T)
+    run_distributed(_layer_vs_dense, world, 5, routing, "float64", "replicated", timeout=T)
 
 
 def test_layer_fewer_tokens_than_ranks():
     # replicated: 2 tokens on 4 ranks, so two ranks dispatch nothing at all
-    run_distributed(_layer_vs_dense, 4, 2, "uniform", "float64", "replicated")
+    run_distributed(_layer_vs_dense, 4, 2, "uniform", "float64", "replicated", timeout=T)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_layer_float32_grouped(world):
     # float32 with 16-byte-aligned sizes takes torch's grouped matmul
-    run_distributed(_layer_vs_dense, world, 9, "uniform", "float32", "local")
+    run_distributed(_layer_vs_dense, world, 9, "uniform", "float32", "local", timeout=T)
 
 
 def test_layer_bias_and_transposed():
-    run_distributed(_layer_vs_dense, 3, 6, "uniform", "float64", "local", True, True)
+    run_distributed(_layer_vs_dense, 3, 6, "uniform", "float64", "local", True, True, timeout=T)
+
+
+def _counted(mode):
+    layer = ParallelExperts.from_dense(_dense(), tokens=mode)
+    x = torch.randn(6, H, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing("uniform", 6, dist.get_rank() if mode == "local" else 0)
+    weights.requires_grad_()
+    with tp.CommCounter() as forward:
+        out = layer(x, index, weights)
+    with tp.CommCounter() as backward:
+        out.sum().backward()
+    kinds = [(r.kind, r.purpose) for r in forward.records]
+    return kinds, [(r.kind, r.purpose) for r in backward.records]
+
+
+def test_comm_counter_local_tokens():
+    # forward: the count exchange and one all-to-all each way, nothing else;
+    # backward: the two mirrored all-to-alls
+    for fwd, bwd in run_distributed(_counted, 3, "local", timeout=T):
+        assert fwd == [("all_gather", "meta"), ("all_to_all", "data"), ("all_to_all", "data")]
+        assert bwd == [("all_to_all", "data"), ("all_to_all", "data")]
+
+
+def test_comm_counter_replicated_tokens():
+    # every rank holds every token: each dispatches its slice, and the outputs are
+    # all-gathered (backward: the slices' gradients of the tokens and of the weights)
+    for fwd, bwd in run_distributed(_counted, 3, "replicated", timeout=T):
+        assert fwd == [("all_gather", "meta"), ("all_to_all", "data"), ("all_to_all", "data"),
+                       ("all_gather", "data")]
+        assert sorted(bwd) == [("all_gather", "data")] * 2 + [("all_to_all", "data")] * 2
+
+
+def test_bad_expert_index_raises_on_every_rank():
+    with pytest.raises(ValueError, match=r"outside \[0, 8\) on rank\(s\) \[1\]"):
+        run_distributed(_bad_index, 3, timeout=T)
+
+
+def _bad_index():
+    layer = ParallelExperts.from_dense(_dense(), tokens="local")
+    index, weights = _routing("uniform", 4, 0)
+    if dist.get_rank() == 1:
+        index[0, 0] = E
+    layer(torch.randn(4, H, dtype=torch.float64), index, weights)
