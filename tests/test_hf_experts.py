@@ -131,3 +131,56 @@ def test_moe_model_equals_dense(arch, world):
     mine = [m for m, _ in results]
     assert sum(mine) == results[0][1]  # the ranks' experts add up to the dense model's
     assert max(mine) < results[0][1]
+
+
+def _save(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = tp.parallelize(build(arch), plan_for(arch, build(arch)))
+    dense = build(arch)
+    with torch.no_grad():  # every dense parameter moved by a seeded step, then sharded
+        for i, (name, p) in enumerate(dense.named_parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i),
+                               dtype=p.dtype))
+        params = dict(model.named_parameters())
+        for name, p in dense.named_parameters():
+            params[name].copy_(local_part(model, name, p))
+    dcp.save(tp.sharded_state_dict(model), checkpoint_id=path)
+    full = tp.full_state_dict(model)
+    expected = dense.state_dict()
+    if dist.get_rank() == 0:  # full_state_dict gives the dense layout, experts stacked
+        for key, value in expected.items():
+            assert torch.equal(full[key], value), key
+    return {k: v.clone() for k, v in expected.items()}
+
+
+def _load(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = tp.parallelize(build(arch), plan_for(arch, build(arch)))
+    state = tp.sharded_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(model, state)
+    full = tp.full_state_dict(model)
+    return {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None
+
+
+def _load_dense(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = build(arch)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    return {k: v.clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("save_world, load_world", [(2, 3), (3, 4)])
+def test_checkpoint_loads_at_another_expert_parallel_size(tmp_path, save_world, load_world):
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, save_world, "qwen2_moe", path, timeout=240)[0]
+    loaded = run_distributed(_load, load_world, "qwen2_moe", path, timeout=240)[0]
+    dense = run_distributed(_load_dense, 1, "qwen2_moe", path, timeout=240)[0]
+    assert saved.keys() == loaded.keys() == dense.keys()
+    for key in saved:
+        assert torch.equal(saved[key], loaded[key]), key
+        assert torch.equal(saved[key], dense[key]), key
