@@ -139,7 +139,7 @@ def _save(arch, path):
     model = tp.parallelize(build(arch), plan_for(arch, build(arch)))
     dense = build(arch)
     with torch.no_grad():  # every dense parameter moved by a seeded step, then sharded
-        for i, (name, p) in enumerate(dense.named_parameters()):
+        for i, p in enumerate(dense.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i),
                                dtype=p.dtype))
         params = dict(model.named_parameters())
