@@ -38,9 +38,9 @@ def _dense(shape: dict[str, int], implementation: str) -> torch.nn.Module:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+    options: dict[str, Any] = {"experts_implementation": implementation}  # (a config kwarg)
     config = MixtralConfig(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                           num_local_experts=shape["experts"],
-                           experts_implementation=implementation)
+                           num_local_experts=shape["experts"], **options)
     torch.manual_seed(0)
     experts = MixtralExperts(config)
     for p in experts.parameters():
