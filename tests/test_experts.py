@@ -182,3 +182,16 @@ def _bad_index():
     if dist.get_rank() == 1:
         index[0, 0] = E
     layer(torch.randn(4, H, dtype=torch.float64), index, weights)
+
+
+def _validated(tokens, mode):
+    with tp.validation(True):
+        return _layer_vs_dense(tokens, "uniform", "float64", mode)
+
+
+# (replicated tokens: 6 on 3 ranks, even slices; validation mode reports the all-gather of
+# uneven slices, gather_from_group(sizes=...), as a mismatch today)
+@pytest.mark.parametrize("tokens, mode", [(5, "local"), (6, "replicated")])
+def test_layer_in_validation_mode(tokens, mode):
+    # the all-to-alls are fingerprinted across ranks in forward and backward
+    run_distributed(_validated, 3, tokens, mode, timeout=T)
