@@ -102,7 +102,10 @@ def _model_vs_dense(arch, tol):
     for step in range(3):
         ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(step))
         dense_logits, dense_loss = _loss(arch, dense, ids)
-        logits, loss = _loss(arch, parallel, ids)
+        with tp.CommCounter() as counter:
+            logits, loss = _loss(arch, parallel, ids)
+        # per MoE layer: one all-to-all each way (and no other all-to-all)
+        assert counter.count("all_to_all") == 2 * len(layers), counter
         torch.testing.assert_close(logits, dense_logits, **close)
         torch.testing.assert_close(loss, dense_loss, **close)
         dense_loss.backward()
