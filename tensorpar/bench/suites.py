@@ -198,6 +198,29 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import moe
+
+    results = []
+    for world in args.world_sizes:
+        for layout in ("replicated", "local"):
+            for routing in ("uniform", "skewed"):
+                results.append(_run(args, f"{world} ranks, {layout} tokens, {routing}",
+                                    moe.run_rank, world, layout, routing, args.rounds)[0])
+    print(format_table(
+        ["tokens", "routing", "ranks", "max rows", "expert parallel ms", "replicated ms",
+         "floor ms", "paired ep/floor", "paired again/floor", "paired ep/replicated"],
+        [[r["tokens"], r["routing"], r["world_size"], r["max_rows"], _ms(r["expert_parallel"]),
+          _ms(r["replicated"]), _ms(r["floor"]), _x(r["expert_parallel/floor"]),
+          _x(r["floor_again/floor"]), _x(r["expert_parallel/replicated"])] for r in results]))
+    print("(one Mixtral experts layer, forward+backward, float32, sizes in tensorpar.bench.moe."
+          "SHAPE; max rows: the most token-expert rows any rank computes; floor: this rank's "
+          "experts' compute + the raw all-to-alls of the same bytes each way (+ the raw "
+          "all-gathers with replicated tokens); paired: median over rounds of the ratio within "
+          "a round)")
+    return results
+
+
 def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tensorpar.bench import hierarchical
 
@@ -205,13 +228,14 @@ def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
-          "layers": _layers, "hierarchical": _hierarchical}
+          "layers": _layers, "hierarchical": _hierarchical, "moe": _moe}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
     "reducer": {"world_sizes": [2, 4], "models": ["8M", "30M"], "rounds": 11,
                 "timeout": 900.0},
     "layers": {"world_sizes": [2, 4], "rounds": 31},
+    "moe": {"world_sizes": [2, 4], "rounds": 15},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
                      "reducer_rounds": 7},

@@ -5,6 +5,7 @@ from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.data_parallel import DistributedDataParallel
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.experts import ExpertParallel, ParallelExperts
 from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.loss import vocab_parallel_cross_entropy
@@ -27,8 +28,10 @@ __all__ = [
     "ColumnParallelLinear",
     "DistributedDataParallel",
     "EmbeddingDim",
+    "ExpertParallel",
     "Gather",
     "ParallelEmbedding",
+    "ParallelExperts",
     "PackedColwise",
     "ParallelRNG",
     "RowParallelConv1D",

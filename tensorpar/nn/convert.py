@@ -16,6 +16,7 @@ from tensorpar.nn._params import tag_model
 from tensorpar.nn.checkpoint import fsdp_full_state_dict
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.experts import ExpertParallel, ParallelExperts
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.plan import (
     Builder,
@@ -40,7 +41,7 @@ class _Sharded(Protocol):
 
 
 PARALLEL_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                  ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D)
+                  ParallelEmbedding, ColumnParallelConv1D, RowParallelConv1D, ParallelExperts)
 
 
 def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
@@ -149,6 +150,8 @@ def _share_inputs(model: nn.Module, built: dict[str, nn.Module]) -> None:
 
 
 def _build(module: nn.Module, style: Style, group: GroupLike) -> nn.Module:
+    if isinstance(style, ExpertParallel):
+        return ParallelExperts.from_dense(module, group=group, tokens=style.tokens)
     if isinstance(style, (Colwise, PackedColwise)):
         blocks, unit = None, style.multiple_of
         if isinstance(style, PackedColwise):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tensorpar.nn.hf_experts import ExpertsMode, check_experts_mode, expert_parallel_plan
 from tensorpar.nn.plan import Colwise, PackedColwise, Rowwise, Style, Vocab, tied_groups
 
 __all__ = ["plan_from_transformers"]
@@ -19,7 +20,8 @@ _LEFT_REPLICATED = ("packed_colwise", "moe_tp_experts", "ep_router", "grouped_ge
 
 
 def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_parallel",
-                           reduce_dtype: torch.dtype | None = None) -> dict[str, Style]:
+                           reduce_dtype: torch.dtype | None = None,
+                           experts: ExpertsMode = "replicated") -> dict[str, Style]:
     """A tensor-parallel plan for a transformers model, from its config and ``tp_plan``.
 
     The attention projections are split by head so that every rank's query heads sit with
@@ -46,6 +48,9 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
             the full logits, for ``generate()`` and ``model(ids, labels=...)``.
         reduce_dtype: the row-parallel layers' `Rowwise.reduce_dtype` (e.g.
             ``torch.float32`` for a bfloat16 model).
+        experts: ``"replicated"``: mixture-of-experts layers stay whole on every rank;
+            ``"expert_parallel"``: each rank holds a block of the experts (`ExpertParallel`)
+            and the shared experts are split like an MLP (see `expert_parallel_plan`).
 
     Returns:
         A plan for `parallelize` (module pattern -> style).
@@ -67,6 +72,7 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     fn = "plan_from_transformers"
     if lm_head not in ("vocab_parallel", "gathered"):
         raise ValueError(f"{fn}: lm_head={lm_head!r}; expected 'vocab_parallel' or 'gathered'")
+    check_experts_mode(fn, experts)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise TypeError(f"{fn}: expected a transformers model with a .config, got "
@@ -98,7 +104,9 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                              f"with PackedColwise, or Colwise(gather_output=True) and the "
                              f"output projection Rowwise(input_is_parallel=False)")
         plan[prefix + pattern] = _style(leaf, raw, group, head_dim, reduce_dtype)
-    if replicated:
+    if experts == "expert_parallel":
+        plan = expert_parallel_plan(model, plan, reduce_dtype=reduce_dtype)
+    elif replicated:
         warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
                       f"layers are not split by tensorpar yet); they compute the dense result "
                       f"on every rank", stacklevel=2)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tensorpar._group import GroupLike
 from tensorpar._split import balanced_sizes
+from tensorpar.nn.experts import ExpertParallel, experts_problem
 
 __all__ = ["Builder", "Colwise", "EmbeddingDim", "PackedColwise", "Rowwise", "Style", "Vocab",
            "match_module"]
@@ -103,8 +104,8 @@ class EmbeddingDim:
     """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
 
 
-Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim
-STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim)
+Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | ExpertParallel
+STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, ExpertParallel)
 Builder: TypeAlias = Callable[[nn.Module, Style, GroupLike], nn.Module]
 """Builds the parallel module for a layer class tensorpar does not know: ``(dense module,
 style, group) -> module``."""
@@ -213,6 +214,8 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 
 def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
+    if isinstance(style, ExpertParallel):
+        return experts_problem(name, module)
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         if type(module) is not nn.Linear and not is_conv1d(module):
             return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
@@ -264,6 +267,8 @@ def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layo
     """
     if style is None:
         return None
+    if isinstance(style, ExpertParallel):  # experts split along dim 0 of every parameter
+        return 0, balanced_sizes(getattr(module, leaf).shape[0], size)
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         n_in, n_out = features(module)
         if isinstance(style, Rowwise) and leaf != "weight":

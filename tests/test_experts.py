@@ -1,0 +1,197 @@
+"""ParallelExperts: experts spread over the ranks equal the dense experts module."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar as tp
+from tensorpar.nn import ParallelExperts
+from tensorpar.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+E, H, INTER, K = 8, 16, 12, 2
+T = 240  # seconds per multi-rank call (transformers' import on a loaded machine)
+
+
+def _dense(dtype=torch.float64, bias=False, transposed=False):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E,
+                           experts_implementation="eager")
+    torch.manual_seed(0)
+    dense = MixtralExperts(config)
+    if bias or transposed:  # a gpt-oss-like layout, through the same dense forward
+        dense = _BiasedExperts(dense, bias, transposed)
+    for p in dense.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return dense.to(dtype)
+
+
+class _BiasedExperts(torch.nn.Module):
+    """A reference experts module with biases and/or the transposed layout."""
+
+    def __init__(self, base, bias, transposed):
+        super().__init__()
+        self.has_gate, self.has_bias, self.is_transposed = True, bias, transposed
+        self.act_fn = base.act_fn
+        shape = (lambda w: w.transpose(1, 2)) if transposed else (lambda w: w)
+        self.gate_up_proj = torch.nn.Parameter(shape(base.gate_up_proj.detach()).clone())
+        self.down_proj = torch.nn.Parameter(shape(base.down_proj.detach()).clone())
+        if bias:
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(E, 2 * INTER))
+            self.down_proj_bias = torch.nn.Parameter(torch.zeros(E, H))
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for e in range(E):
+            pos, tok = torch.where(e == index.T)
+            w1 = self.gate_up_proj[e].T if self.is_transposed else self.gate_up_proj[e]
+            w2 = self.down_proj[e].T if self.is_transposed else self.down_proj[e]
+            h = torch.nn.functional.linear(x[tok], w1,
+                                           self.gate_up_proj_bias[e] if self.has_bias else None)
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self.act_fn(gate) * up, w2,
+                                           self.down_proj_bias[e] if self.has_bias else None)
+            out = out.index_add(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
+        return out
+
+
+def _routing(kind, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    elif kind == "one_expert":  # every pair to expert 5 (and a second choice, expert 5 too)
+        index = torch.full((tokens, K), 5)
+    elif kind == "skip_last_rank":  # no token for the last rank's experts
+        index = torch.randint(0, 4, (tokens, K), generator=g)
+    else:
+        raise AssertionError(kind)
+    weights = torch.rand(tokens, K, generator=g, dtype=torch.float32)
+    return index, weights
+
+
+def _layer_vs_dense(tokens, routing, dtype_name, mode, bias=False, transposed=False):
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dense = _dense(dtype, bias, transposed)
+    layer = ParallelExperts.from_dense(_dense(dtype, bias, transposed), tokens=mode)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else \
+        {"rtol": 1e-5, "atol": 1e-5}
+    # the dense reference sees every rank's tokens (local mode: each rank has its own)
+    n_ranks = world if mode == "local" else 1
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(tokens, H, generator=gen, dtype=dtype) for _ in range(n_ranks)]
+    routes = [_routing(routing, tokens, seed) for seed in range(n_ranks)]
+    grad_outs = [torch.randn(tokens, H, generator=gen, dtype=dtype) for _ in range(n_ranks)]
+    me = rank if mode == "local" else 0
+    x = xs[me].clone().requires_grad_()
+    weights = routes[me][1].clone().requires_grad_()
+    out = layer(x, routes[me][0], weights)
+    out.backward(grad_outs[me])
+    dense_x = [t.clone().requires_grad_() for t in xs]
+    dense_w = [r[1].clone().requires_grad_() for r in routes]
+    for t, r, w, go in zip(dense_x, routes, dense_w, grad_outs, strict=True):
+        dense_out = dense(t, r[0], w)
+        dense_out.backward(go)
+        if t is dense_x[me]:
+            torch.testing.assert_close(out, dense_out, **tol)
+    torch.testing.assert_close(x.grad, dense_x[me].grad, **tol)
+    torch.testing.assert_close(weights.grad, dense_w[me].grad, **tol)
+    s = layer.shard
+    n_local = 0
+    for name, p in layer.named_parameters():
+        full = getattr(dense, name)
+        assert p.shape[0] == s.length == s.sizes[rank]
+        torch.testing.assert_close(p.grad, full.grad[s.start:s.stop], **tol, msg=name)
+        n_local += p.numel()
+    return n_local, s.sizes
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["replicated", "local"])
+def test_layer_equals_dense_float64(world, mode):
+    counts = run_distributed(_layer_vs_dense, world, 7, "uniform", "float64", mode, timeout=T)
+    sizes = counts[0][1]
+    assert sum(sizes) == E and max(sizes) - min(sizes) <= 1
+    per_expert = 3 * INTER * H
+    assert [c for c, _ in counts] == [n * per_expert for n in sizes]
+
+
+@pytest.mark.parametrize("routing", ["one_expert", "skip_last_rank"])
+@pytest.mark.parametrize("world", [3, 4])
+def test_layer_skewed_routing(world, routing):
+    run_distributed(_layer_vs_dense, world, 5, routing, "float64", "local", timeout=T)
+    run_distributed(_layer_vs_dense, world, 5, routing, "float64", "replicated", timeout=T)
+
+
+def test_layer_fewer_tokens_than_ranks():
+    # replicated: 2 tokens on 4 ranks, so two ranks dispatch nothing at all
+    run_distributed(_layer_vs_dense, 4, 2, "uniform", "float64", "replicated", timeout=T)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layer_float32_grouped(world):
+    # float32 with 16-byte-aligned sizes takes torch's grouped matmul
+    run_distributed(_layer_vs_dense, world, 9, "uniform", "float32", "local", timeout=T)
+
+
+def test_layer_bias_and_transposed():
+    run_distributed(_layer_vs_dense, 3, 6, "uniform", "float64", "local", True, True, timeout=T)
+
+
+def _counted(mode):
+    layer = ParallelExperts.from_dense(_dense(), tokens=mode)
+    x = torch.randn(6, H, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing("uniform", 6, dist.get_rank() if mode == "local" else 0)
+    weights.requires_grad_()
+    with tp.CommCounter() as forward:
+        out = layer(x, index, weights)
+    with tp.CommCounter() as backward:
+        out.sum().backward()
+    kinds = [(r.kind, r.purpose) for r in forward.records]
+    return kinds, [(r.kind, r.purpose) for r in backward.records]
+
+
+def test_comm_counter_local_tokens():
+    # forward: the count exchange and one all-to-all each way, nothing else;
+    # backward: the two mirrored all-to-alls
+    for fwd, bwd in run_distributed(_counted, 3, "local", timeout=T):
+        assert fwd == [("all_gather", "meta"), ("all_to_all", "data"), ("all_to_all", "data")]
+        assert bwd == [("all_to_all", "data"), ("all_to_all", "data")]
+
+
+def test_comm_counter_replicated_tokens():
+    # every rank holds every token: each dispatches its slice, and the outputs are
+    # all-gathered (backward: the slices' gradients of the tokens and of the weights)
+    for fwd, bwd in run_distributed(_counted, 3, "replicated", timeout=T):
+        assert fwd == [("all_gather", "meta"), ("all_to_all", "data"), ("all_to_all", "data"),
+                       ("all_gather", "data")]
+        assert sorted(bwd) == [("all_gather", "data")] * 2 + [("all_to_all", "data")] * 2
+
+
+def test_bad_expert_index_raises_on_every_rank():
+    with pytest.raises(ValueError, match=r"outside \[0, 8\) on rank\(s\) \[1\]"):
+        run_distributed(_bad_index, 3, timeout=T)
+
+
+def _bad_index():
+    layer = ParallelExperts.from_dense(_dense(), tokens="local")
+    index, weights = _routing("uniform", 4, 0)
+    if dist.get_rank() == 1:
+        index[0, 0] = E
+    layer(torch.randn(4, H, dtype=torch.float64), index, weights)
+
+
+def _validated(tokens, mode):
+    with tp.validation(True):
+        return _layer_vs_dense(tokens, "uniform", "float64", mode)
+
+
+# (replicated tokens: 6 on 3 ranks, even slices; validation mode reports the all-gather of
+# uneven slices, gather_from_group(sizes=...), as a mismatch today)
+@pytest.mark.parametrize("tokens, mode", [(5, "local"), (6, "replicated")])
+def test_layer_in_validation_mode(tokens, mode):
+    # the all-to-alls are fingerprinted across ranks in forward and backward
+    run_distributed(_validated, 3, tokens, mode, timeout=T)

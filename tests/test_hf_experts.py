@@ -1,0 +1,189 @@
+"""transformers mixture-of-experts models, experts spread over the ranks, equal dense."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar as tp
+from tensorpar.nn import ParallelExperts, plan_from_transformers
+from tensorpar.nn.hf_experts import expert_parallel_plan
+from tensorpar.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+VOCAB = 61
+COMMON = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
+          "max_position_embeddings": 32, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "num_experts_per_tok": 2, "experts_implementation": "eager",
+          "attn_implementation": "eager"}
+# 8 experts: 4/4, 3/3/2 and 2/2/2/2 per rank
+ARCHS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"intermediate_size": 12, "num_local_experts": 8, "head_dim": 4,
+                 "router_aux_loss_coef": 0.1}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"intermediate_size": 20, "moe_intermediate_size": 12, "num_experts": 8,
+                   "shared_expert_intermediate_size": 14, "router_aux_loss_coef": 0.1,
+                   "norm_topk_prob": True}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"intermediate_size": 20, "moe_intermediate_size": 12, "num_experts": 8,
+                   "head_dim": 4, "router_aux_loss_coef": 0.1}),
+    # (the gathered q/k/v projections split on head boundaries at 2, 3 and 4 ranks only
+    # with equal head counts: 12 heads of 2 in 24 features)
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              {"intermediate_size": 12, "num_experts": 8, "router_aux_loss_coef": 0.1,
+               "hidden_size": 24, "num_attention_heads": 12, "num_key_value_heads": 12}),
+    # grouped routing (2 groups, 1 chosen), a shared expert, a dense first layer
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"intermediate_size": 20, "moe_intermediate_size": 12,
+                     "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+                     "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 8,
+                     "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                     "v_head_dim": 4, "num_key_value_heads": 8, "num_mtp_layers": 0}),
+}
+HAS_AUX = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+# plan_from_transformers refuses these attentions today (Qwen3's per-head q_norm/k_norm);
+# their attention stays replicated and the experts come from expert_parallel_plan
+ATTENTION_REPLICATED = {"qwen3_moe"}
+
+
+def build(arch, dtype=torch.float64):
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).to(dtype)
+    with torch.no_grad():  # the router starts at zeros in some models: make routing uneven
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") or "experts" in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def plan_for(arch, model):
+    if arch in ATTENTION_REPLICATED:
+        return expert_parallel_plan(model, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "left replicated" warning
+        return plan_from_transformers(model, lm_head="gathered", experts="expert_parallel")
+
+
+def local_part(model, name, dense_tensor):
+    """The slice of a dense tensor the parallel model's parameter ``name`` holds."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    dim = getattr(module, "sharded_dims", {}).get(leaf)
+    if dim is None or not hasattr(module, "shard"):
+        return dense_tensor
+    return torch.cat([dense_tensor.narrow(dim, start, n) for start, _, n in module.shard.pieces],
+                     dim)
+
+
+def _loss(arch, model, ids):
+    kwargs = {"output_router_logits": True} if arch in HAS_AUX else {}
+    out = model(ids, labels=ids, **kwargs)
+    if arch in HAS_AUX:
+        assert out.aux_loss is not None and out.aux_loss.item() > 0
+    return out.logits, out.loss
+
+
+def _model_vs_dense(arch, tol):
+    rank = dist.get_rank()
+    dense = build(arch)
+    parallel = tp.parallelize(build(arch), plan_for(arch, build(arch)))
+    layers = [m for m in parallel.modules() if isinstance(m, ParallelExperts)]
+    assert layers, "no experts were split"
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2, weight_decay=0.1)
+    close = {"rtol": tol, "atol": tol}
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(step))
+        dense_logits, dense_loss = _loss(arch, dense, ids)
+        with tp.CommCounter() as counter:
+            logits, loss = _loss(arch, parallel, ids)
+        # per MoE layer: one all-to-all each way (and no other all-to-all)
+        assert counter.count("all_to_all") == 2 * len(layers), counter
+        torch.testing.assert_close(logits, dense_logits, **close)
+        torch.testing.assert_close(loss, dense_loss, **close)
+        dense_loss.backward()
+        loss.backward()
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            expected = local_part(parallel, name, dense_params[name].grad)
+            torch.testing.assert_close(p.grad, expected, **close, msg=f"{name} step {step}")
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p, local_part(parallel, name, dense_params[name]), **close,
+                                   msg=f"{name} after 3 AdamW steps")
+    # this rank holds only its experts
+    mine = sum(p.numel() for m in layers for p in m.parameters())
+    per_expert = sum(p[0].numel() for p in layers[0].parameters())
+    assert mine == len(layers) * layers[0].shard.sizes[rank] * per_expert
+    dense_experts = sum(p.numel() for n, p in dense.named_parameters() if ".experts." in n)
+    return mine, dense_experts
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_moe_model_equals_dense(arch, world):
+    results = run_distributed(_model_vs_dense, world, arch, 1e-10, timeout=180)
+    mine = [m for m, _ in results]
+    assert sum(mine) == results[0][1]  # the ranks' experts add up to the dense model's
+    assert max(mine) < results[0][1]
+
+
+def _save(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = tp.parallelize(build(arch), plan_for(arch, build(arch)))
+    dense = build(arch)
+    with torch.no_grad():  # every dense parameter moved by a seeded step, then sharded
+        for i, p in enumerate(dense.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i),
+                               dtype=p.dtype))
+        params = dict(model.named_parameters())
+        for name, p in dense.named_parameters():
+            params[name].copy_(local_part(model, name, p))
+    dcp.save(tp.sharded_state_dict(model), checkpoint_id=path)
+    full = tp.full_state_dict(model)
+    expected = dense.state_dict()
+    if dist.get_rank() == 0:  # full_state_dict gives the dense layout, experts stacked
+        for key, value in expected.items():
+            assert torch.equal(full[key], value), key
+    return {k: v.clone() for k, v in expected.items()}
+
+
+def _load(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = tp.parallelize(build(arch), plan_for(arch, build(arch)))
+    state = tp.sharded_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(model, state)
+    full = tp.full_state_dict(model)
+    return {k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None
+
+
+def _load_dense(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = build(arch)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    return {k: v.clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("save_world, load_world", [(2, 3), (3, 4)])
+def test_checkpoint_loads_at_another_expert_parallel_size(tmp_path, save_world, load_world):
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, save_world, "qwen2_moe", path, timeout=240)[0]
+    loaded = run_distributed(_load, load_world, "qwen2_moe", path, timeout=240)[0]
+    dense = run_distributed(_load_dense, 1, "qwen2_moe", path, timeout=240)[0]
+    assert saved.keys() == loaded.keys() == dense.keys()
+    for key in saved:
+        assert torch.equal(saved[key], loaded[key]), key
+        assert torch.equal(saved[key], dense[key]), key
