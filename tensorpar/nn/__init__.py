@@ -8,11 +8,13 @@ from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.loss import vocab_parallel_cross_entropy
 from tensorpar.nn.modules import Gather, Scatter
+from tensorpar.nn.partial_grad import install_partial_grad
 from tensorpar.nn.plan import (
     Builder,
     Colwise,
     EmbeddingDim,
     PackedColwise,
+    PartialGrad,
     Rowwise,
     Vocab,
     match_module,
@@ -30,6 +32,7 @@ __all__ = [
     "Gather",
     "ParallelEmbedding",
     "PackedColwise",
+    "PartialGrad",
     "ParallelRNG",
     "RowParallelConv1D",
     "RowParallelLinear",
@@ -38,6 +41,7 @@ __all__ = [
     "Vocab",
     "VocabParallelEmbedding",
     "full_state_dict",
+    "install_partial_grad",
     "load_full_state_dict",
     "match_module",
     "parallelize",

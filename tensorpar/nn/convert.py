@@ -15,10 +15,12 @@ from tensorpar.nn._column_fn import SharedInput
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.nn.partial_grad import install_partial_grad
 from tensorpar.nn.plan import (
     Builder,
     Colwise,
     PackedColwise,
+    PartialGrad,
     Rowwise,
     Style,
     Vocab,
@@ -107,6 +109,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     built = {}
     for name, style in assignments.items():
         module = model.get_submodule(name)
+        if isinstance(style, PartialGrad) and type(module) not in builders:
+            continue  # stays in place: its parameters get their hooks once all is built
         custom = builders.get(type(module))
         built[name] = custom(module, style, group) if custom else _build(module, style, group)
     for name, new in built.items():
@@ -118,6 +122,9 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
     _share_inputs(model, built)
+    for name, style in assignments.items():
+        if isinstance(style, PartialGrad) and name not in built:
+            install_partial_grad(model.get_submodule(name), group)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)

@@ -8,7 +8,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tensorpar.nn.plan import Colwise, PackedColwise, Rowwise, Style, Vocab, tied_groups
+from tensorpar.nn.plan import (
+    Colwise,
+    PackedColwise,
+    PartialGrad,
+    Rowwise,
+    Style,
+    Vocab,
+    tied_groups,
+)
 
 __all__ = ["plan_from_transformers"]
 
@@ -126,11 +134,14 @@ def _heads(config: Any) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+              "replicated_with_grad_allreduce")
 
 
 def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.dtype | None
            ) -> Style:
+    if raw == "replicated_with_grad_allreduce":  # per-head norms: a partial gradient
+        return PartialGrad()
     if raw == "colwise_gather_output":  # the model slices the output with global sizes
         return Colwise(gather_output=True)
     if raw == "rowwise_split_input":

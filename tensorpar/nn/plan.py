@@ -19,8 +19,8 @@ from torch import nn
 from tensorpar._group import GroupLike
 from tensorpar._split import balanced_sizes
 
-__all__ = ["Builder", "Colwise", "EmbeddingDim", "PackedColwise", "Rowwise", "Style", "Vocab",
-           "match_module"]
+__all__ = ["Builder", "Colwise", "EmbeddingDim", "PackedColwise", "PartialGrad", "Rowwise",
+           "Style", "Vocab", "match_module"]
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,28 @@ class EmbeddingDim:
     """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
 
 
-Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim
-STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim)
+@dataclass(frozen=True)
+class PartialGrad:
+    """Keep a module's own parameters whole on every rank and sum their gradients.
+
+    For parameters that see only the rank's part of the data, so that each rank's gradient
+    is a partial sum: per-head norms between a column- and a row-parallel layer (Qwen3's
+    ``q_norm``/``k_norm``; transformers calls the style ``replicated_with_grad_allreduce``)
+    and the norms of a sequence-parallel model. The module is not replaced; its direct
+    parameters get their gradient all-reduced over the group once per backward pass (see
+    `tensorpar.nn.partial_grad`).
+    """
+
+
+Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | PartialGrad
+STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, PartialGrad)
 Builder: TypeAlias = Callable[[nn.Module, Style, GroupLike], nn.Module]
 """Builds the parallel module for a layer class tensorpar does not know: ``(dense module,
 style, group) -> module``."""
 NAMED_STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(),
-                                  "vocab": Vocab(), "embedding_dim": EmbeddingDim()}
+                                  "vocab": Vocab(), "embedding_dim": EmbeddingDim(),
+                                  "partial_grad": PartialGrad(),
+                                  "replicated_with_grad_allreduce": PartialGrad()}
 Layout: TypeAlias = "tuple[int, tuple[int, ...]] | None"
 """How a parameter is split: ``(dim, sizes per rank)``, or ``None`` for replicated."""
 
@@ -213,6 +228,11 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 
 def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
+    if isinstance(style, PartialGrad):
+        if not any(True for _ in module.parameters(recurse=False)):
+            return (f"{name!r} is a {type(module).__name__} with no parameters of its own; "
+                    f"style PartialGrad sums the gradients of a module's own parameters")
+        return None
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         if type(module) is not nn.Linear and not is_conv1d(module):
             return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
@@ -262,7 +282,7 @@ def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layo
 
     Packed splits are described block by block (sizes per block, then per rank).
     """
-    if style is None:
+    if style is None or isinstance(style, PartialGrad):
         return None
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         n_in, n_out = features(module)
