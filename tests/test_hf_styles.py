@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import tensorpar as tp
-from tensorpar.nn import PartialGrad, plan_from_transformers, vocab_parallel_cross_entropy
+from tensorpar.nn import (
+    Colwise,
+    MlaKvAProj,
+    PartialGrad,
+    Rowwise,
+    plan_from_transformers,
+    vocab_parallel_cross_entropy,
+)
 from tensorpar.nn.partial_grad import install_partial_grad, partial_grad_parameters
 from tensorpar.testing import run_distributed
 
@@ -27,6 +34,18 @@ HEADS = {"num_attention_heads": 10, "num_key_value_heads": 5, "head_dim": 4}
 MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**HEADS, "hidden_size": 24}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**HEADS, "hidden_size": 40}),
+    # q/k/v gathered (colwise_gather_output: the q/k norms span all heads), o_proj splits
+    # its input (rowwise_split_input)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**HEADS, "hidden_size": 40}),
+    # multi-head latent attention: 5 heads (uneven at TP 2, 3, 4), a low-rank query, a
+    # dense first layer and a mixture-of-experts second one (experts left replicated)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"hidden_size": 24, "num_attention_heads": 5, "num_key_value_heads": 5,
+                     "q_lora_rank": 12, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                     "qk_nope_head_dim": 6, "v_head_dim": 5, "head_dim": 4,
+                     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                     "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 10,
+                     "n_shared_experts": 1, "experts_implementation": "eager"}),
 }
 
 
@@ -142,8 +161,28 @@ def test_per_head_norms_train_like_dense(arch, world_size):
     assert_replicas_identical(run_distributed(train_like_dense, world_size, arch, timeout=180))
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_deepseek_v3_without_query_lora_trains_like_dense(world_size):
+    results = run_distributed(train_like_dense, world_size, "deepseek_v3", {"q_lora_rank": None},
+                              timeout=180)
+    assert_replicas_identical(results)
+
+
+def test_mla_plan_splits_the_up_projections_by_head():
+    plan = plan_from_transformers(build("deepseek_v3"))
+    attn = "model.layers.*.self_attn."
+    assert plan[attn + "q_b_proj"] == Colwise(multiple_of=10)
+    assert plan[attn + "kv_b_proj"] == Colwise(multiple_of=11)
+    assert plan[attn + "kv_a_proj_with_mqa"] == MlaKvAProj(rope_dim=4)
+    assert plan[attn + "o_proj"] == Rowwise(multiple_of=5)
+    assert attn + "q_a_proj" not in plan and attn + "kv_a_layernorm" not in plan
+    olmo = plan_from_transformers(build("olmo2"))
+    assert olmo[attn + "q_proj"] == Colwise(gather_output=True)
+    assert olmo[attn + "o_proj"] == Rowwise(input_is_parallel=False)
+
+
 def test_plan_maps_replicated_with_grad_allreduce_to_partial_grad():
-    for arch in MODELS:
+    for arch in ("qwen3", "gemma3"):
         plan = plan_from_transformers(build(arch))
         assert plan["model.layers.*.self_attn.q_norm"] == PartialGrad()
         assert plan["model.layers.*.self_attn.k_norm"] == PartialGrad()

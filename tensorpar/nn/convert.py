@@ -14,13 +14,12 @@ from tensorpar.functional import broadcast
 from tensorpar.nn._column_fn import SharedInput
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.inplace_styles import INPLACE_STYLES, install
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.nn.partial_grad import install_partial_grad
 from tensorpar.nn.plan import (
     Builder,
     Colwise,
     PackedColwise,
-    PartialGrad,
     Rowwise,
     Style,
     Vocab,
@@ -109,7 +108,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     built = {}
     for name, style in assignments.items():
         module = model.get_submodule(name)
-        if isinstance(style, PartialGrad) and type(module) not in builders:
+        if isinstance(style, INPLACE_STYLES) and type(module) not in builders:
             continue  # stays in place: its parameters get their hooks once all is built
         custom = builders.get(type(module))
         built[name] = custom(module, style, group) if custom else _build(module, style, group)
@@ -123,8 +122,8 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         setattr(model.get_submodule(parent_name), child, new)
     _share_inputs(model, built)
     for name, style in assignments.items():
-        if isinstance(style, PartialGrad) and name not in built:
-            install_partial_grad(model.get_submodule(name), group)
+        if isinstance(style, INPLACE_STYLES) and name not in built:
+            install(model.get_submodule(name), style, group)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)

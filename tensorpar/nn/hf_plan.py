@@ -10,11 +10,14 @@ from torch import nn
 
 from tensorpar.nn.plan import (
     Colwise,
+    EmbeddingDim,
+    MlaKvAProj,
     PackedColwise,
     PartialGrad,
     Rowwise,
     Style,
     Vocab,
+    match_module,
     tied_groups,
 )
 
@@ -92,8 +95,21 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     own = _OWN_PLANS.get(arch)
     if own is not None:
         plan = {prefix + k: v for k, v in own(config, head_dim, reduce_dtype).items()}
-    for pattern, raw in ({} if own is not None else base_plan or {}).items():
+    entries = dict({} if own is not None else base_plan or {})
+    local = [p for p, raw in entries.items() if raw == "local_params"]
+    if local:
+        raise ValueError(f"{fn}: {arch}'s tp_plan splits bare per-head parameters of "
+                         f"{local} (style 'local_params', e.g. attention sinks); tensorpar "
+                         f"cannot split a parameter that is not a layer's weight yet")
+    mla = _is_mla(config)
+    if mla:  # multi-head latent attention: tensorpar's own split of the attention
+        entries = {p: raw for p, raw in entries.items() if ".self_attn." not in p}
+        plan.update({prefix + k: v for k, v in _mla(config, reduce_dtype).items()})
+    modules = [n for n, _ in model.named_modules()]
+    for pattern, raw in entries.items():
         leaf = pattern.rpartition(".")[2]
+        if not any(match_module(prefix + pattern, n) for n in modules):
+            continue  # e.g. the dense MLP's entries in a model whose every layer is MoE
         if raw in _LEFT_REPLICATED or ".experts" in pattern:
             replicated.append(pattern)
             continue
@@ -105,7 +121,9 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                              f"whose layout tensorpar does not know; write a plan by hand "
                              f"with PackedColwise, or Colwise(gather_output=True) and the "
                              f"output projection Rowwise(input_is_parallel=False)")
-        plan[prefix + pattern] = _style(leaf, raw, group, head_dim, reduce_dtype)
+        style = _style(leaf, raw, group, head_dim, reduce_dtype)
+        if style is not None:
+            plan[prefix + pattern] = style
     if replicated:
         warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
                       f"layers are not split by tensorpar yet); they compute the dense result "
@@ -135,11 +153,18 @@ def _heads(config: Any) -> tuple[int, int, int]:
 
 
 _TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-              "replicated_with_grad_allreduce")
+              "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
+              "replicate")
 
 
 def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.dtype | None
-           ) -> Style:
+           ) -> Style | None:
+    if raw == "replicate":
+        return None
+    if raw == "embedding_rowwise":
+        return Vocab()
+    if raw == "embedding_colwise":
+        return EmbeddingDim()
     if raw == "replicated_with_grad_allreduce":  # per-head norms: a partial gradient
         return PartialGrad()
     if raw == "colwise_gather_output":  # the model slices the output with global sizes
@@ -153,6 +178,29 @@ def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.d
     if leaf == "o_proj":
         return Rowwise(multiple_of=group * head_dim, reduce_dtype=reduce_dtype)
     return Colwise() if raw == "colwise" else Rowwise(reduce_dtype=reduce_dtype)
+
+
+def _is_mla(config: Any) -> bool:
+    return all(isinstance(getattr(config, k, None), int)
+               for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+
+
+def _mla(config: Any, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+    """Multi-head latent attention (DeepSeek-V2/V3), split by head.
+
+    The low-rank down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms stay
+    replicated; the up-projections (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) are split by
+    head and ``o_proj`` like them. The rotary key, shared by every head, leaves
+    ``kv_a_proj_with_mqa`` without passing a split layer: `MlaKvAProj` sums its gradient.
+    """
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    q = "q_proj" if getattr(config, "q_lora_rank", None) is None else "q_b_proj"
+    attn = "layers.*.self_attn."
+    return {attn + q: Colwise(multiple_of=qk),
+            attn + "kv_a_proj_with_mqa": MlaKvAProj(rope_dim=config.qk_rope_head_dim),
+            attn + "kv_b_proj": Colwise(multiple_of=config.qk_nope_head_dim
+                                        + config.v_head_dim),
+            attn + "o_proj": Rowwise(multiple_of=config.v_head_dim, reduce_dtype=reduce_dtype)}
 
 
 def _phi3(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[str, Style]:

@@ -18,9 +18,10 @@ from torch import nn
 
 from tensorpar._group import GroupLike
 from tensorpar._split import balanced_sizes
+from tensorpar.nn.inplace_styles import INPLACE_STYLES, MlaKvAProj, PartialGrad, check_inplace
 
-__all__ = ["Builder", "Colwise", "EmbeddingDim", "PackedColwise", "PartialGrad", "Rowwise",
-           "Style", "Vocab", "match_module"]
+__all__ = ["Builder", "Colwise", "EmbeddingDim", "MlaKvAProj", "PackedColwise", "PartialGrad",
+           "Rowwise", "Style", "Vocab", "match_module"]
 
 
 @dataclass(frozen=True)
@@ -103,21 +104,9 @@ class EmbeddingDim:
     """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
 
 
-@dataclass(frozen=True)
-class PartialGrad:
-    """Keep a module's own parameters whole on every rank and sum their gradients.
-
-    For parameters that see only the rank's part of the data, so that each rank's gradient
-    is a partial sum: per-head norms between a column- and a row-parallel layer (Qwen3's
-    ``q_norm``/``k_norm``; transformers calls the style ``replicated_with_grad_allreduce``)
-    and the norms of a sequence-parallel model. The module is not replaced; its direct
-    parameters get their gradient all-reduced over the group once per backward pass (see
-    `tensorpar.nn.partial_grad`).
-    """
-
-
-Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | PartialGrad
-STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, PartialGrad)
+Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | PartialGrad \
+    | MlaKvAProj
+STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, *INPLACE_STYLES)
 Builder: TypeAlias = Callable[[nn.Module, Style, GroupLike], nn.Module]
 """Builds the parallel module for a layer class tensorpar does not know: ``(dense module,
 style, group) -> module``."""
@@ -228,11 +217,8 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 
 def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
-    if isinstance(style, PartialGrad):
-        if not any(True for _ in module.parameters(recurse=False)):
-            return (f"{name!r} is a {type(module).__name__} with no parameters of its own; "
-                    f"style PartialGrad sums the gradients of a module's own parameters")
-        return None
+    if isinstance(style, INPLACE_STYLES):
+        return check_inplace(name, module, style)
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         if type(module) is not nn.Linear and not is_conv1d(module):
             return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
@@ -282,7 +268,7 @@ def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layo
 
     Packed splits are described block by block (sizes per block, then per rank).
     """
-    if style is None or isinstance(style, PartialGrad):
+    if style is None or isinstance(style, INPLACE_STYLES):
         return None
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         n_in, n_out = features(module)
@@ -367,8 +353,17 @@ def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int,
         if not all(type(getattr(module, p, None)) is nn.Linear for p in qkv) or any(
                 type(getattr(module, p, None)) in (custom or {}) for p in (*qkv, "o_proj")):
             continue
-        where = [layout(assignments.get(f"{name}.{p}"), getattr(module, p), "weight", size)
-                 for p in qkv]
+        styles = [assignments.get(f"{name}.{p}") for p in qkv]
+        if all(isinstance(s, Colwise) and s.gather_output for s in styles):
+            o_style = assignments.get(f"{name}.o_proj")
+            if isinstance(o_style, Rowwise) and o_style.input_is_parallel:
+                problems.append(f"{name + '.o_proj'!r}: the attention runs on whole heads "
+                                f"(q/k/v projections gather their output), so o_proj must "
+                                f"split its input: Rowwise(input_is_parallel=False); got "
+                                f"{o_style}")
+            continue
+        where = [layout(s, getattr(module, p), "weight", size) for s, p in zip(styles, qkv,
+                                                                               strict=True)]
         if where == [None, None, None]:
             continue
         q, k, v = (_heads(w, head_dim) for w in where)
