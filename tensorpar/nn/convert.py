@@ -14,6 +14,7 @@ from tensorpar.functional import broadcast
 from tensorpar.nn._column_fn import SharedInput
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.hf_checks import check_own_plan, guard_whole_logits
 from tensorpar.nn.inplace_styles import INPLACE_STYLES, install
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.plan import (
@@ -104,7 +105,15 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     check_same_weights("parallelize", model, group)  # every rank, before anything changes
     size = resolve_group(group, "parallelize").size
     assignments = assign(model, plan, size, builders)
+    by_builder = {n for n in assignments if type(model.get_submodule(n)) in builders}
+    problems = check_own_plan(model, {n: s for n, s in assignments.items()
+                                      if n not in by_builder}, size)
+    if problems:
+        raise ValueError("parallelize: the plan contradicts the model's own plan:\n  - "
+                         + "\n  - ".join(problems))
     ties = tied_groups(model)
+    head = _output_embeddings(model)
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
     built = {}
     for name, style in assignments.items():
         module = model.get_submodule(name)
@@ -124,6 +133,10 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     for name, style in assignments.items():
         if isinstance(style, INPLACE_STYLES) and name not in built:
             install(model.get_submodule(name), style, group)
+    for name, style in assignments.items():
+        if name == head_name and isinstance(built.get(name), ColumnParallelLinear) \
+                and not getattr(style, "gather_output", True):
+            guard_whole_logits(model, name)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)
@@ -131,6 +144,15 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
             owner, _, leaf = other.rpartition(".")
             setattr(model.get_submodule(owner), leaf, shared)
     return model
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except NotImplementedError:
+        return None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _share_inputs(model: nn.Module, built: dict[str, nn.Module]) -> None:

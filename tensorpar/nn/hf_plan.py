@@ -84,6 +84,8 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                         f"{type(model).__name__}")
     arch = config.model_type
     base_plan: dict[str, str] | None = getattr(config, "base_model_tp_plan", None)
+    if arch in ("t5", "mt5"):
+        return _with_embeddings(model, _t5(model, reduce_dtype), lm_head)
     if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
                          f"({type(model).__name__}); write one by hand (see parallelize)")
@@ -128,17 +130,28 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
                       f"layers are not split by tensorpar yet); they compute the dense result "
                       f"on every rank", stacklevel=2)
+    return _with_embeddings(model, plan, lm_head)
+
+
+def _with_embeddings(model: nn.Module, plan: dict[str, Style], lm_head: LMHead
+                     ) -> dict[str, Style]:
+    """The plan, with the input embedding (and its tied copies) and the LM head split."""
     names = {id(m): n for n, m in model.named_modules()}
     embed = _embeddings(model, "get_input_embeddings")
     if embed is not None:
         plan[names[id(embed)]] = Vocab()
+        for name, module in model.named_modules():  # T5: the stacks' embed_tokens are tied
+            if isinstance(module, nn.Embedding) and module is not embed \
+                    and module.weight is embed.weight:
+                plan[name] = Vocab()
     head = _embeddings(model, "get_output_embeddings")
     if isinstance(head, nn.Linear) and id(head) in names:
         bias_tied = any(names[id(head)] + ".bias" in tie for tie in tied_groups(model))
         if not bias_tied:
             plan[names[id(head)]] = Colwise(gather_output=lm_head == "gathered")
         elif embed is not None and head.weight is embed.weight:
-            del plan[names[id(embed)]]  # the head stays replicated, so must its tied embedding
+            for name in [n for n, s in plan.items() if isinstance(s, Vocab)]:
+                del plan[name]  # the head stays replicated, so must its tied embeddings
     return plan
 
 
@@ -246,6 +259,23 @@ def _bert(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[
                                                       reduce_dtype=reduce_dtype),
             layer + "intermediate.dense": Colwise(),
             layer + "output.dense": Rowwise(reduce_dtype=reduce_dtype)}
+
+
+def _t5(model: nn.Module, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+    # T5's attention views its projections with the global head count (view(b, -1, n_heads,
+    # d)), which a head split would silently fold into the sequence: the projections are
+    # gathered and the output projection splits its input, as Phi-3's. The MLP is split.
+    leaves = {n.rpartition(".")[2] for n, _ in model.named_modules()}
+    plan: dict[str, Style] = {}
+    for attn in ("SelfAttention", "EncDecAttention"):
+        if attn in leaves:
+            plan[f"**.{attn}.[qkv]"] = Colwise(gather_output=True)
+            plan[f"**.{attn}.o"] = Rowwise(input_is_parallel=False, reduce_dtype=reduce_dtype)
+    for proj in ("wi", "wi_0", "wi_1"):
+        if any(n.endswith(f"DenseReluDense.{proj}") for n, _ in model.named_modules()):
+            plan[f"**.DenseReluDense.{proj}"] = Colwise()
+    plan["**.DenseReluDense.wo"] = Rowwise(reduce_dtype=reduce_dtype)
+    return plan
 
 
 _OWN_PLANS = {"phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox, "bert": _bert}
