@@ -128,7 +128,7 @@ def _t5(feed_forward_proj, tol=1e-10):
         outs = [m(input_ids=ids, labels=labels) for m in (dense, parallel)]
         torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=tol, atol=tol)
         torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=tol, atol=tol)
-        for out, opt in zip(outs, opts, strict=True):
+        for out in outs:
             out.loss.backward()
         grads = dict(dense.named_parameters())
         for name, p in parallel.named_parameters():
