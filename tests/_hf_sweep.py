@@ -73,7 +73,13 @@ def check(model_type: str, config_name: str, cls: str) -> tuple[str, str]:
         except Exception as e:
             return "not built", f"{type(e).__name__}: {_line(e)}"
         try:
-            tp.parallelize(parallel, plan_from_transformers(dense))
+            plan = plan_from_transformers(dense)
+        except ValueError as e:
+            return "refused", _line(e)
+        except Exception as e:
+            return "error", f"planning: {type(e).__name__}: {_line(e)}"
+        try:
+            tp.parallelize(parallel, plan)
         except ValueError as e:
             return "refused", _line(e)
     ids = torch.randint(2, 101, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -89,7 +89,12 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
                          f"({type(model).__name__}); write one by hand (see parallelize)")
-    heads, kv_heads, head_dim = _heads(config)
+    try:
+        heads, kv_heads, head_dim = _heads(config)
+    except (AttributeError, TypeError) as e:  # e.g. a config whose sizes vary per layer
+        raise ValueError(f"{fn}: {arch}: the config gives no single head count and head "
+                         f"size ({type(e).__name__}: {e}); tensorpar plans models whose layers "
+                         f"share them") from e
     group = heads // kv_heads
     prefix = _base_prefix(model)
     plan: dict[str, Style] = {}
