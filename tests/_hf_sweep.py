@@ -56,7 +56,7 @@ def _build(config_name: str, cls: str):  # type: ignore[no-untyped-def]
         config = getattr(transformers, config_name)(**{**TINY, "num_key_value_heads": 6})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return getattr(transformers, cls)(config).double()
+    return getattr(transformers, cls)(config).double().eval()  # no dropout: deterministic
 
 
 def check(model_type: str, config_name: str, cls: str) -> tuple[str, str]:

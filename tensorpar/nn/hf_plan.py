@@ -91,7 +91,7 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                          f"({type(model).__name__}); write one by hand (see parallelize)")
     try:
         heads, kv_heads, head_dim = _heads(config)
-    except (AttributeError, TypeError) as e:  # e.g. a config whose sizes vary per layer
+    except Exception as e:  # e.g. a config whose sizes vary per layer refuses the reads
         raise ValueError(f"{fn}: {arch}: the config gives no single head count and head "
                          f"size ({type(e).__name__}: {e}); tensorpar plans models whose layers "
                          f"share them") from e
@@ -108,11 +108,10 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         raise ValueError(f"{fn}: {arch}'s tp_plan splits bare per-head parameters of "
                          f"{local} (style 'local_params', e.g. attention sinks); tensorpar "
                          f"cannot split a parameter that is not a layer's weight yet")
-    mla = _is_mla(config)
-    if mla:  # multi-head latent attention: tensorpar's own split of the attention
-        entries = {p: raw for p, raw in entries.items() if ".self_attn." not in p}
-        plan.update({prefix + k: v for k, v in _mla(config, reduce_dtype).items()})
     modules = [n for n, _ in model.named_modules()]
+    if _is_mla(config, modules):  # multi-head latent attention: tensorpar's own split
+        entries = {p: raw for p, raw in entries.items() if ".self_attn." not in p}
+        plan.update({prefix + k: v for k, v in _mla(config, modules, reduce_dtype).items()})
     for pattern, raw in entries.items():
         leaf = pattern.rpartition(".")[2]
         if not any(match_module(prefix + pattern, n) for n in modules):
@@ -131,6 +130,7 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         style = _style(leaf, raw, group, head_dim, reduce_dtype)
         if style is not None:
             plan[prefix + pattern] = style
+    plan.update(_partial_grad_gaps(model, plan, head_dim))
     if replicated:
         warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
                       f"layers are not split by tensorpar yet); they compute the dense result "
@@ -198,12 +198,47 @@ def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.d
     return Colwise() if raw == "colwise" else Rowwise(reduce_dtype=reduce_dtype)
 
 
-def _is_mla(config: Any) -> bool:
-    return all(isinstance(getattr(config, k, None), int)
-               for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+def _partial_grad_gaps(model: nn.Module, plan: dict[str, Style], head_dim: int
+                       ) -> dict[str, Style]:
+    """Parameters some transformers plans forget, whose gradient a split makes partial.
+
+    A per-head ``q_norm``/``k_norm`` (weight of ``head_dim``) beside a split ``q_proj`` or
+    ``k_proj`` (SarvamMoE's plan omits it), and an activation with parameters of its own
+    (Apertus's xIELU ``act_fn``) beside a split up projection: both see this rank's slice.
+    """
+    styles = {n: st for pattern, st in plan.items() for n, _ in model.named_modules()
+              if n and match_module(pattern, n)}
+    split = {n.rpartition(".")[0] for n, st in styles.items()
+             if isinstance(st, (Colwise, PackedColwise)) and not st.gather_output}
+    gaps: dict[str, Style] = {}
+    for parent in sorted(split):
+        bare = [n for n, _ in model.get_submodule(parent).named_parameters(recurse=False)]
+        if bare:  # Doge's per-head A: a bare parameter the rank's heads index
+            raise ValueError(f"plan_from_transformers: {parent!r} holds bare parameters "
+                             f"{bare} beside its split projections; tensorpar cannot tell "
+                             f"whether they are per head and does not split bare parameters")
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        own = [p for _, p in module.named_parameters(recurse=False)]
+        if name in styles or parent not in split or not own:
+            continue
+        per_head = leaf in ("q_norm", "k_norm") and all(p.numel() == head_dim for p in own)
+        if per_head or (leaf == "act_fn" and isinstance(module, nn.Module)):
+            gaps[name] = PartialGrad()
+    return gaps
 
 
-def _mla(config: Any, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+def _is_mla(config: Any, modules: list[str]) -> bool:
+    """DeepSeek-style latent attention: the config's sizes and the modules that use them."""
+    sizes = all(isinstance(getattr(config, k, None), int)
+                for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    leaves = {n.rpartition(".")[2] for n in modules}
+    return sizes and {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= leaves \
+        and bool({"q_proj", "q_b_proj"} & leaves)
+
+
+def _mla(config: Any, modules: list[str], reduce_dtype: torch.dtype | None
+         ) -> dict[str, Style]:
     """Multi-head latent attention (DeepSeek-V2/V3), split by head.
 
     The low-rank down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms stay
@@ -212,7 +247,7 @@ def _mla(config: Any, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
     ``kv_a_proj_with_mqa`` without passing a split layer: `MlaKvAProj` sums its gradient.
     """
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    q = "q_proj" if getattr(config, "q_lora_rank", None) is None else "q_b_proj"
+    q = "q_b_proj" if any(n.endswith(".q_b_proj") for n in modules) else "q_proj"
     attn = "layers.*.self_attn."
     return {attn + q: Colwise(multiple_of=qk),
             attn + "kv_a_proj_with_mqa": MlaKvAProj(rope_dim=config.qk_rope_head_dim),
