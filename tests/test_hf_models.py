@@ -249,7 +249,8 @@ def test_generate_with_the_gathered_head_returns_the_dense_tokens(world_size):
 @pytest.mark.parametrize("name, config, match", [
     ("GPT2Config", {"n_head": 4, "n_embd": 16, "add_cross_attention": True},
      "add_cross_attention=True is not supported"),
-    ("T5Config", {"num_heads": 4, "d_model": 16, "d_kv": 4}, "no tensor-parallel plan"),
+    ("OPTConfig", {"num_attention_heads": 4, "ffn_dim": 32, "word_embed_proj_dim": 16},
+     "no tensor-parallel plan"),
 ])
 def test_architectures_without_support_are_refused_clearly(name, config, match):
     import transformers

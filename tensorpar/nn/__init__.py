@@ -10,11 +10,14 @@ from tensorpar.nn.hf_plan import plan_from_transformers
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.loss import vocab_parallel_cross_entropy
 from tensorpar.nn.modules import Gather, Scatter
+from tensorpar.nn.partial_grad import install_partial_grad
 from tensorpar.nn.plan import (
     Builder,
     Colwise,
     EmbeddingDim,
+    MlaKvAProj,
     PackedColwise,
+    PartialGrad,
     Rowwise,
     Vocab,
     match_module,
@@ -30,9 +33,11 @@ __all__ = [
     "EmbeddingDim",
     "ExpertParallel",
     "Gather",
+    "MlaKvAProj",
     "ParallelEmbedding",
     "ParallelExperts",
     "PackedColwise",
+    "PartialGrad",
     "ParallelRNG",
     "RowParallelConv1D",
     "RowParallelLinear",
@@ -41,6 +46,7 @@ __all__ = [
     "Vocab",
     "VocabParallelEmbedding",
     "full_state_dict",
+    "install_partial_grad",
     "load_full_state_dict",
     "match_module",
     "parallelize",

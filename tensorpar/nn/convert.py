@@ -17,6 +17,8 @@ from tensorpar.nn.checkpoint import fsdp_full_state_dict
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
+from tensorpar.nn.hf_checks import check_own_plan, guard_whole_logits
+from tensorpar.nn.inplace_styles import INPLACE_STYLES, install
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.plan import (
     Builder,
@@ -105,10 +107,20 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     check_same_weights("parallelize", model, group)  # every rank, before anything changes
     size = resolve_group(group, "parallelize").size
     assignments = assign(model, plan, size, builders)
+    by_builder = {n for n in assignments if type(model.get_submodule(n)) in builders}
+    problems = check_own_plan(model, {n: s for n, s in assignments.items()
+                                      if n not in by_builder}, size)
+    if problems:
+        raise ValueError("parallelize: the plan contradicts the model's own plan:\n  - "
+                         + "\n  - ".join(problems))
     ties = tied_groups(model)
+    head = _output_embeddings(model)
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
     built = {}
     for name, style in assignments.items():
         module = model.get_submodule(name)
+        if isinstance(style, INPLACE_STYLES) and type(module) not in builders:
+            continue  # stays in place: its parameters get their hooks once all is built
         custom = builders.get(type(module))
         built[name] = custom(module, style, group) if custom else _build(module, style, group)
     for name, new in built.items():
@@ -120,6 +132,13 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
     _share_inputs(model, built)
+    for name, style in assignments.items():
+        if isinstance(style, INPLACE_STYLES) and name not in built:
+            install(model.get_submodule(name), style, group)
+    for name, style in assignments.items():
+        if name == head_name and isinstance(built.get(name), ColumnParallelLinear) \
+                and not getattr(style, "gather_output", True):
+            guard_whole_logits(model, name)
     for names in ties:  # the checks made sure every name of a tie got the same shard
         owner, _, leaf = names[0].rpartition(".")
         shared = getattr(model.get_submodule(owner), leaf)
@@ -128,6 +147,15 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
             setattr(model.get_submodule(owner), leaf, shared)
     tag_model(model, resolve_group(group, "parallelize"))  # for clipping and replica checks
     return model
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except NotImplementedError:
+        return None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _share_inputs(model: nn.Module, built: dict[str, nn.Module]) -> None:

@@ -9,7 +9,18 @@ import torch
 from torch import nn
 
 from tensorpar.nn.hf_experts import ExpertsMode, check_experts_mode, expert_parallel_plan
-from tensorpar.nn.plan import Colwise, PackedColwise, Rowwise, Style, Vocab, tied_groups
+from tensorpar.nn.plan import (
+    Colwise,
+    EmbeddingDim,
+    MlaKvAProj,
+    PackedColwise,
+    PartialGrad,
+    Rowwise,
+    Style,
+    Vocab,
+    match_module,
+    tied_groups,
+)
 
 __all__ = ["plan_from_transformers"]
 
@@ -79,10 +90,17 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                         f"{type(model).__name__}")
     arch = config.model_type
     base_plan: dict[str, str] | None = getattr(config, "base_model_tp_plan", None)
+    if arch in ("t5", "mt5"):
+        return _with_embeddings(model, _t5(model, reduce_dtype), lm_head)
     if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
                          f"({type(model).__name__}); write one by hand (see parallelize)")
-    heads, kv_heads, head_dim = _heads(config)
+    try:
+        heads, kv_heads, head_dim = _heads(config)
+    except Exception as e:  # e.g. a config whose sizes vary per layer refuses the reads
+        raise ValueError(f"{fn}: {arch}: the config gives no single head count and head "
+                         f"size ({type(e).__name__}: {e}); tensorpar plans models whose layers "
+                         f"share them") from e
     group = heads // kv_heads
     prefix = _base_prefix(model)
     plan: dict[str, Style] = {}
@@ -90,8 +108,20 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     own = _OWN_PLANS.get(arch)
     if own is not None:
         plan = {prefix + k: v for k, v in own(config, head_dim, reduce_dtype).items()}
-    for pattern, raw in ({} if own is not None else base_plan or {}).items():
+    entries = dict({} if own is not None else base_plan or {})
+    local = [p for p, raw in entries.items() if raw == "local_params"]
+    if local:
+        raise ValueError(f"{fn}: {arch}'s tp_plan splits bare per-head parameters of "
+                         f"{local} (style 'local_params', e.g. attention sinks); tensorpar "
+                         f"cannot split a parameter that is not a layer's weight yet")
+    modules = [n for n, _ in model.named_modules()]
+    if _is_mla(config, modules):  # multi-head latent attention: tensorpar's own split
+        entries = {p: raw for p, raw in entries.items() if ".self_attn." not in p}
+        plan.update({prefix + k: v for k, v in _mla(config, modules, reduce_dtype).items()})
+    for pattern, raw in entries.items():
         leaf = pattern.rpartition(".")[2]
+        if not any(match_module(prefix + pattern, n) for n in modules):
+            continue  # e.g. the dense MLP's entries in a model whose every layer is MoE
         if raw in _LEFT_REPLICATED or ".experts" in pattern:
             replicated.append(pattern)
             continue
@@ -103,24 +133,38 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                              f"whose layout tensorpar does not know; write a plan by hand "
                              f"with PackedColwise, or Colwise(gather_output=True) and the "
                              f"output projection Rowwise(input_is_parallel=False)")
-        plan[prefix + pattern] = _style(leaf, raw, group, head_dim, reduce_dtype)
+        style = _style(leaf, raw, group, head_dim, reduce_dtype)
+        if style is not None:
+            plan[prefix + pattern] = style
+    plan.update(_partial_grad_gaps(model, plan, head_dim))
     if experts == "expert_parallel":
         plan = expert_parallel_plan(model, plan, reduce_dtype=reduce_dtype)
     elif replicated:
         warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
                       f"layers are not split by tensorpar yet); they compute the dense result "
                       f"on every rank", stacklevel=2)
+    return _with_embeddings(model, plan, lm_head)
+
+
+def _with_embeddings(model: nn.Module, plan: dict[str, Style], lm_head: LMHead
+                     ) -> dict[str, Style]:
+    """The plan, with the input embedding (and its tied copies) and the LM head split."""
     names = {id(m): n for n, m in model.named_modules()}
     embed = _embeddings(model, "get_input_embeddings")
     if embed is not None:
         plan[names[id(embed)]] = Vocab()
+        for name, module in model.named_modules():  # T5: the stacks' embed_tokens are tied
+            if isinstance(module, nn.Embedding) and module is not embed \
+                    and module.weight is embed.weight:
+                plan[name] = Vocab()
     head = _embeddings(model, "get_output_embeddings")
     if isinstance(head, nn.Linear) and id(head) in names:
         bias_tied = any(names[id(head)] + ".bias" in tie for tie in tied_groups(model))
         if not bias_tied:
             plan[names[id(head)]] = Colwise(gather_output=lm_head == "gathered")
         elif embed is not None and head.weight is embed.weight:
-            del plan[names[id(embed)]]  # the head stays replicated, so must its tied embedding
+            for name in [n for n, s in plan.items() if isinstance(s, Vocab)]:
+                del plan[name]  # the head stays replicated, so must its tied embeddings
     return plan
 
 
@@ -134,11 +178,21 @@ def _heads(config: Any) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+              "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise",
+              "replicate")
 
 
 def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.dtype | None
-           ) -> Style:
+           ) -> Style | None:
+    if raw == "replicate":
+        return None
+    if raw == "embedding_rowwise":
+        return Vocab()
+    if raw == "embedding_colwise":
+        return EmbeddingDim()
+    if raw == "replicated_with_grad_allreduce":  # per-head norms: a partial gradient
+        return PartialGrad()
     if raw == "colwise_gather_output":  # the model slices the output with global sizes
         return Colwise(gather_output=True)
     if raw == "rowwise_split_input":
@@ -150,6 +204,64 @@ def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.d
     if leaf == "o_proj":
         return Rowwise(multiple_of=group * head_dim, reduce_dtype=reduce_dtype)
     return Colwise() if raw == "colwise" else Rowwise(reduce_dtype=reduce_dtype)
+
+
+def _partial_grad_gaps(model: nn.Module, plan: dict[str, Style], head_dim: int
+                       ) -> dict[str, Style]:
+    """Parameters some transformers plans forget, whose gradient a split makes partial.
+
+    A per-head ``q_norm``/``k_norm`` (weight of ``head_dim``) beside a split ``q_proj`` or
+    ``k_proj`` (SarvamMoE's plan omits it), and an activation with parameters of its own
+    (Apertus's xIELU ``act_fn``) beside a split up projection: both see this rank's slice.
+    """
+    styles = {n: st for pattern, st in plan.items() for n, _ in model.named_modules()
+              if n and match_module(pattern, n)}
+    split = {n.rpartition(".")[0] for n, st in styles.items()
+             if isinstance(st, (Colwise, PackedColwise)) and not st.gather_output}
+    gaps: dict[str, Style] = {}
+    for parent in sorted(split):
+        bare = [n for n, _ in model.get_submodule(parent).named_parameters(recurse=False)]
+        if bare:  # Doge's per-head A: a bare parameter the rank's heads index
+            raise ValueError(f"plan_from_transformers: {parent!r} holds bare parameters "
+                             f"{bare} beside its split projections; tensorpar cannot tell "
+                             f"whether they are per head and does not split bare parameters")
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        own = [p for _, p in module.named_parameters(recurse=False)]
+        if name in styles or parent not in split or not own:
+            continue
+        per_head = leaf in ("q_norm", "k_norm") and all(p.numel() == head_dim for p in own)
+        if per_head or (leaf == "act_fn" and isinstance(module, nn.Module)):
+            gaps[name] = PartialGrad()
+    return gaps
+
+
+def _is_mla(config: Any, modules: list[str]) -> bool:
+    """DeepSeek-style latent attention: the config's sizes and the modules that use them."""
+    sizes = all(isinstance(getattr(config, k, None), int)
+                for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    leaves = {n.rpartition(".")[2] for n in modules}
+    return sizes and {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= leaves \
+        and bool({"q_proj", "q_b_proj"} & leaves)
+
+
+def _mla(config: Any, modules: list[str], reduce_dtype: torch.dtype | None
+         ) -> dict[str, Style]:
+    """Multi-head latent attention (DeepSeek-V2/V3), split by head.
+
+    The low-rank down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms stay
+    replicated; the up-projections (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) are split by
+    head and ``o_proj`` like them. The rotary key, shared by every head, leaves
+    ``kv_a_proj_with_mqa`` without passing a split layer: `MlaKvAProj` sums its gradient.
+    """
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    q = "q_b_proj" if any(n.endswith(".q_b_proj") for n in modules) else "q_proj"
+    attn = "layers.*.self_attn."
+    return {attn + q: Colwise(multiple_of=qk),
+            attn + "kv_a_proj_with_mqa": MlaKvAProj(rope_dim=config.qk_rope_head_dim),
+            attn + "kv_b_proj": Colwise(multiple_of=config.qk_nope_head_dim
+                                        + config.v_head_dim),
+            attn + "o_proj": Rowwise(multiple_of=config.v_head_dim, reduce_dtype=reduce_dtype)}
 
 
 def _phi3(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
@@ -195,6 +307,23 @@ def _bert(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[
                                                       reduce_dtype=reduce_dtype),
             layer + "intermediate.dense": Colwise(),
             layer + "output.dense": Rowwise(reduce_dtype=reduce_dtype)}
+
+
+def _t5(model: nn.Module, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
+    # T5's attention views its projections with the global head count (view(b, -1, n_heads,
+    # d)), which a head split would silently fold into the sequence: the projections are
+    # gathered and the output projection splits its input, as Phi-3's. The MLP is split.
+    leaves = {n.rpartition(".")[2] for n, _ in model.named_modules()}
+    plan: dict[str, Style] = {}
+    for attn in ("SelfAttention", "EncDecAttention"):
+        if attn in leaves:
+            plan[f"**.{attn}.[qkv]"] = Colwise(gather_output=True)
+            plan[f"**.{attn}.o"] = Rowwise(input_is_parallel=False, reduce_dtype=reduce_dtype)
+    for proj in ("wi", "wi_0", "wi_1"):
+        if any(n.endswith(f"DenseReluDense.{proj}") for n, _ in model.named_modules()):
+            plan[f"**.DenseReluDense.{proj}"] = Colwise()
+    plan["**.DenseReluDense.wo"] = Rowwise(reduce_dtype=reduce_dtype)
+    return plan
 
 
 _OWN_PLANS = {"phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox, "bert": _bert}

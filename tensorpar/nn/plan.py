@@ -19,9 +19,10 @@ from torch import nn
 from tensorpar._group import GroupLike
 from tensorpar._split import balanced_sizes
 from tensorpar.nn.experts import ExpertParallel, experts_problem
+from tensorpar.nn.inplace_styles import INPLACE_STYLES, MlaKvAProj, PartialGrad, check_inplace
 
-__all__ = ["Builder", "Colwise", "EmbeddingDim", "PackedColwise", "Rowwise", "Style", "Vocab",
-           "match_module"]
+__all__ = ["Builder", "Colwise", "EmbeddingDim", "MlaKvAProj", "PackedColwise", "PartialGrad",
+           "Rowwise", "Style", "Vocab", "match_module"]
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,16 @@ class EmbeddingDim:
     """Split an ``nn.Embedding``'s embedding dimension (``ParallelEmbedding``)."""
 
 
-Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | ExpertParallel
-STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, ExpertParallel)
+Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | ExpertParallel \
+    | PartialGrad | MlaKvAProj
+STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, ExpertParallel, *INPLACE_STYLES)
 Builder: TypeAlias = Callable[[nn.Module, Style, GroupLike], nn.Module]
 """Builds the parallel module for a layer class tensorpar does not know: ``(dense module,
 style, group) -> module``."""
 NAMED_STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(),
-                                  "vocab": Vocab(), "embedding_dim": EmbeddingDim()}
+                                  "vocab": Vocab(), "embedding_dim": EmbeddingDim(),
+                                  "partial_grad": PartialGrad(),
+                                  "replicated_with_grad_allreduce": PartialGrad()}
 Layout: TypeAlias = "tuple[int, tuple[int, ...]] | None"
 """How a parameter is split: ``(dim, sizes per rank)``, or ``None`` for replicated."""
 
@@ -216,6 +220,8 @@ def features(module: nn.Module) -> tuple[int, int]:
 def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
     if isinstance(style, ExpertParallel):
         return experts_problem(name, module)
+    if isinstance(style, INPLACE_STYLES):
+        return check_inplace(name, module, style)
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         if type(module) is not nn.Linear and not is_conv1d(module):
             return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
@@ -265,7 +271,7 @@ def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layo
 
     Packed splits are described block by block (sizes per block, then per rank).
     """
-    if style is None:
+    if style is None or isinstance(style, INPLACE_STYLES):
         return None
     if isinstance(style, ExpertParallel):  # experts split along dim 0 of every parameter
         return 0, balanced_sizes(getattr(module, leaf).shape[0], size)
@@ -352,8 +358,17 @@ def check_heads(model: nn.Module, assignments: Mapping[str, Style], size: int,
         if not all(type(getattr(module, p, None)) is nn.Linear for p in qkv) or any(
                 type(getattr(module, p, None)) in (custom or {}) for p in (*qkv, "o_proj")):
             continue
-        where = [layout(assignments.get(f"{name}.{p}"), getattr(module, p), "weight", size)
-                 for p in qkv]
+        styles = [assignments.get(f"{name}.{p}") for p in qkv]
+        if all(isinstance(s, Colwise) and s.gather_output for s in styles):
+            o_style = assignments.get(f"{name}.o_proj")
+            if isinstance(o_style, Rowwise) and o_style.input_is_parallel:
+                problems.append(f"{name + '.o_proj'!r}: the attention runs on whole heads "
+                                f"(q/k/v projections gather their output), so o_proj must "
+                                f"split its input: Rowwise(input_is_parallel=False); got "
+                                f"{o_style}")
+            continue
+        where = [layout(s, getattr(module, p), "weight", size) for s, p in zip(styles, qkv,
+                                                                               strict=True)]
         if where == [None, None, None]:
             continue
         q, k, v = (_heads(w, head_dim) for w in where)

@@ -1,0 +1,102 @@
+"""Replicated parameters with a partial gradient: summed over the group once per backward.
+
+Some parameters are held whole by every rank but only see the rank's part of the data:
+Qwen3's and Gemma3's per-head ``q_norm``/``k_norm`` (applied to the rank's heads only), or
+the norms of a sequence-parallel model (applied to the rank's slice of the sequence). Each
+rank's gradient of such a parameter is a partial sum; the dense gradient is the sum over the
+tensor-parallel group. Left alone, the replicas' gradients differ and the copies drift apart.
+
+How the sum is made: a gradient hook on the parameter itself (``Tensor.register_hook``).
+For a leaf, autograd first adds up the gradients of every use of the tensor in the graph
+and then calls the hook once, with that backward pass's gradient, before it is accumulated
+into ``.grad``. The hook all-reduces it (`tensorpar.functional.all_reduce`, so validation
+mode fingerprints it) and returns the sum. Hence:
+
+- one all-reduce per parameter per backward, however many times the forward used it;
+- gradient accumulation is exact: each backward adds its own reduced gradient to ``.grad``
+  (a hook after accumulation would re-reduce the earlier micro-batches);
+- ``torch.autograd.grad`` sees the summed gradient too, and a data-parallel reducer hooked
+  after accumulation sees the tensor-parallel sum.
+
+The alternative, an autograd Function on the parameter's use inside the module's forward,
+would need the module's forward rewritten and reduces once per use. Every rank must run the
+backward through the parameter (it does: a rank with no heads or an empty sequence shard
+still applies the module, to an empty tensor, and gets a zero gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar.functional import all_reduce
+
+__all__ = ["install_partial_grad", "partial_grad_group", "partial_grad_parameters"]
+
+_MARK = "_tensorpar_partial_grad"
+
+
+def install_partial_grad(module: nn.Module, group: GroupLike = None) -> list[str]:
+    """Sum the gradients of ``module``'s own parameters over ``group`` in every backward.
+
+    The parameters stay replicated and unchanged; each one gets a gradient hook (see the
+    module docstring). Parameters already summed over a group are left as they are, so
+    calling this twice does not sum twice.
+
+    Args:
+        module: the module whose direct parameters (not its children's) have a partial
+            gradient.
+        group: the tensor-parallel group.
+
+    Returns:
+        The names of the parameters hooked by this call.
+
+    Raises:
+        ValueError: a parameter is already summed over a different group.
+
+    Example:
+        >>> import torch
+        >>> norm = torch.nn.LayerNorm(4)
+        >>> install_partial_grad(norm)  # one rank: the sum is the gradient itself
+        ['weight', 'bias']
+        >>> install_partial_grad(norm)
+        []
+    """
+    g = resolve_group(group, "install_partial_grad")
+    hooked = []
+    for name, p in module.named_parameters(recurse=False):
+        current = partial_grad_group(p)
+        if current is not None:
+            if current != g:
+                raise ValueError(f"install_partial_grad: parameter {name!r} of "
+                                 f"{type(module).__name__} already has its gradient summed over "
+                                 f"a group of {current.size} ranks; got a group of {g.size}")
+            continue
+        setattr(p, _MARK, g)
+        if p.requires_grad and not g.is_single:
+            p.register_hook(_summer(g))
+        hooked.append(name)
+    return hooked
+
+
+def _summer(group: Group):  # type: ignore[no-untyped-def]
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        # the summed gradient is replicated: its consumers count it once (identity adjoint)
+        return all_reduce(grad.contiguous(), backward="identity", group=group)
+    return hook
+
+
+def partial_grad_group(param: torch.Tensor) -> Group | None:
+    """The group ``param``'s gradient is summed over, or ``None`` (an ordinary parameter)."""
+    g = getattr(param, _MARK, None)
+    return g if isinstance(g, Group) else None
+
+
+def partial_grad_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of ``model`` whose gradient is summed over a group, with their names."""
+    for name, p in model.named_parameters():
+        if partial_grad_group(p) is not None:
+            yield name, p

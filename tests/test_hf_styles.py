@@ -1,0 +1,218 @@
+"""The styles of transformers' own plans: models planned by plan_from_transformers train like dense.
+
+Every test runs 3 AdamW steps (float64) and compares logits, loss, every gradient and the
+parameters afterwards with the dense model (1e-10); replicated parameters (norms, biases of
+row-parallel layers, per-head norms whose gradients are partial) must be bit-identical
+across ranks.
+"""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.nn import (
+    Colwise,
+    MlaKvAProj,
+    PartialGrad,
+    Rowwise,
+    plan_from_transformers,
+    vocab_parallel_cross_entropy,
+)
+from tensorpar.nn.partial_grad import install_partial_grad, partial_grad_parameters
+from tensorpar.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+BASE = {"vocab_size": 101, "intermediate_size": 50, "num_hidden_layers": 2,
+        "max_position_embeddings": 64}
+# 10 query heads over 5 key/value heads: uneven at TP 2 (3, 2), 3 (2, 2, 1) and 4 (2, 1, 1, 1)
+HEADS = {"num_attention_heads": 10, "num_key_value_heads": 5, "head_dim": 4}
+MODELS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**HEADS, "hidden_size": 24}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**HEADS, "hidden_size": 40}),
+    # q/k/v gathered (colwise_gather_output: the q/k norms span all heads), o_proj splits
+    # its input (rowwise_split_input)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**HEADS, "hidden_size": 40}),
+    # multi-head latent attention: 5 heads (uneven at TP 2, 3, 4), a low-rank query, a
+    # dense first layer and a mixture-of-experts second one (experts left replicated)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"hidden_size": 24, "num_attention_heads": 5, "num_key_value_heads": 5,
+                     "q_lora_rank": 12, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                     "qk_nope_head_dim": 6, "v_head_dim": 5, "head_dim": 4,
+                     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                     "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 10,
+                     "n_shared_experts": 1, "experts_implementation": "eager"}),
+}
+
+
+def build(arch, **overrides):
+    import transformers
+
+    config_cls, model_cls, extra = MODELS[arch]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).double()
+    with torch.no_grad():  # norms away from their init (ones / zeros), so their grads matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def tokens(seed, n=9):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, BASE["vocab_size"], (2, n), generator=g)
+
+
+def local(model, name, dense_tensor):
+    """The slice of a dense tensor that the parallel model's parameter ``name`` holds."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    dim = getattr(module, "sharded_dims", {}).get(leaf)
+    if dim is None:
+        return dense_tensor
+    return torch.cat([dense_tensor.narrow(dim, start, n) for start, _, n in module.shard.pieces],
+                     dim)
+
+
+@contextlib.contextmanager
+def norms_in_model_dtype(arch):
+    """Gemma3's RMSNorm computes in float32 whatever the model's dtype: a per-head norm's
+    weight gradient is then a float32 sum, whose order differs between the dense model (all
+    heads) and a rank (its heads). Run it in the model's dtype so float64 means float64."""
+    if arch != "gemma3":
+        yield
+        return
+    from transformers.models.gemma3 import modeling_gemma3
+
+    cls = modeling_gemma3.Gemma3RMSNorm
+    original = cls.forward
+    cls.forward = lambda self, x: self._norm(x) * (1.0 + self.weight)
+    try:
+        yield
+    finally:
+        cls.forward = original
+
+
+def train_like_dense(arch, overrides=None, steps=3, tol=1e-10):
+    """Dense and parallel models side by side; returns the replicated parameters at the end."""
+    with norms_in_model_dtype(arch):
+        return _train_like_dense(arch, overrides, steps, tol)
+
+
+def _train_like_dense(arch, overrides, steps, tol):
+    overrides = overrides or {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # experts left replicated
+        dense = build(arch, **overrides)
+        parallel = tp.parallelize(build(arch, **overrides),
+                                  plan_from_transformers(build(arch, **overrides)))
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
+    head = parallel.get_output_embeddings()
+    for step in range(steps):
+        ids = tokens(step)
+        target = ids.roll(-1, 1)
+        dense_logits = dense(ids).logits
+        dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
+        logits = parallel(ids).logits
+        torch.testing.assert_close(logits, dense_logits[..., head.shard.start: head.shard.stop],
+                                   rtol=tol, atol=tol)
+        loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                            sizes=head.shard.sizes)
+        torch.testing.assert_close(loss, dense_loss, rtol=tol, atol=tol)
+        dense_loss.backward()
+        loss.backward()
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
+                                       rtol=tol, atol=tol, msg=f"grad of {name}, step {step}")
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p, local(parallel, name, dense_params[name]), rtol=tol,
+                                   atol=tol, msg=f"{name} after {steps} steps")
+    return {name: p.detach().clone() for name, p in parallel.named_parameters()
+            if not is_sharded(parallel, name)}
+
+
+def is_sharded(model, name):
+    owner, _, leaf = name.rpartition(".")
+    return leaf in getattr(model.get_submodule(owner), "sharded_dims", {})
+
+
+def assert_replicas_identical(results):
+    first = results[0]
+    assert first, "no replicated parameters were compared"
+    for other in results[1:]:
+        assert first.keys() == other.keys()
+        for name, value in first.items():
+            assert torch.equal(value, other[name]), f"{name} differs across ranks"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_per_head_norms_train_like_dense(arch, world_size):
+    assert_replicas_identical(run_distributed(train_like_dense, world_size, arch, timeout=180))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_deepseek_v3_without_query_lora_trains_like_dense(world_size):
+    results = run_distributed(train_like_dense, world_size, "deepseek_v3", {"q_lora_rank": None},
+                              timeout=180)
+    assert_replicas_identical(results)
+
+
+def test_mla_plan_splits_the_up_projections_by_head():
+    plan = plan_from_transformers(build("deepseek_v3"))
+    attn = "model.layers.*.self_attn."
+    assert plan[attn + "q_b_proj"] == Colwise(multiple_of=10)
+    assert plan[attn + "kv_b_proj"] == Colwise(multiple_of=11)
+    assert plan[attn + "kv_a_proj_with_mqa"] == MlaKvAProj(rope_dim=4)
+    assert plan[attn + "o_proj"] == Rowwise(multiple_of=5)
+    assert attn + "q_a_proj" not in plan and attn + "kv_a_layernorm" not in plan
+    olmo = plan_from_transformers(build("olmo2"))
+    assert olmo[attn + "q_proj"] == Colwise(gather_output=True)
+    assert olmo[attn + "o_proj"] == Rowwise(input_is_parallel=False)
+
+
+def test_plan_maps_replicated_with_grad_allreduce_to_partial_grad():
+    for arch in ("qwen3", "gemma3"):
+        plan = plan_from_transformers(build(arch))
+        assert plan["model.layers.*.self_attn.q_norm"] == PartialGrad()
+        assert plan["model.layers.*.self_attn.k_norm"] == PartialGrad()
+
+
+def _accumulate_and_reuse(micro_batches):
+    """A norm used twice per forward, over several backward passes before one step."""
+    group = torch.distributed.group.WORLD
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(6, dtype=torch.float64)
+    dense = torch.nn.LayerNorm(6, dtype=torch.float64)
+    dense.load_state_dict(norm.state_dict())
+    install_partial_grad(norm, group)
+    install_partial_grad(norm, group)  # twice: still summed once
+    counter = tp.CommCounter()
+    with counter:
+        for m in range(micro_batches):
+            x = torch.randn(size * 2 + 1, 6, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(m))
+            rows = torch.tensor_split(x, size)[rank]  # this rank's rows (uneven)
+            (norm(norm(rows)) ** 2).sum().backward()
+            (dense(dense(x)) ** 2).sum().backward()
+    for p, q in zip(norm.parameters(), dense.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    return counter.count("all_reduce"), [n for n, _ in partial_grad_parameters(norm)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_partial_grad_sums_once_per_backward_with_accumulation(world_size):
+    results = run_distributed(_accumulate_and_reuse, world_size, 3)
+    # weight and bias, one all-reduce each per backward, 3 backward passes
+    assert results == [(6, ["weight", "bias"])] * world_size
