@@ -11,7 +11,7 @@ from tensorpar._group import Group
 from tensorpar._switch import VALIDATE
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.topology import Topology
-from tensorpar.validation import check_backward
+from tensorpar.validation import check_backward, last_site
 
 __all__ = ["AUTO_MIN_BYTES", "Algorithm", "hierarchical_data", "hierarchical_topology"]
 
@@ -104,6 +104,7 @@ class _HierarchicalAllReduce(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, g: Group, topology: Topology, op: str, mode: str,
                 inplace: bool, launch: Launch) -> torch.Tensor:
         ctx.group, ctx.topology, ctx.op, ctx.mode = g, topology, op, mode
+        ctx.site = last_site(g) if VALIDATE[0] else None  # for the backward's check
         if inplace:
             ctx.mark_dirty(x)
         out = _reduce(x, topology, op, inplace, launch)
@@ -114,7 +115,8 @@ class _HierarchicalAllReduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad = tie_to_output(grad, ctx)
         if VALIDATE[0]:
-            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode)
+            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
+                           site=ctx.site)
         if ctx.mode == "sum":
             out = apply_or_run(_HierarchicalAllReduce, grad, ctx.group,
                                ctx.topology, "sum", "sum", False, SYNC)
