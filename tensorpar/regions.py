@@ -27,6 +27,7 @@ from tensorpar._group import Group, GroupLike
 from tensorpar._meta import chunks_spec, require_tensor, sole_chunk
 from tensorpar._split import SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import _AllReduce, _CopyToGroup, _GatherFromGroup, _SplitToGroup
+from tensorpar._traced import collectives as _traced
 from tensorpar.placeholder import _normalize_dim
 
 __all__ = ["copy_to_group", "gather_from_group", "reduce_from_group", "split_to_group"]
@@ -56,6 +57,8 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
         >>> tensorpar.copy_to_group(torch.ones(2))
         tensor([1., 1.])
     """
+    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+        return _traced.copy_to_group(x, group=group)
     fn = "copy_to_group"
     g, _ = resolve_args(fn, group, None, x=x)
     tensor = require_tensor(fn, x)
@@ -90,6 +93,8 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         >>> tensorpar.reduce_from_group(torch.ones(2))
         tensor([1., 1.])
     """
+    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+        return _traced.reduce_from_group(x, group=group)
     fn = "reduce_from_group"
     g, _ = resolve_args(fn, group, None, x=x)
     tensor = require_tensor(fn, x)
@@ -128,6 +133,8 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         >>> tensorpar.split_to_group(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
     """
+    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+        return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     tensor = require_tensor(fn, x)
@@ -180,6 +187,8 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         >>> tensorpar.gather_from_group(torch.ones(1, 2))
         tensor([[1., 1.]])
     """
+    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+        return _traced.gather_from_group(x, dim=dim, group=group, sizes=sizes)
     fn = "gather_from_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     if g.is_single:

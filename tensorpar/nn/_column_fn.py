@@ -23,6 +23,7 @@ from tensorpar._group import Group
 from tensorpar._meta import require_tensor
 from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _AllReduce
+from tensorpar._traced import layers as _traced_layers
 from tensorpar.regions import copy_to_group
 
 __all__ = ["SharedInput", "autocast_on", "column_linear", "save_linear_inputs"]
@@ -48,6 +49,8 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = require_tensor("ColumnParallelLinear", x)
     if group.is_single:
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+        return _traced_layers.column_linear(x, weight, bias, group)
     if VALIDATE[0] or autocast_on(x.device.type):  # copy_to_group fingerprints its calls
         return F.linear(copy_to_group(x, group=group), weight, bias)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
@@ -122,9 +125,12 @@ class SharedInput:
         self._input: weakref.ReferenceType[torch.Tensor] | None = None
         self._copy: torch.Tensor | None = None
         self._version = -1
+        self._traced_input: torch.Tensor | None = None
 
     def copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         """``copy_to_group(x)``, made once per input tensor and version."""
+        if torch.compiler.is_compiling():  # traced: one copy per input object, no versions
+            return self._traced_copy(x, group)
         if self._copy is not None and self._input is not None and self._input() is x \
                 and x._version == self._version:
             return self._copy
@@ -132,9 +138,19 @@ class SharedInput:
         self._input, self._copy, self._version = weakref.ref(x), copied, x._version
         return copied
 
+    def _traced_copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
+        # while dynamo traces, the input is compared by identity alone (a traced tensor has
+        # no version counter to read); the forward hook's `clear` forgets it as eagerly
+        if self._copy is not None and self._traced_input is x:
+            return self._copy
+        copied = copy_to_group(x, group=group)
+        self._traced_input, self._copy = x, copied
+        return copied
+
     def clear(self, *hook_args: object) -> None:
         """Forget the last copy (a forward hook: takes and ignores the hook's arguments)."""
         self._input, self._copy, self._version = None, None, -1
+        self._traced_input = None
 
     def __getstate__(self) -> dict[str, Any]:  # (weak references do not pickle)
-        return {"_input": None, "_copy": None, "_version": -1}
+        return {"_input": None, "_copy": None, "_version": -1, "_traced_input": None}

@@ -20,6 +20,7 @@ from tensorpar import _comm
 from tensorpar._autograd import needs_graph, torch_op
 from tensorpar._group import Group
 from tensorpar._symmetric import _CopyToGroup
+from tensorpar._traced import layers as _traced_layers
 from tensorpar.nn._column_fn import _rows, save_linear_inputs
 
 __all__ = ["row_linear"]
@@ -35,6 +36,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     apply (a single rank, autocast, validation mode, a ``reduce_dtype``). Where no graph is
     recorded (inference), the arithmetic runs without the Function.
     """
+    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+        return _traced_layers.row_linear(x, weight, bias, group)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return row_linear_data(x, weight, bias, group)
     out: torch.Tensor = _RowLinear.apply(x, weight, bias, group)  # type: ignore[no-untyped-call]
