@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 import tensorpar as tp
 from tensorpar.nn import (
+    Colwise,
     ColumnParallelLinear,
     ParallelEmbedding,
     RowParallelLinear,
@@ -117,3 +119,97 @@ def _compare_collectives(uneven):
 @pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (2, True), (3, True)])
 def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------
+# the layers
+# ---------------------------------------------------------------------------------------
+
+def _module_both(module, fn, inputs, backend="aot_eager"):
+    """``fn(*inputs)`` eagerly and compiled: (outputs, input grads, parameter grads) of each."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend=backend)):
+        module.zero_grad(set_to_none=True)
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        outs = f(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        sum((o.double() * rand(100 + i, *o.shape)).sum() for i, o in enumerate(outs)).backward()
+        results.append(([o.detach() for o in outs],
+                        [t.grad for t in leaves if t.is_floating_point()]
+                        + [p.grad for p in module.parameters()]))
+    return results
+
+
+class _Layers(nn.Module):
+    """Every parallel layer once, on uneven shards (sizes not divisible by 2 or 3)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        dense = {name: nn.Linear(n_in, n_out).to(dtype) for name, n_in, n_out in
+                 [("col", 10, 13), ("colg", 10, 11), ("packed", 10, 20), ("row", 13, 7),
+                  ("rows", 11, 7), ("wide", 13, 7)]}
+        self.col = ColumnParallelLinear.from_dense(dense["col"])
+        self.colg = ColumnParallelLinear.from_dense(dense["colg"], gather_output=True)
+        self.packed = ColumnParallelLinear.from_dense(dense["packed"], blocks=(8, 4, 8),
+                                                      multiple_of=(2, 1, 2), gather_output=True)
+        self.row = RowParallelLinear.from_dense(dense["row"])
+        self.rows = RowParallelLinear.from_dense(dense["rows"], input_is_parallel=False)
+        self.wide = RowParallelLinear.from_dense(dense["wide"], reduce_dtype=torch.float64)
+        self.vocab = VocabParallelEmbedding.from_dense(nn.Embedding(17, 10).to(dtype))
+        self.dim = ParallelEmbedding.from_dense(nn.Embedding(17, 10).to(dtype))
+        self.head = ColumnParallelLinear.from_dense(nn.Linear(10, 19).to(dtype))
+
+    def forward(self, x, ids, target):
+        h = self.vocab(ids) + self.dim(ids) + x
+        a = self.col(h)
+        y = self.row(a) + self.wide(a) + self.rows(self.colg(h)) + self.packed(h).sum(-1, True)
+        loss = vocab_parallel_cross_entropy(self.head(h).flatten(0, 1), target.flatten(),
+                                            sizes=self.head.shard.sizes)
+        return y, loss
+
+
+def _compare_layers(dtype_name, backend, tol):
+    _fresh()
+    dtype = getattr(torch, dtype_name)
+    layers = _Layers(dtype)
+    x = rand(1, 2, 3, 10, dtype=dtype)
+    ids = torch.randint(0, 17, (2, 3), generator=torch.Generator().manual_seed(2))
+    target = torch.randint(0, 19, (2, 3), generator=torch.Generator().manual_seed(3))
+    _assert_same(_module_both(layers, layers, (x, ids, target), backend), **tol)
+
+
+def test_layers_compile_fullgraph_and_equal_eager():
+    run_distributed(_compare_layers, 3, "float64", "aot_eager", TIGHT, timeout=300)
+
+
+class _Siblings(nn.Module):
+    """q/k/v-like column-parallel siblings that read one input (one `SharedInput`)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k = nn.Linear(6, 5).double(), nn.Linear(6, 7).double()
+        self.o = nn.Linear(12, 6).double()
+
+    def forward(self, x):
+        return self.o(torch.cat([self.q(x), self.k(x)], -1).relu())
+
+
+def _compare_shared_input():
+    _fresh()
+    both = Colwise(gather_output=True)
+    model = tp.parallelize(_Siblings(), {"q": both, "k": both})
+    assert model.q.input_share is model.k.input_share is not None
+    fn = lambda x: model(x)  # noqa: E731
+    graphs = AotEagerAndRecordGraphs()
+    x = rand(4, 3, 6).requires_grad_()
+    torch.compile(fn, fullgraph=True, backend=graphs)(x).sum().backward()
+    backward = "".join(g.code for g in graphs.bw_graphs)
+    shared = backward.count("_c10d_functional.all_reduce")  # one for both q and k
+    _assert_same(_module_both(model, fn, (rand(4, 3, 6),)))
+    return shared, model.q.input_share._copy is None
+
+
+def test_shared_input_compiles_fullgraph_and_equals_eager():
+    assert run_distributed(_compare_shared_input, 2, timeout=300) == [(1, True), (1, True)]
