@@ -26,6 +26,7 @@ from tensorpar.nn import (
 )
 from tensorpar.testing import run_distributed
 
+pytestmark = pytest.mark.timeout(600)  # compiling on a busy 2-core machine takes minutes
 TIGHT = {"rtol": 1e-10, "atol": 1e-10}
 
 
@@ -118,7 +119,7 @@ def _compare_collectives(uneven):
 
 @pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (2, True), (3, True)])
 def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
-    run_distributed(_compare_collectives, world_size, uneven, timeout=300)
+    run_distributed(_compare_collectives, world_size, uneven, timeout=540)
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def _compare_layers(dtype_name, backend, tol):
 
 
 def test_layers_compile_fullgraph_and_equal_eager():
-    run_distributed(_compare_layers, 3, "float64", "aot_eager", TIGHT, timeout=300)
+    run_distributed(_compare_layers, 3, "float64", "aot_eager", TIGHT, timeout=540)
 
 
 class _Siblings(nn.Module):
@@ -212,4 +213,71 @@ def _compare_shared_input():
 
 
 def test_shared_input_compiles_fullgraph_and_equals_eager():
-    assert run_distributed(_compare_shared_input, 2, timeout=300) == [(1, True), (1, True)]
+    assert run_distributed(_compare_shared_input, 2, timeout=540) == [(1, True), (1, True)]
+
+
+# ---------------------------------------------------------------------------------------
+# transformers: a Llama decoder layer and a whole model (GQA, uneven heads at TP 2)
+# ---------------------------------------------------------------------------------------
+
+def _llama(dtype, layers):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=50,
+                                      num_hidden_layers=layers, max_position_embeddings=32,
+                                      num_attention_heads=6, num_key_value_heads=3, head_dim=4)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _parallel_llama(dtype, layers):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return tp.parallelize(_llama(dtype, layers), plan_from_transformers(_llama(dtype, 1)))
+
+
+def _compare_decoder_layer(dtype_name, backend, tol):
+    _fresh()
+    dtype = getattr(torch, dtype_name)
+    model = _parallel_llama(dtype, 1)
+    layer = model.model.layers[0]
+    x = rand(5, 2, 5, 24, dtype=dtype)
+    emb = model.model.rotary_emb(x, torch.arange(5).unsqueeze(0))
+
+    def fn(h):
+        out = layer(h, position_embeddings=emb, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    breaks = _graph_breaks(fn, x)
+    _assert_same(_module_both(layer, fn, (x,), backend), **tol)
+    return breaks
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_decoder_layer_is_one_graph_and_equals_eager(world_size):
+    pytest.importorskip("transformers")
+    for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float64",
+                                           "aot_eager", TIGHT, timeout=540):
+        assert breaks == 0, reasons
+
+
+def _compare_model(dtype_name, backend, tol):
+    _fresh()
+    dtype = getattr(torch, dtype_name)
+    model = _parallel_llama(dtype, 2)
+    head = model.get_output_embeddings()
+    ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(0))
+    target = ids.roll(-1, 1)
+
+    def step(ids):
+        logits = model(ids).logits  # (B, T, V/tp)
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                            sizes=head.shard.sizes)
+
+    _assert_same(_module_both(model, step, (ids,), backend), **tol)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_model_compiles_fullgraph_and_equals_eager(world_size):
+    pytest.importorskip("transformers")
+    run_distributed(_compare_model, world_size, "float64", "aot_eager", TIGHT, timeout=540)
