@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.compiler import is_compiling
 
 from tensorpar._autograd import SYNC
 from tensorpar._entry import resolve_args
@@ -57,7 +58,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
         >>> tensorpar.copy_to_group(torch.ones(2))
         tensor([1., 1.])
     """
-    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling():  # traced into one graph: tensorpar._traced
         return _traced.copy_to_group(x, group=group)
     fn = "copy_to_group"
     g, _ = resolve_args(fn, group, None, x=x)
@@ -93,7 +94,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         >>> tensorpar.reduce_from_group(torch.ones(2))
         tensor([1., 1.])
     """
-    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling():  # traced into one graph: tensorpar._traced
         return _traced.reduce_from_group(x, group=group)
     fn = "reduce_from_group"
     g, _ = resolve_args(fn, group, None, x=x)
@@ -133,7 +134,7 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         >>> tensorpar.split_to_group(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
     """
-    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling():  # traced into one graph: tensorpar._traced
         return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
@@ -187,7 +188,7 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         >>> tensorpar.gather_from_group(torch.ones(1, 2))
         tensor([[1., 1.]])
     """
-    if torch.compiler.is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling():  # traced into one graph: tensorpar._traced
         return _traced.gather_from_group(x, dim=dim, group=group, sizes=sizes)
     fn = "gather_from_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)

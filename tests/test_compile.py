@@ -1,4 +1,4 @@
-"""torch.compile: tensor-parallel code compiles to one graph, forward and backward, and equals eager.
+"""torch.compile: tensor-parallel code compiles to one graph, forward and backward, as eager.
 
 Each case runs the same computation eagerly and under ``torch.compile(fullgraph=True)`` on
 the same ranks and compares outputs and gradients: float64 with the ``aot_eager`` backend
@@ -10,14 +10,13 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 import tensorpar as tp
 from tensorpar.nn import (
-    Colwise,
     ColumnParallelLinear,
+    Colwise,
     ParallelEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -38,10 +37,10 @@ def _fresh():
     torch._dynamo.reset()
 
 
-def _run_both(fn, inputs, backend="aot_eager"):
-    """``fn(*inputs)`` eagerly and compiled (fullgraph): outputs and input gradients of each."""
+def _run_both(fn, inputs, backend="aot_eager", fullgraph=True):
+    """``fn(*inputs)`` eagerly and compiled: outputs and input gradients of each."""
     results = []
-    for f in (fn, torch.compile(fn, fullgraph=True, backend=backend)):
+    for f in (fn, torch.compile(fn, fullgraph=fullgraph, backend=backend)):
         leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
         outs = f(*leaves)
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -120,6 +119,54 @@ def _compare_collectives(uneven):
 @pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (2, True), (3, True)])
 def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=540)
+
+
+def _rooted(x):
+    """The collectives that need a metadata exchange: each one graph break, run eagerly."""
+    rank = torch.distributed.get_rank()
+    y = tp.scatter(x if rank == 0 else None, dim=0, src=0)  # uneven: 3 and 2 rows at TP 2
+    z = tp.broadcast(x if rank == 1 else None, src=1)
+    w = tp.all_gather(y * 1.5, dim=0)  # no sizes: the lengths are exchanged
+    return y * 2, z * 3, w
+
+
+def _compare_graph_breaks():
+    _fresh()
+    x = rand(torch.distributed.get_rank(), 5, 3)
+    breaks, reasons = _graph_breaks(_rooted, x)
+    _assert_same(_run_both(_rooted, (x,), fullgraph=False))
+    return breaks, reasons
+
+
+def test_metadata_exchanges_break_the_graph_once_each_and_equal_eager():
+    for breaks, reasons in run_distributed(_compare_graph_breaks, 2, timeout=540):
+        assert breaks == 3, reasons
+        assert all("torch.compiler.disable" in r or "skip" in r for r in reasons), reasons
+
+
+def _validation_under_compile():
+    _fresh()
+    rank = torch.distributed.get_rank()
+
+    def fn(a):
+        return tp.all_reduce(a) * 2 + tp.reduce_from_group(a) + tp.copy_to_group(a)
+
+    with tp.validation(True):
+        breaks, _ = _graph_breaks(fn, rand(0, 3))
+        _assert_same(_run_both(fn, (rand(rank, 3, 4),), fullgraph=False))
+        mismatch = torch.compile(lambda a: tp.all_reduce(a, op="sum" if rank else "mean"),
+                                 backend="aot_eager")
+        try:
+            mismatch(rand(0, 3))
+        except tp.CollectiveMismatchError as e:
+            caught = "all_reduce" in str(e)
+        else:
+            caught = False
+    return breaks, caught
+
+
+def test_validation_mode_checks_every_collective_under_compile():
+    assert run_distributed(_validation_under_compile, 2, timeout=540) == [(3, True)] * 2
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,10 +26,11 @@ from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import check_all_reduce_args
 from tensorpar._traced import _prims as P
 from tensorpar.collaborative import CollaborativeTensor
-from tensorpar.placeholder import _normalize_dim
+from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "copy_to_group", "eager",
-           "gather_from_group", "reduce_from_group", "reduce_scatter", "split_to_group"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group", "eager",
+           "gather", "gather_from_group", "reduce", "reduce_from_group", "reduce_scatter",
+           "scatter", "split_to_group"]
 
 _PUBLIC = {"all_gather": "tensorpar.functional", "all_reduce": "tensorpar.functional",
            "all_to_all": "tensorpar.functional", "broadcast": "tensorpar.functional",
@@ -39,7 +40,7 @@ _PUBLIC = {"all_gather": "tensorpar.functional", "all_reduce": "tensorpar.functi
            "reduce_from_group": "tensorpar.regions", "split_to_group": "tensorpar.regions"}
 
 
-@torch.compiler.disable
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def eager(fn: str, *args: Any, **kwargs: Any) -> Any:
     """Run the public collective ``fn`` eagerly: dynamo breaks the graph around this call.
 
@@ -47,6 +48,38 @@ def eager(fn: str, *args: Any, **kwargs: Any) -> Any:
     eager path (header exchanges, validation's fingerprints, placeholders).
     """
     return getattr(importlib.import_module(_PUBLIC[fn]), fn)(*args, **kwargs)
+
+
+def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int, src: int,
+            group: GroupLike, sizes: Sequence[int] | None, exchange_meta: bool) -> torch.Tensor:
+    """`tensorpar.scatter`: eagerly (a rank without data learns the metadata from a header)."""
+    out: torch.Tensor = eager("scatter", x, dim=dim, src=src, group=group, sizes=sizes,
+                              exchange_meta=exchange_meta)
+    return out
+
+
+def gather(x: torch.Tensor, *, dim: int, dst: int, group: GroupLike,
+           sizes: Sequence[int] | None) -> torch.Tensor | TensorPlaceholder:
+    """`tensorpar.gather`: eagerly (the ranks but ``dst`` get a placeholder)."""
+    out: torch.Tensor | TensorPlaceholder = eager("gather", x, dim=dim, dst=dst, group=group,
+                                                  sizes=sizes)
+    return out
+
+
+def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int, group: GroupLike,
+              exchange_meta: bool, async_op: bool) -> torch.Tensor | CollaborativeTensor:
+    """`tensorpar.broadcast`: eagerly (as `scatter`)."""
+    out: torch.Tensor | CollaborativeTensor = eager("broadcast", x, src=src, group=group,
+                                                    exchange_meta=exchange_meta,
+                                                    async_op=async_op)
+    return out
+
+
+def reduce(x: torch.Tensor, *, dst: int, op: str, group: GroupLike
+           ) -> torch.Tensor | TensorPlaceholder:
+    """`tensorpar.reduce`: eagerly (the ranks but ``dst`` get a placeholder)."""
+    out: torch.Tensor | TensorPlaceholder = eager("reduce", x, dst=dst, op=op, group=group)
+    return out
 
 
 def _result(out: torch.Tensor, async_op: bool) -> torch.Tensor | CollaborativeTensor:
@@ -74,7 +107,7 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
     if op_name in ("max", "min") or backward == "sum":
         out = P.all_reduce_sum(source, name, "sum" if op_name == "mean" else op_name)
     else:
-        out = P.ReduceIdentity.apply(source, name)
+        out = P.ReduceIdentity.apply(source, name)  # type: ignore[no-untyped-call]
     if inplace:
         with torch.no_grad():
             tensor.copy_(out)
@@ -148,7 +181,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
     tensor = require_tensor(fn, x)
     if g.is_single:
         return tensor
-    out: torch.Tensor = P.CopyToGroup.apply(tensor, P.group_name(g))
+    out: torch.Tensor = P.CopyToGroup.apply(tensor, P.group_name(g))  # type: ignore[no-untyped-call]
     return out
 
 
@@ -161,7 +194,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
     tensor = require_tensor(fn, x)
     if g.is_single:
         return tensor
-    out: torch.Tensor = P.ReduceIdentity.apply(tensor, P.group_name(g))
+    out: torch.Tensor = P.ReduceIdentity.apply(tensor, P.group_name(g))  # type: ignore[no-untyped-call]
     return out
 
 
@@ -178,7 +211,8 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
     split = sizes_or_balanced(fn, checked, tensor.shape[d], d, g.size, "the input")
     if g.is_single:
         return tensor
-    out: torch.Tensor = P.SplitToGroup.apply(tensor, d, split, g.rank, P.group_name(g))
+    out: torch.Tensor = P.SplitToGroup.apply(  # type: ignore[no-untyped-call]
+        tensor, d, split, g.rank, P.group_name(g))
     return out
 
 
@@ -196,7 +230,8 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         return tensor
     assert checked is not None
     d = _normalize_dim(fn, dim, tensor.ndim)
-    out: torch.Tensor = P.GatherFromGroup.apply(tensor, d, checked, g.rank, P.group_name(g))
+    out: torch.Tensor = P.GatherFromGroup.apply(  # type: ignore[no-untyped-call]
+        tensor, d, checked, g.rank, P.group_name(g))
     return out
 
 

@@ -37,8 +37,8 @@ def split_last(x: torch.Tensor, sizes: tuple[int, ...], group: Group) -> torch.T
     """`split_to_group` along the last dim (a layer's ``SpecCache.split``)."""
     if VALIDATE[0]:
         return C.split_to_group(x, dim=-1, group=group, sizes=sizes)
-    out: torch.Tensor = P.SplitToGroup.apply(x, x.ndim - 1, sizes, group.rank,
-                                             P.group_name(group))
+    out: torch.Tensor = P.SplitToGroup.apply(  # type: ignore[no-untyped-call]
+        x, x.ndim - 1, sizes, group.rank, P.group_name(group))
     return out
 
 

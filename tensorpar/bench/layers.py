@@ -21,6 +21,7 @@ the floor and reports the functions with the most time of their own, per step.
 from __future__ import annotations
 
 import cProfile
+import functools
 import os
 import pstats
 from collections.abc import Callable
@@ -161,7 +162,7 @@ def _compiled_cases(backend: str, workload: str, x: torch.Tensor,
     """
     blocks, dim, hidden, _, _ = WORKLOADS[workload]
     torch._dynamo.reset()
-    models = {"tensorpar_compiled": torch.compile(
+    models: dict[str, Any] = {"tensorpar_compiled": torch.compile(
                   parallelize(_model(workload, dim, hidden, blocks), _plan(workload, blocks)),
                   backend=backend, fullgraph=True),
               "dtensor_compiled": torch.compile(_dtensor_model(workload, dim, hidden, blocks),
@@ -170,7 +171,7 @@ def _compiled_cases(backend: str, workload: str, x: torch.Tensor,
         step(model)
     outs = [model(x) for model in models.values()]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
-    return {name: (lambda m=model: step(m)) for name, model in models.items()}
+    return {name: functools.partial(step, model) for name, model in models.items()}
 
 
 def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None = None
