@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
 from torch.compiler import is_compiling
 
 from tensorpar._autograd import SYNC
@@ -58,7 +59,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
         >>> tensorpar.copy_to_group(torch.ones(2))
         tensor([1., 1.])
     """
-    if is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.copy_to_group(x, group=group)
     fn = "copy_to_group"
     g, _ = resolve_args(fn, group, None, x=x)
@@ -94,7 +95,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         >>> tensorpar.reduce_from_group(torch.ones(2))
         tensor([1., 1.])
     """
-    if is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.reduce_from_group(x, group=group)
     fn = "reduce_from_group"
     g, _ = resolve_args(fn, group, None, x=x)
@@ -134,7 +135,7 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         >>> tensorpar.split_to_group(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
     """
-    if is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
@@ -188,7 +189,7 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         >>> tensorpar.gather_from_group(torch.ones(1, 2))
         tensor([[1., 1.]])
     """
-    if is_compiling():  # traced into one graph: tensorpar._traced
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.gather_from_group(x, dim=dim, group=group, sizes=sizes)
     fn = "gather_from_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)

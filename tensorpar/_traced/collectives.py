@@ -1,12 +1,15 @@
 """The public collectives and region mappings as ``torch.compile`` traces them.
 
-Each public function checks ``torch.compiler.is_compiling()`` first and, while dynamo traces,
-calls its namesake here: the same argument checks (plain Python, evaluated once at trace
+Each public function checks first whether it runs inside a compiled function (dynamo traces
+it, or runs it for real because it skipped the frame) and then calls its namesake here. While
+dynamo traces, that is: the same argument checks (plain Python, evaluated once at trace
 time), then the functional collectives of `tensorpar._traced._prims`, which the compiled
 graph holds as ops. What needs values only the ranks' data can tell (a metadata header
 exchange: chunk lengths without ``sizes``, who holds data in a rooted collective) and
 validation mode (a fingerprint exchange per call) run eagerly instead, through `eager`,
-which dynamo sees as one graph break.
+which dynamo sees as one graph break. So does a call that dynamo runs for real inside a
+compiled function (a frame it skipped): `eager` keeps dynamo out of tensorpar's eager
+internals, which talk to the process group directly.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 from tensorpar._autograd import Launch, check_op
 from tensorpar._entry import resolve_args
@@ -92,7 +96,7 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
                algorithm: str = "flat", topology: Any = None
                ) -> torch.Tensor | CollaborativeTensor:
     """`tensorpar.all_reduce`, traced (the hierarchical algorithms run eagerly)."""
-    if VALIDATE[0] or algorithm != "flat":
+    if VALIDATE[0] or algorithm != "flat" or not is_compiling():
         return eager("all_reduce", x, op=op, backward=backward, group=group,  # type: ignore[no-any-return]
                      async_op=async_op, inplace=inplace, algorithm=algorithm, topology=topology)
     fn = "all_reduce"
@@ -119,7 +123,7 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
                sizes: Sequence[int] | None = None, async_op: bool = False
                ) -> torch.Tensor | CollaborativeTensor:
     """`tensorpar.all_gather`, traced when ``sizes`` is given (else one graph break)."""
-    if VALIDATE[0] or sizes is None:
+    if VALIDATE[0] or sizes is None or not is_compiling():
         return eager("all_gather", x, dim=dim, group=group, sizes=sizes,  # type: ignore[no-any-return]
                      async_op=async_op)
     fn = "all_gather"
@@ -137,7 +141,7 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: Gro
                    sizes: Sequence[int] | None = None, async_op: bool = False
                    ) -> torch.Tensor | CollaborativeTensor:
     """`tensorpar.reduce_scatter`, traced."""
-    if VALIDATE[0]:
+    if VALIDATE[0] or not is_compiling():
         return eager("reduce_scatter", x, dim=dim, op=op, group=group,  # type: ignore[no-any-return]
                      sizes=sizes, async_op=async_op)
     fn = "reduce_scatter"
@@ -157,7 +161,7 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: Gro
 def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: GroupLike = None,
                sizes: Sequence[int] | None = None) -> torch.Tensor:
     """`tensorpar.all_to_all`, traced when ``sizes`` is given (else one graph break)."""
-    if VALIDATE[0] or sizes is None:
+    if VALIDATE[0] or sizes is None or not is_compiling():
         return eager("all_to_all", x, split_dim=split_dim,  # type: ignore[no-any-return]
                      concat_dim=concat_dim, group=group, sizes=sizes)
     fn = "all_to_all"
@@ -174,7 +178,7 @@ def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: Group
 
 def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
     """`tensorpar.copy_to_group`, traced."""
-    if VALIDATE[0]:
+    if VALIDATE[0] or not is_compiling():
         return eager("copy_to_group", x, group=group)  # type: ignore[no-any-return]
     fn = "copy_to_group"
     g, _ = resolve_args(fn, group, None, x=x)
@@ -187,7 +191,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
 def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
     """`tensorpar.reduce_from_group`, traced."""
-    if VALIDATE[0]:
+    if VALIDATE[0] or not is_compiling():
         return eager("reduce_from_group", x, group=group)  # type: ignore[no-any-return]
     fn = "reduce_from_group"
     g, _ = resolve_args(fn, group, None, x=x)
@@ -201,7 +205,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
 def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
                    sizes: Sequence[int] | None = None) -> torch.Tensor:
     """`tensorpar.split_to_group`, traced."""
-    if VALIDATE[0]:
+    if VALIDATE[0] or not is_compiling():
         return eager("split_to_group", x, dim=dim, group=group,  # type: ignore[no-any-return]
                      sizes=sizes)
     fn = "split_to_group"
@@ -219,7 +223,7 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
 def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
                       sizes: Sequence[int] | None = None) -> torch.Tensor:
     """`tensorpar.gather_from_group`, traced when ``sizes`` is given (else one graph break)."""
-    if VALIDATE[0] or sizes is None:
+    if VALIDATE[0] or sizes is None or not is_compiling():
         return eager("gather_from_group", x, dim=dim, group=group,  # type: ignore[no-any-return]
                      sizes=sizes)
     fn = "gather_from_group"
