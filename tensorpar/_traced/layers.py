@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.compiler import is_compiling
 
 from tensorpar._group import Group
 from tensorpar._switch import VALIDATE
@@ -35,7 +36,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def split_last(x: torch.Tensor, sizes: tuple[int, ...], group: Group) -> torch.Tensor:
     """`split_to_group` along the last dim (a layer's ``SpecCache.split``)."""
-    if VALIDATE[0]:
+    if VALIDATE[0] or not is_compiling():  # (not traced: the public function, eagerly)
         return C.split_to_group(x, dim=-1, group=group, sizes=sizes)
     out: torch.Tensor = P.SplitToGroup.apply(  # type: ignore[no-untyped-call]
         x, x.ndim - 1, sizes, group.rank, P.group_name(group))
