@@ -330,3 +330,12 @@ def _compare_model(dtype_name, backend, tol):
 def test_llama_model_compiles_fullgraph_and_equals_eager(world_size):
     pytest.importorskip("transformers")
     run_distributed(_compare_model, world_size, "float64", "aot_eager", TIGHT, timeout=540)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
+    pytest.importorskip("transformers")
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float32",
+                                           "inductor", close, timeout=540):
+        assert breaks == 0, reasons
