@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
+from torch.compiler import is_compiling
 
 from tensorpar._autograd import SYNC
 from tensorpar._entry import resolve_args
@@ -27,6 +29,7 @@ from tensorpar._group import Group, GroupLike
 from tensorpar._meta import chunks_spec, require_tensor, sole_chunk
 from tensorpar._split import SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import _AllReduce, _CopyToGroup, _GatherFromGroup, _SplitToGroup
+from tensorpar._traced import collectives as _traced
 from tensorpar.placeholder import _normalize_dim
 
 __all__ = ["copy_to_group", "enter_region", "gather_from_group", "reduce_from_group",
@@ -66,6 +69,8 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
 def enter_region(x: torch.Tensor, group: GroupLike, label: str = "") -> torch.Tensor:
     """`copy_to_group`, with ``label`` naming the caller (a layer) in validation messages."""
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+        return _traced.copy_to_group(x, group=group)
     fn = "copy_to_group"
     g, _ = resolve_args(fn, group, None, x=x, label=label)
     tensor = require_tensor(fn, x)
@@ -100,6 +105,8 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         >>> tensorpar.reduce_from_group(torch.ones(2))
         tensor([1., 1.])
     """
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+        return _traced.reduce_from_group(x, group=group)
     fn = "reduce_from_group"
     g, _ = resolve_args(fn, group, None, x=x)
     tensor = require_tensor(fn, x)
@@ -140,6 +147,8 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         >>> tensorpar.split_to_group(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
     """
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+        return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     tensor = require_tensor(fn, x)
@@ -192,6 +201,8 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         >>> tensorpar.gather_from_group(torch.ones(1, 2))
         tensor([[1., 1.]])
     """
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+        return _traced.gather_from_group(x, dim=dim, group=group, sizes=sizes)
     fn = "gather_from_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     if g.is_single:

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, nargs="?", const=15, metavar="TOP",
                         help="layers: also profile tensorpar's step and the floor's and print "
                              "the TOP functions per step (default 15)")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="layers: also time tensorpar and DTensor under torch.compile with "
+                             "this backend; default: inductor ('' to skip)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     for name, value in {"timeout": 600.0, **DEFAULTS[args.suite]}.items():

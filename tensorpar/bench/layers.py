@@ -10,6 +10,10 @@ compute (the same layers with shard-sized weights, no communication) plus the ra
 and one in backward per row-parallel layer), run back to back. It is timed twice, as two
 cases of the same run: the spread between the two is the run's noise.
 
+With ``compile`` set, tensorpar's and DTensor's models are also timed compiled
+(``torch.compile`` with that backend, e.g. ``"inductor"``), each compiled once before the timed
+rounds: ``tensorpar_compiled`` and ``dtensor_compiled``.
+
 With ``profile`` > 0, each rank then profiles (``cProfile``) a few steps of tensorpar and of
 the floor and reports the functions with the most time of their own, per step.
 """
@@ -17,6 +21,7 @@ the floor and reports the functions with the most time of their own, per step.
 from __future__ import annotations
 
 import cProfile
+import functools
 import os
 import pstats
 from collections.abc import Callable
@@ -148,12 +153,35 @@ def _short(path: str, line: int, name: str) -> str:
     return f"{path}:{line}({name})"
 
 
-def run_rank(workload: str, rounds: int, profile: int = 0) -> dict[str, Any]:
+def _compiled_cases(backend: str, workload: str, x: torch.Tensor,
+                    step: Callable[[nn.Module], None]) -> dict[str, Callable[[], object]]:
+    """The models of tensorpar and DTensor compiled whole (tensorpar with ``fullgraph``).
+
+    Both are compiled (forward and backward) before anything is timed and checked against
+    each other, so the timed rounds measure compiled steps only.
+    """
+    blocks, dim, hidden, _, _ = WORKLOADS[workload]
+    torch._dynamo.reset()
+    models: dict[str, Any] = {"tensorpar_compiled": torch.compile(
+                  parallelize(_model(workload, dim, hidden, blocks), _plan(workload, blocks)),
+                  backend=backend, fullgraph=True),
+              "dtensor_compiled": torch.compile(_dtensor_model(workload, dim, hidden, blocks),
+                                                backend=backend)}
+    for model in models.values():  # compile forward and backward now, not in the timing
+        step(model)
+    outs = [model(x) for model in models.values()]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    return {name: functools.partial(step, model) for name, model in models.items()}
+
+
+def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None = None
+             ) -> dict[str, Any]:
     """Time one forward+backward of each implementation; every rank returns the same figures.
 
     ``floor`` and ``floor_again`` are the same case timed twice (the run's noise). With
-    ``profile`` > 0, ``profile`` holds this rank's `profile_steps` of tensorpar and the floor
-    (the one figure that differs between ranks).
+    ``compile`` (a ``torch.compile`` backend), tensorpar and DTensor are also timed compiled.
+    With ``profile`` > 0, ``profile`` holds this rank's `profile_steps` of tensorpar and the
+    floor (the one figure that differs between ranks).
     """
     from tensorpar.bench._timing import time_side_by_side
 
@@ -186,9 +214,13 @@ def run_rank(workload: str, rounds: int, profile: int = 0) -> dict[str, Any]:
     cases: dict[str, Callable[[], object]] = {
         "dense": dense_on_rank_0, "floor": floor, "tensorpar": lambda: step(ours),
         "dtensor": lambda: step(theirs), "floor_again": floor}
-    times = time_side_by_side(cases, rounds=rounds, cpu=True,
-                              pairs=(("tensorpar", "floor"), ("floor_again", "floor"),
-                                     ("tensorpar", "dtensor")))
+    pairs: tuple[tuple[str, str], ...] = (("tensorpar", "floor"), ("floor_again", "floor"),
+                                          ("tensorpar", "dtensor"))
+    if compile is not None:
+        cases |= _compiled_cases(compile, workload, x, step)
+        pairs += (("tensorpar_compiled", "dtensor_compiled"),
+                  ("tensorpar_compiled", "tensorpar"), ("tensorpar_compiled", "floor"))
+    times = time_side_by_side(cases, rounds=rounds, cpu=True, pairs=pairs)
     result = {"workload": workload, "tp": dist.get_world_size(), **times}
     if profile > 0:
         steps = max(rounds, 10)

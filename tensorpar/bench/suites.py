@@ -170,7 +170,7 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     for tp in args.world_sizes:
         for workload in layers.WORKLOADS:
             results.append(_run(args, f"tp {tp}, {workload}", layers.run_rank, tp, workload,
-                                args.rounds, top)[0])
+                                args.rounds, top, getattr(args, "compile", None) or None)[0])
     rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
              _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
              _x(r["tensorpar"] / r["floor"]), _x(r["floor_again"] / r["floor"]),
@@ -188,6 +188,21 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
           "to back; floor again/floor: the floor timed twice, the run's noise; CPU: the "
           "calling thread's CPU time, without time blocked on other ranks; paired: the median "
           "over rounds of the two steps' ratio within one round)")
+    compiled = [r for r in results if "tensorpar_compiled" in r]
+    if compiled:
+        print(format_table(
+            ["workload", "tp", "tensorpar ms", "tp compiled ms", "dtensor compiled ms",
+             "paired tp compiled/dtensor compiled", "paired tp compiled/tp",
+             "paired tp compiled/floor", "tp CPU ms", "tp compiled CPU ms",
+             "dtensor compiled CPU ms", "floor CPU ms", "tp compiled CPU/floor CPU"],
+            [[r["workload"], r["tp"], _ms(r["tensorpar"]), _ms(r["tensorpar_compiled"]),
+              _ms(r["dtensor_compiled"]), _x(r.get("tensorpar_compiled/dtensor_compiled")),
+              _x(r.get("tensorpar_compiled/tensorpar")), _x(r.get("tensorpar_compiled/floor")),
+              _ms(r["tensorpar_cpu"]), _ms(r["tensorpar_compiled_cpu"]),
+              _ms(r["dtensor_compiled_cpu"]), _ms(r["floor_cpu"]),
+              _x(r["tensorpar_compiled_cpu"] / r["floor_cpu"])] for r in compiled]))
+        print(f"(compiled: torch.compile(backend={args.compile!r}), tensorpar with "
+              f"fullgraph=True; the floor is eager; same rounds as the table above)")
     for r in results if top else []:
         for case in ("tensorpar", "floor"):
             print(f"\nprofile of {case}, {r['workload']}, tp {r['tp']} (rank 0, cProfile: "
@@ -234,7 +249,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
     "reducer": {"world_sizes": [2, 4], "models": ["8M", "30M"], "rounds": 11,
                 "timeout": 900.0},
-    "layers": {"world_sizes": [2, 4], "rounds": 31},
+    "layers": {"world_sizes": [2, 4], "rounds": 31, "compile": "inductor"},
     "moe": {"world_sizes": [2, 4], "rounds": 15},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,

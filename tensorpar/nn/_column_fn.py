@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
+from torch.compiler import is_compiling
 
 from tensorpar import _comm
 from tensorpar._autograd import SYNC, needs_graph, torch_op
@@ -23,6 +25,7 @@ from tensorpar._group import Group
 from tensorpar._meta import require_tensor
 from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _AllReduce
+from tensorpar._traced import layers as _traced_layers
 from tensorpar.regions import enter_region
 
 __all__ = ["SharedInput", "autocast_on", "column_linear", "save_linear_inputs"]
@@ -50,6 +53,8 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = require_tensor("ColumnParallelLinear", x)
     if group.is_single:
         return F.linear(x, weight, bias)
+    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+        return _traced_layers.column_linear(x, weight, bias, group)
     if VALIDATE[0] or autocast_on(x.device.type):  # copy_to_group fingerprints its calls
         return F.linear(enter_region(x, group, _LABEL), weight, bias)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
@@ -124,9 +129,12 @@ class SharedInput:
         self._input: weakref.ReferenceType[torch.Tensor] | None = None
         self._copy: torch.Tensor | None = None
         self._version = -1
+        self._traced_input: torch.Tensor | None = None
 
     def copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         """``copy_to_group(x)``, made once per input tensor and version."""
+        if is_compiling() or _frame_hook() is not None:  # compiled: one copy per input object
+            return self._traced_copy(x, group)
         if self._copy is not None and self._input is not None and self._input() is x \
                 and x._version == self._version:
             return self._copy
@@ -134,9 +142,19 @@ class SharedInput:
         self._input, self._copy, self._version = weakref.ref(x), copied, x._version
         return copied
 
+    def _traced_copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
+        # while dynamo traces, the input is compared by identity alone (a traced tensor has
+        # no version counter to read); the forward hook's `clear` forgets it as eagerly
+        if self._copy is not None and self._traced_input is x:
+            return self._copy
+        copied = enter_region(x, group, _LABEL)
+        self._traced_input, self._copy = x, copied
+        return copied
+
     def clear(self, *hook_args: object) -> None:
         """Forget the last copy (a forward hook: takes and ignores the hook's arguments)."""
         self._input, self._copy, self._version = None, None, -1
+        self._traced_input = None
 
     def __getstate__(self) -> dict[str, Any]:  # (weak references do not pickle)
-        return {"_input": None, "_copy": None, "_version": -1}
+        return {"_input": None, "_copy": None, "_version": -1, "_traced_input": None}

@@ -10,11 +10,14 @@ validation mode the public functions run instead, so every call is fingerprinted
 from __future__ import annotations
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
+from torch.compiler import is_compiling
 
 from tensorpar._meta import chunks_spec
 from tensorpar._split import SplitSpec
 from tensorpar._switch import VALIDATE
 from tensorpar._symmetric import _GatherFromGroup, _SplitToGroup
+from tensorpar._traced import layers as _traced_layers
 from tensorpar.nn._shard import AnyShard
 from tensorpar.regions import gather_from_group, split_spec, split_to_group
 
@@ -44,6 +47,8 @@ class SpecCache:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """``split_to_group(x, dim=-1, group=shard.group, sizes=shard.sizes)``."""
         s = self.shard
+        if (is_compiling() or _frame_hook() is not None) and not s.group.is_single:
+            return _traced_layers.split_last(x, s.sizes, s.group)
         if VALIDATE[0] or s.group.is_single:
             return split_to_group(x, dim=-1, group=s.group, sizes=s.sizes)
         key = (x.shape, x.dtype)
@@ -57,6 +62,8 @@ class SpecCache:
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """``gather_from_group(y, dim=-1, group=shard.group, sizes=shard.sizes)``."""
         s = self.shard
+        if (is_compiling() or _frame_hook() is not None) and not s.group.is_single:
+            return _traced_layers.gather_last(y, s.sizes, s.group)
         if VALIDATE[0] or s.group.is_single:
             return gather_from_group(y, dim=-1, group=s.group, sizes=s.sizes)
         key = (y.shape, y.dtype)

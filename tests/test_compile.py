@@ -1,0 +1,341 @@
+"""torch.compile: tensor-parallel code compiles to one graph, forward and backward, as eager.
+
+Each case runs the same computation eagerly and under ``torch.compile(fullgraph=True)`` on
+the same ranks and compares outputs and gradients: float64 with the ``aot_eager`` backend
+(the traced graphs run op by op: 1e-10), and float32 with inductor (1e-5). The eager path is
+itself checked against one process elsewhere (test_layers, test_hf_models).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+import tensorpar as tp
+from tensorpar.nn import (
+    ColumnParallelLinear,
+    Colwise,
+    ParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    plan_from_transformers,
+    vocab_parallel_cross_entropy,
+)
+from tensorpar.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(600)  # compiling on a busy 2-core machine takes minutes
+TIGHT = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def rand(seed, *shape, dtype=torch.float64):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _fresh():
+    torch._dynamo.reset()
+
+
+def _run_both(fn, inputs, backend="aot_eager", fullgraph=True):
+    """``fn(*inputs)`` eagerly and compiled: outputs and input gradients of each."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=fullgraph, backend=backend)):
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        outs = f(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        total = sum((o.double() * rand(100 + i, *o.shape)).sum() for i, o in enumerate(outs)
+                    if o.requires_grad)
+        if isinstance(total, torch.Tensor):
+            total.backward()
+        results.append(([o.detach() for o in outs],
+                        [t.grad for t in leaves if t.is_floating_point()]))
+    return results
+
+
+def _assert_same(results, **tol):
+    (eager_out, eager_grad), (comp_out, comp_grad) = results
+    assert len(eager_out) == len(comp_out)
+    for a, b in zip(comp_out, eager_out, strict=True):
+        torch.testing.assert_close(a, b, **(tol or TIGHT))
+    for a, b in zip(comp_grad, eager_grad, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, **(tol or TIGHT))
+
+
+def _graph_breaks(fn, *args):
+    explained = torch._dynamo.explain(fn)(*args)
+    return explained.graph_break_count, [str(b.reason) for b in explained.break_reasons]
+
+
+# ---------------------------------------------------------------------------------------
+# the public collectives
+# ---------------------------------------------------------------------------------------
+
+def _collectives(n, uneven):
+    """Every traced collective, once per mode, in one function: (outputs...)."""
+    rank = torch.distributed.get_rank()
+    sizes = [2 + (r % 2 if uneven else 0) for r in range(n)]  # along the concat dims
+    split = [1 + (r if uneven else 0) for r in range(n)]  # split lengths (sum: L)
+    length = sum(split)
+
+    def fn(a, b, c):
+        outs = [
+            tp.all_reduce(a),
+            tp.all_reduce(a, backward="identity"),
+            tp.all_reduce(a, op="mean"),
+            tp.all_reduce(a.detach(), op="max"),
+            tp.all_reduce(a, async_op=True).resolve(),
+            tp.all_gather(b, dim=0, sizes=sizes),
+            tp.all_gather(b.transpose(0, 1), dim=1, sizes=sizes),
+            tp.all_gather(b, dim=0, sizes=sizes, async_op=True).resolve(),
+            tp.reduce_scatter(c, dim=0, sizes=split),
+            tp.reduce_scatter(c, dim=1, op="mean"),
+            tp.reduce_scatter(c.transpose(0, 1), dim=1, sizes=split),
+            tp.all_to_all(c, split_dim=0, concat_dim=1, sizes=split),
+            tp.all_to_all(c.transpose(0, 1), split_dim=1, concat_dim=0, sizes=split),
+            tp.copy_to_group(a) * 3,
+            tp.reduce_from_group(a),
+            tp.split_to_group(c, dim=0, sizes=split),
+            tp.split_to_group(c, dim=-1),
+            tp.gather_from_group(b, dim=0, sizes=sizes),
+        ]
+        return tuple(outs)
+
+    a = rand(rank, 3, 4)
+    b = rand(10 + rank, sizes[rank], 3)
+    c = rand(20 + rank, length, 3 * n)
+    return fn, (a, b, c)
+
+
+def _compare_collectives(uneven):
+    _fresh()
+    n = torch.distributed.get_world_size()
+    fn, inputs = _collectives(n, uneven)
+    _assert_same(_run_both(fn, inputs))  # fullgraph=True: a graph break would raise
+
+
+@pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (2, True), (3, True)])
+def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
+    run_distributed(_compare_collectives, world_size, uneven, timeout=540)
+
+
+def _rooted(x):
+    """The collectives that need a metadata exchange: each one graph break, run eagerly."""
+    rank = torch.distributed.get_rank()
+    y = tp.scatter(x if rank == 0 else None, dim=0, src=0)  # uneven: 3 and 2 rows at TP 2
+    z = tp.broadcast(x if rank == 1 else None, src=1)
+    w = tp.all_gather(y * 1.5, dim=0)  # no sizes: the lengths are exchanged
+    return y * 2, z * 3, w
+
+
+def _compare_graph_breaks():
+    _fresh()
+    x = rand(torch.distributed.get_rank(), 5, 3)
+    breaks, reasons = _graph_breaks(_rooted, x)
+    _assert_same(_run_both(_rooted, (x,), fullgraph=False))
+    return breaks, reasons
+
+
+def test_metadata_exchanges_break_the_graph_once_each_and_equal_eager():
+    for breaks, reasons in run_distributed(_compare_graph_breaks, 2, timeout=540):
+        # each is a call of the eager fallback (what follows a break may run untraced)
+        assert breaks >= 1, reasons
+        assert all("torch.compiler.disable" in r for r in reasons), reasons
+
+
+def _validation_under_compile():
+    _fresh()
+    rank = torch.distributed.get_rank()
+
+    def fn(a):
+        return tp.all_reduce(a) * 2 + tp.reduce_from_group(a) + tp.copy_to_group(a)
+
+    with tp.validation(True):
+        breaks, _ = _graph_breaks(fn, rand(0, 3))
+        _assert_same(_run_both(fn, (rand(rank, 3, 4),), fullgraph=False))
+        mismatch = torch.compile(lambda a: tp.all_reduce(a, op="sum" if rank else "mean"),
+                                 backend="aot_eager")
+        try:
+            mismatch(rand(0, 3))
+        except tp.CollectiveMismatchError as e:
+            caught = "all_reduce" in str(e)
+        else:
+            caught = False
+    return breaks, caught
+
+
+def test_validation_mode_checks_every_collective_under_compile():
+    for breaks, caught in run_distributed(_validation_under_compile, 2, timeout=540):
+        assert breaks >= 1 and caught
+
+
+# ---------------------------------------------------------------------------------------
+# the layers
+# ---------------------------------------------------------------------------------------
+
+def _module_both(module, fn, inputs, backend="aot_eager"):
+    """``fn(*inputs)`` eagerly and compiled: (outputs, input grads, parameter grads) of each."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend=backend)):
+        module.zero_grad(set_to_none=True)
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        outs = f(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        sum((o.double() * rand(100 + i, *o.shape)).sum() for i, o in enumerate(outs)).backward()
+        results.append(([o.detach() for o in outs],
+                        [t.grad for t in leaves if t.is_floating_point()]
+                        + [p.grad for p in module.parameters()]))
+    return results
+
+
+class _Layers(nn.Module):
+    """Every parallel layer once, on uneven shards (sizes not divisible by 2 or 3)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        dense = {name: nn.Linear(n_in, n_out).to(dtype) for name, n_in, n_out in
+                 [("col", 10, 13), ("colg", 10, 11), ("packed", 10, 20), ("row", 13, 7),
+                  ("rows", 11, 7), ("wide", 13, 7)]}
+        self.col = ColumnParallelLinear.from_dense(dense["col"])
+        self.colg = ColumnParallelLinear.from_dense(dense["colg"], gather_output=True)
+        self.packed = ColumnParallelLinear.from_dense(dense["packed"], blocks=(8, 4, 8),
+                                                      multiple_of=(2, 1, 2), gather_output=True)
+        self.row = RowParallelLinear.from_dense(dense["row"])
+        self.rows = RowParallelLinear.from_dense(dense["rows"], input_is_parallel=False)
+        self.wide = RowParallelLinear.from_dense(dense["wide"], reduce_dtype=torch.float64)
+        self.vocab = VocabParallelEmbedding.from_dense(nn.Embedding(17, 10).to(dtype))
+        self.dim = ParallelEmbedding.from_dense(nn.Embedding(17, 10).to(dtype))
+        self.head = ColumnParallelLinear.from_dense(nn.Linear(10, 19).to(dtype))
+
+    def forward(self, x, ids, target):
+        h = self.vocab(ids) + self.dim(ids) + x
+        a = self.col(h)
+        y = self.row(a) + self.wide(a) + self.rows(self.colg(h)) + self.packed(h).sum(-1, True)
+        loss = vocab_parallel_cross_entropy(self.head(h).flatten(0, 1), target.flatten(),
+                                            sizes=self.head.shard.sizes)
+        return y, loss
+
+
+def _compare_layers(dtype_name, backend, tol):
+    _fresh()
+    dtype = getattr(torch, dtype_name)
+    layers = _Layers(dtype)
+    x = rand(1, 2, 3, 10, dtype=dtype)
+    ids = torch.randint(0, 17, (2, 3), generator=torch.Generator().manual_seed(2))
+    target = torch.randint(0, 19, (2, 3), generator=torch.Generator().manual_seed(3))
+    _assert_same(_module_both(layers, layers, (x, ids, target), backend), **tol)
+
+
+def test_layers_compile_fullgraph_and_equal_eager():
+    run_distributed(_compare_layers, 3, "float64", "aot_eager", TIGHT, timeout=540)
+
+
+class _Siblings(nn.Module):
+    """q/k/v-like column-parallel siblings that read one input (one `SharedInput`)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k = nn.Linear(6, 5).double(), nn.Linear(6, 7).double()
+        self.o = nn.Linear(12, 6).double()
+
+    def forward(self, x):
+        return self.o(torch.cat([self.q(x), self.k(x)], -1).relu())
+
+
+def _compare_shared_input():
+    _fresh()
+    both = Colwise(gather_output=True)
+    model = tp.parallelize(_Siblings(), {"q": both, "k": both})
+    assert model.q.input_share is model.k.input_share is not None
+    fn = lambda x: model(x)  # noqa: E731
+    graphs = AotEagerAndRecordGraphs()
+    x = rand(4, 3, 6).requires_grad_()
+    torch.compile(fn, fullgraph=True, backend=graphs)(x).sum().backward()
+    backward = "".join(g.code for g in graphs.bw_graphs)
+    shared = backward.count("_c10d_functional.all_reduce")  # one for both q and k
+    _assert_same(_module_both(model, fn, (rand(4, 3, 6),)))
+    return shared, model.q.input_share._copy is None
+
+
+def test_shared_input_compiles_fullgraph_and_equals_eager():
+    assert run_distributed(_compare_shared_input, 2, timeout=540) == [(1, True), (1, True)]
+
+
+# ---------------------------------------------------------------------------------------
+# transformers: a Llama decoder layer and a whole model (GQA, uneven heads at TP 2)
+# ---------------------------------------------------------------------------------------
+
+def _llama(dtype, layers):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=37, hidden_size=24, intermediate_size=50,
+                                      num_hidden_layers=layers, max_position_embeddings=32,
+                                      num_attention_heads=6, num_key_value_heads=3, head_dim=4)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _parallel_llama(dtype, layers):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return tp.parallelize(_llama(dtype, layers), plan_from_transformers(_llama(dtype, 1)))
+
+
+def _compare_decoder_layer(dtype_name, backend, tol):
+    _fresh()
+    dtype = getattr(torch, dtype_name)
+    model = _parallel_llama(dtype, 1)
+    layer = model.model.layers[0]
+    x = rand(5, 2, 5, 24, dtype=dtype)
+    emb = model.model.rotary_emb(x, torch.arange(5).unsqueeze(0))
+
+    def fn(h):
+        out = layer(h, position_embeddings=emb, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    breaks = _graph_breaks(fn, x)
+    _assert_same(_module_both(layer, fn, (x,), backend), **tol)
+    return breaks
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_decoder_layer_is_one_graph_and_equals_eager(world_size):
+    pytest.importorskip("transformers")
+    for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float64",
+                                           "aot_eager", TIGHT, timeout=540):
+        assert breaks == 0, reasons
+
+
+def _compare_model(dtype_name, backend, tol):
+    _fresh()
+    dtype = getattr(torch, dtype_name)
+    model = _parallel_llama(dtype, 2)
+    head = model.get_output_embeddings()
+    ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(0))
+    target = ids.roll(-1, 1)
+
+    def step(ids):
+        logits = model(ids).logits  # (B, T, V/tp)
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                            sizes=head.shard.sizes)
+
+    _assert_same(_module_both(model, step, (ids,), backend), **tol)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_model_compiles_fullgraph_and_equals_eager(world_size):
+    pytest.importorskip("transformers")
+    run_distributed(_compare_model, world_size, "float64", "aot_eager", TIGHT, timeout=540)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
+    pytest.importorskip("transformers")
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float32",
+                                           "inductor", close, timeout=540):
+        assert breaks == 0, reasons
