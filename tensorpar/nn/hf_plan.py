@@ -140,9 +140,10 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     if experts == "expert_parallel":
         plan = expert_parallel_plan(model, plan, reduce_dtype=reduce_dtype)
     elif replicated:
-        warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (mixture-of-experts "
-                      f"layers are not split by tensorpar yet); they compute the dense result "
-                      f"on every rank", stacklevel=2)
+        warnings.warn(f"{fn}: {arch}: {replicated} are left replicated (experts="
+                      f"'replicated', the default): they compute the dense result on every "
+                      f"rank; pass experts='expert_parallel' to spread the experts over the "
+                      f"ranks", stacklevel=2)
     return _with_embeddings(model, plan, lm_head)
 
 
