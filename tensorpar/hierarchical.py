@@ -25,7 +25,6 @@ The same code runs on gloo (CPU) and NCCL (CUDA).
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
 import weakref
@@ -240,9 +239,7 @@ class _Engine:
         self.gather = group(topology.gather_group)
         self.calls: queue.SimpleQueue[list[_Task] | None] = queue.SimpleQueue()
         self.failed: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="tensorpar-hierarchical",
-                                       daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._run, name="tensorpar-hierarchical", daemon=True).start()
 
     def submit(self, job: HierarchicalWork, flat: torch.Tensor, slice_elems: int) -> None:
         """Queue one call."""
@@ -354,21 +351,6 @@ class _Engines:
             weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def close(self) -> None:
-        """Stop every engine and wait for its thread (at exit, before the process groups go).
-
-        A thread left running at interpreter exit can take the last reference to a gloo
-        group with it, and the group's destructor then runs where it cannot join its own
-        threads (the process aborts).
-        """
-        with self._lock:
-            engines = list(self._by_topology.values())
-        for engine in engines:
-            engine.stop()
-        for engine in engines:
-            engine.thread.join(timeout=10.0)
-            engine.intra = engine.rails = engine.gather = None
-
     def __call__(self, topology: Topology) -> _Engine:
         with self._lock:
             engine = self._by_topology.get(topology)
@@ -379,4 +361,3 @@ class _Engines:
 
 
 _engine = _Engines()
-atexit.register(_engine.close)
