@@ -32,6 +32,8 @@ from tensorpar.nn.plan import (
     is_conv1d,
     tied_groups,
 )
+from tensorpar.nn.sequence import SEQUENCE_STYLES
+from tensorpar.nn.sequence_plan import check_sequence, install_sequence
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["full_state_dict", "load_full_state_dict", "parallelize"]
@@ -113,13 +115,18 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     if problems:
         raise ValueError("parallelize: the plan contradicts the model's own plan:\n  - "
                          + "\n  - ".join(problems))
+    problems = check_sequence(model, assignments)
+    if problems:
+        raise ValueError("parallelize: the sequence-parallel styles do not fit the model:\n  - "
+                         + "\n  - ".join(problems))
     ties = tied_groups(model)
     head = _output_embeddings(model)
     head_name = next((n for n, m in model.named_modules() if m is head), None)
     built = {}
     for name, style in assignments.items():
         module = model.get_submodule(name)
-        if isinstance(style, INPLACE_STYLES) and type(module) not in builders:
+        if isinstance(style, (*INPLACE_STYLES, *SEQUENCE_STYLES)) \
+                and type(module) not in builders:
             continue  # stays in place: its parameters get their hooks once all is built
         custom = builders.get(type(module))
         built[name] = custom(module, style, group) if custom else _build(module, style, group)
@@ -135,6 +142,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
     for name, style in assignments.items():
         if isinstance(style, INPLACE_STYLES) and name not in built:
             install(model.get_submodule(name), style, group)
+    install_sequence(model, assignments, built, resolve_group(group, "parallelize"))
     for name, style in assignments.items():
         if name == head_name and isinstance(built.get(name), ColumnParallelLinear) \
                 and not getattr(style, "gather_output", True):

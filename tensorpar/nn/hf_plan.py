@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tensorpar.nn.hf_experts import ExpertsMode, check_experts_mode, expert_parallel_plan
+from tensorpar.nn.hf_sequence import sequence_parallel_plan
 from tensorpar.nn.plan import (
     Colwise,
     EmbeddingDim,
@@ -32,7 +33,8 @@ _LEFT_REPLICATED = ("packed_colwise", "moe_tp_experts", "ep_router", "grouped_ge
 
 def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_parallel",
                            reduce_dtype: torch.dtype | None = None,
-                           experts: ExpertsMode = "replicated") -> dict[str, Style]:
+                           experts: ExpertsMode = "replicated",
+                           sequence_parallel: bool = False) -> dict[str, Style]:
     """A tensor-parallel plan for a transformers model, from its config and ``tp_plan``.
 
     The attention projections are split by head so that every rank's query heads sit with
@@ -62,14 +64,19 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         experts: ``"replicated"``: mixture-of-experts layers stay whole on every rank;
             ``"expert_parallel"``: each rank holds a block of the experts (`ExpertParallel`)
             and the shared experts are split like an MLP (see `expert_parallel_plan`).
+        sequence_parallel: also shard the activations between the split layers along the
+            sequence (see `tensorpar.nn.sequence`): from the first decoder layer's input to
+            the last norm's output, norms and residual adds run on this rank's slice, and
+            each all-reduce becomes a reduce-scatter and an all-gather. Any sequence length.
 
     Returns:
         A plan for `parallelize` (module pattern -> style).
 
     Raises:
         TypeError: ``model`` has no transformers config.
-        ValueError: an architecture or layer that tensorpar cannot parallelise (named), or
-            an unknown ``lm_head``.
+        ValueError: an architecture or layer that tensorpar cannot parallelise (named), an
+            unknown ``lm_head``, or ``sequence_parallel`` on a model it does not cover
+            (encoder-decoder, mixture-of-experts, latent or whole-head attention).
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -91,6 +98,8 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     arch = config.model_type
     base_plan: dict[str, str] | None = getattr(config, "base_model_tp_plan", None)
     if arch in ("t5", "mt5"):
+        if sequence_parallel:
+            sequence_parallel_plan(model, {}, "")  # refuses encoder-decoder models
         return _with_embeddings(model, _t5(model, reduce_dtype), lm_head)
     if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
@@ -144,7 +153,8 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                       f"'replicated', the default): they compute the dense result on every "
                       f"rank; pass experts='expert_parallel' to spread the experts over the "
                       f"ranks", stacklevel=2)
-    return _with_embeddings(model, plan, lm_head)
+    plan = _with_embeddings(model, plan, lm_head)
+    return sequence_parallel_plan(model, plan, prefix) if sequence_parallel else plan
 
 
 def _with_embeddings(model: nn.Module, plan: dict[str, Style], lm_head: LMHead

@@ -18,6 +18,7 @@ from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._row_fn import row_linear
 from tensorpar.nn._shard import AnyShard, Shard, packed_shard_of, shard_of
 from tensorpar.nn._spec_cache import SpecCache
+from tensorpar.nn.sequence import SequenceShards, sequence_row_output
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import reduce_from_group
 
@@ -159,13 +160,19 @@ class ColumnParallelLinear(ShardedLayer):
         self.input_share: SharedInput | None = None
         """Set (by `tensorpar.parallelize`) on layers that may read the same input as their
         siblings: they then share one backward all-reduce (see `SharedInput`)."""
+        self.sequence: SequenceShards | None = None
+        """Set (by `tensorpar.parallelize`) inside a `SequenceGather` module: the input is
+        then the whole sequence gathered from the ranks' slices, whose backward
+        reduce-scatters this layer's partial input gradient (the layer issues no collective)."""
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
         share, g = self.input_share, self.shard.group
-        if share is not None and torch.is_grad_enabled() and not g.is_single:
+        if self.sequence is not None:  # gathered by the parent (see `SequenceGather`)
+            y = F.linear(x, self.weight, self.bias)
+        elif share is not None and torch.is_grad_enabled() and not g.is_single:
             y = F.linear(share.copy(x, g), self.weight, self.bias)  # one all-reduce for all
         else:
             y = column_linear(x, self.weight, self.bias, g)
@@ -253,6 +260,9 @@ class RowParallelLinear(ShardedLayer):
             if bias else None
         _init_linear(self.weight, self.bias, in_features)
         self._specs = SpecCache("RowParallelLinear", self.shard)
+        self.sequence: SequenceShards | None = None
+        """Set (by `tensorpar.parallelize`) inside a `SequenceGather` module: the output is
+        then reduce-scattered along the sequence instead of all-reduced."""
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
@@ -260,6 +270,9 @@ class RowParallelLinear(ShardedLayer):
         """``x W^T + b``: the partial products summed across the group, then the bias."""
         if not self.input_is_parallel:
             x = self._specs.split(x)
+        if self.sequence is not None:
+            return sequence_row_output(x, self.weight, self.bias, self.sequence,
+                                       self.reduce_dtype)
         return row_output(x, self.weight, self.bias, self.shard.group, self.reduce_dtype)
 
     @classmethod

@@ -26,7 +26,7 @@ still applies the module, to an empty tensor, and gets a zero gradient).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -39,7 +39,8 @@ __all__ = ["install_partial_grad", "partial_grad_group", "partial_grad_parameter
 _MARK = "_tensorpar_partial_grad"
 
 
-def install_partial_grad(module: nn.Module, group: GroupLike = None) -> list[str]:
+def install_partial_grad(module: nn.Module, group: GroupLike = None,
+                         names: Collection[str] | None = None) -> list[str]:
     """Sum the gradients of ``module``'s own parameters over ``group`` in every backward.
 
     The parameters stay replicated and unchanged; each one gets a gradient hook (see the
@@ -50,6 +51,7 @@ def install_partial_grad(module: nn.Module, group: GroupLike = None) -> list[str
         module: the module whose direct parameters (not its children's) have a partial
             gradient.
         group: the tensor-parallel group.
+        names: only these of the module's own parameters (``None``: all of them).
 
     Returns:
         The names of the parameters hooked by this call.
@@ -68,6 +70,8 @@ def install_partial_grad(module: nn.Module, group: GroupLike = None) -> list[str
     g = resolve_group(group, "install_partial_grad")
     hooked = []
     for name, p in module.named_parameters(recurse=False):
+        if names is not None and name not in names:
+            continue
         current = partial_grad_group(p)
         if current is not None:
             if current != g:

@@ -20,9 +20,11 @@ from tensorpar._group import GroupLike
 from tensorpar._split import balanced_sizes
 from tensorpar.nn.experts import ExpertParallel, experts_problem
 from tensorpar.nn.inplace_styles import INPLACE_STYLES, MlaKvAProj, PartialGrad, check_inplace
+from tensorpar.nn.sequence import SEQUENCE_STYLES, SequenceGather, SequenceParallel, SequenceSplit
 
 __all__ = ["Builder", "Colwise", "EmbeddingDim", "MlaKvAProj", "PackedColwise", "PartialGrad",
-           "Rowwise", "Style", "Vocab", "match_module"]
+           "Rowwise", "SequenceGather", "SequenceParallel", "SequenceSplit", "Style", "Vocab",
+           "match_module"]
 
 
 @dataclass(frozen=True)
@@ -106,15 +108,17 @@ class EmbeddingDim:
 
 
 Style: TypeAlias = Colwise | PackedColwise | Rowwise | Vocab | EmbeddingDim | ExpertParallel \
-    | PartialGrad | MlaKvAProj
-STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, ExpertParallel, *INPLACE_STYLES)
+    | PartialGrad | MlaKvAProj | SequenceSplit | SequenceGather | SequenceParallel
+STYLES = (Colwise, PackedColwise, Rowwise, Vocab, EmbeddingDim, ExpertParallel, *INPLACE_STYLES,
+          *SEQUENCE_STYLES)
 Builder: TypeAlias = Callable[[nn.Module, Style, GroupLike], nn.Module]
 """Builds the parallel module for a layer class tensorpar does not know: ``(dense module,
 style, group) -> module``."""
 NAMED_STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(),
                                   "vocab": Vocab(), "embedding_dim": EmbeddingDim(),
                                   "partial_grad": PartialGrad(),
-                                  "replicated_with_grad_allreduce": PartialGrad()}
+                                  "replicated_with_grad_allreduce": PartialGrad(),
+                                  "sequence_parallel": SequenceParallel()}
 Layout: TypeAlias = "tuple[int, tuple[int, ...]] | None"
 """How a parameter is split: ``(dim, sizes per rank)``, or ``None`` for replicated."""
 
@@ -222,6 +226,8 @@ def _check(name: str, module: nn.Module, style: Style, size: int) -> str | None:
         return experts_problem(name, module)
     if isinstance(style, INPLACE_STYLES):
         return check_inplace(name, module, style)
+    if isinstance(style, SEQUENCE_STYLES):
+        return None  # any module: checked with the whole plan (`check_sequence`)
     if isinstance(style, (Colwise, Rowwise, PackedColwise)):
         if type(module) is not nn.Linear and not is_conv1d(module):
             return (f"{name!r} is a {type(module).__name__}; style {type(style).__name__} "
@@ -271,7 +277,7 @@ def layout(style: Style | None, module: nn.Module, leaf: str, size: int) -> Layo
 
     Packed splits are described block by block (sizes per block, then per rank).
     """
-    if style is None or isinstance(style, INPLACE_STYLES):
+    if style is None or isinstance(style, (*INPLACE_STYLES, *SEQUENCE_STYLES)):
         return None
     if isinstance(style, ExpertParallel):  # experts split along dim 0 of every parameter
         return 0, balanced_sizes(getattr(module, leaf).shape[0], size)

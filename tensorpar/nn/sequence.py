@@ -1,0 +1,205 @@
+"""Sequence parallelism: the activations between the parallel matmuls sharded along the sequence.
+
+With tensor parallelism alone, everything outside the split matmuls (norms, residual adds,
+dropout) runs on the whole activation on every rank. Sequence parallelism (Korthikanti et
+al., 2022) gives each rank a slice of the sequence there instead, and swaps each all-reduce
+for a reduce-scatter and an all-gather of the same bytes:
+
+| where | forward | backward |
+|---|---|---|
+| entering the region (`SequenceSplit`) | take own slice | all-gather |
+| entering attention / MLP (`SequenceGather`) | all-gather | reduce-scatter |
+| a row-parallel layer inside it | reduce-scatter (was all-reduce) | all-gather |
+| leaving the region (`SequenceParallel(gather_output=True)`) | all-gather | own slice |
+
+Column-parallel layers inside a `SequenceGather` module read the gathered input and
+produce a partial input gradient each; the gather's reduce-scatter sums those once (so one
+all-gather in forward and one reduce-scatter in backward serve q, k and v together), and the
+layers themselves issue no collective. Parameters that every rank holds whole but that see
+only its slice of the sequence (the norms) get their gradient summed (`PartialGrad`).
+
+Any sequence length works: the slices are balanced like ``torch.tensor_split`` (a length of
+1 on 4 ranks gives slices of 1, 0, 0 and 0). The split records the slice lengths of the
+current forward in the model's `SequenceShards`, which the later gathers and
+reduce-scatters of that forward read: no size exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar._group import Group
+from tensorpar._split import balanced_sizes
+from tensorpar.functional import all_gather, reduce_scatter
+from tensorpar.regions import gather_from_group, split_to_group
+
+__all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
+           "SequenceSplit", "install_sequence_style", "sequence_row_output"]
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """The module's input is whole on every rank; the module runs on this rank's slice of it.
+
+    Put it on the first block of the sequence-parallel region (a transformer's first
+    decoder layer): its input (the first positional argument, or ``hidden_states=``) is split
+    along ``dim`` in forward, and the slices' gradients are all-gathered in backward. The
+    module's own parameters, if any, get their gradient summed over the group.
+
+    Attributes:
+        dim: the sequence dimension (``1`` for ``(batch, sequence, hidden)``).
+    """
+
+    dim: int = 1
+
+
+@dataclass(frozen=True)
+class SequenceGather:
+    """The module (attention, MLP) runs on the whole sequence, gathered from the slices.
+
+    Its input (the first positional argument, or ``hidden_states=``) is all-gathered along
+    ``dim`` in forward and its gradient reduce-scattered in backward. Inside it, the
+    column-parallel layers read the gathered input without a collective of their own and the
+    row-parallel layers reduce-scatter their output along ``dim`` instead of all-reducing it.
+    Every parameter inside must belong to a split layer (`Colwise`, `PackedColwise`,
+    `Rowwise`) or be marked `PartialGrad` (a per-head norm): the gradient reaching the
+    gathered input must be each rank's partial share, which the reduce-scatter sums.
+
+    Attributes:
+        dim: the sequence dimension.
+    """
+
+    dim: int = 1
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """The module (a norm) runs on this rank's slice of the sequence.
+
+    Its parameters stay whole on every rank; their gradient, which sees only this rank's
+    slice, is summed over the group in backward. With ``gather_output``, the module ends the
+    sequence-parallel region: its output is all-gathered along ``dim`` (every rank gets the
+    whole sequence, as after a dense module) and the gradient's own slice kept in backward.
+
+    Attributes:
+        dim: the sequence dimension.
+        gather_output: all-gather the output (the last norm before the LM head).
+    """
+
+    dim: int = 1
+    gather_output: bool = False
+
+
+SEQUENCE_STYLES = (SequenceSplit, SequenceGather, SequenceParallel)
+
+
+class SequenceShards:
+    """One model's sequence layout: the group, the sequence dim, this forward's slice lengths.
+
+    `tensorpar.parallelize` makes one per model whose plan uses sequence-parallel styles and
+    hands it to the hooks and layers that need the slice lengths. `split` records them;
+    everything after it in the same forward reads them.
+
+    Args:
+        group: the tensor-parallel group.
+        dim: the sequence dimension.
+    """
+
+    def __init__(self, group: Group, dim: int) -> None:
+        self.group, self.dim = group, dim
+        self.sizes: tuple[int, ...] | None = None
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's balanced slice of ``x`` along the sequence; records every rank's length."""
+        self.sizes = balanced_sizes(x.shape[self.dim], self.group.size)
+        return split_to_group(x, dim=self.dim, group=self.group.handle, sizes=self.sizes)
+
+    def gather(self, x: torch.Tensor, *, partial_grad: bool) -> torch.Tensor:
+        """The whole sequence from the slices.
+
+        Backward: a reduce-scatter where the consumers' gradients are partial
+        (``partial_grad``: column-parallel layers), else this rank's slice of the gradient
+        (a replicated consumer).
+        """
+        sizes = self._current("gather", x)
+        if partial_grad:
+            out: torch.Tensor = all_gather(x, dim=self.dim, group=self.group.handle, sizes=sizes)
+            return out
+        return gather_from_group(x, dim=self.dim, group=self.group.handle, sizes=sizes)
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the partial ``y`` over the group and keep this rank's slice of the sequence."""
+        sizes = self._current("reduce_scatter", y)
+        out: torch.Tensor = reduce_scatter(y, dim=self.dim, group=self.group.handle,
+                                           sizes=sizes)
+        return out
+
+    def _current(self, what: str, x: torch.Tensor) -> tuple[int, ...]:
+        if self.sizes is None:
+            raise RuntimeError(
+                f"sequence parallelism: a {what} along dim {self.dim} ran before any "
+                f"SequenceSplit in this model: nothing told the ranks how the sequence is "
+                f"split (tensor of shape {tuple(x.shape)}). Put SequenceSplit on the first "
+                f"module of the sequence-parallel region")
+        return self.sizes
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy of the model starts with no forward
+        return {"group": self.group, "dim": self.dim, "sizes": None}
+
+
+def _on_hidden_states(fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module
+                      ) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
+    """A forward pre-hook applying ``fn`` to the module's input activation."""
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (fn(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise TypeError(f"sequence parallelism: {type(module).__name__} was called without a "
+                        f"tensor as its first argument or as hidden_states=; cannot tell which "
+                        f"input is the sequence")
+    return hook
+
+
+def install_sequence_style(module: nn.Module, style: SequenceSplit | SequenceGather
+                           | SequenceParallel, shards: SequenceShards) -> None:
+    """Register the hooks of ``style`` on ``module`` (parameters are handled by the caller)."""
+    if isinstance(style, SequenceSplit):
+        module.register_forward_pre_hook(_on_hidden_states(shards.split, module),
+                                         with_kwargs=True)
+    elif isinstance(style, SequenceGather):
+        module.register_forward_pre_hook(
+            _on_hidden_states(lambda x: shards.gather(x, partial_grad=True), module),
+            with_kwargs=True)
+    elif style.gather_output:
+        module.register_forward_hook(
+            lambda _m, _a, out: shards.gather(out, partial_grad=False)
+            if isinstance(out, torch.Tensor) else _refuse_output(module, out))
+
+
+def sequence_row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        shards: SequenceShards, wide: torch.dtype | None) -> torch.Tensor:
+    """A row-parallel layer's output inside a `SequenceGather` module: reduce-scattered.
+
+    The partial products are summed and sliced along the sequence in one reduce-scatter (in
+    ``wide``, a ``reduce_dtype``, where one is given); the bias joins after the sum, on the
+    slice (its gradient, from this slice only, is summed over the group by its hook).
+    """
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    y = F.linear(x, weight) if wide is None else F.linear(x.to(wide), weight.to(wide))
+    y = shards.reduce_scatter(y)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _refuse_output(module: nn.Module, out: object) -> None:
+    raise TypeError(f"SequenceParallel(gather_output=True) on {type(module).__name__}: its "
+                    f"output is a {type(out).__name__}; expected a tensor")
