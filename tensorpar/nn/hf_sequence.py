@@ -55,11 +55,12 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, Style], prefix: 
     if stack is None:
         raise ValueError(f"{_FN}: {arch}: found no list of decoder layers holding split "
                          f"layers in {type(base).__name__}")
-    layers_name = prefix + children[stack][0]
+    layers_name, layers = prefix + children[stack][0], children[stack][1]
+    assert isinstance(layers, nn.ModuleList)
     out = dict(plan)
     out[f"{layers_name}.0"] = SequenceSplit()
     per_child: dict[str, Style] = {}
-    for i, layer in enumerate(children[stack][1]):
+    for i, layer in enumerate(layers):
         for child_name, child in layer.named_children():
             full = f"{layers_name}.{i}.{child_name}"
             style = _child_style(arch, full, child, styles)

@@ -33,10 +33,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
+from torch.compiler import is_compiling
 
+from tensorpar._autograd import needs_graph
 from tensorpar._group import Group
 from tensorpar._split import balanced_sizes
+from tensorpar._switch import VALIDATE
 from tensorpar.functional import all_gather, reduce_scatter
+from tensorpar.nn._column_fn import _rows, autocast_on, save_linear_inputs
 from tensorpar.regions import gather_from_group, split_to_group
 
 __all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
@@ -190,14 +195,53 @@ def sequence_row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
     The partial products are summed and sliced along the sequence in one reduce-scatter (in
     ``wide``, a ``reduce_dtype``, where one is given); the bias joins after the sum, on the
-    slice (its gradient, from this slice only, is summed over the group by its hook).
+    slice (its gradient, from this slice only, is summed over the group by its hook). One
+    Function where it can be (`_SequenceRowLinear`: nothing but the input and weight saved),
+    else the composition of public collectives (validation mode, autocast, ``wide``, a
+    second-order graph).
     """
+    fused = wide is None and not VALIDATE[0] and not autocast_on(x.device.type) \
+        and not is_compiling() and _frame_hook() is None
+    if fused and (torch.is_grad_enabled() or needs_graph(x)):
+        out: torch.Tensor = _SequenceRowLinear.apply(x, weight, bias, shards)  # type: ignore[no-untyped-call]
+        return out
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = F.linear(x, weight) if wide is None else F.linear(x.to(wide), weight.to(wide))
     y = shards.reduce_scatter(y)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+class _SequenceRowLinear(torch.autograd.Function):
+    """Forward: ``reduce_scatter(x W^T) + b``. Backward: all-gather ``g``, then ``G W``, ``G^T x``.
+
+    Saves only ``x`` and ``W`` (the composition would also keep the reduce-scattered output
+    alive for a second-order backward).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                shards: SequenceShards) -> torch.Tensor:
+        save_linear_inputs(ctx, x, weight, bias, shards.group)
+        ctx.shards, ctx.sizes = shards, shards.sizes
+        with torch.no_grad():
+            y = shards.reduce_scatter(F.linear(x, weight))
+        if bias is None:
+            return y
+        return y.add_(bias) if bias.dtype == y.dtype else y + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        shards = ctx.shards
+        whole = all_gather(grad.contiguous(), dim=shards.dim, group=shards.group.handle,
+                           sizes=ctx.sizes)
+        grad_x = whole.matmul(weight) if need_x else None
+        grad_w = _rows(whole).t().matmul(_rows(x)) if need_w else None
+        grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
 
 
 def _refuse_output(module: nn.Module, out: object) -> None:
