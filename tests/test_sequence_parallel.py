@@ -1,0 +1,131 @@
+"""Sequence parallelism trains like the dense model, at any sequence length.
+
+Every equality is float64 against the same model on one process (1e-10): logits, loss and
+every gradient at sequence lengths 1, 7, 61 and 64 (uneven slices at every TP size, empty
+slices at length 1), then 3 AdamW steps with `tensorpar.nn.clip_grad_norm_`; replicated
+parameters (norms whose gradient sees one slice of the sequence) must be bit-identical
+across ranks.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
+from tensorpar.testing import run_distributed
+from tests.test_hf_styles import assert_replicas_identical, is_sharded, local, \
+    norms_in_model_dtype
+
+pytest.importorskip("transformers")
+
+VOCAB = 101
+BASE = {"vocab_size": VOCAB, "intermediate_size": 50, "num_hidden_layers": 2,
+        "max_position_embeddings": 128}
+# 10 query heads over 5 key/value heads: uneven at TP 2 (3, 2), 3 (2, 2, 1) and 4 (2, 1, 1, 1)
+HEADS = {"num_attention_heads": 10, "num_key_value_heads": 5, "head_dim": 4}
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {**HEADS, "hidden_size": 30, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**HEADS, "hidden_size": 24}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**HEADS, "hidden_size": 28}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**HEADS, "hidden_size": 40}),
+}
+LENGTHS = (1, 7, 61, 64)
+TOL = 1e-10
+
+
+def build(arch, **overrides):
+    import transformers
+
+    config_cls, model_cls, extra = MODELS[arch]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).double()
+    with torch.no_grad():  # norms away from their init, so their gradients matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def tokens(seed, n, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, n), generator=g)
+
+
+def sequence_parallel(arch, **plan_options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return tp.parallelize(build(arch), plan_from_transformers(
+            build(arch), sequence_parallel=True, **plan_options))
+
+
+def _compare_step(dense, parallel, ids, step):
+    head = parallel.get_output_embeddings()
+    target = ids.roll(-1, 1)
+    dense_logits = dense(ids).logits
+    dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
+    logits = parallel(ids).logits
+    torch.testing.assert_close(logits, dense_logits[..., head.shard.start: head.shard.stop],
+                               rtol=TOL, atol=TOL, msg=f"logits, {step}")
+    loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                        sizes=head.shard.sizes)
+    torch.testing.assert_close(loss, dense_loss, rtol=TOL, atol=TOL)
+    dense_loss.backward()
+    loss.backward()
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
+                                   rtol=TOL, atol=TOL, msg=f"grad of {name}, {step}")
+
+
+def _train_like_dense(arch):
+    with norms_in_model_dtype(arch):
+        dense, parallel = build(arch), sequence_parallel(arch)
+        for n in LENGTHS:  # forward and backward alone
+            _compare_step(dense, parallel, tokens(n, n), f"length {n}")
+            dense.zero_grad(), parallel.zero_grad()
+        dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
+        for step, n in enumerate((7, 61, 64)):  # three clipped AdamW steps
+            _compare_step(dense, parallel, tokens(100 + step, n), f"step {step}")
+            expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+            got = tp.nn.clip_grad_norm_(parallel, 0.05)
+            assert float(expected) > 0.05  # clipping is active
+            torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+            dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(p, local(parallel, name, dense_params[name]), rtol=TOL,
+                                       atol=TOL, msg=f"{name} after 3 steps")
+        return {name: p.detach().clone() for name, p in parallel.named_parameters()
+                if not is_sharded(parallel, name)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_sequence_parallel_trains_like_dense(arch, world_size):
+    assert_replicas_identical(run_distributed(_train_like_dense, world_size, arch, timeout=240))
+
+
+def _generate(world_size):
+    dense = build("llama")
+    parallel = sequence_parallel("llama", lm_head="gathered")
+    prompt = tokens(5, 3, batch=2)  # slices of 2, 1 / 1, 1, 1 / 1, 1, 1, 0; then 1, 0, ...
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    expected = dense.generate(prompt, **kwargs)
+    got = parallel.generate(prompt, **kwargs)
+    assert torch.equal(got, expected), (got, expected)
+    return got
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sequence_parallel_generate_equals_dense(world_size):
+    results = run_distributed(_generate, world_size, world_size, timeout=240)
+    assert all(torch.equal(r, results[0]) for r in results)
