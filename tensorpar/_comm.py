@@ -99,6 +99,25 @@ class CommCounter:
         """
         return sum(r.nbytes for r in self._select(kind, purpose, scope))
 
+    def ring_bytes(self, kind: str | None = None, *, purpose: Purpose | None = None,
+                   scope: Scope | None = None) -> float:
+        """Bytes this rank sends for the matching collectives, as ring algorithms move them.
+
+        `nbytes` counts what each call is handed, which makes an all-reduce of ``n`` bytes
+        look like a reduce-scatter of ``n`` plus an all-gather of ``n / p``. On the wire
+        (ring algorithms, ``p`` ranks) an all-reduce sends ``2 (p - 1) / p * n``, a
+        reduce-scatter ``(p - 1) / p * n`` and an all-gather ``(p - 1) * chunk``: an
+        all-reduce costs exactly a reduce-scatter plus an all-gather of the same tensor.
+        Other collectives count their payload.
+        """
+        total = 0.0
+        for r in self._select(kind, purpose, scope):
+            p = r.group_size
+            share = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p,
+                     "all_gather": float(p - 1)}.get(r.kind, 1.0)
+            total += share * r.nbytes
+        return total
+
     def _select(self, kind: str | None, purpose: Purpose | None, scope: Scope | None
                 ) -> Iterator[CollectiveRecord]:
         for r in self.records:

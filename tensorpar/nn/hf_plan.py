@@ -34,7 +34,8 @@ _LEFT_REPLICATED = ("packed_colwise", "moe_tp_experts", "ep_router", "grouped_ge
 def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_parallel",
                            reduce_dtype: torch.dtype | None = None,
                            experts: ExpertsMode = "replicated",
-                           sequence_parallel: bool = False) -> dict[str, Style]:
+                           sequence_parallel: bool | Literal["regather"] = False
+                           ) -> dict[str, Style]:
     """A tensor-parallel plan for a transformers model, from its config and ``tp_plan``.
 
     The attention projections are split by head so that every rank's query heads sit with
@@ -68,6 +69,9 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
             sequence (see `tensorpar.nn.sequence`): from the first decoder layer's input to
             the last norm's output, norms and residual adds run on this rank's slice, and
             each all-reduce becomes a reduce-scatter and an all-gather. Any sequence length.
+            ``"regather"``: the same, and the attention and MLP keep only the slice of
+            their input for backward, where they all-gather it again (less memory, one
+            more all-gather each; `SequenceGather`'s ``regather``).
 
     Returns:
         A plan for `parallelize` (module pattern -> style).
@@ -154,7 +158,12 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                       f"rank; pass experts='expert_parallel' to spread the experts over the "
                       f"ranks", stacklevel=2)
     plan = _with_embeddings(model, plan, lm_head)
-    return sequence_parallel_plan(model, plan, prefix) if sequence_parallel else plan
+    if sequence_parallel not in (False, True, "regather"):
+        raise ValueError(f"{fn}: sequence_parallel={sequence_parallel!r}; expected True, False "
+                         f"or 'regather'")
+    if not sequence_parallel:
+        return plan
+    return sequence_parallel_plan(model, plan, prefix, regather=sequence_parallel == "regather")
 
 
 def _with_embeddings(model: nn.Module, plan: dict[str, Style], lm_head: LMHead

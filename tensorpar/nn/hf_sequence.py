@@ -32,8 +32,8 @@ __all__ = ["sequence_parallel_plan"]
 _FN = "plan_from_transformers(sequence_parallel=True)"
 
 
-def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, Style], prefix: str
-                           ) -> dict[str, Style]:
+def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, Style], prefix: str, *,
+                           regather: bool = False) -> dict[str, Style]:
     """``plan`` with the sequence-parallel styles of ``model``'s decoder layers added.
 
     Raises:
@@ -63,7 +63,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, Style], prefix: 
     for i, layer in enumerate(layers):
         for child_name, child in layer.named_children():
             full = f"{layers_name}.{i}.{child_name}"
-            style = _child_style(arch, full, child, styles)
+            style = _child_style(arch, full, child, styles, regather)
             if style is None:
                 continue
             if per_child.setdefault(child_name, style) != style:
@@ -80,8 +80,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, Style], prefix: 
     return out
 
 
-def _child_style(arch: str, name: str, child: nn.Module, styles: Mapping[str, Style]
-                 ) -> Style | None:
+def _child_style(arch: str, name: str, child: nn.Module, styles: Mapping[str, Style],
+                 regather: bool) -> Style | None:
     """A decoder layer's child: gathered (holds split layers), on the slice (a norm), or none."""
     inner = {n: st for n, st in styles.items() if n.startswith(name + ".")}
     if name in styles:
@@ -104,4 +104,4 @@ def _child_style(arch: str, name: str, child: nn.Module, styles: Mapping[str, St
                          f"does not split ({loose[:4]}{'...' if len(loose) > 4 else ''}): a "
                          f"mixture-of-experts block or latent attention, which tensorpar's "
                          f"sequence parallelism does not cover yet")
-    return SequenceGather()
+    return SequenceGather(regather=regather)

@@ -18,7 +18,7 @@ from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._row_fn import row_linear
 from tensorpar.nn._shard import AnyShard, Shard, packed_shard_of, shard_of
 from tensorpar.nn._spec_cache import SpecCache
-from tensorpar.nn.sequence import SequenceShards, sequence_row_output
+from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import reduce_from_group
 
@@ -171,7 +171,7 @@ class ColumnParallelLinear(ShardedLayer):
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
         share, g = self.input_share, self.shard.group
         if self.sequence is not None:  # gathered by the parent (see `SequenceGather`)
-            y = F.linear(x, self.weight, self.bias)
+            y = column_on_gathered(x, self.weight, self.bias)
         elif share is not None and torch.is_grad_enabled() and not g.is_single:
             y = F.linear(share.copy(x, g), self.weight, self.bias)  # one all-reduce for all
         else:

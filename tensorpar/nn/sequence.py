@@ -45,7 +45,8 @@ from tensorpar.nn._column_fn import _rows, autocast_on, save_linear_inputs
 from tensorpar.regions import gather_from_group, split_to_group
 
 __all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
-           "SequenceSplit", "install_sequence_style", "sequence_row_output"]
+           "SequenceSplit", "column_on_gathered", "install_sequence_style",
+           "sequence_row_output"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,15 @@ class SequenceGather:
 
     Attributes:
         dim: the sequence dimension.
+        regather: keep only this rank's slice for the backward and all-gather the input
+            again there, for the column layers' weight gradients (Megatron's choice): the
+            whole input is not held from forward to backward (less activation memory), for
+            one more all-gather per module in backward (more bytes). ``False`` (DTensor's
+            choice): the column layers keep the gathered input.
     """
 
     dim: int = 1
+    regather: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,14 +132,21 @@ class SequenceShards:
         self.sizes = balanced_sizes(x.shape[self.dim], self.group.size)
         return split_to_group(x, dim=self.dim, group=self.group.handle, sizes=self.sizes)
 
-    def gather(self, x: torch.Tensor, *, partial_grad: bool) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, *, partial_grad: bool, regather: bool = False
+               ) -> torch.Tensor:
         """The whole sequence from the slices.
 
         Backward: a reduce-scatter where the consumers' gradients are partial
         (``partial_grad``: column-parallel layers), else this rank's slice of the gradient
-        (a replicated consumer).
+        (a replicated consumer). ``regather``: see `SequenceGather`.
         """
         sizes = self._current("gather", x)
+        if partial_grad and regather and torch.is_grad_enabled() and not is_compiling() \
+                and _frame_hook() is None:
+            info = _Regather(self, sizes, x.detach())
+            whole: torch.Tensor = _GatherRegathered.apply(x, info)  # type: ignore[no-untyped-call]
+            setattr(whole, _REGATHER, info)  # read by the column layers (`column_on_gathered`)
+            return whole
         if partial_grad:
             out: torch.Tensor = all_gather(x, dim=self.dim, group=self.group.handle, sizes=sizes)
             return out
@@ -158,6 +172,94 @@ class SequenceShards:
         return {"group": self.group, "dim": self.dim, "sizes": None}
 
 
+_REGATHER = "_tensorpar_regather"
+
+
+class _Regather:
+    """One regathered input: the slice it came from, and the whole input during backward.
+
+    The column layers reading the gathered input each save only the slice; the first of
+    their backwards all-gathers it again, the others reuse that, the last lets it go.
+    """
+
+    def __init__(self, shards: SequenceShards, sizes: tuple[int, ...], piece: torch.Tensor):
+        self.shards, self.sizes, self.piece = shards, sizes, piece
+        self.whole: torch.Tensor | None = None
+        self.pending = 0
+
+    def take_whole(self) -> torch.Tensor:
+        """The whole input again (all-gathered by the first caller of a backward)."""
+        if self.whole is None:
+            self.whole = all_gather(self.piece, dim=self.shards.dim,
+                                    group=self.shards.group.handle, sizes=self.sizes)
+        whole = self.whole
+        self.pending -= 1
+        if self.pending <= 0:
+            self.whole = None
+        return whole
+
+
+class _GatherRegathered(torch.autograd.Function):
+    """Forward: all-gather (nothing saved). Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, info: _Regather) -> torch.Tensor:
+        ctx.info = info
+        with torch.no_grad():
+            return all_gather(x, dim=info.shards.dim, group=info.shards.group.handle,
+                              sizes=info.sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        info = ctx.info
+        _no_second_order()
+        return reduce_scatter(grad.contiguous(), dim=info.shards.dim,
+                              group=info.shards.group.handle, sizes=info.sizes), None
+
+
+def _no_second_order() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError("SequenceGather(regather=True) has no second-order backward "
+                           "(create_graph=True); use regather=False")
+
+
+def column_on_gathered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+    """A column-parallel layer inside a `SequenceGather` module: ``F.linear``, no collective.
+
+    Where the input was gathered with ``regather``, the layer saves only the slice and gets
+    the whole input back in backward (`_ColumnRegathered`).
+    """
+    info = getattr(x, _REGATHER, None)
+    if info is None or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    info.pending += 1
+    out: torch.Tensor = _ColumnRegathered.apply(x, weight, bias, info)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _ColumnRegathered(torch.autograd.Function):
+    """Forward: ``x W^T + b``, saving the slice of ``x``. Backward: regathers it for ``dW``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                info: _Regather) -> torch.Tensor:
+        ctx.info, ctx.has_bias = info, bias is not None
+        ctx.save_for_backward(info.piece, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _no_second_order()
+        _, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad.matmul(weight) if need_x else None
+        whole = ctx.info.take_whole()
+        grad_w = _rows(grad).t().matmul(_rows(whole)) if need_w else None
+        grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 def _on_hidden_states(fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module
                       ) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
     """A forward pre-hook applying ``fn`` to the module's input activation."""
@@ -180,9 +282,10 @@ def install_sequence_style(module: nn.Module, style: SequenceSplit | SequenceGat
         module.register_forward_pre_hook(_on_hidden_states(shards.split, module),
                                          with_kwargs=True)
     elif isinstance(style, SequenceGather):
+        regather = style.regather
         module.register_forward_pre_hook(
-            _on_hidden_states(lambda x: shards.gather(x, partial_grad=True), module),
-            with_kwargs=True)
+            _on_hidden_states(lambda x: shards.gather(x, partial_grad=True, regather=regather),
+                              module), with_kwargs=True)
     elif style.gather_output:
         module.register_forward_hook(
             lambda _m, _a, out: shards.gather(out, partial_grad=False)
