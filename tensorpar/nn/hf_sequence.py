@@ -17,6 +17,7 @@ from torch import nn
 
 from tensorpar.nn.plan import (
     Colwise,
+    MlaKvAProj,
     PackedColwise,
     PartialGrad,
     Rowwise,
@@ -89,14 +90,22 @@ def _child_style(arch: str, name: str, child: nn.Module, styles: Mapping[str, St
                          f"decoder layer; tensorpar gathers the sequence for the modules that "
                          f"hold split layers (attention, MLP)")
     if not inner:
+        nested = [f"{name}.{p}" for p, _ in child.named_parameters() if "." in p]
+        if nested:  # not a norm: e.g. a mixture-of-experts block left replicated
+            raise ValueError(f"{_FN}: {arch}: {name!r} ({type(child).__name__}) is left "
+                             f"replicated with parameters in its own layers ({nested[:3]}): "
+                             f"a mixture-of-experts block, which tensorpar's sequence "
+                             f"parallelism does not cover yet")
         return SequenceParallel() if any(True for _ in child.parameters()) else None
     for n, st in inner.items():
         whole = (isinstance(st, (Colwise, PackedColwise)) and st.gather_output) \
             or (isinstance(st, Rowwise) and not st.input_is_parallel)
         if whole or not isinstance(st, (Colwise, PackedColwise, Rowwise, PartialGrad)):
-            raise ValueError(f"{_FN}: {arch}: {n!r} is planned {st}; sequence parallelism "
-                             f"needs the attention and MLP split by heads and features "
-                             f"throughout (tensorpar does not support it for this layer yet)")
+            what = "multi-head latent attention" if isinstance(st, MlaKvAProj) else \
+                "attention or MLP that runs whole on every rank"
+            raise ValueError(f"{_FN}: {arch}: {n!r} is planned {st} ({what}); sequence "
+                             f"parallelism needs the attention and MLP split by heads and "
+                             f"features throughout (tensorpar does not cover this layer yet)")
     loose = [f"{name}.{p}" for p, _ in child.named_parameters()
              if f"{name}.{p}".rpartition(".")[0] not in inner]
     if loose:

@@ -94,10 +94,12 @@ class SequenceGather:
 class SequenceParallel:
     """The module (a norm) runs on this rank's slice of the sequence.
 
-    Its parameters stay whole on every rank; their gradient, which sees only this rank's
-    slice, is summed over the group in backward. With ``gather_output``, the module ends the
-    sequence-parallel region: its output is all-gathered along ``dim`` (every rank gets the
-    whole sequence, as after a dense module) and the gradient's own slice kept in backward.
+    Its parameters (its own and its children's) stay whole on every rank; their gradient,
+    which sees only this rank's slice, is summed over the group in backward. The module must
+    work token by token (a norm, dropout, an activation): it never sees the whole sequence.
+    With ``gather_output``, the module ends the sequence-parallel region: its output is
+    all-gathered along ``dim`` (every rank gets the whole sequence, as after a dense module)
+    and the gradient's own slice kept in backward.
 
     Attributes:
         dim: the sequence dimension.

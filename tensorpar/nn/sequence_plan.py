@@ -41,9 +41,14 @@ def check_sequence(model: nn.Module, assignments: Mapping[str, Style]) -> list[s
         problems.append("sequence-parallel styles without a SequenceSplit: nothing splits the "
                         "sequence (put SequenceSplit on the first module of the region, e.g. the "
                         "first decoder layer)")
-    gathers = [n for n, s in styled.items() if isinstance(s, SequenceGather)]
-    for g in gathers:
-        problems += _check_gathered(model, g, assignments)
+    for name, style in styled.items():
+        if isinstance(style, SequenceGather):
+            problems += _check_gathered(model, name, assignments)
+        elif isinstance(style, SequenceParallel):
+            inner = [n for n in assignments if _inside(n, name)]
+            if inner:
+                problems.append(f"{name!r} (SequenceParallel) runs whole on the sequence slice, "
+                                f"but the plan also styles modules inside it: {inner}")
     return problems
 
 
@@ -93,8 +98,11 @@ def install_sequence(model: nn.Module, assignments: Mapping[str, Style],
     for name, style in styled.items():
         module = model.get_submodule(name)
         install_sequence_style(module, style, shards)
-        if isinstance(style, (SequenceSplit, SequenceParallel)):
+        if isinstance(style, SequenceSplit):
             install_partial_grad(module, group.handle)  # it sees this rank's slice only
+        elif isinstance(style, SequenceParallel):  # all of it runs on the slice
+            for sub in module.modules():
+                install_partial_grad(sub, group.handle)
         if not isinstance(style, SequenceGather):
             continue
         for layer_name, layer in built.items():

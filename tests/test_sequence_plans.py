@@ -1,0 +1,221 @@
+"""Sequence-parallel styles in hand plans, and the plans tensorpar refuses.
+
+A small transformer written in plain PyTorch (LayerNorms with biases, row-parallel layers
+with biases: every replicated parameter's gradient is partial under sequence parallelism)
+trains like the dense model at any length; a plan that cannot be right is refused before
+anything changes, on every rank, with the reason.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar as tp
+from tensorpar.nn import (
+    Colwise,
+    Rowwise,
+    SequenceGather,
+    SequenceParallel,
+    SequenceSplit,
+    plan_from_transformers,
+)
+from tensorpar.testing import run_distributed
+from tests.test_hf_styles import local
+
+HIDDEN, HEADS, HEAD_DIM, VOCAB = 12, 4, 3, 23
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, HEADS * HEAD_DIM) for _ in range(3))
+        self.o = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+
+    def forward(self, x):
+        b, t, _ = x.shape  # the whole sequence: SequenceGather runs before this
+        q, k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.attn = Attention()
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 20), nn.GELU(), nn.Linear(20, HIDDEN))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+PLAN = {"embed": "vocab", "blocks.0": SequenceSplit(),
+        "blocks.*.norm[12]": "sequence_parallel", "blocks.*.attn": SequenceGather(),
+        "blocks.*.attn.[qkv]": Colwise(multiple_of=HEAD_DIM),
+        "blocks.*.attn.o": Rowwise(multiple_of=HEAD_DIM), "blocks.*.mlp": SequenceGather(),
+        "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
+        "norm": SequenceParallel(gather_output=True), "head": Colwise(gather_output=True)}
+
+
+def build():
+    torch.manual_seed(0)
+    net = Net().double()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return net
+
+
+def _hand_plan_trains_like_dense(regather):
+    plan = {k: SequenceGather(regather=True) if isinstance(v, SequenceGather) and regather
+            else v for k, v in PLAN.items()}
+    dense, parallel = build(), tp.parallelize(build(), plan)
+    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+    opt_p = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
+    for step, n in enumerate((1, 5, 8)):
+        ids = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(step))
+        expected, got = dense(ids), parallel(ids)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        F.cross_entropy(expected.flatten(0, 1), ids.flatten()).backward()
+        F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
+        grads = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
+                                       rtol=1e-10, atol=1e-10, msg=f"{name}, length {n}")
+        opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
+    return {n: p.detach().clone() for n, p in parallel.named_parameters() if "norm" in n
+            or n.endswith(("o.bias", "2.bias"))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("regather", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hand_plan_trains_like_dense(world_size, regather):
+    results = run_distributed(_hand_plan_trains_like_dense, world_size, regather, timeout=100)
+    for name, value in results[0].items():  # norms and row biases: summed, so identical
+        assert all(torch.equal(value, r[name]) for r in results[1:]), name
+
+
+def _refused(plan):
+    net = build()
+    before = {n: p.clone() for n, p in net.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        tp.parallelize(net, plan)
+    assert type(net.blocks[0].attn.q) is nn.Linear  # nothing changed
+    assert all(torch.equal(before[n], p) for n, p in net.state_dict().items())
+    return str(info.value)
+
+
+def _without(*keys):
+    return {k: v for k, v in PLAN.items() if k not in keys}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("plan", "message"), [
+    (_without("blocks.0"), "without a SequenceSplit"),
+    ({**PLAN, "blocks.*.mlp.0": Colwise(gather_output=True)}, "gathered output is whole"),
+    (_without("blocks.*.mlp.2"), "no split layer or PartialGrad covers"),
+    ({**PLAN, "blocks.*.norm[12]": SequenceParallel(dim=0)}, "different sequence dims"),
+    ({**PLAN, "blocks.*.attn.o": Rowwise(input_is_parallel=False)}, "input_is_parallel"),
+])
+def test_hand_plans_that_cannot_be_right_are_refused(plan, message):
+    assert all(message in m for m in run_distributed(_refused, 2, plan, timeout=50))
+
+
+def _gather_without_split():
+    net = tp.parallelize(build(), PLAN)
+    with pytest.raises(RuntimeError, match="before any SequenceSplit"):
+        net.blocks[1].attn(torch.zeros(2, 3, HIDDEN, dtype=torch.float64))
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_before_any_split_says_so():
+    assert all(run_distributed(_gather_without_split, 2, timeout=50))
+
+
+def _tiny(config_name, model_name, **config):
+    import transformers
+
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
+
+
+SMALL = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize(("config", "model", "extra", "message"), [
+    ("T5Config", "T5ForConditionalGeneration",
+     {"vocab_size": 32, "d_model": 16, "d_kv": 4, "d_ff": 24, "num_layers": 1, "num_heads": 4},
+     "encoder-decoder"),
+    ("MixtralConfig", "MixtralForCausalLM", {**SMALL, "num_local_experts": 4}, "mixture"),
+    ("Olmo2Config", "Olmo2ForCausalLM", SMALL, "split by heads and features"),
+    ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+     {**SMALL, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+      "qk_nope_head_dim": 4, "v_head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+      "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 8},
+     "multi-head latent attention"),
+])
+def test_plan_from_transformers_refuses_sequence_parallelism_it_does_not_cover(
+        config, model, extra, message):
+    pytest.importorskip("transformers")
+    net = _tiny(config, model, **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        plan_from_transformers(net)  # plain tensor parallelism is fine
+        with pytest.raises(ValueError, match="sequence_parallel=True") as info:
+            plan_from_transformers(net, sequence_parallel=True)
+    assert message in str(info.value)
+
+
+def test_plan_from_transformers_checks_sequence_parallel():
+    pytest.importorskip("transformers")
+    net = _tiny("LlamaConfig", "LlamaForCausalLM", **SMALL)
+    with pytest.raises(ValueError, match="expected True, False or 'regather'"):
+        plan_from_transformers(net, sequence_parallel="yes")
+    plan = plan_from_transformers(net, sequence_parallel="regather")
+    assert plan["model.layers.0"] == SequenceSplit()
+    assert plan["model.layers.*.self_attn"] == SequenceGather(regather=True)
+    assert plan["model.layers.*.input_layernorm"] == SequenceParallel()
+    assert plan["model.norm"] == SequenceParallel(gather_output=True)
+
+
+def _validated(regather):
+    plan = {k: SequenceGather(regather=True) if isinstance(v, SequenceGather) and regather
+            else v for k, v in PLAN.items()}
+    dense, parallel = build(), tp.parallelize(build(), plan)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with tp.validation(True):
+        got = parallel(ids)
+        F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
+    F.cross_entropy(dense(ids).flatten(0, 1), ids.flatten()).backward()
+    torch.testing.assert_close(parallel.norm.weight.grad, dense.norm.weight.grad, rtol=1e-10,
+                               atol=1e-10)
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("regather", [False, True])
+def test_validation_mode_accepts_sequence_parallelism(regather):
+    assert all(run_distributed(_validated, 3, regather, timeout=50))
