@@ -75,3 +75,44 @@ def test_reducer_matches_ddp_on_cuda(world_size, name, options, micro, dtype, to
                               timeout=120)
     for gap, moved, _ in results:
         assert gap <= tol and moved > 0, results
+
+
+def _sequence_parallel_on_cuda(mode):
+    """A transformers Llama with sequence parallelism on CUDA tensors equals the dense one."""
+    import torch.nn.functional as F
+
+    from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
+    from tests.test_sequence_parallel import build, local, tokens
+
+    dense = build("llama").cuda()
+    parallel = tp.parallelize(build("llama").cuda(), plan_from_transformers(
+        build("llama"), sequence_parallel=mode))
+    head = parallel.get_output_embeddings()
+    for n in (1, 7, 64):
+        ids = tokens(n, n).cuda()
+        target = ids.roll(-1, 1)
+        dense_loss = F.cross_entropy(dense(ids).logits.flatten(0, 1), target.flatten())
+        loss = vocab_parallel_cross_entropy(parallel(ids).logits.flatten(0, 1), target.flatten(),
+                                            sizes=head.shard.sizes)
+        torch.testing.assert_close(loss, dense_loss, rtol=1e-10, atol=1e-10)
+        dense_loss.backward(), loss.backward()
+        grads = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            assert p.grad.is_cuda
+            torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
+                                       rtol=1e-10, atol=1e-10, msg=f"{name}, length {n}")
+        dense.zero_grad(), parallel.zero_grad()
+    return True
+
+
+@pytest.mark.parametrize("mode", [True, "regather"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sequence_parallelism_on_cuda(world_size, mode):
+    pytest.importorskip("transformers")
+    assert all(run_distributed(_sequence_parallel_on_cuda, world_size, mode, timeout=120))
+
+
+def test_sequence_parallelism_on_a_single_rank_nccl_group():
+    pytest.importorskip("transformers")
+    assert run_distributed(_sequence_parallel_on_cuda, 1, True, backend="nccl",
+                           timeout=120) == [True]
