@@ -26,7 +26,7 @@ def _run(code, checkpoint_dir):
 def test_the_training_loop_guide_runs_and_prints_what_it_shows(tmp_path):
     text = GUIDE.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     printed = run_distributed(_run, 4, "\n".join(blocks), str(tmp_path / "ckpt"), timeout=600)
     shown = re.findall(r"```text\n(.*?)```", text, flags=re.S)[-1]
     for rank in (0, 2):  # tensor-parallel rank 0 of each replica prints every line

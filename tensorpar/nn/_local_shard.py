@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from tensorpar.nn._params import TAG, ParamTag
+from tensorpar.nn._params import TAG, ParamTag, keep_tag
 
 __all__ = ["LocalShard", "mark_shards"]
 
@@ -63,6 +63,7 @@ def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
             p = layer._parameters.get(leaf)
             if p is not None:
                 setattr(p, TAG, ParamTag(None, shard, dim, shard.group))
+                keep_tag(layer, leaf, getattr(p, TAG))
 
     def hook(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         for leaf in dims:

@@ -9,6 +9,12 @@ Parameters also carry a `ParamTag` (set by the layers for their shards and by
 `tensorpar.parallelize` for every parameter), so that an optimizer's or a user's list of
 parameters can be classified without the model. A module walk is preferred where the model
 is at hand: it survives wrappers that replace parameter objects (``fully_shard``).
+
+The module that owns a parameter keeps its tag too (under `TAGS`, by attribute name), so
+that `retag` can give the tags back to the parameters a wrapper put in place: FSDP2's
+``fully_shard`` replaces every parameter with a new ``DTensor`` parameter (and, while a
+module runs, with its unsharded twin). `tensorpar.parallelize` retags at the model's first
+forward (FSDP2 is applied by then), and the functions that take the model retag as they go.
 """
 
 from __future__ import annotations
@@ -21,10 +27,14 @@ from torch import nn
 
 from tensorpar._group import Group
 
-__all__ = ["ParamInfo", "ParamTag", "TAG", "parameter_infos", "sharded_layers", "tag_model"]
+__all__ = ["ParamInfo", "ParamTag", "TAG", "TAGS", "parameter_infos", "retag", "sharded_layers",
+           "tag_model"]
 
 TAG = "_tensorpar_tag"
 """The attribute a parameter's `ParamTag` is stored under."""
+TAGS = "_tensorpar_tags"
+"""The attribute of a module holding ``{parameter attribute name: ParamTag}``."""
+RETAG_HOOK = "_tensorpar_retag_hook"
 
 
 @dataclass(frozen=True)
@@ -91,14 +101,85 @@ def parameter_infos(model: nn.Module) -> list[ParamInfo]:
 def tag_model(model: nn.Module, group: Group) -> None:
     """Tag every parameter of ``model`` with its name, shard and ``group`` (`ParamTag`).
 
-    Also installs the optimizer step hook that checks the replicas (validation mode).
+    Also installs the optimizer step hook that checks the replicas (validation mode), and a
+    forward pre-hook that calls `retag` once, at the first forward that is not compiled.
     """
     from tensorpar.nn.replica_check import install
 
     install()
+    tags: dict[int, ParamTag] = {}
     for info in parameter_infos(model):
         group_of = info.shard.group if info.shard is not None else group
-        setattr(info.param, TAG, ParamTag(info.name, info.shard, info.dim, group_of))
+        tags[id(info.param)] = ParamTag(info.name, info.shard, info.dim, group_of)
+        setattr(info.param, TAG, tags[id(info.param)])
+    for module in model.modules():  # every owner of a tied parameter keeps its tag
+        for leaf, p in module._parameters.items():
+            if p is not None and id(p) in tags:
+                keep_tag(module, leaf, tags[id(p)])
+    if RETAG_HOOK not in vars(model):
+        vars(model)[RETAG_HOOK] = model.register_forward_pre_hook(_retag_once)
+
+
+def keep_tag(module: nn.Module, leaf: str, tag: ParamTag) -> None:
+    """Record ``tag`` on ``module`` for its parameter ``leaf`` (for `retag`)."""
+    vars(module).setdefault(TAGS, {})[leaf] = tag
+
+
+def retag(model: nn.Module) -> None:
+    """Give the parameters that replaced tagged ones their tags back (``fully_shard``'s).
+
+    Under FSDP2 the tags go on the sharded ``DTensor`` parameters, the ones an optimizer
+    holds, even while a module holds its unsharded twin (in a forward). No communication.
+    """
+    managed: set[tuple[int, str]] = set()
+    for module in model.modules():
+        for param, owner, leaf in _fsdp_params(module):
+            tag = vars(owner).get(TAGS, {}).get(leaf)
+            if tag is not None and getattr(param, TAG, None) is not tag:
+                setattr(param, TAG, tag)
+            managed.add((id(owner), leaf))
+    for module in model.modules():
+        for leaf, tag in vars(module).get(TAGS, {}).items():
+            p = module._parameters.get(leaf)
+            if p is not None and (id(module), leaf) not in managed \
+                    and getattr(p, TAG, None) is not tag:
+                setattr(p, TAG, tag)
+
+
+def _retag_once(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    retag(module)
+    handle = vars(module).pop(RETAG_HOOK, None)
+    if handle is not None:
+        handle.remove()
+
+
+def _fsdp_params(module: nn.Module) -> list[tuple[torch.Tensor, nn.Module, str]]:
+    """``(sharded parameter, owner, attribute name)`` of every parameter FSDP2 manages here.
+
+    Read from FSDP2's state (``fully_shard``'s parameter groups); empty for a module that
+    is not an ``FSDPModule`` or a torch whose FSDP2 state is laid out otherwise.
+    """
+    state_of = getattr(module, "_get_fsdp_state", None)
+    if not callable(state_of):
+        return []
+    try:
+        state = state_of()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        out: list[tuple[torch.Tensor, nn.Module, str]] = []
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                owners = [(info.module, info.param_name),
+                          *zip(info.shared_modules, info.shared_param_names, strict=True)]
+                out.extend((fsdp_param.sharded_param, owner, leaf) for owner, leaf in owners)
+        return out
+    except (AttributeError, TypeError):
+        return []
 
 
 def tag_of(param: torch.Tensor) -> ParamTag | None:

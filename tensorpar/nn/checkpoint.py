@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from tensorpar._group import Group
-from tensorpar.nn._params import sharded_layers
+from tensorpar.functional import broadcast
+from tensorpar.nn._params import retag, sharded_layers
 from tensorpar.nn._shard import Piece
-from tensorpar.nn.linear import gather_shards
+from tensorpar.nn.linear import gather_shards, scatter_shards
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ShardAtOffset", "load_sharded_state_dict", "sharded_state_dict"]
@@ -55,6 +56,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
         >>> sorted(tensorpar.sharded_state_dict(model))   # one rank: plain tensors
         ['0.bias', '0.weight']
     """
+    retag(model)  # under fully_shard: optimizer.state_dict() of this model refuses DCP
     state: dict[str, Any] = {}
     layers = sharded_layers(model)
     for key, value in model.state_dict(keep_vars=True).items():
@@ -114,6 +116,30 @@ def fsdp_full_state_dict(model: nn.Module, dst: int, group: Group
             out[key] = local.clone() if group.rank == dst else \
                 TensorPlaceholder.like(local, owner=dst, group=group.handle)
     return out
+
+
+def fsdp_load_full_state_dict(model: nn.Module, state: Mapping[str, Any], src: int,
+                              group: Group) -> None:
+    """`tensorpar.load_full_state_dict` into a model with ``fully_shard`` beside TP.
+
+    In state-dict order on every rank, a tensor-parallel shard is scattered over its group
+    from ``src`` and anything else is broadcast over ``group``; each rank then copies the
+    FSDP slice its ``DTensor`` holds (the whole tensor for a plain buffer).
+    """
+    layers = sharded_layers(model)
+    with torch.no_grad():
+        for key, value in model.state_dict(keep_vars=True).items():
+            owner, _, leaf = key.rpartition(".")
+            layer = layers.get(owner)
+            dim = layer.sharded_dims.get(leaf) if layer is not None else None
+            if layer is not None and dim is not None and not layer.shard.group.is_single:
+                whole = scatter_shards(state.get(key), layer.shard, dim, src)
+            else:
+                whole = broadcast(state.get(key), src=src, group=group)
+            local, offsets = _slice_of(value)
+            for d, (at, n) in enumerate(zip(offsets, local.shape, strict=True)):
+                whole = whole.narrow(d, at, n)
+            local.copy_(whole)
 
 
 def copy_into(tensor: torch.Tensor, value: Any) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tensorpar.functional import all_reduce
-from tensorpar.nn._params import parameter_infos, tag_of
+from tensorpar.nn._params import parameter_infos, retag, tag_of
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -43,9 +43,10 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
 
     Args:
         model_or_parameters: the model, or its parameters (tensorpar's layers tag their
-            shards, so a list is classified too). Under ``fully_shard`` pass the model:
-            FSDP2 replaces the parameter objects, and only the model's layers still say
-            which are tensor-parallel shards.
+            shards, so a list is classified too). Under ``fully_shard``, which replaces
+            the parameter objects, a list is classified once the model has run its first
+            forward (`tensorpar.parallelize` tags FSDP2's parameters then); the model
+            always works.
         norm_type: the p of the p-norm, as for ``torch.nn.utils.clip_grad_norm_``
             (``inf``, ``0`` and fractional included).
         error_if_nonfinite: raise if the total norm is ``nan`` or ``inf`` (on every rank).
@@ -140,8 +141,10 @@ def _parameter_list(model_or_parameters: Parameters) -> list[torch.Tensor]:
 def _entries(model_or_parameters: Parameters) -> list[tuple[torch.Tensor, Any, list[Any]]]:
     """``(parameter, gradient, groups to reduce its norm over)`` for every parameter."""
     if isinstance(model_or_parameters, nn.Module):
-        pairs = [(info.param, info.shard.group if info.sharded else None)
-                 for info in parameter_infos(model_or_parameters)]
+        infos = parameter_infos(model_or_parameters)
+        if any(tag_of(info.param) is None for info in infos):
+            retag(model_or_parameters)  # fully_shard applied after the first forward
+        pairs = [(info.param, info.shard.group if info.sharded else None) for info in infos]
     else:
         pairs = []
         for param in _parameter_list(model_or_parameters):

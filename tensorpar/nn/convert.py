@@ -13,7 +13,7 @@ from tensorpar._replica import check_same_weights
 from tensorpar.functional import broadcast
 from tensorpar.nn._column_fn import SharedInput
 from tensorpar.nn._params import tag_model
-from tensorpar.nn.checkpoint import fsdp_full_state_dict
+from tensorpar.nn.checkpoint import fsdp_full_state_dict, fsdp_load_full_state_dict
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
@@ -242,7 +242,10 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
 
     On ``src``, ``state`` is the dense state dict; other ranks pass ``None`` (or the
     placeholders `full_state_dict` gave them). Sharded parameters are scattered,
-    everything else is broadcast. Every rank must call it.
+    everything else is broadcast. Every rank must call it. Under ``fully_shard`` (FSDP2
+    beside tensor parallelism) ``group`` is the tensor-parallel group: ``src`` of every
+    data-parallel replica holds the dense state dict, and each rank keeps the FSDP slice
+    its ``DTensor`` holds.
     """
     g = resolve_group(group, "load_full_state_dict")
     g.check_rank("load_full_state_dict", "src", src)
@@ -257,6 +260,9 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
     if n_missing:
         raise KeyError(f"load_full_state_dict: the checkpoint on rank {src} lacks "
                        + (str(missing) if missing else f"{n_missing} of this model's keys"))
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):  # fully_shard beside TP
+        fsdp_load_full_state_dict(model, state, src, g)
+        return
     for name, module in sharded.items():
         prefix = f"{name}." if name else ""
         module.load_full_state({k[len(prefix):]: v for k, v in state.items()

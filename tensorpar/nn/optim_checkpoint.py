@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorpar.nn._params import ParamInfo, parameter_infos
+from tensorpar.nn._params import ParamInfo, parameter_infos, retag
 from tensorpar.nn.checkpoint import copy_into, dcp_value, local_of
 
 __all__ = ["load_sharded_optimizer_state_dict", "sharded_optimizer_state_dict"]
@@ -33,7 +33,10 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     that has not stepped yet is given its initial state first (one step at learning rate 0
     with zero gradients, which changes no parameter), so that there is something to load
     into. On a model that is not parallelised it gives plain tensors in the same layout.
-    No communication.
+    Under ``fully_shard`` (FSDP2 beside tensor parallelism) the state of a shard is the
+    FSDP slice's pieces at their dense offsets and the state of a replica stays a
+    ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
+    without FSDP2. No communication.
 
     Args:
         model: the model whose parameters ``optimizer`` updates.
@@ -117,6 +120,7 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
 
 
 def _infos(model: nn.Module, optimizer: torch.optim.Optimizer, fn: str) -> dict[int, ParamInfo]:
+    retag(model)
     infos = {id(info.param): info for info in parameter_infos(model)}
     for i, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):

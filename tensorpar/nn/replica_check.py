@@ -1,13 +1,14 @@
 """After every optimizer step: replicas that drifted apart, and shards DCP would lose.
 
 One global optimizer step post-hook (torch's ``register_optimizer_step_post_hook``),
-installed when the first tensor-parallel layer is built, does two things for an optimizer
-that updates tensor-parallel parameters:
+installed when the first tensor-parallel layer is built, does two things:
 
-- it registers a ``state_dict`` post-hook on the optimizer once, which gives the state
-  tensors of sharded parameters the `LocalShard` form: ``optimizer.state_dict()`` stays an
-  ordinary state dict, but ``torch.distributed.checkpoint`` refuses it (it would keep one
-  rank's shard) and points to `tensorpar.sharded_optimizer_state_dict`;
+- at an optimizer's first step it registers a ``state_dict`` post-hook on it, which gives
+  the state tensors of sharded parameters the `LocalShard` form (for a ``DTensor`` state,
+  under ``fully_shard``, its local tensor): ``optimizer.state_dict()`` stays an ordinary
+  state dict (``torch.save`` and ``load_state_dict`` work) and the optimizer's own state is
+  left as it is, but ``torch.distributed.checkpoint`` refuses it (it would keep one rank's
+  shard) and points to `tensorpar.sharded_optimizer_state_dict`;
 - in validation mode, it compares the replicated parameters (every parameter of a
   parallelised model that no layer shards) across their tensor-parallel group with an exact
   fingerprint, and raises on every rank naming the first that differs: a per-rank gradient
@@ -15,8 +16,10 @@ that updates tensor-parallel parameters:
   gradient makes them drift from the first step.
 
 Parameters are recognised by their `ParamTag` (set by `tensorpar.parallelize` and by the
-layers). A model wrapped by ``fully_shard`` holds new parameter objects without tags:
-neither check sees them.
+layers). Under ``fully_shard`` the parameters are new ``DTensor`` objects: `retag` gives them
+their tags back (at the model's first forward), and a replica is compared by its local
+FSDP slice, which is the same slice of the same tensor on every rank of its
+tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tensorpar.errors import CollectiveArgumentError
 from tensorpar.functional import all_gather
 from tensorpar.nn._local_shard import LocalShard
 from tensorpar.nn._params import ParamTag, tag_of
+from tensorpar.nn.checkpoint import local_of
 
 __all__ = ["check_replicas", "install"]
 
@@ -47,9 +51,8 @@ def install() -> None:
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not getattr(optimizer, GUARDED, False):
-        setattr(optimizer, GUARDED, True)
-        if any(_is_shard(tag_of(p)) for g in optimizer.param_groups for p in g["params"]):
-            optimizer.register_state_dict_post_hook(_mark_state_shards)
+        setattr(optimizer, GUARDED, True)  # the hook looks at the tags when it runs
+        optimizer.register_state_dict_post_hook(_mark_state_shards)
     if VALIDATE[0]:
         check_replicas(optimizer)
 
@@ -60,13 +63,28 @@ def _is_shard(tag: ParamTag | None) -> bool:
 
 def _mark_state_shards(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    for index, entry in state.get("state", {}).items():
+    packed = state.get("state", {})
+    for index, entry in list(packed.items()):
         if isinstance(index, int) and index < len(params) and _is_shard(tag_of(params[index])):
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 \
-                        and not isinstance(value, LocalShard):
-                    entry[key] = value.detach().as_subclass(LocalShard)
+            # a new entry: ``entry`` is the optimizer's own state of the parameter
+            packed[index] = {key: _refusing(value) for key, value in entry.items()}
     return state
+
+
+def _refusing(value: Any) -> Any:
+    """``value`` (shared, not copied) in a form DCP refuses; scalars as they are."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    mesh = getattr(value, "device_mesh", None)
+    if mesh is None:
+        return value if isinstance(value, LocalShard) else value.detach().as_subclass(LocalShard)
+    from torch.distributed.tensor import DTensor
+
+    local = local_of(value).detach()
+    return DTensor.from_local(local if isinstance(local, LocalShard) else
+                              local.as_subclass(LocalShard), mesh,
+                              value.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=value.shape, stride=value.stride())
 
 
 def check_replicas(optimizer: torch.optim.Optimizer) -> None:
@@ -93,7 +111,7 @@ def check_replicas(optimizer: torch.optim.Optimizer) -> None:
             else:
                 by_group.append((tag.group, [(tag.name or "?", p)]))
     for group, members in by_group:
-        mine = torch.stack([_fingerprint(p) for _, p in members])
+        mine = torch.stack([_fingerprint(local_of(p)) for _, p in members])
         device = group.comm_device(members[0][1].device)
         every = all_gather(mine.to(device).unsqueeze(0), dim=0, group=group).cpu()
         for k, (name, _) in enumerate(members):
