@@ -1,5 +1,7 @@
 """ParallelExperts: experts spread over the ranks equal the dense experts module."""
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,21 +60,22 @@ class _BiasedExperts(torch.nn.Module):
         return out
 
 
-def _routing(kind, tokens, seed):
+def _routing(kind, tokens, seed, k=K):
     g = torch.Generator().manual_seed(seed)
     if kind == "uniform":
-        index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+        index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
     elif kind == "one_expert":  # every pair to expert 5 (and a second choice, expert 5 too)
-        index = torch.full((tokens, K), 5)
+        index = torch.full((tokens, k), 5)
     elif kind == "skip_last_rank":  # no token for the last rank's experts
-        index = torch.randint(0, 4, (tokens, K), generator=g)
+        index = torch.randint(0, 4, (tokens, k), generator=g)
     else:
         raise AssertionError(kind)
-    weights = torch.rand(tokens, K, generator=g, dtype=torch.float32)
+    weights = torch.rand(tokens, k, generator=g, dtype=torch.float32)
     return index, weights
 
 
-def _layer_vs_dense(tokens, routing, dtype_name, mode, bias=False, transposed=False):
+def _layer_vs_dense(tokens, routing, dtype_name, mode, bias=False, transposed=False, k=K,
+                    weights_grad=True):
     dtype = getattr(torch, dtype_name)
     rank, world = dist.get_rank(), dist.get_world_size()
     dense = _dense(dtype, bias, transposed)
@@ -83,11 +86,11 @@ def _layer_vs_dense(tokens, routing, dtype_name, mode, bias=False, transposed=Fa
     n_ranks = world if mode == "local" else 1
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(tokens, H, generator=gen, dtype=dtype) for _ in range(n_ranks)]
-    routes = [_routing(routing, tokens, seed) for seed in range(n_ranks)]
+    routes = [_routing(routing, tokens, seed, k) for seed in range(n_ranks)]
     grad_outs = [torch.randn(tokens, H, generator=gen, dtype=dtype) for _ in range(n_ranks)]
     me = rank if mode == "local" else 0
     x = xs[me].clone().requires_grad_()
-    weights = routes[me][1].clone().requires_grad_()
+    weights = routes[me][1].clone().requires_grad_(weights_grad)
     out = layer(x, routes[me][0], weights)
     out.backward(grad_outs[me])
     dense_x = [t.clone().requires_grad_() for t in xs]
@@ -98,7 +101,10 @@ def _layer_vs_dense(tokens, routing, dtype_name, mode, bias=False, transposed=Fa
         if t is dense_x[me]:
             torch.testing.assert_close(out, dense_out, **tol)
     torch.testing.assert_close(x.grad, dense_x[me].grad, **tol)
-    torch.testing.assert_close(weights.grad, dense_w[me].grad, **tol)
+    if weights_grad:
+        torch.testing.assert_close(weights.grad, dense_w[me].grad, **tol)
+    else:
+        assert weights.grad is None
     s = layer.shard
     n_local = 0
     for name, p in layer.named_parameters():
@@ -120,7 +126,7 @@ def test_layer_equals_dense_float64(world, mode):
 
 
 @pytest.mark.parametrize("routing", ["one_expert", "skip_last_rank"])
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_layer_skewed_routing(world, routing):
     run_distributed(_layer_vs_dense, world, 5, routing, "float64", "local", timeout=T)
     run_distributed(_layer_vs_dense, world, 5, routing, "float64", "replicated", timeout=T)
@@ -143,32 +149,42 @@ def test_layer_bias_and_transposed():
 
 def _counted(mode):
     layer = ParallelExperts.from_dense(_dense(), tokens=mode)
-    x = torch.randn(6, H, dtype=torch.float64, requires_grad=True)
-    index, weights = _routing("uniform", 6, dist.get_rank() if mode == "local" else 0)
+    x = torch.randn(7, H, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing("uniform", 7, dist.get_rank() if mode == "local" else 0)
     weights.requires_grad_()
     with tp.CommCounter() as forward:
         out = layer(x, index, weights)
     with tp.CommCounter() as backward:
         out.sum().backward()
     kinds = [(r.kind, r.purpose) for r in forward.records]
-    return kinds, [(r.kind, r.purpose) for r in backward.records]
+    # replicated tokens: the tokens each rank's experts see (the rows it sends every peer)
+    starts = [sum(layer.shard.sizes[:r]) for r in range(dist.get_world_size() + 1)]
+    seen = [int(((index >= lo) & (index < hi)).any(1).sum())
+            for lo, hi in itertools.pairwise(starts)]
+    data = [c.nbytes("all_to_all", purpose="data") for c in (forward, backward)]
+    return kinds, [(r.kind, r.purpose) for r in backward.records], data, seen
 
 
 def test_comm_counter_local_tokens():
     # forward: the count exchange and one all-to-all each way, nothing else;
     # backward: the two mirrored all-to-alls
-    for fwd, bwd in run_distributed(_counted, 3, "local", timeout=T):
+    for fwd, bwd, _, _ in run_distributed(_counted, 3, "local", timeout=T):
         assert fwd == [("all_gather", "meta"), ("all_to_all", "data"), ("all_to_all", "data")]
         assert bwd == [("all_to_all", "data"), ("all_to_all", "data")]
 
 
-def test_comm_counter_replicated_tokens():
-    # every rank holds every token: each dispatches its slice, and the outputs are
-    # all-gathered (backward: the slices' gradients of the tokens and of the weights)
-    for fwd, bwd in run_distributed(_counted, 3, "replicated", timeout=T):
-        assert fwd == [("all_gather", "meta"), ("all_to_all", "data"), ("all_to_all", "data"),
-                       ("all_gather", "data")]
-        assert sorted(bwd) == [("all_gather", "data")] * 2 + [("all_to_all", "data")] * 2
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_comm_counter_replicated_tokens(world):
+    # every rank holds every token: no dispatch (each rank's experts take their rows
+    # locally); forward: the count exchange and one all-to-all that sends this rank's
+    # per-token sums to every peer; backward: one all-to-all of the tokens' and the
+    # weights' gradient rows. Nothing else, and no padding: exactly those rows travel.
+    results = run_distributed(_counted, world, "replicated", timeout=T)
+    for rank, (fwd, bwd, (fwd_bytes, bwd_bytes), seen) in enumerate(results):
+        assert fwd == [("all_gather", "meta"), ("all_to_all", "data")]
+        assert bwd == [("all_to_all", "data")]
+        assert fwd_bytes == (world - 1) * seen[rank] * H * 8  # float64 tokens
+        assert bwd_bytes == (world - 1) * seen[rank] * (H * 8 + K * 4)  # + float32 weights
 
 
 def test_bad_expert_index_raises_on_every_rank():
@@ -189,9 +205,45 @@ def _validated(tokens, mode):
         return _layer_vs_dense(tokens, "uniform", "float64", mode)
 
 
-# (replicated tokens: 6 on 3 ranks, even slices; validation mode reports the all-gather of
-# uneven slices, gather_from_group(sizes=...), as a mismatch today)
-@pytest.mark.parametrize("tokens, mode", [(5, "local"), (6, "replicated")])
+@pytest.mark.parametrize("tokens, mode", [(5, "local"), (5, "replicated")])
 def test_layer_in_validation_mode(tokens, mode):
     # the all-to-alls are fingerprinted across ranks in forward and backward
     run_distributed(_validated, 3, tokens, mode, timeout=T)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_layer_replicated_top3_uneven(world):
+    # three experts a token: a token's sum spans ranks in more than two parts
+    run_distributed(_layer_vs_dense, world, 11, "uniform", "float64", "replicated",
+                    False, False, 3, timeout=T)
+
+
+def test_layer_replicated_weights_without_grad():
+    run_distributed(_layer_vs_dense, 3, 7, "uniform", "float64", "replicated",
+                    False, False, K, False, timeout=T)
+
+
+def _not_replicated(validate, what):
+    layer = ParallelExperts.from_dense(_dense(), tokens="replicated")
+    index, weights = _routing("uniform", 6, 0)
+    x = torch.randn(6, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    if dist.get_rank() == 1:
+        if what == "index":
+            index[0] = torch.tensor([6, 7]) if index[0, 0] < 6 else torch.tensor([0, 1])
+        else:
+            x[0, 0] += 1.0
+    with tp.validation(validate):
+        layer(x, index, weights)
+
+
+def test_replicated_tokens_with_different_routings_raise_on_every_rank():
+    # the count exchange sees it (without validation mode): no rank goes on to a mismatched
+    # all-to-all
+    with pytest.raises(ValueError, match=r"routing \(top_k_index\) differs between ranks: "
+                                         r"rank\(s\) \[1\]"):
+        run_distributed(_not_replicated, 3, False, "index", timeout=T)
+
+
+def test_replicated_tokens_that_differ_are_caught_by_validation():
+    with pytest.raises(tp.CollectiveMismatchError, match="hidden_states"):
+        run_distributed(_not_replicated, 3, True, "tokens", timeout=T)

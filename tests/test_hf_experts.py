@@ -104,8 +104,9 @@ def _model_vs_dense(arch, tol):
         dense_logits, dense_loss = _loss(arch, dense, ids)
         with tp.CommCounter() as counter:
             logits, loss = _loss(arch, parallel, ids)
-        # per MoE layer: one all-to-all each way (and no other all-to-all)
-        assert counter.count("all_to_all") == 2 * len(layers), counter
+        # per MoE layer (tokens replicated over the tensor-parallel group): no dispatch, one
+        # all-to-all that sends each rank's sums to every peer (and no other all-to-all)
+        assert counter.count("all_to_all") == len(layers), counter
         torch.testing.assert_close(logits, dense_logits, **close)
         torch.testing.assert_close(loss, dense_loss, **close)
         dense_loss.backward()
@@ -187,3 +188,70 @@ def test_checkpoint_loads_at_another_expert_parallel_size(tmp_path, save_world, 
     for key in saved:
         assert torch.equal(saved[key], loaded[key]), key
         assert torch.equal(saved[key], dense[key]), key
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(arch, model, opt, steps):
+    for step in steps:
+        ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(step))
+        _loss(arch, model, ids)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_optimizer(arch, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = tp.parallelize(build(arch), plan_for(arch, build(arch)))
+    opt = _adamw(model)
+    _train(arch, model, opt, range(2))
+    dcp.save({"model": tp.sharded_state_dict(model),
+              "optim": tp.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def _resume_optimizer(arch, path, parallel):
+    """A fresh model and AdamW (other weights) load the checkpoint and step once more."""
+    import torch.distributed.checkpoint as dcp
+
+    model = tp.parallelize(build(arch), plan_for(arch, build(arch))) if parallel else build(arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # nothing of the fresh model may survive the load
+    opt = _adamw(model)
+    state = {"model": tp.sharded_state_dict(model),
+             "optim": tp.sharded_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(model, state["model"])
+    tp.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    _train(arch, model, opt, range(2, 3))
+    dense = build(arch)  # the uninterrupted run: three steps
+    dense_opt = _adamw(dense)
+    _train(arch, dense, dense_opt, range(3))
+    close = {"rtol": 1e-10, "atol": 1e-10}
+    expected = dict(dense.named_parameters())
+    experts = 0
+    for name, p in model.named_parameters():
+        ref = expected[name]
+        torch.testing.assert_close(p, local_part(model, name, ref), **close, msg=name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key],
+                                       local_part(model, name, dense_opt.state[ref][key]),
+                                       **close, msg=f"{name} {key}")
+        assert int(opt.state[p]["step"]) == 3
+        experts += p.numel() if ".experts." in name else 0
+    return experts
+
+
+def test_optimizer_state_saved_at_ep2_resumes_at_ep2_ep3_and_dense(tmp_path):
+    # AdamW after 2 steps at 2 ranks (experts 4/4), saved with DCP; a fresh model loads it
+    # at 2 and 3 ranks (experts 3/3/2) and dense, steps once more: equal to 3 dense steps
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_optimizer, 2, "qwen2_moe", path, timeout=240)
+    dense_experts = run_distributed(_resume_optimizer, 1, "qwen2_moe", path, False,
+                                    timeout=240)[0]
+    for world in (2, 3):
+        held = run_distributed(_resume_optimizer, world, "qwen2_moe", path, True, timeout=240)
+        assert sum(held) == dense_experts and max(held) < dense_experts

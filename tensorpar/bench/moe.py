@@ -7,15 +7,17 @@ tokens and routing, timed side by side in interleaved rounds:
 - ``replicated``: the dense experts module on every rank (every expert held and computed
   for this rank's tokens), with transformers' fastest CPU path (``grouped_mm``).
 - ``floor``: what no expert-parallel layer can beat on these ranks: this rank's experts'
-  compute on the rows it receives (grouped, forward + backward), plus the raw
-  ``dist.all_to_all_single`` calls of the same bytes each way (dispatch and return in
-  forward, their mirrors in backward) and, with replicated tokens, the raw all-gathers of
-  the outputs and of the slices' gradients. Timed twice: the spread is the run's noise.
+  compute on the rows it takes (grouped, forward + backward), plus raw
+  ``dist.all_to_all_single`` calls of the same bytes: with local tokens the dispatch and
+  the return in forward and their mirrors in backward; with replicated tokens the one
+  all-to-all each way that sends this rank's per-token sums (forward) and gradient rows
+  (backward) to every peer. Timed twice: the spread is the run's noise.
 
 Two token layouts: ``replicated`` (every rank holds every token, the input of a
-tensor-parallel block: each dispatches its slice) and ``local`` (every rank its own tokens,
-as with data-parallel ranks). Two routings: ``uniform`` (each token's experts drawn
-uniformly) and ``skewed`` (Zipf-like popularity: expert 0 gets about a third of the pairs).
+tensor-parallel block: no dispatch, each rank's experts take their rows locally) and
+``local`` (every rank its own tokens, as with data-parallel ranks). Two routings:
+``uniform`` (each token's experts drawn uniformly) and ``skewed`` (Zipf-like popularity:
+expert 0 gets about a third of the pairs).
 """
 
 from __future__ import annotations
@@ -61,6 +63,27 @@ def _counts_table(index_per_rank: list[torch.Tensor], experts: int) -> list[list
     return [torch.bincount(i.reshape(-1), minlength=experts).tolist() for i in index_per_rank]
 
 
+def _traffic(local: bool, routes: list[tuple[torch.Tensor, torch.Tensor]], starts: list[int],
+             rank: int, world: int, experts: int) -> tuple[list[int], list[int], list[int]]:
+    """Rows this rank sends to and receives from each rank, and its rows per local expert.
+
+    Local tokens: the dispatch (the return mirrors it). Replicated tokens: the per-token
+    sums, the rows of the tokens a rank's experts see, to every peer (none to itself).
+    """
+    lo, hi = starts[rank], starts[rank + 1]
+    if local:
+        table = _counts_table([i for i, _ in routes], experts)
+        send = [sum(table[rank][starts[r]:starts[r + 1]]) for r in range(world)]
+        recv = [sum(row[lo:hi]) for row in table]
+        return send, recv, [sum(row[e] for row in table) for e in range(lo, hi)]
+    index = routes[0][0]
+    seen = [int(((index >= starts[r]) & (index < starts[r + 1])).any(1).sum())
+            for r in range(world)]
+    send = [0 if r == rank else seen[rank] for r in range(world)]
+    recv = [0 if r == rank else seen[r] for r in range(world)]
+    return send, recv, _counts_table([index], experts)[0][lo:hi]
+
+
 def run_rank(tokens_layout: str, routing: str, rounds: int,
              shape: dict[str, int] | None = None) -> dict[str, Any]:
     """Time the three implementations; every rank returns the same figures."""
@@ -77,34 +100,31 @@ def run_rank(tokens_layout: str, routing: str, rounds: int,
     x = torch.randn(tokens, hid, generator=torch.Generator().manual_seed(100 + rank * local))
     ours = ParallelExperts(_dense(s, "eager"), tokens="local" if local else "replicated")
     replicated = _dense(s, "grouped_mm")
-    # what each rank sends and receives (its slice of the tokens when they are replicated)
-    dispatched = [i for i, _ in routes] if local else list(torch.tensor_split(index, world))
-    table = _counts_table(dispatched, n_exp)
     starts = [sum(ours.shard.sizes[:r]) for r in range(world + 1)]
-    lo, hi = starts[rank], starts[rank + 1]
-    send = [sum(table[rank][starts[r]:starts[r + 1]]) for r in range(world)]
-    recv = [sum(row[lo:hi]) for row in table]
-    per_expert = [sum(row[e] for row in table) for e in range(lo, hi)]
-    rows = torch.randn(sum(recv), hid, requires_grad=True)
+    send, recv, per_expert = _traffic(local, routes, starts, rank, world, n_exp)
+    rows = torch.randn(sum(per_expert), hid, requires_grad=True)
     w1, w2 = (ours._param(n).detach().clone().requires_grad_()
               for n in ("gate_up_proj", "down_proj"))
     send_buf, recv_buf = torch.randn(sum(send), hid), torch.randn(sum(recv), hid)
-    per_slice = -(-tokens // world)  # a raw all-gather moves equal slices
-    slice_out, gathered = torch.randn(per_slice, hid), torch.empty(world * per_slice, hid)
+    # replicated: the backward's rows carry the routing weights' gradients too
+    grad_send = torch.randn(sum(send), hid + k)
 
     def floor() -> None:
-        dist.all_to_all_single(torch.empty(sum(recv), hid), send_buf, recv, send)  # dispatch
+        if local:  # dispatch
+            dist.all_to_all_single(torch.empty(sum(recv), hid), send_buf, recv, send)
         h = grouped_linear(rows, w1, per_expert, None, False)
         gate, up = h.chunk(2, dim=-1)
         y = grouped_linear(torch.nn.functional.silu(gate) * up, w2, per_expert, None, False)
-        dist.all_to_all_single(torch.empty(sum(send), hid), recv_buf, send, recv)  # return
-        if not local:  # the outputs, all-gathered
-            dist.all_gather_into_tensor(gathered, slice_out)
+        if local:  # return
+            dist.all_to_all_single(torch.empty(sum(send), hid), recv_buf, send, recv)
+        else:  # this rank's sums to every peer
+            dist.all_to_all_single(torch.empty(sum(recv), hid), send_buf, recv, send)
         y.sum().backward()
-        dist.all_to_all_single(torch.empty(sum(recv), hid), send_buf, recv, send)  # mirrors
-        dist.all_to_all_single(torch.empty(sum(send), hid), recv_buf, send, recv)
-        if not local:  # the token slices' gradients (the weights' are a few bytes)
-            dist.all_gather_into_tensor(gathered, slice_out)
+        if local:  # the mirrors
+            dist.all_to_all_single(torch.empty(sum(recv), hid), send_buf, recv, send)
+            dist.all_to_all_single(torch.empty(sum(send), hid), recv_buf, send, recv)
+        else:  # this rank's gradient rows to every peer
+            dist.all_to_all_single(torch.empty(sum(recv), hid + k), grad_send, recv, send)
         rows.grad = w1.grad = w2.grad = None
 
     def step(module: torch.nn.Module) -> Callable[[], None]:
@@ -121,7 +141,7 @@ def run_rank(tokens_layout: str, routing: str, rounds: int,
     times = time_side_by_side(cases, rounds=rounds,
                               pairs=(("expert_parallel", "floor"), ("floor_again", "floor"),
                                      ("expert_parallel", "replicated")))
-    load = torch.tensor([sum(recv)], dtype=torch.float64)
+    load = torch.tensor([sum(per_expert)], dtype=torch.float64)
     dist.all_reduce(load, op=dist.ReduceOp.MAX)
     return {"tokens": tokens_layout, "routing": routing, "world_size": world,
             "max_rows": int(load.item()), **times}

@@ -230,8 +230,9 @@ def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:
           _x(r["floor_again/floor"]), _x(r["expert_parallel/replicated"])] for r in results]))
     print("(one Mixtral experts layer, forward+backward, float32, sizes in tensorpar.bench.moe."
           "SHAPE; max rows: the most token-expert rows any rank computes; floor: this rank's "
-          "experts' compute + the raw all-to-alls of the same bytes each way (+ the raw "
-          "all-gathers with replicated tokens); paired: median over rounds of the ratio within "
+          "experts' compute + raw all-to-alls of the same bytes (local tokens: the dispatch "
+          "and the return, and their mirrors; replicated tokens: the per-token sums to every "
+          "peer, and the gradient rows); paired: median over rounds of the ratio within "
           "a round)")
     return results
 

@@ -3,6 +3,11 @@
 A token-expert pair travels as one row. Rows leave sorted by expert, so the rows for one
 rank's block of experts are consecutive and one uneven all-to-all moves them all; its split
 sizes come from one small exchange of every rank's per-expert counts.
+
+With replicated tokens nothing needs dispatching: each rank's experts take their rows from
+the tokens it already holds, and one all-to-all that sends the rank's partial sums to
+every peer (`gather_sum`) makes the output whole; `sum_grads_over_ranks` is its mirror
+for the gradients of the tokens and of the routing weights.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from tensorpar._split import NATIVE_DTYPES
 from tensorpar._switch import VALIDATE
 from tensorpar.validation import check
 
-__all__ = ["exchange_counts", "exchange_rows", "grouped_linear"]
+__all__ = ["exchange_counts", "exchange_rows", "gather_sum", "grouped_linear",
+           "sum_grads_over_ranks"]
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -83,6 +89,126 @@ def exchange_rows(x: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...],
         out: torch.Tensor = _ExchangeRows.apply(x, send, recv, g)  # type: ignore[no-untyped-call]
         return out
     return _move(x.detach(), send, recv, g)
+
+
+def _rows_to_every_rank(x: torch.Tensor, sizes: Sequence[int], g: Group
+                        ) -> list[torch.Tensor]:
+    """Every rank's ``(sizes[r], C)`` rows on every rank, in rank order.
+
+    One uneven all-to-all in which this rank sends its rows to each peer (none to itself).
+    """
+    me, n = g.rank, g.size
+    mine = x.detach().contiguous()
+    send = tuple(0 if r == me else sizes[me] for r in range(n))
+    recv = tuple(0 if r == me else sizes[r] for r in range(n))
+    copies = mine.unsqueeze(0).expand(n - 1, *mine.shape).reshape(-1, *mine.shape[1:])
+    parts = list(_move(copies, send, recv, g).split(list(recv)))
+    parts[me] = mine
+    return parts
+
+
+def _gather_sum(rows: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], total: int,
+                g: Group) -> tuple[torch.Tensor, ...]:
+    """Every tensor of ``rows`` gathered and summed at ``tokens``; several travel as one."""
+    sizes = [len(t) for t in tokens]
+    if len(rows) == 1:
+        by_rank = [[part] for part in _rows_to_every_rank(rows[0], sizes, g)]
+    else:  # side by side as raw bytes (the dtypes may differ: bfloat16 tokens, float32 weights)
+        packed = torch.cat([r.detach().contiguous().view(torch.uint8) for r in rows], dim=-1)
+        widths = [r.shape[-1] * r.element_size() for r in rows]
+        by_rank = [[chunk.contiguous().view(r.dtype) for chunk, r in
+                    zip(part.split(widths, dim=-1), rows, strict=True)]
+                   for part in _rows_to_every_rank(packed, sizes, g)]
+    outs = tuple(r.new_zeros((total, r.shape[-1])) for r in rows)
+    for t, parts in zip(tokens, by_rank, strict=True):  # rank by rank: the same bits everywhere
+        for out, part in zip(outs, parts, strict=True):
+            out.index_add_(0, t, part)
+    return outs
+
+
+class _GatherSum(torch.autograd.Function):
+    """Forward: every rank's partial rows, added at their tokens. Backward: this rank's rows.
+
+    The consumer is replicated (every rank holds the whole gradient), so the backward
+    needs no communication, as `tensorpar.gather_from_group`'s.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tokens: tuple[torch.Tensor, ...], total: int, g: Group,
+                *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mine = tokens[g.rank]
+        return _gather_sum(rows, tokens, total, g)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, None, *(gr.index_select(0, ctx.mine) for gr in grads))
+
+
+def gather_sum(rows: Sequence[torch.Tensor], tokens: tuple[torch.Tensor, ...], total: int,
+               g: Group, *, backward: bool = False) -> tuple[torch.Tensor, ...]:
+    """Every rank's ``rows`` added at its ``tokens``, on every rank (per tensor of ``rows``).
+
+    Per tensor: the sum over ranks ``r`` of ``zeros(total, C).index_add(0, tokens[r], rank
+    r's rows)``.
+
+    Forward: one uneven all-to-all (this rank's ``len(tokens[rank])`` rows of every tensor,
+    side by side, to every peer), then the rows added rank by rank, so every rank holds the
+    same bits. Backward: this rank's rows of the (replicated) gradients, no communication.
+    ``tokens[r]`` holds distinct indices; every rank passes the same ``tokens``.
+    """
+    if VALIDATE[0]:
+        check("all_to_all", g, backward=backward, dtype=rows[0].dtype,
+              counters=(("tensors", len(rows), ""),), dim=0, dim2=0,
+              label="the sum of every rank's expert outputs (ParallelExperts)")
+    if torch.is_grad_enabled() and any(r.requires_grad for r in rows):
+        out: tuple[torch.Tensor, ...] = _GatherSum.apply(  # type: ignore[no-untyped-call]
+            tokens, total, g, *rows)
+        return out
+    return _gather_sum(rows, tokens, total, g)
+
+
+class _SumGrads(torch.autograd.Function):
+    """Forward: identity. Backward: each rank's partial gradients summed over the ranks.
+
+    A rank's gradients of the replicated tokens and routing weights are non-zero only at
+    the tokens its experts saw (``tokens[rank]``): those rows travel, the tokens' and the
+    weights' side by side, in one `gather_sum`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, tokens: tuple[torch.Tensor, ...],
+                g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.tokens, ctx.group, ctx.total = tokens, g, x.shape[0]
+        return x.view_as(x), w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, gx: torch.Tensor, gw: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        tokens, g = ctx.tokens, ctx.group
+        mine = tokens[g.rank]
+        wanted = [gr.index_select(0, mine) if want else None
+                  for gr, want in zip((gx, gw), ctx.needs_input_grad[:2], strict=True)]
+        sums = iter(gather_sum([gr for gr in wanted if gr is not None], tokens, ctx.total, g,
+                               backward=True))
+        out_x, out_w = (None if gr is None else next(sums) for gr in wanted)
+        return out_x, out_w, None, None
+
+
+def sum_grads_over_ranks(x: torch.Tensor, w: torch.Tensor, tokens: tuple[torch.Tensor, ...],
+                         g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``w`` (replicated) whose gradients are summed over the ranks in backward.
+
+    Forward: identity. Backward: one `gather_sum` of this rank's gradient rows at
+    ``tokens[rank]`` (where a rank's partial gradients can be non-zero).
+
+    Shape:
+        ``x``: ``(T, H)``; ``w``: ``(T, K)``; ``tokens[r]``: distinct indices into ``T``.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        pair: tuple[torch.Tensor, torch.Tensor] = _SumGrads.apply(  # type: ignore[no-untyped-call]
+            x, w, tokens, g)
+        return pair
+    return x, w
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -9,12 +9,18 @@ import torch
 from torch import nn
 
 from tensorpar._group import GroupLike
-from tensorpar._split import balanced_sizes
-from tensorpar.nn._expert_route import exchange_counts, exchange_rows, grouped_linear
+from tensorpar._switch import VALIDATE
+from tensorpar.nn._expert_route import (
+    exchange_counts,
+    exchange_rows,
+    gather_sum,
+    grouped_linear,
+    sum_grads_over_ranks,
+)
 from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._shard import shard_of
 from tensorpar.nn.linear import ShardedLayer
-from tensorpar.regions import gather_from_group, split_to_group
+from tensorpar.validation import check
 
 __all__ = ["ExpertParallel", "ParallelExperts", "experts_problem"]
 
@@ -29,11 +35,11 @@ class ExpertParallel:
     """Spread a transformers experts module's experts over the ranks (`ParallelExperts`).
 
     Attributes:
-        tokens: ``"replicated"``: every rank holds every token (the input of a
-            tensor-parallel block); each rank dispatches its balanced slice of the tokens
-            and the outputs are all-gathered. ``"local"``: every rank holds its own tokens
-            (a sequence- or data-parallel input); each dispatches all of them and keeps its
-            own outputs.
+        tokens: ``"replicated"``: every rank holds every token and the same routing (the
+            input of a tensor-parallel block); nothing is dispatched, each rank's experts
+            take their rows locally and one all-to-all sends the rank's per-token sums to
+            every peer. ``"local"``: every rank holds its own tokens (a sequence- or
+            data-parallel input); each dispatches all of them and keeps its own outputs.
     """
 
     tokens: Tokens = "replicated"
@@ -54,6 +60,13 @@ class ParallelExperts(ShardedLayer):
     the two all-to-alls. Expert gradients are the dense ones (each pair is computed once,
     on one rank), never scaled by the number of ranks.
 
+    With ``tokens="replicated"`` (every rank holds the same tokens and routing) nothing
+    is dispatched: each rank's experts take their pairs from the tokens at hand, the
+    count exchange checks that the routing is the same on every rank, and one uneven
+    all-to-all sends the rank's per-token partial sums to every peer, which add them
+    rank by rank (the same bits on every rank). Backward: one all-to-all of the
+    gradient rows of the tokens and of the routing weights.
+
     Called like the module it replaces: ``experts(hidden_states, top_k_index,
     top_k_weights)``.
 
@@ -69,7 +82,9 @@ class ParallelExperts(ShardedLayer):
 
     Raises:
         ValueError: a module with a layout this layer does not know (a custom gate, a
-            post-expert norm), or an unknown ``tokens``.
+            post-expert norm), or an unknown ``tokens``; in forward, an expert id out of
+            range or (replicated tokens) a routing that differs between ranks, raised on
+            every rank.
 
     Shape:
         ``hidden_states``: ``(T, H)``; ``top_k_index``, ``top_k_weights``: ``(T, K)``;
@@ -132,11 +147,51 @@ class ParallelExperts(ShardedLayer):
         g = self.shard.group
         if self.tokens == "local" or g.is_single:
             return self._dispatch(hidden_states, top_k_index, top_k_weights)
-        sizes = balanced_sizes(hidden_states.shape[0], g.size)
-        mine = self._dispatch(split_to_group(hidden_states, dim=0, group=g, sizes=sizes),
-                              top_k_index.narrow(0, sum(sizes[:g.rank]), sizes[g.rank]),
-                              split_to_group(top_k_weights, dim=0, group=g, sizes=sizes))
-        return gather_from_group(mine, dim=0, group=g, sizes=sizes)
+        return self._replicated(hidden_states, top_k_index, top_k_weights)
+
+    def _replicated(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+                    ) -> torch.Tensor:
+        """Every rank holds every token: no dispatch, one all-to-all to make it whole.
+
+        This rank's experts take their rows from the tokens it holds; its per-token partial
+        sums go to every peer in one all-to-all (`gather_sum`).
+        """
+        g, n_experts = self.shard.group, self.num_experts
+        total, k = index.shape[0], index.shape[-1]
+        if VALIDATE[0]:  # the routing and the tokens must be the same on every rank
+            for what, t in (("top_k_index", index), ("hidden_states", x)):
+                check("ParallelExperts", g, dtype=t.dtype, shape=t.shape, values=t,
+                      label=f"the replicated {what} of ParallelExperts")
+        flat = index.reshape(-1)
+        valid = (flat >= 0) & (flat < n_experts)
+        counts = torch.bincount(torch.where(valid, flat, n_experts), minlength=n_experts + 1)
+        owner = torch.repeat_interleave(torch.arange(g.size, device=flat.device),
+                                        torch.tensor(self.shard.sizes, device=flat.device))
+        pair_owner = owner[flat.clamp(0, n_experts - 1)]
+        touched = torch.zeros(g.size, total, dtype=torch.bool, device=flat.device)
+        touched[pair_owner[valid], torch.div(torch.arange(flat.numel(), device=flat.device),
+                                             k, rounding_mode="floor")[valid]] = True
+        # one small exchange: every rank must hold the same routing, or the split sizes
+        # below would differ between ranks; all raise together if not
+        table = exchange_counts(torch.cat([counts, touched.sum(1)]), g)
+        _check_replicated_table(table, n_experts)
+        starts = _starts(self.shard.sizes)
+        lo, hi = starts[g.rank], starts[g.rank + 1]
+        below = table[0][:lo]
+        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+        sel = order[sum(below):sum(below) + sum(table[0][lo:hi])]  # this rank's experts' pairs
+        token = torch.div(sel, k, rounding_mode="floor")
+        tokens = tuple(row.nonzero().squeeze(1) for row in touched)  # ascending, per rank
+        mine = tokens[g.rank]
+        where = torch.full((total,), -1, dtype=torch.long, device=flat.device)
+        where[mine] = torch.arange(mine.numel(), device=flat.device)
+        x, weights = sum_grads_over_ranks(x, weights, tokens, g)
+        out_rows = self._experts(x.index_select(0, token), table[0][lo:hi])
+        pair_weights = weights.reshape(-1).index_select(0, sel)
+        weighted = (out_rows * pair_weights.unsqueeze(-1)).to(x.dtype)
+        # this rank's experts' sum for each token it touched, pair by pair in expert order
+        partial = x.new_zeros((mine.numel(), x.shape[-1])).index_add(0, where[token], weighted)
+        return gather_sum([partial], tokens, total, g)[0]
 
     def _dispatch(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
                   ) -> torch.Tensor:
@@ -238,6 +293,19 @@ def _layout_problem(experts: nn.Module) -> str | None:
     if not problems:
         return None
     return f"{cls.__name__} cannot be split by expert: expected " + ", ".join(problems)
+
+
+def _check_replicated_table(table: list[list[int]], n_experts: int) -> None:
+    """Raise (on every rank: each sees the same table) on a bad or non-replicated routing."""
+    fn = "ParallelExperts(tokens='replicated')"
+    if any(row != table[0] for row in table):
+        differ = [r for r, row in enumerate(table) if row != table[0]]
+        raise ValueError(f"{fn}: the routing (top_k_index) differs between ranks: rank(s) "
+                         f"{differ} count other tokens per expert than rank 0; expected the "
+                         f"same tokens and routing on every rank (else use tokens='local')")
+    if table[0][n_experts] != _NONE_BAD:
+        raise ValueError(f"{fn}: top_k_index holds {table[0][n_experts]} expert id(s) outside "
+                         f"[0, {n_experts}) on every rank")
 
 
 def _starts(sizes: tuple[int, ...]) -> list[int]:
