@@ -31,10 +31,15 @@ def _synthetic() -> dict[str, Any]:
     reducer.append({"table": "memory", "model": "8M", "variant": "ddp"})
     layers = [{"workload": w, "tp": tp, "dense": 0.01, "floor": 0.005, "tensorpar": 0.006,
                "dtensor": 0.008} for w in ("mlp-compute", "transformer") for tp in (2, 4)]
+    layers += [{"table": "sequence", "workload": "llama-sp", "tp": tp, "floor": 0.02,
+                "tensorpar_sp": 0.025, "tensorpar_tp": 0.024, "dtensor_sp": 0.03,
+                "tensorpar_sp/dtensor_sp": 0.83, "tensorpar_sp/floor": 1.25,
+                "tensorpar_sp/tensorpar_tp": 1.04, "floor_again/floor": 1.0} for tp in (2, 4)]
     scatter = [{"world_size": 2, "nbytes": 2**20, "raw": 1e-3, "raw_alloc": 1.1e-3,
                 "tensorpar": 1.3e-3, "tensorpar_known_meta": 1.2e-3}]
-    hier = [{"mib": m, "flat": 0.1 * m, "hierarchical": 0.07 * m,
-             "hierarchical_one_slice": 0.09 * m} for m in (1.0, 4.0)]
+    hier: list[dict[str, Any]] = [
+        {"mib": m, "flat": 0.1 * m, "hierarchical": 0.07 * m, "hierarchical_one_slice": 0.09 * m}
+        for m in (1.0, 4.0)]
     hier.append({"table": "reducer", "tensorpar": 1.0, "tensorpar_hierarchical": 0.8,
                  "tensorpar_over_limit": 1.7, "tensorpar_hierarchical_over_limit": 1.3})
     suites = {"collectives": collectives, "reducer": reducer, "layers": layers,
@@ -47,8 +52,8 @@ def _synthetic() -> dict[str, Any]:
 def test_summary_and_markdown() -> None:
     data = _synthetic()
     titles = [t[0] for t in summary_tables(data)]
-    assert len(titles) == 7
-    assert "validation mode" in titles
+    assert len(titles) == 8
+    assert "validation mode" in titles and "sequence parallelism (Llama)" in titles
     assert "the reducer end to end on the simulated cluster" in titles
     text = report.markdown(data)
     assert "| all_reduce (in place) " in text and "### collectives" in text
@@ -105,3 +110,31 @@ def test_paired_ratio_cancels_drift() -> None:
     assert paired_ratio(samples, "ours", "raw") == pytest.approx(1.05)
     assert paired_ratio(samples, "raw", "raw") == 1.0
     assert paired_ratio(samples, "ours_noisy", "raw") == pytest.approx(1.05)  # one outlier
+
+
+@pytest.mark.timeout(300)
+def test_layers_sequence_parallel_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """The layers suite's sequence-parallel row at toy sizes, one round: checks, figures, table.
+
+    `sequence.run_rank` first checks tensorpar's (with and without sequence parallelism) and
+    DTensor's loss and norm gradients against the dense model's, so the row cannot time a
+    wrong computation.
+    """
+    import argparse
+
+    pytest.importorskip("transformers")
+    from tensorpar.bench import suites
+
+    tiny = {"vocab": 64, "hidden": 32, "intermediate": 40, "layers": 2, "heads": 4,
+            "kv_heads": 2, "head_dim": 8, "batch": 2, "seq": 8}
+    args = argparse.Namespace(world_sizes=[2], rounds=1, timeout=240.0)
+    rows = suites._sequence(args, tiny)
+    (row,) = rows
+    assert row["table"] == "sequence" and row["tp"] == 2
+    for key in ("floor", "tensorpar_sp", "tensorpar_tp", "dtensor_sp", "tensorpar_sp/dtensor_sp",
+                "tensorpar_sp/floor", "tensorpar_sp/tensorpar_tp", "floor_again/floor"):
+        assert row[key] > 0, key
+    assert row["floor_collectives"] == row["tensorpar_sp_collectives"]  # the same bytes
+    suites._print_sequence(rows)
+    printed = capsys.readouterr().out
+    assert "| llama-sp | 2 " in printed and "paired SP/dtensor SP" in printed

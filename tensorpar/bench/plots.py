@@ -4,7 +4,8 @@
   has paired ratios), one line per collective, one panel per world size, with the run's
   noise (raw again / raw, paired alike) in grey;
 - ``reducer.png``: one training iteration per variant (tensorpar, DDP, the baselines);
-- ``layers.png``: tensorpar, DTensor, the dense process and the floor, per workload;
+- ``layers.png``: tensorpar, DTensor, the dense process and the floor, per workload (the
+  sequence-parallel Llama: tensorpar with and without sequence parallelism, DTensor's);
 - ``scatter_gather.png`` and ``hierarchical.png`` where those suites ran.
 """
 
@@ -99,9 +100,10 @@ def _layers(plt: Any, rows: list[dict[str, Any]], title: str) -> Any:
                              squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
         mine = [r for r in rows if r["workload"] == workload]
-        _bars(ax, [f"tp {r['tp']}" for r in mine],
-              {k: [r[k] * 1e3 for r in mine] for k in ("dense", "floor", "tensorpar",
-                                                        "dtensor")},
+        keys = (("floor", "tensorpar_sp", "tensorpar_tp", "dtensor_sp")
+                if mine[0].get("table") == "sequence" else ("dense", "floor", "tensorpar",
+                                                              "dtensor"))
+        _bars(ax, [f"tp {r['tp']}" for r in mine], {k: [r[k] * 1e3 for r in mine] for k in keys},
               "ms per forward + backward")
         ax.set_title(workload)
     fig.suptitle(title)

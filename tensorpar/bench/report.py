@@ -73,7 +73,7 @@ def planned_cases(suite: str, settings: dict[str, Any]) -> int:
     if suite == "layers":
         from tensorpar.bench.layers import WORKLOADS
 
-        return worlds * len(WORKLOADS)
+        return worlds * (len(WORKLOADS) + 1)  # + the sequence-parallel row
     return 1  # hierarchical: one cluster job
 
 

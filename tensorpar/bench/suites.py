@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -171,6 +172,7 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
         for workload in layers.WORKLOADS:
             results.append(_run(args, f"tp {tp}, {workload}", layers.run_rank, tp, workload,
                                 args.rounds, top, getattr(args, "compile", None) or None)[0])
+    sequence_rows = _sequence(args)
     rows = [[r["workload"], r["tp"], _ms(r["dense"]), _ms(r["floor"]), _ms(r["tensorpar"]),
              _ms(r["dtensor"]), _x(r["tensorpar"] / r["dtensor"]),
              _x(r["tensorpar"] / r["floor"]), _x(r["floor_again"] / r["floor"]),
@@ -203,6 +205,7 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
               _x(r["tensorpar_compiled_cpu"] / r["floor_cpu"])] for r in compiled]))
         print(f"(compiled: torch.compile(backend={args.compile!r}), tensorpar with "
               f"fullgraph=True; the floor is eager; same rounds as the table above)")
+    _print_sequence(sequence_rows)
     for r in results if top else []:
         for case in ("tensorpar", "floor"):
             print(f"\nprofile of {case}, {r['workload']}, tp {r['tp']} (rank 0, cProfile: "
@@ -210,7 +213,41 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(format_table(["function", "calls", "self us", "total us"],
                                [[p["name"], f"{p['calls']:g}", f"{p['self_us']:.0f}",
                                  f"{p['total_us']:.0f}"] for p in r["profile"][case]]))
-    return results
+    return results + sequence_rows
+
+
+def _sequence(args: argparse.Namespace, sizes: dict[str, int] | None = None
+              ) -> list[dict[str, Any]]:
+    """The sequence-parallel rows of the layers suite (`tensorpar.bench.sequence`).
+
+    ``sizes``: the model and batch (`tensorpar.bench.sequence.SIZES` when ``None``).
+    """
+    from tensorpar.bench import sequence
+
+    return [_run(args, f"tp {tp}, llama sequence parallel", sequence.run_rank, tp,
+                 args.rounds, sizes)[0] for tp in args.world_sizes]
+
+
+def _print_sequence(rows: list[dict[str, Any]]) -> None:
+    print()
+    print(format_table(
+        ["workload", "tp", "floor ms", "tensorpar SP ms", "tensorpar TP ms", "dtensor SP ms",
+         "paired SP/dtensor SP", "paired SP/floor", "paired SP/TP", "paired again/floor",
+         "SP CPU ms", "dtensor SP CPU ms", "floor CPU ms", "SP CPU/dtensor SP CPU"],
+        [[r["workload"], r["tp"], _ms(r["floor"]), _ms(r["tensorpar_sp"]),
+          _ms(r["tensorpar_tp"]), _ms(r["dtensor_sp"]), _x(r["tensorpar_sp/dtensor_sp"]),
+          _x(r["tensorpar_sp/floor"]), _x(r["tensorpar_sp/tensorpar_tp"]),
+          _x(r["floor_again/floor"]), _ms(r["tensorpar_sp_cpu"]), _ms(r["dtensor_sp_cpu"]),
+          _ms(r["floor_cpu"]), _x(r["tensorpar_sp_cpu"] / r["dtensor_sp_cpu"])]
+         for r in rows]))
+    sizes = rows[0]["sizes"] if rows else {}
+    cores = os.cpu_count() or 1
+    print(f"(sequence parallelism on a transformers LlamaModel, {sizes}, float32, "
+          f"forward+backward per step; SP / TP: tensorpar with and without sequence "
+          f"parallelism; dtensor SP: parallelize_module with SequenceParallel norms; floor: "
+          f"this rank's share of the compute + the raw all-gathers, reduce-scatters and "
+          f"all-reduces of the same bytes; losses and norm gradients checked against the dense "
+          f"model first; {cores} CPU cores: tp > {cores} is oversubscribed)")
 
 
 def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -89,6 +89,9 @@ def _reducer(rows: list[dict[str, Any]]) -> list[Table]:
 
 
 def _layers(rows: list[dict[str, Any]]) -> list[Table]:
+    sequence = [r for r in rows if r.get("table") == "sequence"]
+    rows = [r for r in rows if r.get("table") != "sequence"]
+    tables = _sequence(sequence) if sequence else []
     return [("tensor-parallel layers", ["workload", "tp", "dense ms", "floor ms",
                                        "tensorpar ms", "DTensor ms", "tensorpar / DTensor",
                                        "tensorpar / floor", "paired tensorpar / floor",
@@ -99,7 +102,23 @@ def _layers(rows: list[dict[str, Any]]) -> list[Table]:
               _x(r.get("floor_again/floor"))] for r in rows],
             "Forward + backward per step. dense: one process computing everything; floor: "
             "this rank's share of the dense compute plus the raw all-reduces of the same bytes; "
-            "paired: the median over rounds of the two steps' ratio within one round.")]
+            "paired: the median over rounds of the two steps' ratio within one round."),
+            *tables]
+
+
+def _sequence(rows: list[dict[str, Any]]) -> list[Table]:
+    return [("sequence parallelism (Llama)",
+             ["tp", "floor ms", "tensorpar SP ms", "tensorpar TP ms", "DTensor SP ms",
+              "paired tensorpar SP / DTensor SP", "paired tensorpar SP / floor",
+              "paired tensorpar SP / tensorpar TP", "paired floor again / floor"],
+             [[str(r["tp"]), _ms(r["floor"]), _ms(r["tensorpar_sp"]), _ms(r["tensorpar_tp"]),
+               _ms(r["dtensor_sp"]), _x(r.get("tensorpar_sp/dtensor_sp")),
+               _x(r.get("tensorpar_sp/floor")), _x(r.get("tensorpar_sp/tensorpar_tp")),
+               _x(r.get("floor_again/floor"))] for r in rows],
+             "A transformers LlamaModel, forward + backward per step. SP: sequence parallelism "
+             "(DTensor: `SequenceParallel` norms); TP: tensorpar without it; floor: this "
+             "rank's share of the compute plus the raw all-gathers, reduce-scatters and "
+             "all-reduces of the same bytes.")]
 
 
 def _hierarchical(rows: list[dict[str, Any]]) -> list[Table]:
