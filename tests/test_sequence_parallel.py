@@ -244,3 +244,21 @@ def test_regathered_sequence_parallel_saves_a_slice_of_the_activations(world_siz
     # measured: TP 2: 0.653 / 0.552 / 0.502; TP 4: 0.479 / 0.328 / 0.252
     assert ratios["regather"] <= limit, ratios
     assert ratios["regather"] < ratios[True] < ratios[False], ratios
+
+
+def _checkpointed(mode):
+    """Activation checkpointing replays the decoder layers, their sequence collectives too."""
+    dense, parallel = build("llama"), sequence_parallel("llama", sequence_parallel=mode)
+    for model in (dense, parallel):
+        enable = getattr(model, "activation_checkpointing_enable", None) \
+            or model.gradient_checkpointing_enable
+        enable()
+        model.train()
+    _compare_step(dense, parallel, tokens(3, 13), f"checkpointed, {mode}")
+    return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [True, "regather"])
+def test_sequence_parallel_with_activation_checkpointing(mode):
+    assert all(run_distributed(_checkpointed, 3, mode, timeout=240))
