@@ -1,6 +1,6 @@
 """The styles of transformers' own plans: models planned by plan_from_transformers train like dense.
 
-Every test runs 3 AdamW steps (float64) and compares logits, loss, every gradient and the
+Every test runs 3 AdamW steps (float64, gradients clipped by `tensorpar.nn.clip_grad_norm_`) and compares logits, loss, every gradient and the
 parameters afterwards with the dense model (1e-10); replicated parameters (norms, biases of
 row-parallel layers, per-head norms whose gradients are partial) must be bit-identical
 across ranks.
@@ -132,6 +132,11 @@ def _train_like_dense(arch, overrides, steps, tol):
         for name, p in parallel.named_parameters():
             torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
                                        rtol=tol, atol=tol, msg=f"grad of {name}, step {step}")
+        # clipped by the dense model's norm (small enough that every step clips)
+        expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+        got = tp.nn.clip_grad_norm_(parallel, 0.05)
+        assert float(expected) > 0.05
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
         dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
     dense_params = dict(dense.named_parameters())
     for name, p in parallel.named_parameters():
@@ -155,7 +160,7 @@ def assert_replicas_identical(results):
             assert torch.equal(value, other[name]), f"{name} differs across ranks"
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_per_head_norms_train_like_dense(arch, world_size):
     assert_replicas_identical(run_distributed(train_like_dense, world_size, arch, timeout=180))
