@@ -219,3 +219,26 @@ def _validated(regather):
 @pytest.mark.parametrize("regather", [False, True])
 def test_validation_mode_accepts_sequence_parallelism(regather):
     assert all(run_distributed(_validated, 3, regather, timeout=50))
+
+
+def _compiled():
+    torch._dynamo.reset()
+    dense, parallel = build(), tp.parallelize(build(), PLAN)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(parallel)(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    got = torch.compile(parallel, backend="aot_eager", fullgraph=True)(ids)
+    expected = dense(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
+    F.cross_entropy(expected.flatten(0, 1), ids.flatten()).backward()
+    grads = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
+                                   rtol=1e-10, atol=1e-10, msg=name)
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_sequence_parallelism_compiles_without_graph_breaks():
+    assert all(run_distributed(_compiled, 2, timeout=200))
