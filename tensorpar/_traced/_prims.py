@@ -148,7 +148,11 @@ class SplitToGroup(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: tuple[int, ...], rank: int,
                 name: str) -> torch.Tensor:
         ctx.dim, ctx.sizes, ctx.name = dim, sizes, name
-        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+        # a copy, never a view of ``x`` (``contiguous`` of a leading slice is the view
+        # itself): torch 2.11 traces the backward of a Function whose output is a view of
+        # its input with a zero gradient
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone(
+            memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
