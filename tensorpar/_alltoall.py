@@ -25,12 +25,12 @@ import torch
 
 from tensorpar import _comm
 from tensorpar._autograd import SYNC, Launch, apply_or_run, needs_graph, tie_to_output
+from tensorpar._entry import all_to_all_args
 from tensorpar._group import Group, GroupLike, resolve_group
-from tensorpar._meta import exchange, local_header, require_tensor
-from tensorpar._split import NATIVE_DTYPES, as_bytes, balanced_sizes, check_sizes, check_total
+from tensorpar._meta import exchange, local_header
+from tensorpar._split import NATIVE_DTYPES, as_bytes, balanced_sizes
 from tensorpar._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.placeholder import _normalize_dim
 from tensorpar.validation import check_all_to_all, check_backward, last_site
 
 __all__ = ["AllToAllSpec", "run_all_to_all"]
@@ -46,15 +46,10 @@ def run_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: Grou
     if _dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
         assert sizes is not None
         return all_to_all_dim0(x, sizes, g, SYNC, agreed=False)  # no graph, no spec
-    sizes = None if sizes is None else check_sizes(fn, sizes, g.size)
-    tensor = require_tensor(fn, x)
-    sd = _normalize_dim(fn, split_dim, tensor.ndim)
-    cd = _normalize_dim(fn, concat_dim, tensor.ndim)
-    if sizes is not None:
-        check_total(fn, sizes, tensor.shape[sd], sd, "this rank's tensor")
+    tensor, sd, cd, checked = all_to_all_args(fn, x, split_dim, concat_dim, g, sizes)
     if g.is_single:
         return tensor
-    spec, tensor = all_to_all_spec(fn, tensor, sd, cd, g, sizes)
+    spec, tensor = all_to_all_spec(fn, tensor, sd, cd, g, checked)
     return apply_or_run(_AllToAll, tensor, spec, SYNC)
 
 

@@ -28,8 +28,9 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["check_roots", "chunks_spec", "exchange", "local_header", "placeholder_input",
-           "ranks_by_value", "require_tensor", "sole_chunk", "sole_input", "source_header"]
+__all__ = ["check_roots", "check_source", "chunks_spec", "exchange", "local_header",
+           "own_chunk", "placeholder_input", "ranks_by_value", "require_tensor", "sole_chunk",
+           "sole_input", "source_header"]
 
 
 def kind_name(x: object) -> str:
@@ -99,6 +100,32 @@ def exchange(g: Group, header: torch.Tensor) -> list[Header]:
     return [decode_header(torch.tensor(row)) for row in _comm.exchange_ints(g, header)]
 
 
+def check_source(fn: str, x: object, src: int, g: Group) -> torch.Tensor | TensorPlaceholder:
+    """A rooted collective's argument without a metadata exchange (``exchange_meta=False``).
+
+    The full tensor on ``src``, a `TensorPlaceholder` elsewhere; each rank checks its own.
+    """
+    if g.rank == src:
+        return require_tensor(f"{fn}(src={src})", x, "the source rank must pass the full tensor")
+    if not isinstance(x, TensorPlaceholder):
+        raise CollectiveTypeError(
+            f"{fn}(src={src}, exchange_meta=False): rank {g.rank} must pass a "
+            f"TensorPlaceholder describing the source tensor, got {kind_name(x)}")
+    return x
+
+
+def own_chunk(fn: str, x: object, dim: int, g: Group, sizes: Sequence[int]
+              ) -> tuple[torch.Tensor, int]:
+    """This rank's chunk of a concatenation and its normalised dim, checked against ``sizes``."""
+    tensor = require_tensor(fn, x)
+    d = _normalize_dim(fn, dim, tensor.ndim)
+    if tensor.shape[d] != sizes[g.rank]:
+        raise CollectiveArgumentError(
+            f"{fn}: sizes[{g.rank}]={sizes[g.rank]} but this rank's chunk has "
+            f"length {tensor.shape[d]} along dim {d}")
+    return tensor, d
+
+
 def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -> Header:
     """The source tensor's metadata for a rooted collective (scatter, broadcast).
 
@@ -106,12 +133,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -
     each rank checks only its own argument (a placeholder is then required off the source).
     """
     if not exchange_meta:
-        if g.rank == src:
-            require_tensor(f"{fn}(src={src})", x, "the source rank must pass the full tensor")
-        elif not isinstance(x, TensorPlaceholder):
-            raise CollectiveTypeError(
-                f"{fn}(src={src}, exchange_meta=False): rank {g.rank} must pass a "
-                f"TensorPlaceholder describing the source tensor, got {kind_name(x)}")
+        check_source(fn, x, src, g)
         return decode_header(local_header(x))
 
     headers = exchange(g, local_header(x, src))
@@ -177,12 +199,7 @@ def chunks_spec(fn: str, x: object, dim: int, g: Group, sizes: tuple[int, ...] |
     header exchange; ``requires_grad`` is then True on every rank if it is on any.
     """
     if sizes is not None:
-        tensor = require_tensor(fn, x)
-        d = _normalize_dim(fn, dim, tensor.ndim)
-        if tensor.shape[d] != sizes[g.rank]:
-            raise CollectiveArgumentError(
-                f"{fn}: sizes[{g.rank}]={sizes[g.rank]} but this rank's chunk has "
-                f"length {tensor.shape[d]} along dim {d}")
+        tensor, d = own_chunk(fn, x, dim, g, sizes)
         requires_grad = tensor.requires_grad
     else:
         d, headers = chunk_headers(fn, x, dim, g, root)

@@ -6,6 +6,7 @@ return an empty "anchor" tensor, which keeps those ranks in the autograd graph.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from tensorpar._switch import VALIDATE
 from tensorpar.placeholder import Header, TensorPlaceholder
 from tensorpar.validation import check_backward, last_site
 
-__all__ = ["placeholder_of", "root_input"]
+__all__ = ["placeholder_for", "placeholder_of", "root_input"]
 
 
 def root_input(x: object, root: int, g: Group, header: Header) -> torch.Tensor:
@@ -38,9 +39,15 @@ def root_input(x: object, root: int, g: Group, header: Header) -> torch.Tensor:
 
 def placeholder_of(anchor: torch.Tensor, spec: RootSpec) -> TensorPlaceholder:
     """The placeholder a non-root rank gets, carrying the collective's autograd anchor."""
-    return TensorPlaceholder(spec.full_shape, spec.dtype, device=anchor.device,
-                             requires_grad=anchor.requires_grad, owner=spec.root,
-                             group=spec.group.handle, _anchor=anchor)
+    return placeholder_for(anchor, spec.full_shape, spec.dtype, spec.root, spec.group)
+
+
+def placeholder_for(anchor: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, root: int,
+                    g: Group) -> TensorPlaceholder:
+    """`placeholder_of` from the fields of a spec (what the traced collectives have)."""
+    return TensorPlaceholder(shape, dtype, device=anchor.device,
+                             requires_grad=anchor.requires_grad, owner=root, group=g.handle,
+                             _anchor=anchor)
 
 
 def scatter_data(x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:

@@ -27,21 +27,9 @@ from tensorpar._autograd import (
 from tensorpar._group import Group
 from tensorpar._split import NATIVE_DTYPES, SplitSpec, as_bytes
 from tensorpar._switch import VALIDATE
-from tensorpar.errors import CollectiveArgumentError
 from tensorpar.validation import check_backward, last_site
 
-__all__ = ["all_gather_equal", "check_all_reduce_args", "equal_on_dim0", "reduce_scatter_equal"]
-
-
-def check_all_reduce_args(fn: str, x: torch.Tensor, backward: object, inplace: bool) -> None:
-    """Validate all_reduce's ``backward`` mode and that an in-place reduction is possible."""
-    if backward not in ("sum", "identity"):
-        raise CollectiveArgumentError(f"{fn}: backward={backward!r}; expected 'sum' or 'identity'")
-    if inplace and not x.is_contiguous():
-        raise CollectiveArgumentError(
-            f"{fn}: inplace=True needs a contiguous tensor (its bytes are reduced "
-            f"in memory order); got strides {x.stride()} for shape "
-            f"{tuple(x.shape)}. Call .contiguous() first or reduce out of place")
+__all__ = ["all_gather_equal", "equal_on_dim0", "reduce_scatter_equal"]
 
 
 def all_gather_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:

@@ -20,18 +20,17 @@ from torch.compiler import is_compiling
 
 from tensorpar._algorithm import Algorithm, hierarchical_data, hierarchical_topology
 from tensorpar._alltoall import run_all_to_all
-from tensorpar._autograd import SYNC, Launch, apply_or_run, check_op, needs_graph
-from tensorpar._entry import resolve_args
+from tensorpar._autograd import SYNC, Launch, apply_or_run, needs_graph
+from tensorpar._entry import reduction_args, resolve_args, source_chunk, split_args
 from tensorpar._group import GroupLike
-from tensorpar._meta import chunks_spec, require_tensor, sole_chunk, sole_input, source_header
+from tensorpar._meta import chunks_spec, sole_chunk, sole_input, source_header
 from tensorpar._rooted import _Broadcast, _Gather, _Reduce, _Scatter, placeholder_of, root_input
-from tensorpar._split import RootSpec, SplitSpec, check_total, sizes_or_balanced
+from tensorpar._split import RootSpec, SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import (
     _AllGather,
     _AllReduce,
     _ReduceScatter,
     all_gather_equal,
-    check_all_reduce_args,
     equal_on_dim0,
     reduce_scatter_equal,
 )
@@ -104,11 +103,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
     # without the header exchange, validation mode compares every rank's x (placeholders)
     g, sizes = resolve_args(fn, group, sizes, x=None if exchange_meta else x, dim=dim, src=src)
     if g.is_single:
-        tensor = sole_input(fn, x)
-        d = _normalize_dim(fn, dim, tensor.ndim)
-        if sizes is not None:
-            check_total(fn, sizes, tensor.shape[d], d, "the source tensor")
-        return tensor.contiguous()
+        return source_chunk(fn, x, dim, sizes)
     header = source_header(fn, x, src, g, exchange_meta)
     d = _normalize_dim(fn, dim, len(header.shape))
     sizes = sizes_or_balanced(fn, sizes, header.shape[d], d, g.size, "the source tensor")
@@ -261,9 +256,7 @@ def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
     if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.reduce(x, dst=dst, op=op, group=group)
     fn = "reduce"
-    g, _ = resolve_args(fn, group, None, x=x, op=op, dst=dst)
-    tensor = require_tensor(fn, x)
-    op_name = check_op(fn, op, tensor, g)
+    g, tensor, op_name = reduction_args(fn, x, op, group, dst=dst)
     if g.is_single:
         return tensor
     spec = RootSpec(group=g, root=dst, full_shape=tensor.shape, dtype=tensor.dtype)
@@ -387,18 +380,15 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
         return _traced.reduce_scatter(x, dim=dim, op=op, group=group, sizes=sizes,
                                       async_op=async_op)
     fn = "reduce_scatter"
-    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim, op=op)
-    tensor = require_tensor(fn, x)
-    op_name = check_op(fn, op, tensor, g)
-    d = _normalize_dim(fn, dim, tensor.ndim)
-    sizes = sizes_or_balanced(fn, sizes, tensor.shape[d], d, g.size, "the input")
+    g, tensor, op_name, d, split = split_args(fn, x, dim, group, sizes, op)
+    assert op_name is not None
     if g.is_single:
         return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)
-    if equal_on_dim0(tensor, d, sizes) and not needs_graph(tensor):  # the shortest path
+    if equal_on_dim0(tensor, d, split) and not needs_graph(tensor):  # the shortest path
         return as_result(reduce_scatter_equal(tensor, g, op_name, launch), launch, async_op)
     spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
-                     sizes=sizes)
+                     sizes=split)
     return as_result(apply_or_run(_ReduceScatter, tensor, spec, op_name, launch), launch,
                      async_op)
 
@@ -469,10 +459,7 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
         return _traced.all_reduce(x, op=op, backward=backward, group=group, async_op=async_op,
                                   inplace=inplace, algorithm=algorithm, topology=topology)
     fn = "all_reduce"
-    g, _ = resolve_args(fn, group, None, x=x, op=op, backward=backward)
-    tensor = require_tensor(fn, x)
-    op_name = check_op(fn, op, tensor, g)
-    check_all_reduce_args(fn, tensor, backward, inplace)
+    g, tensor, op_name = reduction_args(fn, x, op, group, backward=backward, inplace=inplace)
     if g.is_single:
         return as_result(tensor, Launch(async_op), async_op)
     launch = Launch(async_op)

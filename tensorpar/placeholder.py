@@ -98,6 +98,8 @@ class TensorPlaceholder(NotData):
                 f"TensorPlaceholder: owner must be None or a rank >= 0, got {owner!r}")
         if group is not None and dist.is_initialized() and group is dist.group.WORLD:
             group = None  # one spelling for the default group, so equality holds
+        if _anchor is None and requires_grad:
+            _anchor = _leaf(dtype, torch.device(device))
         set_ = object.__setattr__
         set_(self, "_shape", torch.Size(dims))
         set_(self, "_dtype", dtype)
@@ -218,7 +220,7 @@ class TensorPlaceholder(NotData):
                 collective (constructed by hand, or its input did not require grad).
         """
         anchor = self._anchor
-        if anchor is None or not anchor.requires_grad:
+        if anchor is None or anchor.grad_fn is None:  # none, or this placeholder's own leaf
             raise PlaceholderError(f"{self} has no autograd graph to run backward through: it was "
                                    f"not produced by a collective whose input requires grad")
         torch.autograd.backward(anchor, torch.zeros_like(anchor))
@@ -272,6 +274,23 @@ class TensorPlaceholder(NotData):
         if not self._shape:
             raise CollectiveTypeError("len() of a 0-d TensorPlaceholder")
         return self._shape[0]
+
+
+def _leaf(dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The empty leaf standing for a placeholder that requires grad in the autograd graph.
+
+    A collective called with the placeholder on a rank without data takes it as its input,
+    which keeps the rank in the backward pass. Made here, outside any compiled function, it
+    is an input of a graph that ``torch.compile`` traces (a graph cannot make a leaf that
+    requires grad). None while dynamo traces, or on a device this process cannot use; the
+    eager collectives then make one per call.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    if device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available()
+                                and (device.index or 0) < torch.cuda.device_count()):
+        return torch.empty(0, dtype=dtype, device=device, requires_grad=True)
+    return None
 
 
 def _rebuild(shape: tuple[int, ...], dtype: torch.dtype, device: str, requires_grad: bool,

@@ -24,9 +24,9 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
 from torch.compiler import is_compiling
 
 from tensorpar._autograd import SYNC
-from tensorpar._entry import resolve_args
+from tensorpar._entry import resolve_args, split_args, tensor_args
 from tensorpar._group import Group, GroupLike
-from tensorpar._meta import chunks_spec, require_tensor, sole_chunk
+from tensorpar._meta import chunks_spec, sole_chunk
 from tensorpar._split import SplitSpec, sizes_or_balanced
 from tensorpar._symmetric import _AllReduce, _CopyToGroup, _GatherFromGroup, _SplitToGroup
 from tensorpar._traced import collectives as _traced
@@ -72,8 +72,7 @@ def enter_region(x: torch.Tensor, group: GroupLike, label: str = "") -> torch.Te
     if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.copy_to_group(x, group=group)
     fn = "copy_to_group"
-    g, _ = resolve_args(fn, group, None, x=x, label=label)
-    tensor = require_tensor(fn, x)
+    g, tensor = tensor_args(fn, x, group, label)
     if g.is_single:
         return tensor
     out: torch.Tensor = _CopyToGroup.apply(tensor, g)
@@ -108,8 +107,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
     if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.reduce_from_group(x, group=group)
     fn = "reduce_from_group"
-    g, _ = resolve_args(fn, group, None, x=x)
-    tensor = require_tensor(fn, x)
+    g, tensor = tensor_args(fn, x, group)
     if g.is_single:
         return tensor
     out: torch.Tensor = _AllReduce.apply(tensor, g, "sum", "identity", False, SYNC)
@@ -150,11 +148,11 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
     if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
         return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
-    g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
-    tensor = require_tensor(fn, x)
-    spec = split_spec(fn, tensor, dim, g, sizes)
+    g, tensor, _, d, split = split_args(fn, x, dim, group, sizes)
     if g.is_single:
         return tensor
+    spec = SplitSpec(group=g, root=-1, full_shape=tensor.shape, dtype=tensor.dtype, dim=d,
+                     sizes=split)
     out: torch.Tensor = _SplitToGroup.apply(tensor, spec)
     return out
 

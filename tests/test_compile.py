@@ -121,6 +121,123 @@ def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=540)
 
 
+def _rooted_case(n, uneven):
+    """Every rooted collective traced: sources and destinations differ, chunks uneven.
+
+    Each rank without data passes a placeholder (``exchange_meta=False``); a gather's or a
+    reduce's placeholder goes back through a scatter or a broadcast, so every output is a
+    tensor on every rank and one ``backward`` runs every dual.
+    """
+    rank = torch.distributed.get_rank()
+    src, dst = n - 1, 0
+    split = [1 + (r if uneven else 0) for r in range(n)]
+    length = sum(split)
+
+    def fn(full, chunk, a):
+        no_meta = {"exchange_meta": False}
+        g1 = tp.gather(chunk, dim=1, dst=dst, sizes=split)  # dst: (2, L); else placeholder
+        g0 = tp.gather(chunk.transpose(0, 1), dim=0, dst=dst, sizes=split)
+        r = tp.reduce(a, dst=dst)
+        mean = tp.reduce(a * 2, dst=src, op="mean")
+        return (
+            tp.scatter(full, dim=1, src=src, sizes=split, **no_meta),
+            tp.scatter(full, dim=-1, src=src, **no_meta),  # balanced: from the shape
+            tp.scatter(full, dim=0, src=src, **no_meta),
+            tp.broadcast(full, src=src, **no_meta),
+            tp.broadcast(full, src=src, async_op=True, **no_meta).resolve(),
+            tp.scatter(g1, dim=1, src=dst, sizes=split, **no_meta),
+            tp.scatter(g0, dim=0, src=dst, sizes=split, **no_meta),
+            tp.broadcast(r, src=dst, **no_meta),
+            tp.broadcast(mean, src=src, **no_meta) * 3,
+        )
+
+    full = rand(30, n + 1, length)
+    if rank != src:
+        full = tp.TensorPlaceholder(full.shape, full.dtype, requires_grad=True, owner=src)
+    return fn, (full, rand(40 + rank, 2, split[rank]), rand(50 + rank, 4, 3))
+
+
+def _run_rooted(fn, inputs, compile_it):
+    """``fn`` eagerly or compiled (fullgraph): outputs and the gradients of the tensor inputs."""
+    f = torch.compile(fn, fullgraph=True, backend="aot_eager") if compile_it else fn
+    leaves = [t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor)
+              else tp.TensorPlaceholder(t.shape, t.dtype, requires_grad=True, owner=t.owner)
+              for t in inputs]  # a fresh placeholder for each run
+    outs = f(*leaves)
+    sum((o * rand(100 + i, *o.shape)).sum() for i, o in enumerate(outs)).backward()
+    return ([o.detach() for o in outs],
+            [t.grad for t in leaves if isinstance(t, torch.Tensor)])
+
+
+def _compare_rooted(uneven):
+    _fresh()
+    fn, inputs = _rooted_case(torch.distributed.get_world_size(), uneven)
+    _assert_same([_run_rooted(fn, inputs, False), _run_rooted(fn, inputs, True)])
+
+
+@pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (3, True)])
+def test_rooted_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
+    run_distributed(_compare_rooted, world_size, uneven, timeout=540)
+
+
+def _placeholder_out(compile_it):
+    """A gather's placeholder leaves the compiled function; its backward runs the scatter."""
+    rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    split = [2 + r for r in range(n)]
+
+    def fn(chunk):
+        return tp.gather(chunk * 2, dim=0, dst=1, sizes=split)
+
+    f = torch.compile(fn, fullgraph=True, backend="aot_eager") if compile_it else fn
+    chunk = rand(rank, split[rank], 3).requires_grad_()
+    out = f(chunk)
+    if rank == 1:
+        (out * rand(7, *out.shape)).sum().backward()
+        shown = out.detach()
+    else:
+        out.backward()  # the placeholder joins the backward scatter
+        shown = out
+    return shown, chunk.grad
+
+
+def _compare_placeholder_out():
+    _fresh()
+    return _placeholder_out(False), _placeholder_out(True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_placeholder_returned_by_compiled_gather_runs_the_backward(world_size):
+    for rank, (eager, compiled) in enumerate(run_distributed(_compare_placeholder_out,
+                                                             world_size, timeout=540)):
+        if rank == 1:
+            torch.testing.assert_close(compiled[0], eager[0], **TIGHT)
+        else:
+            assert isinstance(compiled[0], tp.TensorPlaceholder) and compiled[0] == eager[0]
+        torch.testing.assert_close(compiled[1], eager[1], **TIGHT)
+
+
+def _reduce_max_backward():
+    _fresh()
+    fn = torch.compile(lambda a: tp.broadcast(tp.reduce(a, op="max"), src=0,
+                                              exchange_meta=False), fullgraph=True,
+                       backend="aot_eager")
+    a = rand(torch.distributed.get_rank(), 3).requires_grad_()
+    out = fn(a)
+    try:
+        out.sum().backward()
+    except tp.TensorparError as e:
+        return out.detach(), str(e)
+    return out.detach(), ""
+
+
+def test_compiled_reduce_max_raises_in_backward_as_eager():
+    results = run_distributed(_reduce_max_backward, 2, timeout=540)
+    expected = torch.maximum(rand(0, 3), rand(1, 3))
+    for out, message in results:
+        torch.testing.assert_close(out, expected, **TIGHT)
+        assert "reduce" in message and "max" in message, message
+
+
 def _rooted(x):
     """The collectives that need a metadata exchange: each one graph break, run eagerly."""
     rank = torch.distributed.get_rank()
@@ -263,6 +380,54 @@ def _compare_shared_input():
 
 def test_shared_input_compiles_fullgraph_and_equals_eager():
     assert run_distributed(_compare_shared_input, 2, timeout=540) == [(1, True), (1, True)]
+
+
+class _TinyLM(nn.Module):
+    """A whole tensor-parallel language model: a vocab-parallel embedding, two MLP blocks
+    (column-parallel up, row-parallel down, residual) and a column-parallel head whose
+    vocab-parallel cross entropy is the loss. Widths are uneven at TP 2 and 3."""
+
+    def __init__(self, vocab=29, dim=12, hidden=23, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = VocabParallelEmbedding.from_dense(nn.Embedding(vocab, dim))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.ups = nn.ModuleList(ColumnParallelLinear.from_dense(nn.Linear(dim, hidden))
+                                 for _ in range(layers))
+        self.downs = nn.ModuleList(RowParallelLinear.from_dense(nn.Linear(hidden, dim))
+                                   for _ in range(layers))
+        self.head = ColumnParallelLinear.from_dense(nn.Linear(dim, vocab, bias=False))
+
+    def forward(self, ids, target):
+        h = self.embed(ids)  # (B, T, D)
+        for norm, up, down in zip(self.norms, self.ups, self.downs, strict=True):
+            h = h + down(torch.nn.functional.gelu(up(norm(h))))  # up: (B, T, H/tp)
+        logits = self.head(h)  # (B, T, V/tp)
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                            sizes=self.head.shard.sizes)
+
+
+def _compare_tiny_lm_inductor():
+    _fresh()
+    model = _TinyLM()
+    ids = torch.randint(0, 29, (2, 7), generator=torch.Generator().manual_seed(0))
+    target = ids.roll(-1, 1)
+    explained = torch._dynamo.explain(model)(ids, target)
+    _fresh()
+    results = []
+    for m in (model, torch.compile(model)):  # the default backend: inductor
+        model.zero_grad(set_to_none=True)
+        loss = m(ids, target)
+        loss.backward()
+        results.append(([loss.detach()], [p.grad for p in model.parameters()]))
+    _assert_same(results, rtol=1e-5, atol=1e-5)
+    return explained.graph_count, explained.graph_break_count, \
+        [str(b.reason) for b in explained.break_reasons]
+
+
+def test_whole_model_compiles_with_inductor_to_one_graph_and_equals_eager():
+    for graphs, breaks, reasons in run_distributed(_compare_tiny_lm_inductor, 2, timeout=540):
+        assert (graphs, breaks) == (1, 0), reasons
 
 
 # ---------------------------------------------------------------------------------------
