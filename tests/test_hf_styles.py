@@ -1,9 +1,9 @@
 """The styles of transformers' own plans: models planned by plan_from_transformers train like dense.
 
-Every test runs 3 AdamW steps (float64, gradients clipped by `tensorpar.nn.clip_grad_norm_`) and compares logits, loss, every gradient and the
-parameters afterwards with the dense model (1e-10); replicated parameters (norms, biases of
-row-parallel layers, per-head norms whose gradients are partial) must be bit-identical
-across ranks.
+Every test runs 3 AdamW steps (float64, gradients clipped by `tensorpar.nn.clip_grad_norm_`)
+and compares logits, loss, every gradient and the parameters afterwards with the dense model
+(1e-10); replicated parameters (norms, biases of row-parallel layers, per-head norms whose
+gradients are partial) must be bit-identical across ranks.
 """
 
 import contextlib
