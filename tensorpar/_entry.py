@@ -58,7 +58,7 @@ def reduction_args(fn: str, x: object, op: object, group: GroupLike, *,
 
     Returns the group, the tensor and the checked op name.
     """
-    g, _ = resolve_args(fn, group, None, x=x, op=op, backward=backward, **ranks)
+    g, _ = resolve_args(fn, group, None, x=x, op=op, backward=backward, label="", **ranks)
     tensor = require_tensor(fn, x)
     op_name = check_op(fn, op, tensor, g)
     if backward is not None:

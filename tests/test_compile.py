@@ -504,3 +504,13 @@ def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
     for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float32",
                                            "inductor", close, timeout=540):
         assert breaks == 0, reasons
+
+
+def test_traced_split_returns_a_copy_not_a_view():
+    """A Function whose output is a view of its input was traced by torch 2.11 with a zero
+    gradient (split_to_group's compiled input gradient came out zero there)."""
+    from tensorpar._traced import _prims
+
+    x = torch.arange(6.0).view(3, 2)
+    out = _prims.SplitToGroup.apply(x, 0, (1, 1, 1), 0, "")
+    assert torch.equal(out, x[:1]) and out._base is None and out.data_ptr() != x.data_ptr()

@@ -92,6 +92,7 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: Gro
         return eager("reduce_scatter", x, dim=dim, op=op, group=group,  # type: ignore[no-any-return]
                      sizes=sizes, async_op=async_op)
     g, tensor, op_name, d, split = split_args("reduce_scatter", x, dim, group, sizes, op)
+    assert op_name is not None  # an op was given
     if g.is_single:
         return _result(tensor, async_op)
     source = tensor / g.size if op_name == "mean" else tensor

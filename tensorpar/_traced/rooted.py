@@ -59,9 +59,9 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int, src: int,
     d = _normalize_dim(fn, dim, meta.ndim)
     split = sizes_or_balanced(fn, checked, meta.shape[d], d, g.size, "the source tensor")
     inp = meta if isinstance(meta, torch.Tensor) else _anchor(meta, g)
-    out: torch.Tensor = P.Scatter.apply(  # type: ignore[no-untyped-call]
+    chunk: torch.Tensor = P.Scatter.apply(  # type: ignore[no-untyped-call]
         inp, tuple(meta.shape), d, split, src, g.rank, P.group_name(g))
-    return out
+    return chunk
 
 
 def gather(x: torch.Tensor, *, dim: int, dst: int, group: GroupLike,
