@@ -158,8 +158,11 @@ def _rooted_case(n, uneven):
 
 
 def _run_rooted(fn, inputs, compile_it):
-    """``fn`` eagerly or compiled (fullgraph): outputs and the gradients of the tensor inputs."""
-    f = torch.compile(fn, fullgraph=True, backend="aot_eager") if compile_it else fn
+    """``fn`` eagerly or compiled (fullgraph where the rooted collectives trace): outputs and
+    the gradients of the tensor inputs."""
+    from tensorpar._traced.rooted import TRACES
+
+    f = torch.compile(fn, fullgraph=TRACES, backend="aot_eager") if compile_it else fn
     leaves = [t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor)
               else tp.TensorPlaceholder(t.shape, t.dtype, requires_grad=True, owner=t.owner)
               for t in inputs]  # a fresh placeholder for each run
@@ -188,7 +191,9 @@ def _placeholder_out(compile_it):
     def fn(chunk):
         return tp.gather(chunk * 2, dim=0, dst=1, sizes=split)
 
-    f = torch.compile(fn, fullgraph=True, backend="aot_eager") if compile_it else fn
+    from tensorpar._traced.rooted import TRACES
+
+    f = torch.compile(fn, fullgraph=TRACES, backend="aot_eager") if compile_it else fn
     chunk = rand(rank, split[rank], 3).requires_grad_()
     out = f(chunk)
     if rank == 1:

@@ -16,6 +16,10 @@ peers, the shape of what travels and that every peer takes the traced path too:
 The ranks but the root get a `TensorPlaceholder` of the result (a gather's or a reduce's),
 built in the graph around the collective's anchor, so ``placeholder.backward()`` runs the
 compiled backward. Validation mode runs them eagerly, as every collective.
+
+They trace from torch 2.13 on (`TRACES`); on torch 2.11 the compiled graphs of the root and
+of the other ranks issued their collectives differently and the ranks hung, so older torch
+runs them eagerly (one graph break each).
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ from tensorpar._traced._fallback import eager, result
 from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
-__all__ = ["broadcast", "gather", "reduce", "scatter"]
+__all__ = ["TRACES", "broadcast", "gather", "reduce", "scatter"]
+
+TRACES = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+"""Whether the rooted collectives trace with this torch (else they run eagerly)."""
 
 
 def _anchor(ph: TensorPlaceholder, g: Group) -> torch.Tensor:
@@ -47,7 +54,7 @@ def _anchor(ph: TensorPlaceholder, g: Group) -> torch.Tensor:
 def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int, src: int,
             group: GroupLike, sizes: Sequence[int] | None, exchange_meta: bool) -> torch.Tensor:
     """`tensorpar.scatter`, traced with ``exchange_meta=False`` (else one graph break)."""
-    if VALIDATE[0] or exchange_meta or not is_compiling():
+    if VALIDATE[0] or exchange_meta or not is_compiling() or not TRACES:
         out: torch.Tensor = eager("scatter", x, dim=dim, src=src, group=group, sizes=sizes,
                                   exchange_meta=exchange_meta)
         return out
@@ -67,7 +74,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int, src: int,
 def gather(x: torch.Tensor, *, dim: int, dst: int, group: GroupLike,
            sizes: Sequence[int] | None) -> torch.Tensor | TensorPlaceholder:
     """`tensorpar.gather`, traced with ``sizes`` (else one graph break)."""
-    if VALIDATE[0] or sizes is None or not is_compiling():
+    if VALIDATE[0] or sizes is None or not is_compiling() or not TRACES:
         out: torch.Tensor | TensorPlaceholder = eager("gather", x, dim=dim, dst=dst,
                                                       group=group, sizes=sizes)
         return out
@@ -89,7 +96,7 @@ def gather(x: torch.Tensor, *, dim: int, dst: int, group: GroupLike,
 def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int, group: GroupLike,
               exchange_meta: bool, async_op: bool) -> torch.Tensor | CollaborativeTensor:
     """`tensorpar.broadcast`, traced with ``exchange_meta=False`` (else one graph break)."""
-    if VALIDATE[0] or exchange_meta or not is_compiling():
+    if VALIDATE[0] or exchange_meta or not is_compiling() or not TRACES:
         out: torch.Tensor | CollaborativeTensor = eager(
             "broadcast", x, src=src, group=group, exchange_meta=exchange_meta,
             async_op=async_op)
@@ -108,7 +115,7 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int, group: Gr
 def reduce(x: torch.Tensor, *, dst: int, op: str, group: GroupLike
            ) -> torch.Tensor | TensorPlaceholder:
     """`tensorpar.reduce`, traced."""
-    if VALIDATE[0] or not is_compiling():
+    if VALIDATE[0] or not is_compiling() or not TRACES:
         out: torch.Tensor | TensorPlaceholder = eager("reduce", x, dst=dst, op=op, group=group)
         return out
     g, tensor, op_name = reduction_args("reduce", x, op, group, dst=dst)
