@@ -449,16 +449,17 @@ def _llama(dtype, layers):
     return transformers.LlamaForCausalLM(config).to(dtype)
 
 
-def _parallel_llama(dtype, layers):
+def _parallel_llama(dtype, layers, sequence=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return tp.parallelize(_llama(dtype, layers), plan_from_transformers(_llama(dtype, 1)))
+        return tp.parallelize(_llama(dtype, layers), plan_from_transformers(
+            _llama(dtype, 1), sequence_parallel=sequence))
 
 
-def _compare_decoder_layer(dtype_name, backend, tol):
+def _compare_decoder_layer(dtype_name, backend, tol, sequence=False):
     _fresh()
     dtype = getattr(torch, dtype_name)
-    model = _parallel_llama(dtype, 1)
+    model = _parallel_llama(dtype, 1, sequence)
     layer = model.model.layers[0]
     x = rand(5, 2, 5, 24, dtype=dtype)
     emb = model.model.rotary_emb(x, torch.arange(5).unsqueeze(0))
@@ -480,10 +481,10 @@ def test_llama_decoder_layer_is_one_graph_and_equals_eager(world_size):
         assert breaks == 0, reasons
 
 
-def _compare_model(dtype_name, backend, tol):
+def _compare_model(dtype_name, backend, tol, sequence=False):
     _fresh()
     dtype = getattr(torch, dtype_name)
-    model = _parallel_llama(dtype, 2)
+    model = _parallel_llama(dtype, 2, sequence)
     head = model.get_output_embeddings()
     ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(0))
     target = ids.roll(-1, 1)
@@ -508,6 +509,21 @@ def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
     close = {"rtol": 1e-5, "atol": 1e-5}
     for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float32",
                                            "inductor", close, timeout=540):
+        assert breaks == 0, reasons
+
+
+def _compare_sequence_parallel():
+    breaks = _compare_decoder_layer("float64", "aot_eager", TIGHT, True)  # on the slice
+    _compare_model("float64", "aot_eager", TIGHT, True)
+    return breaks
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_llama_sequence_parallel_compiles_fullgraph_and_equals_eager(world_size):
+    """The layer (length 5: uneven slices) is one graph; the model compiles fullgraph."""
+    pytest.importorskip("transformers")
+    for breaks, reasons in run_distributed(_compare_sequence_parallel, world_size,
+                                           timeout=540):
         assert breaks == 0, reasons
 
 
