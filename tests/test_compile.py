@@ -512,6 +512,13 @@ def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
         assert breaks == 0, reasons
 
 
+@pytest.mark.timeout(600)
+def test_llama_model_inductor_float32_equals_eager():
+    pytest.importorskip("transformers")
+    run_distributed(_compare_model, 2, "float32", "inductor", {"rtol": 1e-5, "atol": 1e-5},
+                    timeout=540)
+
+
 def _compare_sequence_parallel():
     breaks = _compare_decoder_layer("float64", "aot_eager", TIGHT, True)  # on the slice
     _compare_model("float64", "aot_eager", TIGHT, True)
