@@ -12,7 +12,7 @@ from tensorpar.nn import plan_from_transformers
 from tensorpar.nn._params import tag_of
 from tensorpar.testing import run_distributed
 from tests.test_clip import _dense_step, _loss, build, dense_slice
-from tests.test_fsdp_tp import _optimizer, batch, both
+from tests.test_fsdp_tp import _optimizer, batch, both, load_perturbed
 
 pytest.importorskip("transformers")
 
@@ -89,15 +89,8 @@ def _save(path):
 def _resume(path, dp, tp_size):
     mesh = _mesh(dp, tp_size)
     model = _fsdp_model(mesh)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)  # nothing of the fresh model may survive the load
     opt = _optimizer(model.parameters())
-    state = {"model": tp.sharded_state_dict(model),
-             "optim": tp.sharded_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    tp.load_sharded_state_dict(model, state["model"])
-    tp.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    load_perturbed(model, opt, path)
     for step in range(SAVED_AT, TOTAL):
         _step(model, opt, mesh, step)
     _assert_dense(model, TOTAL)

@@ -67,17 +67,23 @@ def _fsdp_tp_save(path):
     return refusal
 
 
-def _resume(path, parallel):
-    model = tp.parallelize(build(), plan_from_transformers(build())) if parallel else build()
+def load_perturbed(model, opt, path):
+    """Shift ``model``'s weights (nothing of them may survive), then load model and
+    optimizer state from the DCP checkpoint at ``path``."""
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(1.0)  # nothing of the fresh model may survive the load
-    opt = _optimizer(model.parameters())
+            p.add_(1.0)
     state = {"model": tp.sharded_state_dict(model),
              "optim": tp.sharded_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     tp.load_sharded_state_dict(model, state["model"])
     tp.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _resume(path, parallel):
+    model = tp.parallelize(build(), plan_from_transformers(build())) if parallel else build()
+    opt = _optimizer(model.parameters())
+    load_perturbed(model, opt, path)
     head = model.get_output_embeddings()
     for step in range(SAVED_AT, TOTAL):
         if parallel:

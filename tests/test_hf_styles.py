@@ -50,11 +50,17 @@ MODELS = {
 
 
 def build(arch, **overrides):
+    return build_from(MODELS[arch], BASE, overrides, "eager")
+
+
+def build_from(entry, base, overrides, attention):
+    """A float64 model from a ``(config class, model class, options)`` entry, seed 0, with
+    its norms moved away from their init."""
     import transformers
 
-    config_cls, model_cls, extra = MODELS[arch]
-    config = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
-    config._attn_implementation = "eager"
+    config_cls, model_cls, extra = entry
+    config = getattr(transformers, config_cls)(**{**base, **extra, **overrides})
+    config._attn_implementation = attention
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).double()
     with torch.no_grad():  # norms away from their init (ones / zeros), so their grads matter
@@ -114,24 +120,9 @@ def _train_like_dense(arch, overrides, steps, tol):
                                   plan_from_transformers(build(arch, **overrides)))
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
-    head = parallel.get_output_embeddings()
     for step in range(steps):
         ids = tokens(step)
-        target = ids.roll(-1, 1)
-        dense_logits = dense(ids).logits
-        dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
-        logits = parallel(ids).logits
-        torch.testing.assert_close(logits, dense_logits[..., head.shard.start: head.shard.stop],
-                                   rtol=tol, atol=tol)
-        loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
-                                            sizes=head.shard.sizes)
-        torch.testing.assert_close(loss, dense_loss, rtol=tol, atol=tol)
-        dense_loss.backward()
-        loss.backward()
-        dense_params = dict(dense.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
-                                       rtol=tol, atol=tol, msg=f"grad of {name}, step {step}")
+        compare_step(dense, parallel, ids, f"step {step}", tol)
         # clipped by the dense model's norm (small enough that every step clips)
         expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
         got = tp.nn.clip_grad_norm_(parallel, 0.05)
@@ -144,6 +135,27 @@ def _train_like_dense(arch, overrides, steps, tol):
                                    atol=tol, msg=f"{name} after {steps} steps")
     return {name: p.detach().clone() for name, p in parallel.named_parameters()
             if not is_sharded(parallel, name)}
+
+
+def compare_step(dense, parallel, ids, where, tol=1e-10):
+    """One forward and backward of both models: logits (the parallel head's vocabulary
+    slice), loss and every gradient equal."""
+    head = parallel.get_output_embeddings()
+    target = ids.roll(-1, 1)
+    dense_logits = dense(ids).logits
+    dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
+    logits = parallel(ids).logits
+    torch.testing.assert_close(logits, dense_logits[..., head.shard.start: head.shard.stop],
+                               rtol=tol, atol=tol, msg=f"logits, {where}")
+    loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                        sizes=head.shard.sizes)
+    torch.testing.assert_close(loss, dense_loss, rtol=tol, atol=tol)
+    dense_loss.backward()
+    loss.backward()
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
+                                   rtol=tol, atol=tol, msg=f"grad of {name}, {where}")
 
 
 def is_sharded(model, name):

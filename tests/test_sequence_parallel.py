@@ -11,13 +11,14 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tensorpar as tp
 from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
 from tensorpar.testing import run_distributed
 from tests.test_hf_styles import (
     assert_replicas_identical,
+    build_from,
+    compare_step,
     is_sharded,
     local,
     norms_in_model_dtype,
@@ -42,18 +43,7 @@ TOL = 1e-10
 
 
 def build(arch, **overrides):
-    import transformers
-
-    config_cls, model_cls, extra = MODELS[arch]
-    config = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).double()
-    with torch.no_grad():  # norms away from their init, so their gradients matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    return model
+    return build_from(MODELS[arch], BASE, overrides, "sdpa")
 
 
 def tokens(seed, n, batch=2):
@@ -68,35 +58,16 @@ def sequence_parallel(arch, **plan_options):
         return tp.parallelize(build(arch), plan_from_transformers(build(arch), **plan_options))
 
 
-def _compare_step(dense, parallel, ids, step):
-    head = parallel.get_output_embeddings()
-    target = ids.roll(-1, 1)
-    dense_logits = dense(ids).logits
-    dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
-    logits = parallel(ids).logits
-    torch.testing.assert_close(logits, dense_logits[..., head.shard.start: head.shard.stop],
-                               rtol=TOL, atol=TOL, msg=f"logits, {step}")
-    loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(),
-                                        sizes=head.shard.sizes)
-    torch.testing.assert_close(loss, dense_loss, rtol=TOL, atol=TOL)
-    dense_loss.backward()
-    loss.backward()
-    dense_params = dict(dense.named_parameters())
-    for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
-                                   rtol=TOL, atol=TOL, msg=f"grad of {name}, {step}")
-
-
 def _train_like_dense(arch, mode=True):
     with norms_in_model_dtype(arch):
         dense, parallel = build(arch), sequence_parallel(arch, sequence_parallel=mode)
         for n in LENGTHS:  # forward and backward alone
-            _compare_step(dense, parallel, tokens(n, n), f"length {n}")
+            compare_step(dense, parallel, tokens(n, n), f"length {n}")
             dense.zero_grad(), parallel.zero_grad()
         dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
         for step, n in enumerate((7, 61, 64)):  # three clipped AdamW steps
-            _compare_step(dense, parallel, tokens(100 + step, n), f"step {step}")
+            compare_step(dense, parallel, tokens(100 + step, n), f"step {step}")
             expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
             got = tp.nn.clip_grad_norm_(parallel, 0.05)
             assert float(expected) > 0.05  # clipping is active
@@ -254,7 +225,7 @@ def _checkpointed(mode):
             or model.gradient_checkpointing_enable
         enable()
         model.train()
-    _compare_step(dense, parallel, tokens(3, 13), f"checkpointed, {mode}")
+    compare_step(dense, parallel, tokens(3, 13), f"checkpointed, {mode}")
     return True
 
 

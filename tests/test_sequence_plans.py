@@ -86,22 +86,32 @@ def build():
     return net
 
 
+def _compare(dense, parallel, ids, where, run=None):
+    """Outputs and every gradient of a cross-entropy step equal (1e-10); ``run``: how the
+    parallel model is called (compiled, say)."""
+    expected, got = dense(ids), (parallel if run is None else run)(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    F.cross_entropy(expected.flatten(0, 1), ids.flatten()).backward()
+    F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
+    grads = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
+                                   rtol=1e-10, atol=1e-10, msg=f"{name}, {where}")
+
+
+def plan_with(regather):
+    """`PLAN`, its gathers regathering in backward or not."""
+    return {k: SequenceGather(regather=regather) if isinstance(v, SequenceGather) else v
+            for k, v in PLAN.items()}
+
+
 def _hand_plan_trains_like_dense(regather):
-    plan = {k: SequenceGather(regather=True) if isinstance(v, SequenceGather) and regather
-            else v for k, v in PLAN.items()}
-    dense, parallel = build(), tp.parallelize(build(), plan)
+    dense, parallel = build(), tp.parallelize(build(), plan_with(regather))
     opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-2)
     opt_p = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
     for step, n in enumerate((1, 5, 8)):
         ids = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(step))
-        expected, got = dense(ids), parallel(ids)
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
-        F.cross_entropy(expected.flatten(0, 1), ids.flatten()).backward()
-        F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
-        grads = dict(dense.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
-                                       rtol=1e-10, atol=1e-10, msg=f"{name}, length {n}")
+        _compare(dense, parallel, ids, f"length {n}")
         opt_d.step(), opt_p.step(), opt_d.zero_grad(), opt_p.zero_grad()
     return {n: p.detach().clone() for n, p in parallel.named_parameters() if "norm" in n
             or n.endswith(("o.bias", "2.bias"))}
@@ -202,9 +212,7 @@ def test_plan_from_transformers_checks_sequence_parallel():
 
 
 def _validated(regather):
-    plan = {k: SequenceGather(regather=True) if isinstance(v, SequenceGather) and regather
-            else v for k, v in PLAN.items()}
-    dense, parallel = build(), tp.parallelize(build(), plan)
+    dense, parallel = build(), tp.parallelize(build(), plan_with(regather))
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     with tp.validation(True):
         got = parallel(ids)
@@ -227,15 +235,8 @@ def _compiled():
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     explained = torch._dynamo.explain(parallel)(ids)
     assert explained.graph_break_count == 0, explained.break_reasons
-    got = torch.compile(parallel, backend="aot_eager", fullgraph=True)(ids)
-    expected = dense(ids)
-    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
-    F.cross_entropy(got.flatten(0, 1), ids.flatten()).backward()
-    F.cross_entropy(expected.flatten(0, 1), ids.flatten()).backward()
-    grads = dict(dense.named_parameters())
-    for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
-                                   rtol=1e-10, atol=1e-10, msg=name)
+    _compare(dense, parallel, ids, "compiled",
+             torch.compile(parallel, backend="aot_eager", fullgraph=True))
     return True
 
 
