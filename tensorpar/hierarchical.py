@@ -21,6 +21,12 @@ machine and then along the rails, in place too.
 All collectives on a topology's subgroups are issued by one thread per topology, in call
 order, so the ranks always issue them in the same order whatever the caller's threads do.
 The same code runs on gloo (CPU) and NCCL (CUDA).
+
+That thread is stopped and joined, after the calls it has queued, when its topology is
+collected, at interpreter exit (before the interpreter finalizes) or by
+`shutdown_hierarchical`; a later call starts a new one. A thread left to run into the
+interpreter's finalization would release its last work handles there, and a thread that
+needs the GIL during finalization is killed, which aborts the process.
 """
 
 from __future__ import annotations
@@ -39,13 +45,18 @@ from tensorpar._group import Group, resolve_group
 from tensorpar.errors import TensorparError
 from tensorpar.topology import Topology
 
-__all__ = ["DEFAULT_SLICE_BYTES", "HierarchicalWork", "hierarchical_all_reduce"]
+__all__ = ["DEFAULT_SLICE_BYTES", "HierarchicalWork", "hierarchical_all_reduce",
+           "shutdown_hierarchical"]
 
 DEFAULT_SLICE_BYTES = 4 * 2**20
 """Bytes per pipeline slice (on the simulated 2 x 2 cluster, 2 and 4 MiB slices were fastest
 at 64 MiB; 8 and 16 MiB were 4-6% slower)."""
 
 _SUM: Any = dist.ReduceOp.SUM if dist.is_available() else None
+
+_EXIT_TIMEOUT = 30.0
+"""Seconds the interpreter's exit waits for each engine thread (its queued calls included)."""
+_THREAD_NAME = "tensorpar-hierarchical"
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, topology: Topology, *,
@@ -117,14 +128,44 @@ def hierarchical_all_reduce(tensor: torch.Tensor, topology: Topology, *,
     flat = tensor.detach().view(-1)  # the same memory, outside autograd (buckets are leaves)
     if op == "mean":
         flat.div_(topology.size)
-    engine = _engine(topology)
     per_slice = slice_bytes // tensor.element_size()
     r = topology.ranks_per_machine
-    engine.submit(work, flat, max(r, per_slice - per_slice % r))
+    _engine(topology).submit(work, flat, max(r, per_slice - per_slice % r))
     if async_op:
         return work
     work.wait()
     return None
+
+
+def shutdown_hierarchical(topology: Topology | None = None, *,
+                          timeout: float | None = None) -> bool:
+    """Stop the thread that issues ``topology``'s hierarchical collectives, and wait for it.
+
+    The thread first finishes the calls already queued (their handles stay valid); a later
+    call on the topology starts a new thread, after this one has ended, so calls keep their
+    order. Topologies that are collected, and every topology at interpreter exit, get this
+    automatically; call it to release the thread earlier (`BucketedAllReduce.remove` does,
+    for its topology). Local: it issues no collective, but queued calls may wait for peers.
+
+    Args:
+        topology: the topology whose thread to stop (``None``: every topology's).
+        timeout: seconds to wait for each thread (``None``: as long as it takes).
+
+    Returns:
+        ``True`` if every thread stopped within ``timeout``.
+
+    Raises:
+        TypeError: ``topology`` is not a `Topology` (or ``None``).
+
+    Example:
+        >>> from tensorpar.topology import Topology
+        >>> shutdown_hierarchical(Topology.grid(1))  # no thread was started: nothing to stop
+        True
+    """
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"shutdown_hierarchical: topology must be a tensorpar.topology.Topology "
+                        f"or None, got {type(topology).__name__}")
+    return _engine.close(topology, timeout)
 
 
 class HierarchicalWork:
@@ -215,7 +256,7 @@ class _SliceTask(_Task):
 
 
 class _Engine:
-    """The one thread that issues every collective on a topology's subgroups.
+    """The one thread that issues every collective on a topology's subgroups (at a time).
 
     A task's stage is issued once its previous stage has completed (``wait`` on gloo blocks;
     on NCCL it orders this thread's stream, so the thread runs ahead). A new task starts
@@ -239,20 +280,44 @@ class _Engine:
         self.gather = group(topology.gather_group)
         self.calls: queue.SimpleQueue[list[_Task] | None] = queue.SimpleQueue()
         self.failed: BaseException | None = None
-        threading.Thread(target=self._run, name="tensorpar-hierarchical", daemon=True).start()
+        self.thread: threading.Thread | None = None  # the newest thread (it may be stopping)
+        self.running = False  # whether self.thread takes new calls
+        self._lock = threading.Lock()  # orders submit against close
 
     def submit(self, job: HierarchicalWork, flat: torch.Tensor, slice_elems: int) -> None:
-        """Queue one call."""
+        """Queue one call, starting the thread if it is stopped."""
         tasks = self._tasks(job, flat, slice_elems)
         job._tasks_left = len(tasks)
         if flat.device.type != "cpu":  # start after the caller's stream has produced the data
             tasks[0].event = torch.Event(device=flat.device)
             tasks[0].event.record(torch.accelerator.current_stream(flat.device))
-        if self.failed is not None:
-            job._error = self.failed
-            job._issued.set()
-        else:
+        with self._lock:
+            if self.failed is not None:
+                job._error = self.failed
+                job._issued.set()
+                return
+            if not self.running:  # it starts after the previous thread has ended
+                self.thread = threading.Thread(target=self._run, args=(self.thread,),
+                                               name=_THREAD_NAME, daemon=True)
+                self.thread.start()
+                self.running = True
             self.calls.put(tasks)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the thread after the calls queued so far, and wait for it to end.
+
+        Returns ``True`` once no thread of this engine runs (``False`` if ``timeout`` passed).
+        From an engine's own thread (a finalizer run there) it only stops the thread.
+        """
+        with self._lock:
+            thread = self.thread
+            if self.running:
+                self.calls.put(None)  # the thread finishes what was queued before this
+                self.running = False
+        if thread is None or threading.current_thread().name == _THREAD_NAME:
+            return thread is None or not thread.is_alive()
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _tasks(self, job: HierarchicalWork, flat: torch.Tensor, slice_elems: int
                ) -> list[_Task]:
@@ -270,7 +335,9 @@ class _Engine:
             tasks.append(_TailTask(job, flat[main:], groups[:2]))
         return tasks
 
-    def _run(self) -> None:
+    def _run(self, previous: threading.Thread | None) -> None:
+        if previous is not None:  # a stopped thread may still be finishing its calls
+            previous.join()
         waiting: deque[_Task] = deque()  # queued, not started
         started: deque[_Task] = deque()  # each with a pending non-final stage, in issue order
         accepting = True
@@ -282,22 +349,29 @@ class _Engine:
                         accepting = False
                     else:
                         waiting.extend(call)
+                    del call
                 if waiting and all(t.next > 1 for t in started):
                     task = waiting.popleft()
                     if task.event is not None:
                         torch.accelerator.current_stream(task.part.device).wait_event(task.event)
                     self._advance(task, started)
+                    del task  # hold no finished call (its works) while idle
                 elif started:
                     task = started.popleft()
                     task.work.wait()
                     self._advance(task, started)
+                    del task
             except BaseException as exc:  # out of step with the peers from here on: fail all
-                self.failed = exc
-                for task in [*started, *waiting, *self._drain()]:
-                    task.job._error = exc
-                    task.job._issued.set()
+                with self._lock:  # no call is queued after this (submit sees `failed`)
+                    self.failed = exc
+                    queued, stopped = self._drain()
+                for failed in [*started, *waiting, *queued]:
+                    failed.job._error = exc
+                    failed.job._issued.set()
                 started.clear()
                 waiting.clear()
+                del queued, failed
+                accepting = accepting and not stopped
 
     def _next_call(self, block: bool) -> list[_Task] | None:
         if block:
@@ -307,14 +381,19 @@ class _Engine:
         except queue.Empty:
             return []
 
-    def _drain(self) -> list[_Task]:
+    def _drain(self) -> tuple[list[_Task], bool]:
+        """Everything queued, and whether a stop request was among it."""
         tasks: list[_Task] = []
+        stopped = False
         while True:
             try:
                 call = self.calls.get_nowait()
             except queue.Empty:
-                return tasks
-            tasks += call or []
+                return tasks, stopped
+            if call is None:
+                stopped = True
+            else:
+                tasks += call
 
     @staticmethod
     def _advance(task: _Task, started: deque[_Task]) -> None:
@@ -329,10 +408,6 @@ class _Engine:
         if job._tasks_left == 0:
             job._issued.set()
 
-    def stop(self) -> None:
-        """Let the thread finish what is queued, then exit."""
-        self.calls.put(None)
-
 
 class _Engines:
     """The engine of each live topology, held weakly by topology.
@@ -342,8 +417,9 @@ class _Engines:
     the code that needs it, rather than in a mutable slot of the topology: a topology stays
     a plain value that other algorithms can use without knowing this one. One engine per
     topology is what keeps the ranks in step (every call on a topology goes through the
-    same queue, in call order), so the first use creates it under a lock, and the engine
-    stops when its topology is collected.
+    same queue, in call order), so the first use creates it under a lock. Its thread is
+    stopped and joined when the topology is collected or, through the same finalizer, at
+    interpreter exit while the interpreter still runs normally.
     """
 
     def __init__(self) -> None:
@@ -356,8 +432,19 @@ class _Engines:
             engine = self._by_topology.get(topology)
             if engine is None:
                 engine = self._by_topology[topology] = _Engine(topology)
-                weakref.finalize(topology, engine.stop)
+                weakref.finalize(topology, engine.close, _EXIT_TIMEOUT)
         return engine
+
+    def close(self, topology: Topology | None, timeout: float | None) -> bool:
+        """Stop and join the thread of ``topology``'s engine (of every engine for ``None``)."""
+        with self._lock:
+            if topology is None:
+                engines = list(self._by_topology.values())
+            else:
+                engine = self._by_topology.get(topology)
+                engines = [engine] if engine is not None else []
+        stopped = [engine.close(timeout) for engine in engines]
+        return all(stopped)
 
 
 _engine = _Engines()

@@ -22,6 +22,7 @@ from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
 from tensorpar.errors import CollectiveMismatchError, ReducerError
 from tensorpar.functional import all_reduce
+from tensorpar.hierarchical import shutdown_hierarchical
 from tensorpar.topology import Topology
 from tensorpar.validation import check
 
@@ -262,8 +263,12 @@ class BucketedAllReduce(SyncPoint):
     def remove(self) -> None:
         """Remove the reducer's hooks and its extra process groups (gradients stay put).
 
-        Call it on every rank at the same point: the groups of ``overlap_groups`` go too.
+        Call it on every rank at the same point: the groups of ``overlap_groups`` go too, and
+        with a hierarchical algorithm the thread that issues the topology's collectives is
+        stopped and joined (a later call on the topology starts it again).
         """
+        if self._topology is not None and self._algorithm != "flat":
+            shutdown_hierarchical(self._topology)
         self._pool.close()
         for hook in self._hooks:
             hook.remove()

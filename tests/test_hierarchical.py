@@ -1,10 +1,15 @@
 """The hierarchical all-reduce equals the flat one bit for bit, on every grid and any numel."""
 
+import gc
+import threading
+import time
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from tensorpar.hierarchical import HierarchicalWork, hierarchical_all_reduce
+from tensorpar.hierarchical import HierarchicalWork, hierarchical_all_reduce, shutdown_hierarchical
 from tensorpar.testing import run_distributed
 from tensorpar.topology import Topology
 
@@ -75,6 +80,58 @@ def _async_calls_overlap():
 
 def test_async_calls_in_flight_together():
     assert run_distributed(_async_calls_overlap, 4, timeout=TIMEOUT) == [([True] * 3, 6.0)] * 4
+
+
+def _engine_threads():
+    return sum(t.name == "tensorpar-hierarchical" and t.is_alive() for t in threading.enumerate())
+
+
+def _released(ref):
+    for _ in range(200):  # the engine drops a finished call right after issuing its last stage
+        gc.collect()
+        if ref() is None:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _engine_lifecycle():
+    assert shutdown_hierarchical()  # engines of earlier tests in this process, if any
+    topo = Topology.grid(2)
+    rank = dist.get_rank()
+    found = {"idle": _engine_threads()}
+    xs = [_data(n, torch.float32, seed=rank + n) for n in (99991, 3001)]
+    expected = [_flat(x.clone(), "sum") for x in xs]
+    work = hierarchical_all_reduce(xs[0], topo, async_op=True, slice_bytes=65536)
+    found["running"] = _engine_threads()
+    work.wait()
+    ref = weakref.ref(work)
+    del work
+    found["call released"] = _released(ref)  # no finished call (and its works) kept alive
+    found["stopped"] = (shutdown_hierarchical(topo, timeout=TIMEOUT), _engine_threads())
+    found["stopped again"] = shutdown_hierarchical(topo)  # nothing left to stop
+    hierarchical_all_reduce(xs[1], topo, slice_bytes=4096)  # starts a new thread
+    found["restarted"] = _engine_threads()
+    del topo
+    gc.collect()  # a collected topology's thread is stopped and joined
+    found["collected"] = _engine_threads()
+    found["results"] = [torch.equal(x, e) for x, e in zip(xs, expected, strict=True)]
+    return found
+
+
+def test_engine_thread_stops_joins_and_restarts():
+    # the thread that issues a topology's collectives must end before the interpreter
+    # finalizes: one still releasing work handles then aborts the process
+    expected = {"idle": 0, "running": 1, "call released": True, "stopped": (True, 0),
+                "stopped again": True, "restarted": 1, "collected": 0, "results": [True, True]}
+    assert run_distributed(_engine_lifecycle, 4, timeout=TIMEOUT) == [expected] * 4
+
+
+def test_shutdown_argument_errors():
+    assert shutdown_hierarchical() is True
+    with pytest.raises(TypeError, match=r"topology must be a tensorpar\.topology\.Topology or "
+                                        r"None, got int"):
+        shutdown_hierarchical(3)
 
 
 def _bytes_by_scope():
