@@ -20,6 +20,7 @@ from tensorpar.nn import (
     SequenceGather,
     SequenceParallel,
     SequenceSplit,
+    Vocab,
     plan_from_transformers,
 )
 from tensorpar.testing import run_distributed
@@ -147,6 +148,7 @@ def _without(*keys):
     (_without("blocks.*.mlp.2"), "no split layer or PartialGrad covers"),
     ({**PLAN, "blocks.*.norm[12]": SequenceParallel(dim=0)}, "different sequence dims"),
     ({**PLAN, "blocks.*.attn.o": Rowwise(input_is_parallel=False)}, "input_is_parallel"),
+    ({**PLAN, "embed": Vocab(sequence_parallel=True)}, "split in several places"),
 ])
 def test_hand_plans_that_cannot_be_right_are_refused(plan, message):
     assert all(message in m for m in run_distributed(_refused, 2, plan, timeout=50))
@@ -243,3 +245,43 @@ def _compiled():
 @pytest.mark.timeout(240)
 def test_sequence_parallelism_compiles_without_graph_breaks():
     assert all(run_distributed(_compiled, 2, timeout=200))
+
+
+EMBEDDING_SPLITS = {**_without("blocks.0"), "embed": Vocab(sequence_parallel=True)}
+
+
+def _bytes_of_activations(plan, n):
+    """Ring bytes of the collectives bigger than a norm's gradient, one training step."""
+    parallel = tp.parallelize(build(), plan)
+    ids = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(0))
+    with tp.CommCounter() as counter:
+        F.cross_entropy(parallel(ids).flatten(0, 1), ids.flatten()).backward()
+    p = torch.distributed.get_world_size()
+    share = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_gather": p - 1}
+    return sum(share.get(r.kind, 1) * r.nbytes for r in counter.records
+               if r.purpose == "data" and r.nbytes > 2 * HIDDEN * 8)
+
+
+def _embedding_split(n):
+    dense, parallel = build(), tp.parallelize(build(), EMBEDDING_SPLITS)
+    for m in (1, n + 1, n):  # uneven and empty slices too
+        ids = torch.randint(0, VOCAB, (2, m), generator=torch.Generator().manual_seed(m))
+        _compare(dense, parallel, ids, f"length {m}")
+        dense.zero_grad(), parallel.zero_grad()
+    plain = {k: v for k, v in PLAN.items() if not k.startswith(("blocks.0", "norm"))
+             and not isinstance(v, (SequenceGather, SequenceParallel)) and "norm" not in k}
+    return (_bytes_of_activations(EMBEDDING_SPLITS, n), _bytes_of_activations(PLAN, n),
+            _bytes_of_activations(plain, n))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_embedding_can_start_the_region_with_a_reduce_scatter(world_size):
+    """Vocab(sequence_parallel=True): the embedding's sum lands sliced (a reduce-scatter), so
+    the model moves the bytes of tensor parallelism but for the last norm's gather."""
+    n = 6 * world_size  # even slices: the bytes compare exactly
+    for embedded, at_first_block, plain in run_distributed(_embedding_split, world_size, n,
+                                                           timeout=100):
+        unit = (world_size - 1) / world_size * 2 * n * HIDDEN * 8  # (B, T, H) float64
+        assert embedded - plain == pytest.approx(unit)  # the last norm's all-gather
+        assert at_first_block - plain == pytest.approx(2 * unit)  # and the split's backward

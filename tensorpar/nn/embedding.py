@@ -13,6 +13,7 @@ from tensorpar._group import GroupLike
 from tensorpar.functional import gather, scatter
 from tensorpar.nn._local_shard import mark_shards
 from tensorpar.nn._shard import Shard, shard_of
+from tensorpar.nn.sequence import SequenceShards
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.regions import gather_from_group, reduce_from_group
 
@@ -122,6 +123,9 @@ class VocabParallelEmbedding(_ShardedEmbedding):
             if self.padding_idx is not None and self.shard.start <= self.padding_idx \
                     < self.shard.stop:
                 self.weight[self.padding_idx - self.shard.start].zero_()
+        self.sequence: SequenceShards | None = None
+        """Set (by `tensorpar.parallelize`) for ``Vocab(sequence_parallel=True)``: the output
+        is reduce-scattered along the sequence instead of all-reduced."""
         if not self.shard.group.is_single:
             mark_shards(self, self.sharded_dims)
 
@@ -135,6 +139,8 @@ class VocabParallelEmbedding(_ShardedEmbedding):
             pad = self.padding_idx - s.start
         out = F.embedding(local, self.weight, padding_idx=pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence is not None:  # the sum lands sliced along the sequence
+            return self._scaled(self.sequence.split_sum(out))
         return self._scaled(reduce_from_group(out, group=s.group))
 
 

@@ -99,7 +99,18 @@ class Rowwise:
 
 @dataclass(frozen=True)
 class Vocab:
-    """Split an ``nn.Embedding``'s rows (``VocabParallelEmbedding``)."""
+    """Split an ``nn.Embedding``'s rows (``VocabParallelEmbedding``).
+
+    Attributes:
+        sequence_parallel: start the sequence-parallel region here: the partial lookups
+            are reduce-scattered along the sequence (``SequenceSplit``'s dim, 1 by default)
+            instead of all-reduced, so each rank gets its slice of the embedded sequence
+            (for models that read nothing off the embedding's output before the first
+            block; transformers models read its length, so their plans split at the first
+            layer instead).
+    """
+
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)

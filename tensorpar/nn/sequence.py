@@ -134,6 +134,11 @@ class SequenceShards:
         self.sizes = balanced_sizes(x.shape[self.dim], self.group.size)
         return split_to_group(x, dim=self.dim, group=self.group.handle, sizes=self.sizes)
 
+    def split_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the sum of every rank's partial ``y``; records the lengths."""
+        self.sizes = balanced_sizes(y.shape[self.dim], self.group.size)
+        return self.reduce_scatter(y)
+
     def gather(self, x: torch.Tensor, *, partial_grad: bool, regather: bool = False
                ) -> torch.Tensor:
         """The whole sequence from the slices.

@@ -7,10 +7,11 @@ from collections.abc import Mapping
 from torch import nn
 
 from tensorpar._group import Group
+from tensorpar.nn.embedding import VocabParallelEmbedding
 from tensorpar.nn.inplace_styles import PartialGrad
 from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.partial_grad import install_partial_grad
-from tensorpar.nn.plan import Colwise, PackedColwise, Rowwise, Style
+from tensorpar.nn.plan import Colwise, PackedColwise, Rowwise, Style, Vocab
 from tensorpar.nn.sequence import (
     SEQUENCE_STYLES,
     SequenceGather,
@@ -30,17 +31,23 @@ def _inside(name: str, parent: str) -> bool:
 def check_sequence(model: nn.Module, assignments: Mapping[str, Style]) -> list[str]:
     """What keeps the plan's sequence-parallel styles from being right (empty: nothing)."""
     styled = {n: s for n, s in assignments.items() if isinstance(s, SEQUENCE_STYLES)}
-    if not styled:
+    starts = [n for n, s in assignments.items() if isinstance(s, SequenceSplit)
+              or (isinstance(s, Vocab) and s.sequence_parallel)]
+    if not styled and not starts:
         return []
     problems = []
     dims = {s.dim for s in styled.values()}
     if len(dims) > 1:
         problems.append(f"sequence-parallel styles give different sequence dims {sorted(dims)}; "
                         f"a model has one: " + ", ".join(f"{n!r}: {s}" for n, s in styled.items()))
-    if not any(isinstance(s, SequenceSplit) for s in styled.values()):
+    if not starts:
         problems.append("sequence-parallel styles without a SequenceSplit: nothing splits the "
                         "sequence (put SequenceSplit on the first module of the region, e.g. the "
-                        "first decoder layer)")
+                        "first decoder layer, or split the embedding with "
+                        "Vocab(sequence_parallel=True))")
+    elif len(starts) > 1:
+        problems.append(f"the sequence is split in several places ({starts}); a model's "
+                        f"sequence-parallel region starts once")
     for name, style in styled.items():
         if isinstance(style, SequenceGather):
             problems += _check_gathered(model, name, assignments)
@@ -92,9 +99,15 @@ def install_sequence(model: nn.Module, assignments: Mapping[str, Style],
                      built: Mapping[str, nn.Module], group: Group) -> None:
     """Add the hooks of the plan's sequence-parallel styles (checked by `check_sequence`)."""
     styled = {n: s for n, s in assignments.items() if isinstance(s, SEQUENCE_STYLES)}
-    if not styled:
+    embeddings = [n for n, s in assignments.items() if isinstance(s, Vocab)
+                  and s.sequence_parallel]
+    if not styled and not embeddings:
         return
-    shards = SequenceShards(group, next(iter(styled.values())).dim)
+    shards = SequenceShards(group, next(iter(styled.values())).dim if styled else 1)
+    for name in embeddings:
+        layer = built[name]
+        if isinstance(layer, VocabParallelEmbedding):
+            layer.sequence = shards
     for name, style in styled.items():
         module = model.get_submodule(name)
         install_sequence_style(module, style, shards)
