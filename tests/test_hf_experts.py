@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 import tensorpar as tp
 from tensorpar.nn import ParallelExperts, plan_from_transformers
-from tensorpar.nn.hf_experts import expert_parallel_plan
 from tensorpar.testing import run_distributed
 
 pytest.importorskip("transformers")
@@ -44,9 +43,6 @@ ARCHS = {
                      "v_head_dim": 4, "num_key_value_heads": 8, "num_mtp_layers": 0}),
 }
 HAS_AUX = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
-# plan_from_transformers refuses these attentions today (Qwen3's per-head q_norm/k_norm);
-# their attention stays replicated and the experts come from expert_parallel_plan
-ATTENTION_REPLICATED = {"qwen3_moe"}
 
 
 def build(arch, dtype=torch.float64):
@@ -64,8 +60,6 @@ def build(arch, dtype=torch.float64):
 
 
 def plan_for(arch, model):
-    if arch in ATTENTION_REPLICATED:
-        return expert_parallel_plan(model, {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "left replicated" warning
         return plan_from_transformers(model, lm_head="gathered", experts="expert_parallel")
