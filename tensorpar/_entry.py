@@ -103,7 +103,6 @@ def source_chunk(fn: str, x: object, dim: int, sizes: Sequence[int] | None) -> t
     return tensor.contiguous()
 
 
-
 def all_to_all_args(fn: str, x: object, split_dim: object, concat_dim: object, g: Group,
                     sizes: Sequence[int] | None
                     ) -> tuple[torch.Tensor, int, int, tuple[int, ...] | None]:

@@ -285,3 +285,30 @@ def test_the_embedding_can_start_the_region_with_a_reduce_scatter(world_size):
         unit = (world_size - 1) / world_size * 2 * n * HIDDEN * 8  # (B, T, H) float64
         assert embedded - plain == pytest.approx(unit)  # the last norm's all-gather
         assert at_first_block - plain == pytest.approx(2 * unit)  # and the split's backward
+
+
+def _regathers_with_frozen_attention(frozen):
+    dense, parallel = build(), tp.parallelize(build(), plan_with(True))
+    for model in (dense, parallel):
+        for block in model.blocks:
+            for proj in (block.attn.q, block.attn.k, block.attn.v):
+                proj.requires_grad_(not frozen)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(dense(ids).flatten(0, 1), ids.flatten()).backward()
+    loss = F.cross_entropy(parallel(ids).flatten(0, 1), ids.flatten())
+    with tp.CommCounter() as counter:
+        loss.backward()
+    grads = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        assert (p.grad is None) == (grads[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
+                                       rtol=1e-10, atol=1e-10, msg=name)
+    return counter.count("all_gather", purpose="data")
+
+
+@pytest.mark.timeout(60)
+def test_regather_skips_the_all_gather_a_frozen_weight_does_not_need():
+    trained = run_distributed(_regathers_with_frozen_attention, 2, False, timeout=50)[0]
+    frozen = run_distributed(_regathers_with_frozen_attention, 2, True, timeout=50)[0]
+    assert frozen == trained - 2, (trained, frozen)  # one attention regather per block

@@ -194,12 +194,16 @@ class _Regather:
         self.whole: torch.Tensor | None = None
         self.pending = 0
 
-    def take_whole(self) -> torch.Tensor:
-        """The whole input again (all-gathered by the first caller of a backward)."""
-        if self.whole is None:
+    def take_whole(self, needed: bool) -> torch.Tensor | None:
+        """One reader's backward is done: the whole input if it is ``needed``, else ``None``.
+
+        The first reader that needs it all-gathers it. Every rank's readers need it alike
+        (the same parameters require grad everywhere), so every rank all-gathers alike.
+        """
+        if needed and self.whole is None:
             self.whole = all_gather(self.piece, dim=self.shards.dim,
                                     group=self.shards.group.handle, sizes=self.sizes)
-        whole = self.whole
+        whole = self.whole if needed else None
         self.pending -= 1
         if self.pending <= 0:
             self.whole = None
@@ -261,8 +265,8 @@ class _ColumnRegathered(torch.autograd.Function):
         _, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad.matmul(weight) if need_x else None
-        whole = ctx.info.take_whole()
-        grad_w = _rows(grad).t().matmul(_rows(whole)) if need_w else None
+        whole = ctx.info.take_whole(need_w)  # a frozen weight needs no regather
+        grad_w = _rows(grad).t().matmul(_rows(whole)) if whole is not None else None
         grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 
