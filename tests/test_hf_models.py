@@ -4,11 +4,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tensorpar as tp
 from tensorpar.nn import Colwise, Rowwise, plan_from_transformers, vocab_parallel_cross_entropy
 from tensorpar.testing import run_distributed
+from tests.test_hf_styles import compare_step
 
 pytest.importorskip("transformers")
 
@@ -91,23 +91,7 @@ def _train_and_compare(arch, tol=1e-10):
     opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
     losses = []
     for step in range(3):
-        ids = tokens(step)
-        target = ids.roll(-1, 1)
-        dense_logits = dense(ids).logits
-        dense_loss = F.cross_entropy(dense_logits.flatten(0, 1), target.flatten())
-        local = parallel(ids).logits
-        head = parallel.get_output_embeddings()
-        torch.testing.assert_close(local, dense_logits[..., head.shard.start: head.shard.stop],
-                                   rtol=tol, atol=tol)
-        loss = vocab_parallel_cross_entropy(local.flatten(0, 1), target.flatten(),
-                                            sizes=head.shard.sizes)
-        torch.testing.assert_close(loss, dense_loss, rtol=tol, atol=tol)
-        dense_loss.backward()
-        loss.backward()
-        dense_grads = dict(dense.named_parameters())
-        for name, p in parallel.named_parameters():
-            expected = shard(parallel, name, dense_grads[name].grad)
-            torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=name)
+        loss = compare_step(dense, parallel, tokens(step), f"step {step}", tol)
         dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
         losses.append(loss.item())
     dense_params = dict(dense.named_parameters())

@@ -118,28 +118,33 @@ def _train_like_dense(arch, overrides, steps, tol):
         dense = build(arch, **overrides)
         parallel = tp.parallelize(build(arch, **overrides),
                                   plan_from_transformers(build(arch, **overrides)))
+    return train_clipped(dense, parallel, [tokens(step) for step in range(steps)], tol)
+
+
+def train_clipped(dense, parallel, batches, tol=1e-10):
+    """One AdamW step per batch on both models, clipped by the dense model's norm (small
+    enough that every step clips): every step compared (`compare_step`, and the norms), then
+    the parameters. Returns the parallel model's replicated parameters."""
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
-    for step in range(steps):
-        ids = tokens(step)
+    for step, ids in enumerate(batches):
         compare_step(dense, parallel, ids, f"step {step}", tol)
-        # clipped by the dense model's norm (small enough that every step clips)
         expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
         got = tp.nn.clip_grad_norm_(parallel, 0.05)
-        assert float(expected) > 0.05
+        assert float(expected) > 0.05  # clipping is active
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
         dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
     dense_params = dict(dense.named_parameters())
     for name, p in parallel.named_parameters():
         torch.testing.assert_close(p, local(parallel, name, dense_params[name]), rtol=tol,
-                                   atol=tol, msg=f"{name} after {steps} steps")
+                                   atol=tol, msg=f"{name} after {len(batches)} steps")
     return {name: p.detach().clone() for name, p in parallel.named_parameters()
             if not is_sharded(parallel, name)}
 
 
 def compare_step(dense, parallel, ids, where, tol=1e-10):
     """One forward and backward of both models: logits (the parallel head's vocabulary
-    slice), loss and every gradient equal."""
+    slice), loss and every gradient equal. Returns the parallel model's loss."""
     head = parallel.get_output_embeddings()
     target = ids.roll(-1, 1)
     dense_logits = dense(ids).logits
@@ -156,6 +161,7 @@ def compare_step(dense, parallel, ids, where, tol=1e-10):
     for name, p in parallel.named_parameters():
         torch.testing.assert_close(p.grad, local(parallel, name, dense_params[name].grad),
                                    rtol=tol, atol=tol, msg=f"grad of {name}, {where}")
+    return loss
 
 
 def is_sharded(model, name):

@@ -19,9 +19,8 @@ from tests.test_hf_styles import (
     assert_replicas_identical,
     build_from,
     compare_step,
-    is_sharded,
-    local,
     norms_in_model_dtype,
+    train_clipped,
 )
 
 pytest.importorskip("transformers")
@@ -64,21 +63,9 @@ def _train_like_dense(arch, mode=True):
         for n in LENGTHS:  # forward and backward alone
             compare_step(dense, parallel, tokens(n, n), f"length {n}")
             dense.zero_grad(), parallel.zero_grad()
-        dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
-        opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2)
-        for step, n in enumerate((7, 61, 64)):  # three clipped AdamW steps
-            compare_step(dense, parallel, tokens(100 + step, n), f"step {step}")
-            expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
-            got = tp.nn.clip_grad_norm_(parallel, 0.05)
-            assert float(expected) > 0.05  # clipping is active
-            torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
-            dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
-        dense_params = dict(dense.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p, local(parallel, name, dense_params[name]), rtol=TOL,
-                                       atol=TOL, msg=f"{name} after 3 steps")
-        return {name: p.detach().clone() for name, p in parallel.named_parameters()
-                if not is_sharded(parallel, name)}
+        # three clipped AdamW steps
+        return train_clipped(dense, parallel,
+                             [tokens(100 + step, n) for step, n in enumerate((7, 61, 64))], TOL)
 
 
 @pytest.mark.timeout(300)
