@@ -190,7 +190,7 @@ def _saved_bytes(mode):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("world_size", "limit"), [(2, 0.55), (4, 0.32)])
-def test_regathered_sequence_parallel_saves_a_slice_of_the_activations(world_size, limit):
+def test_sequence_parallel_saves_a_slice_of_the_activations(world_size, limit):
     dense, length = _saved_bytes(None)
     assert length == 128
     ratios = {}
@@ -199,8 +199,9 @@ def test_regathered_sequence_parallel_saves_a_slice_of_the_activations(world_siz
         ratios[mode] = results[0][0] / dense
         expected = [128] * world_size if mode is False else [128 // world_size] * world_size
         assert [n for _, n in results] == expected  # the norm runs on the rank's slice
-    # measured: TP 2: 0.653 / 0.552 / 0.502; TP 4: 0.479 / 0.328 / 0.252
-    assert ratios["regather"] <= limit, ratios
+    # measured: TP 2: 0.653 / 0.501 / 0.451; TP 4: 0.479 / 0.302 / 0.227 (before the norms
+    # recomputed: sequence_parallel=True 0.552 / 0.328)
+    assert ratios[True] <= limit, ratios  # the same bytes as TP: test_sequence_parallel_bytes
     assert ratios["regather"] < ratios[True] < ratios[False], ratios
 
 

@@ -42,6 +42,7 @@ from tensorpar._split import balanced_sizes
 from tensorpar._switch import VALIDATE
 from tensorpar.functional import all_gather, reduce_scatter
 from tensorpar.nn._column_fn import _rows, autocast_on, save_linear_inputs
+from tensorpar.nn._recompute import install_recompute
 from tensorpar.regions import gather_from_group, split_to_group
 
 __all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
@@ -104,10 +105,16 @@ class SequenceParallel:
     Attributes:
         dim: the sequence dimension.
         gather_output: all-gather the output (the last norm before the LM head).
+        recompute: keep only the module's input for backward and run the module again
+            there (a norm's normalised output is not held from forward to backward: one
+            activation of the slice's size less per norm, for an elementwise pass in
+            backward). Applies when the module takes one tensor and autograd records; under
+            ``torch.compile`` the compiler decides what to keep.
     """
 
     dim: int = 1
     gather_output: bool = False
+    recompute: bool = True
 
 
 SEQUENCE_STYLES = (SequenceSplit, SequenceGather, SequenceParallel)
@@ -297,7 +304,11 @@ def install_sequence_style(module: nn.Module, style: SequenceSplit | SequenceGat
         module.register_forward_pre_hook(
             _on_hidden_states(lambda x: shards.gather(x, partial_grad=True, regather=regather),
                               module), with_kwargs=True)
-    elif style.gather_output:
+    else:
+        if style.recompute:
+            install_recompute(module)
+        if not style.gather_output:
+            return
         module.register_forward_hook(
             lambda _m, _a, out: shards.gather(out, partial_grad=False)
             if isinstance(out, torch.Tensor) else _refuse_output(module, out))
