@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeAlias
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
 
 import torch
 
-from tensorpar._autograd import SYNC, Launch, apply_or_run, scale_for_mean, tie_to_output
+from tensorpar._autograd import Launch, apply_or_run
 from tensorpar._group import Group
-from tensorpar._switch import VALIDATE
+from tensorpar._symmetric import _AllReduce
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.topology import Topology
-from tensorpar.validation import check_backward, last_site
 
-__all__ = ["AUTO_MIN_BYTES", "Algorithm", "hierarchical_data", "hierarchical_topology"]
+__all__ = ["AUTO_MIN_BYTES", "Algorithm", "HierarchicalPath", "hierarchical_data",
+           "hierarchical_topology"]
 
 Algorithm: TypeAlias = Literal["flat", "hierarchical", "auto"]
 ALGORITHMS = ("flat", "hierarchical", "auto")
@@ -69,79 +70,23 @@ def hierarchical_data(x: torch.Tensor, g: Group, topology: Topology, op: str, mo
                       inplace: bool, launch: Launch) -> torch.Tensor:
     """The hierarchical all-reduce of ``x`` (in place, or into a contiguous copy).
 
-    Recorded by autograd where ``x`` needs it, like the flat all-reduce: the backward runs
-    the same algorithm on the gradient (``mode="sum"``) or passes it through
-    (``"identity"``).
+    The flat all-reduce's Function with the hierarchical data path: recorded by autograd
+    where ``x`` needs it, the backward runs the same algorithm on the gradient
+    (``mode="sum"``) or passes it through (``"identity"``).
     """
-    return apply_or_run(_HierarchicalAllReduce, x, g, topology, op, mode, inplace, launch)
+    return apply_or_run(_AllReduce, x, g, op, mode, inplace, launch, HierarchicalPath(topology))
 
 
-def _reduce(x: torch.Tensor, topology: Topology, op: str, inplace: bool, launch: Launch
-            ) -> torch.Tensor:
-    out = x if inplace else x.detach().clone(memory_format=torch.contiguous_format)
-    work = hierarchical_all_reduce(out, topology, op="mean" if op == "mean" else "sum",
-                                   async_op=launch.async_op)
-    launch.add(work, out)
-    return out
+@dataclass(frozen=True, slots=True)
+class HierarchicalPath:
+    """`_AllReduce`'s data path machine by machine over ``topology`` (a `ReducePath`)."""
 
+    topology: Topology
 
-class _HierarchicalAllReduce(torch.autograd.Function):
-    """The flat `_AllReduce`'s contract, machine by machine.
-
-    ``mode="sum"``: the backward all-reduces the gradient (hierarchically too);
-    ``"identity"``: it passes the gradient through.
-    """
-
-    @staticmethod
-    def data(x: torch.Tensor, g: Group, topology: Topology, op: str, mode: str, inplace: bool,
-             launch: Launch) -> torch.Tensor:
-        out = _reduce(x, topology, op, inplace, launch)
-        if inplace:  # what mark_dirty does: autograd must see that x was overwritten
-            torch.autograd.graph.increment_version(x)
+    def __call__(self, x: torch.Tensor, g: Group, op: str, inplace: bool, launch: Launch
+                 ) -> torch.Tensor:
+        out = x if inplace else x.detach().clone(memory_format=torch.contiguous_format)
+        work = hierarchical_all_reduce(out, self.topology, op="mean" if op == "mean" else "sum",
+                                       async_op=launch.async_op)
+        launch.add(work, out)
         return out
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: Group, topology: Topology, op: str, mode: str,
-                inplace: bool, launch: Launch) -> torch.Tensor:
-        ctx.group, ctx.topology, ctx.op, ctx.mode = g, topology, op, mode
-        ctx.site = last_site(g) if VALIDATE[0] else None  # for the backward's check
-        if inplace:
-            ctx.mark_dirty(x)
-        out = _reduce(x, topology, op, inplace, launch)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = tie_to_output(grad, ctx)
-        if VALIDATE[0]:
-            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
-                           site=ctx.site)
-        if ctx.mode == "sum":
-            out = apply_or_run(_HierarchicalAllReduce, grad, ctx.group,
-                               ctx.topology, "sum", "sum", False, SYNC)
-        else:
-            out = apply_or_run(_HierarchicalCopy, grad, ctx.group, ctx.topology)
-        return (scale_for_mean(out, ctx.op, ctx.group.size),
-                None, None, None, None, None, None)
-
-
-class _HierarchicalCopy(torch.autograd.Function):
-    """Forward: identity. Backward: the hierarchical all-reduce (sum) of the gradient."""
-
-    @staticmethod
-    def data(x: torch.Tensor, g: Group, topology: Topology) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: Group, topology: Topology) -> torch.Tensor:
-        ctx.group, ctx.topology = g, topology
-        ctx.save_for_backward(x)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if VALIDATE[0]:
-            check_backward("copy_to_group", ctx.group, None, grad)
-        return apply_or_run(_HierarchicalAllReduce, tie_to_output(grad, ctx),
-                            ctx.group, ctx.topology, "sum", "identity", False, SYNC), None, None

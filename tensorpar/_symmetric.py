@@ -9,8 +9,8 @@ which runs the data path unless a graph of the backward is being built.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import torch
 
@@ -29,7 +29,13 @@ from tensorpar._split import NATIVE_DTYPES, SplitSpec, as_bytes
 from tensorpar._switch import VALIDATE
 from tensorpar.validation import check_backward, last_site
 
-__all__ = ["all_gather_equal", "equal_on_dim0", "reduce_scatter_equal"]
+__all__ = ["ReducePath", "all_gather_equal", "all_reduce_data", "equal_on_dim0",
+           "reduce_scatter_equal"]
+
+ReducePath: TypeAlias = Callable[[torch.Tensor, Group, str, bool, Launch], torch.Tensor]
+"""How `_AllReduce` moves the data: ``path(x, group, op, inplace, launch)`` all-reduces ``x``
+over ``group`` (into ``x`` itself where ``inplace``, else into a contiguous copy), divides
+for ``op="mean"`` once, adds its work to ``launch`` and returns the result."""
 
 
 def all_gather_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Tensor:
@@ -111,7 +117,10 @@ def reduce_scatter_data(x: torch.Tensor, spec: SplitSpec, op: str, launch: Launc
 
 def all_reduce_data(x: torch.Tensor, group: Group, op: str, inplace: bool, launch: Launch
                     ) -> torch.Tensor:
-    """All-reduce into ``x`` itself (``inplace``) or into a contiguous copy of it."""
+    """All-reduce into ``x`` itself (``inplace``) or into a contiguous copy of it.
+
+    The flat data path of `_AllReduce` (a `ReducePath`): one collective on ``group``.
+    """
     if inplace:
         out = x.div_(group.size) if op == "mean" else x
     else:  # a contiguous copy: every rank's bytes must be in the same (memory) order
@@ -164,24 +173,30 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 class _AllReduce(torch.autograd.Function):
-    """``mode="sum"``: backward all-reduces the gradient; ``"identity"``: passes it through."""
+    """``mode="sum"``: backward all-reduces the gradient; ``"identity"``: passes it through.
+
+    ``path`` moves the data (`all_reduce_data`, the flat all-reduce, unless given; the
+    hierarchical algorithm passes its own); the rest (in place, validation, the backward
+    and its scaling for the mean, double backward) is the same for every path, and the
+    backward reduces the gradient through the forward's path.
+    """
 
     @staticmethod
-    def data(x: torch.Tensor, group: Group, op: str, mode: str, inplace: bool, launch: Launch
-             ) -> torch.Tensor:
-        out = all_reduce_data(x, group, op, inplace, launch)
+    def data(x: torch.Tensor, group: Group, op: str, mode: str, inplace: bool, launch: Launch,
+             path: ReducePath = all_reduce_data) -> torch.Tensor:
+        out = path(x, group, op, inplace, launch)
         if inplace:  # what mark_dirty does: autograd must see that x was overwritten
             torch.autograd.graph.increment_version(x)
         return out
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, op: str, mode: str, inplace: bool,
-                launch: Launch) -> torch.Tensor:
-        ctx.group, ctx.op, ctx.mode = group, op, mode
+                launch: Launch, path: ReducePath = all_reduce_data) -> torch.Tensor:
+        ctx.group, ctx.op, ctx.mode, ctx.path = group, op, mode, path
         ctx.site = last_site(group) if VALIDATE[0] else None  # for the backward's check
         if inplace:
             ctx.mark_dirty(x)
-        out = all_reduce_data(x, group, op, inplace, launch)
+        out = path(x, group, op, inplace, launch)
         ctx.save_for_backward(out)
         return out
 
@@ -194,32 +209,34 @@ class _AllReduce(torch.autograd.Function):
             check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
                            site=ctx.site)
         if ctx.mode == "sum":
-            out = apply_or_run(_AllReduce, grad, ctx.group, "sum", "sum", False, SYNC)
+            out = apply_or_run(_AllReduce, grad, ctx.group, "sum", "sum", False, SYNC, ctx.path)
         else:
-            out = apply_or_run(_CopyToGroup, grad, ctx.group)
-        return scale_for_mean(out, ctx.op, ctx.group.size), None, None, None, None, None
+            out = apply_or_run(_CopyToGroup, grad, ctx.group, ctx.path)
+        return scale_for_mean(out, ctx.op, ctx.group.size), None, None, None, None, None, None
 
 
 class _CopyToGroup(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce (sum) of the gradient."""
+    """Forward: identity. Backward: all-reduce (sum) of the gradient, through ``path``."""
 
     @staticmethod
-    def data(x: torch.Tensor, group: Group) -> torch.Tensor:
+    def data(x: torch.Tensor, group: Group, path: ReducePath = all_reduce_data
+             ) -> torch.Tensor:
         return x
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: Group, path: ReducePath = all_reduce_data
+                ) -> torch.Tensor:
+        ctx.group, ctx.path = group, path
         ctx.site = last_site(group) if VALIDATE[0] else None  # for the backward's check
         ctx.save_for_backward(x)
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if VALIDATE[0]:
             check_backward("copy_to_group", ctx.group, None, grad, site=ctx.site)
         return apply_or_run(_AllReduce, tie_to_output(grad, ctx), ctx.group, "sum", "identity",
-                            False, SYNC), None
+                            False, SYNC, ctx.path), None, None
 
 
 class _SplitToGroup(torch.autograd.Function):

@@ -116,29 +116,38 @@ def _backward_parity(ranks_per_machine):
                 (rec_f, y_f, grad_f, _), (rec_h, y_h, grad_h, scatters) = runs
                 out[op, mode, inplace] = (rec_f and rec_h, torch.equal(y_f, y_h),
                                           torch.equal(grad_f, grad_h), scatters)
-    for mode in ("sum", "identity"):  # double backward: the same second derivatives
-        seconds = []
-        for algorithm in ("flat", "hierarchical"):
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randint(-4, 5, (6,), generator=g).double().requires_grad_()
-            w = torch.randint(-4, 5, (6,), generator=g).double()
-            y = tp.all_reduce(x * x, backward=mode, algorithm=algorithm, topology=topo)
-            (gx,) = torch.autograd.grad((y * w).sum(), x, create_graph=True)
-            (ggx,) = torch.autograd.grad((gx * w).sum(), x)
-            seconds.append((gx.detach(), ggx))
-        (gx_f, ggx_f), (gx_h, ggx_h) = seconds
-        out["double", mode, False] = (True, torch.equal(gx_f, gx_h), torch.equal(ggx_f, ggx_h),
-                                      None)
+    # double backward: the same second derivatives, and the second backward reduces
+    # hierarchically too; in validation mode as well (the backwards check fingerprints)
+    for validate in (False, True):
+        for mode in ("sum", "identity"):
+            seconds = []
+            for algorithm in ("flat", "hierarchical"):
+                g = torch.Generator().manual_seed(rank)
+                x = torch.randint(-4, 5, (6,), generator=g).double().requires_grad_()
+                w = torch.randint(-4, 5, (6,), generator=g).double()
+                with tp.validation(validate):
+                    y = tp.all_reduce(x * x, backward=mode, algorithm=algorithm, topology=topo)
+                    (gx,) = torch.autograd.grad((y * w).sum(), x, create_graph=True)
+                    with tp.CommCounter() as counter:
+                        (ggx,) = torch.autograd.grad((gx * w).sum(), x)
+                seconds.append((gx.detach(), ggx, counter.count("reduce_scatter")))
+            (gx_f, ggx_f, _), (gx_h, ggx_h, scatters) = seconds
+            out["double", mode, validate] = (True, torch.equal(gx_f, gx_h),
+                                             torch.equal(ggx_f, ggx_h), scatters)
     return out
 
 
 @pytest.mark.parametrize("ranks_per_machine", [2, 4], ids=["2x2", "1x4"])
 def test_hierarchical_backward_equals_flat_backward(ranks_per_machine):
     for got in run_distributed(_backward_parity, 4, ranks_per_machine, timeout=120):
-        assert len(got) == 10
+        assert len(got) == 12
         for (op, mode, inplace), (recorded, same_out, same_grad, scatters) in got.items():
             assert recorded and same_out and same_grad, (op, mode, inplace, got)
-            if op == "double":
+            if op == "double":  # on 2 x 2 the second backward reduces machine by machine:
+                # sum: the backward's all-reduce and the forward's (reached through the tie);
+                # identity: its copy's all-reduce (the forward's backward issues nothing)
+                expected = {"sum": 2, "identity": 1}[mode] if ranks_per_machine == 2 else 0
+                assert scatters == expected, (mode, inplace, got)
                 continue
             # the 2 x 2 backward reduces the gradient machine by machine; identity issues none
             expected = 1 if ranks_per_machine == 2 and mode == "sum" else 0
