@@ -84,10 +84,19 @@ def all_gather_data(x: torch.Tensor, spec: SplitSpec, launch: Launch) -> torch.T
         return out
     rows = x.new_empty((g.size, width))
     work = _comm.all_gather_into(as_bytes(rows), as_bytes(send), g, async_op=launch.async_op)
-    if work is not None:
-        work.wait()  # the chunks are reassembled below, so they must be valid now
-    return torch.cat([rows[r, : numels[r]].view(spec.chunk_shape(r)) for r in range(g.size)],
-                     spec.dim)
+
+    def chunks() -> list[torch.Tensor]:
+        return [rows[r, : numels[r]].view(spec.chunk_shape(r)) for r in range(g.size)]
+
+    if work is None:
+        return torch.cat(chunks(), spec.dim)
+    # In flight: the chunks are reassembled into ``out`` when the handle is resolved. The
+    # write goes through ``.data``: it fills a result nobody may read before then, and must
+    # not count as an in-place change of a tensor a backward has saved.
+    out = x.new_empty(spec.full_shape)
+    launch.add(work, send, rows)
+    launch.then(lambda: torch.cat(chunks(), spec.dim, out=out.data))
+    return out
 
 
 def reduce_scatter_data(x: torch.Tensor, spec: SplitSpec, op: str, launch: Launch

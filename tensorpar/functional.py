@@ -298,7 +298,7 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
         group: the process group (``None``: the default group, resolved at call time).
         sizes: every rank's chunk length along ``dim``, to skip the size exchange.
         async_op: return a `CollaborativeTensor` without waiting (uneven chunks, or a
-            ``dim`` with longer dims before it, are reassembled, so that call waits).
+            ``dim`` with longer dims before it, are reassembled when it is resolved).
 
     Returns:
         The concatenation (or a handle to it).

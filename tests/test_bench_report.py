@@ -138,3 +138,27 @@ def test_layers_sequence_parallel_row(capsys: pytest.CaptureFixture[str]) -> Non
     suites._print_sequence(rows)
     printed = capsys.readouterr().out
     assert "| llama-sp | 2 " in printed and "paired SP/dtensor SP" in printed
+
+
+@pytest.mark.timeout(300)
+def test_regather_suite_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """The regather suite at toy sizes (uneven slices), one round: figures and table.
+
+    `regather.run_rank` first checks that the step and the layer give the same numbers, bit
+    for bit, with and without the overlap.
+    """
+    import argparse
+
+    pytest.importorskip("transformers")
+    from tensorpar.bench import suites
+
+    tiny = {"vocab": 64, "hidden": 48, "intermediate": 40, "layers": 2, "heads": 6,
+            "kv_heads": 3, "head_dim": 8, "batch": 2, "seq": 7}
+    args = argparse.Namespace(world_sizes=[3], rounds=1, timeout=240.0)
+    (row,) = suites._regather(args, tiny)
+    assert row["table"] == "regather" and row["tp"] == 3
+    for key in ("step_overlap", "step_sync", "step_sync_again", "step_overlap/step_sync",
+                "layer_overlap", "layer_sync", "layer_overlap/layer_sync_again"):
+        assert row[key] > 0, key
+    printed = capsys.readouterr().out
+    assert "| 3  " in printed and "paired layer overlap/sync" in printed

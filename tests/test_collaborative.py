@@ -148,3 +148,27 @@ def test_async_result_is_differentiable():
 def test_sync_collectives_rejects_tensors():
     with pytest.raises(TypeError, match=r"handles\[1\] is a Tensor"):
         tp.sync_collectives([tp.all_reduce(torch.ones(1), async_op=True), torch.ones(1)])
+
+
+def _all_gather_reassembled_on_resolve(requires_grad):
+    """Uneven chunks along dim 1 (a batch dim before it): still in flight until resolved."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    sizes = [len(c) for c in torch.arange(7).tensor_split(p)]  # 4, 3 / 3, 2, 2
+    whole = torch.arange(2 * 7 * 3, dtype=torch.float64).view(2, 7, 3)
+    mine = whole.tensor_split(p, dim=1)[rank].clone().requires_grad_(requires_grad)
+    handle = tp.all_gather(mine, dim=1, sizes=sizes, async_op=True)
+    in_flight = not handle.is_resolved()
+    got = handle.resolve()
+    assert torch.equal(got, whole), got
+    if requires_grad:  # the reassembly must not count as an in-place change for autograd
+        (got * torch.arange(1.0, 8.0, dtype=torch.float64)[:, None]).sum().backward()
+        expected = p * torch.arange(1.0, 8.0, dtype=torch.float64)[:, None].expand(7, 3)
+        assert torch.equal(mine.grad, expected.tensor_split(p)[rank].expand_as(mine)), mine.grad
+    return in_flight
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_all_gather_is_reassembled_when_resolved(world_size, requires_grad):
+    assert all(run_distributed(_all_gather_reassembled_on_resolve, world_size, requires_grad,
+                               timeout=30))

@@ -231,9 +231,9 @@ def test_validation_mode_accepts_sequence_parallelism(regather):
     assert all(run_distributed(_validated, 3, regather, timeout=50))
 
 
-def _compiled():
+def _compiled(regather):
     torch._dynamo.reset()
-    dense, parallel = build(), tp.parallelize(build(), PLAN)
+    dense, parallel = build(), tp.parallelize(build(), plan_with(regather))
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     explained = torch._dynamo.explain(parallel)(ids)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -243,8 +243,11 @@ def _compiled():
 
 
 @pytest.mark.timeout(240)
-def test_sequence_parallelism_compiles_without_graph_breaks():
-    assert all(run_distributed(_compiled, 2, timeout=200))
+@pytest.mark.parametrize("regather", [False, True])
+def test_sequence_parallelism_compiles_without_graph_breaks(regather):
+    """Compiled, a regathering gather keeps the gathered input (the eager path's overlapped
+    regather is not traced): the same numbers, one graph."""
+    assert all(run_distributed(_compiled, 2, regather, timeout=200))
 
 
 EMBEDDING_SPLITS = {**_without("blocks.0"), "embed": Vocab(sequence_parallel=True)}
@@ -312,3 +315,48 @@ def test_regather_skips_the_all_gather_a_frozen_weight_does_not_need():
     trained = run_distributed(_regathers_with_frozen_attention, 2, False, timeout=50)[0]
     frozen = run_distributed(_regathers_with_frozen_attention, 2, True, timeout=50)[0]
     assert frozen == trained - 2, (trained, frozen)  # one attention regather per block
+
+
+def _regather_events(overlap):
+    """The backward's async all-gathers, their waits and the matmuls, in the order they ran."""
+    from unittest import mock
+
+    import tensorpar.nn.sequence as sequence
+
+    dense, parallel = build(), tp.parallelize(build(), plan_with(True))
+    parallel.blocks[0].attn.o.sequence.overlap = overlap  # one SequenceShards per model
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(dense(ids).flatten(0, 1), ids.flatten()).backward()
+    loss = F.cross_entropy(parallel(ids).flatten(0, 1), ids.flatten())
+    events, gather, resolve, matmul = [], sequence.all_gather, tp.CollaborativeTensor.resolve, \
+        torch.Tensor.matmul
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            if name != "launch" or kwargs.get("async_op"):
+                events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    with mock.patch.object(sequence, "all_gather", logged("launch", gather)), \
+            mock.patch.object(tp.CollaborativeTensor, "resolve", logged("wait", resolve)), \
+            mock.patch.object(torch.Tensor, "matmul", logged("matmul", matmul)):
+        loss.backward()
+    grads = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad, local(parallel, name, grads[name].grad),
+                                   rtol=1e-10, atol=1e-10, msg=name)
+    return events
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_regather_overlaps_the_input_gradient(overlap):
+    """With ``overlap`` each regather is launched before the first reader's input gradient
+    (a matmul runs while it is in flight); without, it is waited for as soon as launched."""
+    for events in run_distributed(_regather_events, 2, overlap, timeout=50):
+        launches = [i for i, e in enumerate(events) if e == "launch"]
+        assert len(launches) == 4, events  # attention and MLP of 2 blocks
+        for i in launches:
+            wait = events.index("wait", i)
+            assert ("matmul" in events[i:wait]) == overlap, events

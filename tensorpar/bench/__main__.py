@@ -1,6 +1,7 @@
 """Command line: ``python -m tensorpar.bench SUITE [--world-sizes 2 4] [--json PATH]``.
 
-Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``moe``, ``hierarchical`` (a
+Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``moe``, ``regather``
+(sequence parallelism's backward all-gather overlapped or not), ``hierarchical`` (a
 simulated 2-machine cluster; needs root). Options left out take the suite's
 defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
 suite with a progress display and writes plots (see `tensorpar.bench.report`).

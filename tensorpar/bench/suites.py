@@ -250,6 +250,33 @@ def _print_sequence(rows: list[dict[str, Any]]) -> None:
           f"model first; {cores} CPU cores: tp > {cores} is oversubscribed)")
 
 
+def _regather(args: argparse.Namespace, sizes: dict[str, int] | None = None
+              ) -> list[dict[str, Any]]:
+    """The regather suite: ``sizes`` as in `_sequence`."""
+    from tensorpar.bench import regather
+
+    rows = [_run(args, f"tp {tp}, regather overlap", regather.run_rank, tp, args.rounds,
+                 sizes)[0] for tp in args.world_sizes]
+    print(format_table(
+        ["tp", "step overlap ms", "step sync ms", "paired step overlap/sync",
+         "paired step overlap/again", "paired step again/sync", "layer bwd overlap ms",
+         "layer bwd sync ms", "paired layer overlap/sync", "paired layer overlap/again",
+         "paired layer again/sync"],
+        [[r["tp"], _ms(r["step_overlap"]), _ms(r["step_sync"]),
+          _x(r["step_overlap/step_sync"]), _x(r["step_overlap/step_sync_again"]),
+          _x(r["step_sync_again/step_sync"]), _ms(r["layer_overlap"]), _ms(r["layer_sync"]),
+          _x(r["layer_overlap/layer_sync"]), _x(r["layer_overlap/layer_sync_again"]),
+          _x(r["layer_sync_again/layer_sync"])] for r in rows]))
+    sizes = rows[0]["sizes"] if rows else {}
+    print(f"(sequence_parallel='regather' on a transformers LlamaModel, {sizes}, float32; "
+          f"overlap: the backward all-gather in flight while the input gradient is computed, "
+          f"sync: after it; step: forward+backward; layer bwd: the backward of one column "
+          f"layer (gate and up) alone; each round runs sync, overlap, again (sync once more: "
+          f"the run's noise); "
+          f"paired: median over rounds of the ratio within a round)")
+    return rows
+
+
 def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tensorpar.bench import moe
 
@@ -281,7 +308,8 @@ def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
-          "layers": _layers, "hierarchical": _hierarchical, "moe": _moe}
+          "layers": _layers, "hierarchical": _hierarchical, "moe": _moe,
+          "regather": _regather}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
@@ -289,6 +317,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
                 "timeout": 900.0},
     "layers": {"world_sizes": [2, 4], "rounds": 31, "compile": "inductor"},
     "moe": {"world_sizes": [2, 4], "rounds": 15},
+    "regather": {"world_sizes": [2, 4], "rounds": 31},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
                      "reducer_rounds": 7},

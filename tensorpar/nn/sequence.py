@@ -40,6 +40,7 @@ from tensorpar._autograd import needs_graph
 from tensorpar._group import Group
 from tensorpar._split import balanced_sizes
 from tensorpar._switch import VALIDATE
+from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.functional import all_gather, reduce_scatter
 from tensorpar.nn._column_fn import _rows, autocast_on, save_linear_inputs
 from tensorpar.nn._recompute import install_recompute
@@ -130,11 +131,17 @@ class SequenceShards:
     Args:
         group: the tensor-parallel group.
         dim: the sequence dimension.
+
+    Attributes:
+        overlap: with ``SequenceGather(regather=True)``, launch the backward's all-gather
+            of the input before the column layer's input gradient and wait for it only for
+            the weight gradient (the default); ``False``: all-gather synchronously after it.
     """
 
     def __init__(self, group: Group, dim: int) -> None:
         self.group, self.dim = group, dim
         self.sizes: tuple[int, ...] | None = None
+        self.overlap = True
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's balanced slice of ``x`` along the sequence; records every rank's length."""
@@ -183,7 +190,7 @@ class SequenceShards:
         return self.sizes
 
     def __getstate__(self) -> dict[str, Any]:  # a copy of the model starts with no forward
-        return {"group": self.group, "dim": self.dim, "sizes": None}
+        return {"group": self.group, "dim": self.dim, "sizes": None, "overlap": self.overlap}
 
 
 _REGATHER = "_tensorpar_regather"
@@ -193,23 +200,38 @@ class _Regather:
     """One regathered input: the slice it came from, and the whole input during backward.
 
     The column layers reading the gathered input each save only the slice; the first of
-    their backwards all-gathers it again, the others reuse that, the last lets it go.
+    their backwards all-gathers it again, the others reuse that, the last lets it go. With
+    the shards' ``overlap``, that first backward launches the all-gather (`start`) before
+    computing its input gradient and waits for it (`take_whole`) only for its weight
+    gradient.
     """
 
     def __init__(self, shards: SequenceShards, sizes: tuple[int, ...], piece: torch.Tensor):
         self.shards, self.sizes, self.piece = shards, sizes, piece
         self.whole: torch.Tensor | None = None
+        self.in_flight: CollaborativeTensor | None = None
         self.pending = 0
+
+    def start(self, needed: bool) -> None:
+        """Launch the all-gather without waiting, if ``needed`` and not launched yet.
+
+        Every rank's readers need it alike (the same parameters require grad everywhere),
+        so every rank launches alike.
+        """
+        if needed and self.whole is None and self.in_flight is None:
+            self.in_flight = all_gather(self.piece, dim=self.shards.dim, async_op=True,
+                                        group=self.shards.group.handle, sizes=self.sizes)
 
     def take_whole(self, needed: bool) -> torch.Tensor | None:
         """One reader's backward is done: the whole input if it is ``needed``, else ``None``.
 
-        The first reader that needs it all-gathers it. Every rank's readers need it alike
-        (the same parameters require grad everywhere), so every rank all-gathers alike.
+        The first reader that needs it all-gathers it (or waits for the all-gather it
+        started).
         """
         if needed and self.whole is None:
-            self.whole = all_gather(self.piece, dim=self.shards.dim,
-                                    group=self.shards.group.handle, sizes=self.sizes)
+            self.start(needed)
+            assert self.in_flight is not None
+            self.whole, self.in_flight = self.in_flight.resolve(), None
         whole = self.whole if needed else None
         self.pending -= 1
         if self.pending <= 0:
@@ -271,10 +293,13 @@ class _ColumnRegathered(torch.autograd.Function):
         _no_second_order()
         _, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        info = ctx.info
+        if info.shards.overlap:  # in flight while the input gradient is computed
+            info.start(need_w)  # a frozen weight needs no regather
         grad_x = grad.matmul(weight) if need_x else None
-        whole = ctx.info.take_whole(need_w)  # a frozen weight needs no regather
-        grad_w = _rows(grad).t().matmul(_rows(whole)) if whole is not None else None
         grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+        whole = info.take_whole(need_w)
+        grad_w = _rows(grad).t().matmul(_rows(whole)) if whole is not None else None
         return grad_x, grad_w, grad_b, None
 
 
