@@ -47,6 +47,48 @@ MODELS = {
                      "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 10,
                      "n_shared_experts": 1, "experts_implementation": "eager"}),
 }
+# latent attention (5 heads) beside other modules: Kimi-Linear's first layer is a linear
+# attention with an o_proj of its own (left whole); Dots3's attention gates each head (g_proj)
+# and normalises the shared rotary key (k_rope_only_layernorm: a partial gradient);
+# Bailing-Hybrid's gates each head too, but its tp_plan does not say so
+LATENT = {"hidden_size": 24, "num_attention_heads": 5, "num_key_value_heads": 5,
+          "q_lora_rank": 12, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
+          "v_head_dim": 5, "head_dim": 4, "num_experts_per_tok": 2, "n_group": 1,
+          "topk_group": 1, "moe_intermediate_size": 10, "experts_implementation": "eager",
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+MODELS.update({
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    {**LATENT, "num_local_experts": 4, "linear_head_dim": 4,
+                     "linear_num_heads": 5, "layer_types": ["linear_attention",
+                                                            "full_attention"]}),
+    "dots3_note": ("Dots3NoteTextConfig", "Dots3NoteForCausalLM",
+                   {**LATENT, "n_routed_experts": 4, "shared_experts_intermediate_size": 10,
+                    "index_head_dim": 4, "index_n_heads": 2, "index_topk": 4}),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
+                       {**LATENT, "num_experts": 4, "layer_group_size": 2}),
+    # a v_norm without a scale (no parameters), which transformers' plan still names, and
+    # activation sparsity in the first layer's MLP (statistics over all its features)
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM",
+                {**HEADS, "hidden_size": 40, "vocab_size_per_layer_input": 101,
+                 "hidden_size_per_layer_input": 4, "laurel_rank": 4,
+                 "num_kv_shared_layers": 0, "activation_sparsity_pattern": [0.95, 0.0],
+                 "layer_types": ["sliding_attention", "full_attention"]}),
+    # layers beside q_proj that work per head: Laguna's gate of one value per head (g_proj),
+    # Phi's output projection (dense)
+    "laguna": ("LagunaConfig", "LagunaForCausalLM",
+               {**HEADS, "hidden_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 10, "shared_expert_intermediate_size": 10,
+                "experts_implementation": "eager"}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {**HEADS, "hidden_size": 40}),
+    # q_proj gives each head's query and its gate side by side (2 * head_dim per head)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {**HEADS, "hidden_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 10, "shared_expert_intermediate_size": 10,
+                    "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "layer_types": ["linear_attention", "full_attention"]}),
+})
+PER_HEAD_NORMS = ["deepseek_v3", "gemma3", "olmo2", "qwen3"]
 
 
 def build(arch, **overrides):
@@ -179,7 +221,7 @@ def assert_replicas_identical(results):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("arch", PER_HEAD_NORMS)
 def test_per_head_norms_train_like_dense(arch, world_size):
     assert_replicas_identical(run_distributed(train_like_dense, world_size, arch, timeout=180))
 
@@ -202,6 +244,65 @@ def test_mla_plan_splits_the_up_projections_by_head():
     olmo = plan_from_transformers(build("olmo2"))
     assert olmo[attn + "q_proj"] == Colwise(gather_output=True)
     assert olmo[attn + "o_proj"] == Rowwise(input_is_parallel=False)
+
+
+# Dots3 computes its norms and router in float32 whatever the model's dtype: float32-close (a
+# rotary-key norm left with its partial gradient differs by far more)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("arch, tol", [("kimi_linear", 1e-10), ("dots3_note", 1e-6)])
+def test_latent_attention_beside_other_modules_trains_like_dense(arch, tol, world_size):
+    results = run_distributed(train_like_dense, world_size, arch, None, 3, tol, timeout=300)
+    assert_replicas_identical(results)
+
+
+def test_latent_attention_plan_names_only_the_latent_layers_and_keeps_their_gates():
+    kimi = plan_from_transformers(build("kimi_linear"))  # layer 0 is a linear attention
+    assert kimi["model.layers.1.self_attn.o_proj"] == Rowwise(multiple_of=5)
+    assert not [k for k in kimi if k.startswith(("model.layers.*.self_attn",
+                                                 "model.layers.0.self_attn"))]
+    dots = plan_from_transformers(build("dots3_note"))
+    attn = "model.layers.*.self_attn."
+    assert dots[attn + "q_b_proj"] == Colwise(multiple_of=10)
+    assert dots[attn + "g_proj"] == Colwise()  # one gate per head
+    assert dots[attn + "k_rope_only_layernorm"] == PartialGrad()
+
+
+def test_latent_attention_with_a_module_the_plan_does_not_place_is_refused():
+    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn' holds \['g_proj'\] "
+                                         r"beside its latent attention"):
+        plan_from_transformers(build("bailing_hybrid"))
+
+
+def test_a_query_fused_with_a_gate_is_refused():
+    with pytest.raises(ValueError, match=r"qwen3_next's q_proj has \[80\] output features, "
+                                         r"not 10 heads of 4 \(a query fused with a gate"):
+        plan_from_transformers(build("qwen3_next"))
+
+
+def test_a_norm_without_parameters_and_an_mlp_with_activation_sparsity_are_left_whole():
+    plan = plan_from_transformers(build("gemma3n"))
+    assert plan["model.layers.*.self_attn.k_norm"] == PartialGrad()
+    assert "model.layers.*.self_attn.v_norm" not in plan  # nothing to sum
+    assert plan["model.layers.1.mlp.gate_proj"] == Colwise()
+    assert not [k for k in plan if k.startswith(("model.layers.0.mlp", "model.layers.*.mlp"))]
+
+
+def test_layers_working_per_head_beside_q_proj_split_in_query_head_groups():
+    laguna = plan_from_transformers(build("laguna"))  # 2 query heads per key/value head
+    assert laguna["model.layers.*.self_attn.g_proj"] == Colwise(multiple_of=2)
+    assert laguna["model.layers.*.self_attn.o_proj"] == Rowwise(multiple_of=8)
+    phi = plan_from_transformers(build("phi"))
+    assert phi["model.layers.*.self_attn.dense"] == Rowwise(multiple_of=8)
+
+
+# Gemma3n and Laguna compute their norms (and Gemma3n its AltUp router, Laguna its gate) in
+# float32 whatever the model's dtype: float32-close. A wrong split differs by far more
+# (Gemma3n's activation sparsity on a rank's slice: 0.2) or fails.
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("arch, tol", [("phi", 1e-10), ("laguna", 1e-6), ("gemma3n", 1e-6)])
+def test_per_head_layers_and_whole_mlps_train_like_dense(arch, tol, world_size):
+    results = run_distributed(train_like_dense, world_size, arch, None, 3, tol, timeout=300)
+    assert_replicas_identical(results)
 
 
 def test_plan_maps_replicated_with_grad_allreduce_to_partial_grad():

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from tensorpar.nn.hf_experts import ExpertsMode, check_experts_mode, expert_parallel_plan
+from tensorpar.nn.hf_mla import is_mla, mla_plan
 from tensorpar.nn.hf_sequence import sequence_parallel_plan
 from tensorpar.nn.plan import (
     Colwise,
     EmbeddingDim,
-    MlaKvAProj,
     PackedColwise,
     PartialGrad,
     Rowwise,
@@ -128,9 +128,10 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                          f"{local} (style 'local_params', e.g. attention sinks); tensorpar "
                          f"cannot split a parameter that is not a layer's weight yet")
     modules = [n for n, _ in model.named_modules()]
-    if _is_mla(config, modules):  # multi-head latent attention: tensorpar's own split
-        entries = {p: raw for p, raw in entries.items() if ".self_attn." not in p}
-        plan.update({prefix + k: v for k, v in _mla(config, modules, reduce_dtype).items()})
+    if is_mla(config, modules):  # multi-head latent attention: tensorpar's own split
+        mla, entries = mla_plan(model, config, prefix, entries, reduce_dtype)
+        plan.update(mla)
+    whole = _whole_feature_mlps(model)
     for pattern, raw in entries.items():
         leaf = pattern.rpartition(".")[2]
         if not any(match_module(prefix + pattern, n) for n in modules):
@@ -146,9 +147,30 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                              f"whose layout tensorpar does not know; write a plan by hand "
                              f"with PackedColwise, or Colwise(gather_output=True) and the "
                              f"output projection Rowwise(input_is_parallel=False)")
+        if leaf == "q_proj" and raw == "colwise":
+            widths = {m.out_features for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and match_module(prefix + pattern, n)}
+            if widths and widths != {heads * head_dim}:
+                raise ValueError(f"{fn}: {arch}'s q_proj has {sorted(widths)} output features, "
+                                 f"not {heads} heads of {head_dim} (a query fused with a gate, "
+                                 f"or head counts that vary per layer): tensorpar does not "
+                                 f"know how to split it by head; write a plan by hand")
         style = _style(leaf, raw, group, head_dim, reduce_dtype)
-        if style is not None:
+        beside_q = entries.get(pattern.rpartition(".")[0] + ".q_proj") == "colwise"
+        if beside_q and leaf not in ("q_proj", "k_proj", "v_proj"):
+            style = _per_head(model, prefix + pattern, style, heads, group, head_dim)
+        if isinstance(style, PartialGrad) and not any(
+                any(True for _ in m.parameters(recurse=False))
+                for n, m in model.named_modules() if match_module(prefix + pattern, n)):
+            continue  # e.g. Gemma3n's v_norm, a norm without a scale: no gradient to sum
+        if style is None:
+            continue
+        matched = [n for n in modules if match_module(prefix + pattern, n)]
+        kept = [n for n in matched if n.rpartition(".")[0] not in whole]
+        if kept == matched:
             plan[prefix + pattern] = style
+        else:  # the layers' own names, without the MLPs left whole
+            plan.update(dict.fromkeys(kept, style))
     plan.update(_partial_grad_gaps(model, plan, head_dim))
     if experts == "expert_parallel":
         plan = expert_parallel_plan(model, plan, reduce_dtype=reduce_dtype)
@@ -226,6 +248,39 @@ def _style(leaf: str, raw: str, group: int, head_dim: int, reduce_dtype: torch.d
     return Colwise() if raw == "colwise" else Rowwise(reduce_dtype=reduce_dtype)
 
 
+def _whole_feature_mlps(model: nn.Module) -> set[str]:
+    """MLPs whose forward takes statistics over all their features: left replicated.
+
+    Gemma3n's activation sparsity (the first 10 layers of 35 in its checkpoints) cuts
+    ``gate_proj``'s output at its mean plus a multiple of its standard deviation over the
+    features, which a column split would compute on each rank's slice.
+    """
+    return {n for n, m in model.named_modules()
+            if isinstance(a := getattr(m, "activation_sparsity", None), float) and a > 0.0}
+
+
+def _per_head(model: nn.Module, pattern: str, style: Style | None, heads: int, group: int,
+              head_dim: int) -> Style | None:
+    """A layer beside a head-split ``q_proj`` that works per head: split in query-head groups.
+
+    A gate of one value per head (Laguna's ``g_proj``) or per head feature, and the output
+    projection under any name (Phi's ``dense``), split like ``q_proj``.
+    """
+    sizes = {(m.in_features, m.out_features) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and match_module(pattern, n)}
+    if len(sizes) != 1:
+        return style
+    ((fan_in, fan_out),) = sizes
+    if style == Colwise():
+        if fan_out == heads:
+            return Colwise(multiple_of=group)
+        if fan_out == heads * head_dim:
+            return Colwise(multiple_of=group * head_dim)
+    if isinstance(style, Rowwise) and style.input_is_parallel and fan_in == heads * head_dim:
+        return Rowwise(multiple_of=group * head_dim, reduce_dtype=style.reduce_dtype)
+    return style
+
+
 def _partial_grad_gaps(model: nn.Module, plan: dict[str, Style], head_dim: int
                        ) -> dict[str, Style]:
     """Parameters some transformers plans forget, whose gradient a split makes partial.
@@ -254,34 +309,6 @@ def _partial_grad_gaps(model: nn.Module, plan: dict[str, Style], head_dim: int
         if per_head or (leaf == "act_fn" and isinstance(module, nn.Module)):
             gaps[name] = PartialGrad()
     return gaps
-
-
-def _is_mla(config: Any, modules: list[str]) -> bool:
-    """DeepSeek-style latent attention: the config's sizes and the modules that use them."""
-    sizes = all(isinstance(getattr(config, k, None), int)
-                for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
-    leaves = {n.rpartition(".")[2] for n in modules}
-    return sizes and {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= leaves \
-        and bool({"q_proj", "q_b_proj"} & leaves)
-
-
-def _mla(config: Any, modules: list[str], reduce_dtype: torch.dtype | None
-         ) -> dict[str, Style]:
-    """Multi-head latent attention (DeepSeek-V2/V3), split by head.
-
-    The low-rank down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms stay
-    replicated; the up-projections (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) are split by
-    head and ``o_proj`` like them. The rotary key, shared by every head, leaves
-    ``kv_a_proj_with_mqa`` without passing a split layer: `MlaKvAProj` sums its gradient.
-    """
-    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    q = "q_b_proj" if any(n.endswith(".q_b_proj") for n in modules) else "q_proj"
-    attn = "layers.*.self_attn."
-    return {attn + q: Colwise(multiple_of=qk),
-            attn + "kv_a_proj_with_mqa": MlaKvAProj(rope_dim=config.qk_rope_head_dim),
-            attn + "kv_b_proj": Colwise(multiple_of=config.qk_nope_head_dim
-                                        + config.v_head_dim),
-            attn + "o_proj": Rowwise(multiple_of=config.v_head_dim, reduce_dtype=reduce_dtype)}
 
 
 def _phi3(config: Any, head_dim: int, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
