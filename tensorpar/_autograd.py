@@ -13,7 +13,7 @@ from tensorpar._group import Group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, TensorparError
 
 __all__ = ["SYNC", "Launch", "apply_or_run", "backend_of", "check_op", "check_reducible",
-           "needs_graph", "scale_for_mean", "tie_to_output", "torch_op"]
+           "direct_apply", "needs_graph", "scale_for_mean", "tie_to_output", "torch_op"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -123,6 +123,36 @@ def apply_or_run(function: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
     """
     out: torch.Tensor = function.apply(x, *args) if needs_graph(x) else function.data(x, *args)
     return out
+
+
+_functorch_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active",
+                                                     None)
+_unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
+    getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+
+
+def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` for Functions whose arguments are tensors, ``None`` and plain values.
+
+    ``Function.apply`` is a Python layer around the C++ ``apply``: it checks whether a
+    functorch transform (``vmap``, ``grad``, ...) is active and, when none is, unwraps dead
+    functorch wrappers and calls the C++ ``apply``. The function returned here does the
+    same in fewer steps (about a microsecond less per call, which counts for the layers'
+    Functions, applied on every forward); under a functorch transform, or on a torch that
+    lacks these internals, it is ``function.apply`` itself. ``function`` must not define
+    ``setup_context`` (whose default arguments ``Function.apply`` binds).
+    """
+    base = super(torch.autograd.Function, function).apply  # type: ignore[misc]  # the C++ apply
+    active, unwrap = _functorch_active, _unwrap_if_dead
+    if active is None or unwrap is None or "setup_context" in vars(function):
+        return function.apply
+
+    def apply(*args: Any) -> Any:
+        if active():
+            return function.apply(*args)
+        return base(*[unwrap(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+    return apply
 
 
 def no_backward(fn: str, op: str) -> TensorparError:

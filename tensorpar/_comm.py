@@ -205,6 +205,35 @@ _PG_ALL_TO_ALL = getattr(_PG, "all_to_all_single", None) or getattr(_PG, "alltoa
 _DIRECT = _C10D_WORLD is not None and hasattr(_c10d.AllreduceOptions(), "asyncOp")
 
 
+def _make_options(kind: str, op: Any, async_op: bool) -> Any:
+    opts = getattr(_c10d, kind)()
+    if op is not None:
+        opts.reduceOp = op
+    opts.asyncOp = async_op
+    return opts
+
+
+# The option objects of the direct calls, built once: the backend reads them (by const
+# reference) and never writes them, so one object per (kind, op, async_op) serves every call
+# (building one and setting two fields costs about a microsecond on every collective).
+_OPTIONS: dict[tuple[str, Any, bool], Any] = {
+    (kind, op, async_op): _make_options(kind, op, async_op)
+    for kind, ops in (("AllreduceOptions", (dist.ReduceOp.SUM, dist.ReduceOp.MAX,
+                                            dist.ReduceOp.MIN)),
+                      ("ReduceScatterOptions", (dist.ReduceOp.SUM, dist.ReduceOp.MAX,
+                                                dist.ReduceOp.MIN)),
+                      ("AllgatherOptions", (None,)), ("AllToAllOptions", (None,)))
+    for op in ops for async_op in (False, True)} if _DIRECT else {}
+
+
+def _options(kind: str, op: Any, async_op: bool) -> Any:
+    """The options of a direct call: the prebuilt object, or a new one for a rarer op."""
+    try:
+        return _OPTIONS[kind, op, async_op]
+    except (KeyError, TypeError):  # (TypeError: an op that does not hash)
+        return _make_options(kind, op, async_op)
+
+
 def _direct(group: Group, *tensors: torch.Tensor) -> dist.ProcessGroup | None:
     """The process group to call directly, or ``None``: use torch.distributed's function."""
     handle = group.ref() if _DIRECT and group.ref is not None else None
@@ -250,8 +279,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
             return None
         pg = _direct(group, out, inp)
         if pg is not None and _PG_ALL_GATHER is not None:
-            opts = _c10d.AllgatherOptions()
-            opts.asyncOp = async_op
+            opts = _options("AllgatherOptions", None, async_op)
             work = _done(_PG_ALL_GATHER(pg, out, inp, opts), async_op)
         else:
             work = _all_gather_flat(out, inp, group=_pg(group), async_op=async_op)
@@ -297,9 +325,8 @@ def _all_gather_in_one_step(out: torch.Tensor, inp: torch.Tensor, group: Group) 
     send = torch.cat([inp] * group.size)
     pg = _direct(group, out, send)
     if pg is not None and _PG_ALL_TO_ALL is not None:
-        opts = _c10d.AllToAllOptions()
-        opts.asyncOp = False
-        _done(_PG_ALL_TO_ALL(pg, out, send, [], [], opts), False)
+        _done(_PG_ALL_TO_ALL(pg, out, send, [], [], _options("AllToAllOptions", None, False)),
+              False)
     else:
         dist.all_to_all_single(out, send, group=_pg(group))
 
@@ -312,8 +339,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp,
     try:
         pg = _direct(group, out, inp)
         if pg is not None and _PG_REDUCE_SCATTER is not None:
-            opts = _c10d.ReduceScatterOptions()
-            opts.reduceOp, opts.asyncOp = op, async_op
+            opts = _options("ReduceScatterOptions", op, async_op)
             work = _done(_PG_REDUCE_SCATTER(pg, out, inp, opts), async_op)
         else:
             work = _reduce_scatter_flat(out, inp, op=op, group=_pg(group), async_op=async_op)
@@ -329,9 +355,7 @@ def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Group, async_op: bool 
     try:
         pg = _direct(group, t)
         if pg is not None:
-            opts = _c10d.AllreduceOptions()
-            opts.reduceOp, opts.asyncOp = op, async_op
-            work = _done(pg.allreduce([t], opts), async_op)
+            work = _done(pg.allreduce([t], _options("AllreduceOptions", op, async_op)), async_op)
         else:
             work = dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
     except RuntimeError as exc:
@@ -386,8 +410,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
     try:
         pg = _direct(group, out, inp)
         if pg is not None and _PG_ALL_TO_ALL is not None and out.dtype == inp.dtype:
-            opts = _c10d.AllToAllOptions()
-            opts.asyncOp = async_op
+            opts = _options("AllToAllOptions", None, async_op)
             work = _done(_PG_ALL_TO_ALL(pg, out, inp, out_splits or [], in_splits or [], opts),
                          async_op)
         else:

@@ -323,6 +323,35 @@ def test_column_backward_launches_all_reduce_before_weight_gradient():
         assert has_grad and reduces == 1 and log and all(n == 1 for n in log), log
 
 
+def test_direct_apply_is_function_apply():
+    """The layers' shortcut to a Function's C++ apply records the same node and gradients,
+    and under a functorch transform is ``Function.apply`` itself (here: the same refusal)."""
+    from tensorpar._autograd import direct_apply
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, k):
+            ctx.k = k
+            return x * k
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.k, None
+
+    apply = direct_apply(Scale)
+    x = torch.randn(3, requires_grad=True)
+    y = apply(x, 2.0)
+    assert type(y.grad_fn).__name__ == "ScaleBackward"
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    refusals = []
+    for fn in (Scale.apply, apply):
+        with pytest.raises(RuntimeError) as info:
+            torch.func.vmap(lambda t, fn=fn: fn(t, 2.0))(torch.randn(2, 3))
+        refusals.append(str(info.value))
+    assert refusals[0] == refusals[1]
+
+
 def _under_autocast():
     """Autocast takes the plain composition; results follow the dense layer under autocast."""
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
 from torch.compiler import is_compiling
 
 from tensorpar import _comm
-from tensorpar._autograd import SYNC, needs_graph, torch_op
+from tensorpar._autograd import SYNC, direct_apply, needs_graph, torch_op
 from tensorpar._group import Group
 from tensorpar._meta import require_tensor
 from tensorpar._switch import VALIDATE
@@ -59,7 +59,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(enter_region(x, group, _LABEL), weight, bias)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return F.linear(x, weight, bias)
-    out: torch.Tensor = _ColumnLinear.apply(x, weight, bias, group)
+    out: torch.Tensor = _apply_column(x, weight, bias, group)
     return out
 
 
@@ -109,6 +109,9 @@ class _ColumnLinear(torch.autograd.Function):
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None
+
+
+_apply_column = direct_apply(_ColumnLinear)
 
 
 class SharedInput:

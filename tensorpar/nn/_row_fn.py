@@ -19,7 +19,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
 from torch.compiler import is_compiling
 
 from tensorpar import _comm
-from tensorpar._autograd import needs_graph, torch_op
+from tensorpar._autograd import direct_apply, needs_graph, torch_op
 from tensorpar._group import Group
 from tensorpar._symmetric import _CopyToGroup
 from tensorpar._traced import layers as _traced_layers
@@ -42,7 +42,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return _traced_layers.row_linear(x, weight, bias, group)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return row_linear_data(x, weight, bias, group)
-    out: torch.Tensor = _RowLinear.apply(x, weight, bias, group)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _apply_row(x, weight, bias, group)
     return out
 
 
@@ -83,3 +83,6 @@ class _RowLinear(torch.autograd.Function):
         grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
         grad_b = _rows(bias_grad).sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
+
+
+_apply_row = direct_apply(_RowLinear)
