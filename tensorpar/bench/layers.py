@@ -8,7 +8,11 @@ The floor is what no implementation can beat on these ranks: this rank's share o
 compute (the same layers with shard-sized weights, no communication) plus the raw
 ``dist.all_reduce`` calls that tensor parallelism needs on the same bytes (one in forward
 and one in backward per row-parallel layer), run back to back. It is timed twice, as two
-cases of the same run: the spread between the two is the run's noise.
+cases of the same run: the spread between the two is the run's noise. ``interleaved`` is
+the same compute and the same raw calls placed where tensor parallelism needs them
+(between the layers): hand-written tensor parallelism without a library, the reference for
+host work, since blocking on a collective between layers costs CPU that the floor's calls,
+back to back, do not.
 
 With ``compile`` set, tensorpar's and DTensor's models are also timed compiled
 (``torch.compile`` with that backend, e.g. ``"inductor"``), each compiled once before the timed
@@ -122,6 +126,45 @@ def _shard_model(workload: str, dim: int, hidden: int, blocks: int) -> nn.Module
     return model
 
 
+def _interleaved_step(workload: str, local: nn.Module, shape: tuple[int, ...],
+                      step: Callable[[nn.Module], None]) -> Callable[[], None]:
+    """The floor's compute with raw ``dist.all_reduce`` calls where tensor parallelism needs them.
+
+    After every row-parallel layer in forward, and in backward once per input of the
+    column-parallel layers (q, k and v share theirs), on a side buffer of the same shape.
+
+    The reference for host work: every tensor-parallel implementation has to block on its
+    collectives between layers, and a blocking call costs CPU to wake up from, which the
+    floor's calls, back to back after the compute, pay less.
+    """
+    plan = _plan(workload, 1)
+    buffer = torch.empty(shape)
+    seen: set[int] = set()
+
+    def reduce_in_backward(grad: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(buffer)
+        return grad
+
+    def column_input(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if id(args[0]) not in seen and args[0].requires_grad:
+            seen.add(id(args[0]))
+            args[0].register_hook(reduce_in_backward)
+
+    for block in local.children():
+        for name, style in plan.items():
+            layer = block.get_submodule(name.partition(".")[2])
+            if style == "rowwise":
+                layer.register_forward_hook(lambda *_: dist.all_reduce(buffer))
+            else:
+                layer.register_forward_pre_hook(column_input)
+
+    def run() -> None:
+        seen.clear()
+        step(local)
+
+    return run
+
+
 def profile_steps(fn: Callable[[], object], steps: int, top: int) -> list[dict[str, Any]]:
     """The ``top`` functions by time of their own over ``steps`` calls of ``fn``, per call.
 
@@ -213,9 +256,12 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
 
     cases: dict[str, Callable[[], object]] = {
         "dense": dense_on_rank_0, "floor": floor, "tensorpar": lambda: step(ours),
-        "dtensor": lambda: step(theirs), "floor_again": floor}
+        "dtensor": lambda: step(theirs), "floor_again": floor,
+        "interleaved": _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks),
+                                         shape, step)}
     pairs: tuple[tuple[str, str], ...] = (("tensorpar", "floor"), ("floor_again", "floor"),
-                                          ("tensorpar", "dtensor"))
+                                          ("tensorpar", "dtensor"), ("tensorpar", "interleaved"),
+                                          ("interleaved", "floor"))
     if compile is not None:
         cases |= _compiled_cases(compile, workload, x, step)
         pairs += (("tensorpar_compiled", "dtensor_compiled"),

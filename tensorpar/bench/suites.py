@@ -205,6 +205,7 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
               _x(r["tensorpar_compiled_cpu"] / r["floor_cpu"])] for r in compiled]))
         print(f"(compiled: torch.compile(backend={args.compile!r}), tensorpar with "
               f"fullgraph=True; the floor is eager; same rounds as the table above)")
+    _print_host_work(results)
     _print_sequence(sequence_rows)
     for r in results if top else []:
         for case in ("tensorpar", "floor"):
@@ -214,6 +215,33 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
                                [[p["name"], f"{p['calls']:g}", f"{p['self_us']:.0f}",
                                  f"{p['total_us']:.0f}"] for p in r["profile"][case]]))
     return results + sequence_rows
+
+
+def _print_host_work(results: list[dict[str, Any]]) -> None:
+    """Host work per step (thread CPU) against the floor and the interleaved reference."""
+    def cpu(r: dict[str, Any], case: str) -> float | None:
+        return r.get(f"{case}_cpu")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return _x(a / b) if a is not None and b else "-"
+
+    print()
+    print(format_table(
+        ["workload", "tp", "tp CPU ms", "tp compiled CPU ms", "interleaved CPU ms",
+         "floor CPU ms", "tp/floor CPU", "tp compiled/floor CPU", "interleaved/floor CPU",
+         "tp/interleaved CPU", "tp compiled/interleaved CPU", "paired tp/interleaved"],
+        [[r["workload"], r["tp"], _ms(cpu(r, "tensorpar")), _ms(cpu(r, "tensorpar_compiled")),
+          _ms(cpu(r, "interleaved")), _ms(cpu(r, "floor")),
+          ratio(cpu(r, "tensorpar"), cpu(r, "floor")),
+          ratio(cpu(r, "tensorpar_compiled"), cpu(r, "floor")),
+          ratio(cpu(r, "interleaved"), cpu(r, "floor")),
+          ratio(cpu(r, "tensorpar"), cpu(r, "interleaved")),
+          ratio(cpu(r, "tensorpar_compiled"), cpu(r, "interleaved")),
+          _x(r.get("tensorpar/interleaved"))] for r in results]))
+    print("(host work: the calling thread's CPU time per step; interleaved: the floor's compute "
+          "and raw all-reduces, each call placed between the layers where tensor parallelism "
+          "needs it: hand-written tensor parallelism without a library, which blocks between "
+          "layers as every implementation must)")
 
 
 def _sequence(args: argparse.Namespace, sizes: dict[str, int] | None = None
