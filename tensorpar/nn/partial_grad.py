@@ -79,11 +79,50 @@ def install_partial_grad(module: nn.Module, group: GroupLike = None,
                                  f"{type(module).__name__} already has its gradient summed over "
                                  f"a group of {current.size} ranks; got a group of {g.size}")
             continue
-        setattr(p, _MARK, g)
-        if p.requires_grad and not g.is_single:
-            p.register_hook(_summer(g))
+        _hook(p, g)
         hooked.append(name)
+    if hooked:
+        _follow_replacements(module, hooked, g)
     return hooked
+
+
+def _hook(p: torch.Tensor, g: Group) -> None:
+    setattr(p, _MARK, g)
+    if p.requires_grad and not g.is_single:
+        p.register_hook(_summer(g))
+
+
+_FOLLOWED = "_tensorpar_partial_grad_names"
+
+
+def _follow_replacements(module: nn.Module, names: list[str], g: Group) -> None:
+    """Hook the parameters that replace these ones too, before each forward.
+
+    ``fully_shard`` (FSDP2) swaps a module's parameters for sharded ones and, around each
+    forward and backward, for an unsharded twin made once at the first all-gather: the
+    computation reads the twin, so the hook must be on it. A forward pre-hook of the
+    module (it runs after FSDP2's own, which is on an enclosing module) hooks any
+    parameter it has not seen, once. Eager only: under ``torch.compile`` an unseen twin
+    is refused (run one forward eagerly first).
+    """
+    followed = vars(module).get(_FOLLOWED)
+    if followed is None:
+        followed = {}
+        module.__dict__[_FOLLOWED] = followed
+        module.register_forward_pre_hook(_rehook)
+    followed.update(dict.fromkeys(names, g))
+
+
+def _rehook(module: nn.Module, args: object) -> None:
+    for name, g in vars(module)[_FOLLOWED].items():
+        p = module._parameters.get(name)
+        if p is None or getattr(p, _MARK, None) is not None:
+            continue
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"install_partial_grad: {type(module).__name__}.{name} was "
+                               f"replaced (by fully_shard?) and its new tensor has no gradient "
+                               f"sum yet; run one forward without torch.compile first")
+        _hook(p, g)
 
 
 def _summer(group: Group):  # type: ignore[no-untyped-def]
