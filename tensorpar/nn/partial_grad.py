@@ -102,8 +102,9 @@ def _follow_replacements(module: nn.Module, names: list[str], g: Group) -> None:
     forward and backward, for an unsharded twin made once at the first all-gather: the
     computation reads the twin, so the hook must be on it. A forward pre-hook of the
     module (it runs after FSDP2's own, which is on an enclosing module) hooks any
-    parameter it has not seen, once. Eager only: under ``torch.compile`` an unseen twin
-    is refused (run one forward eagerly first).
+    parameter it has not seen, once. Under ``torch.compile`` an unseen twin breaks the
+    graph there and is hooked eagerly; with ``fullgraph=True`` it is refused (run one
+    forward without compiling first).
     """
     followed = vars(module).get(_FOLLOWED)
     if followed is None:
