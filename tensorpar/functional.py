@@ -15,12 +15,11 @@ from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
 
 from tensorpar._algorithm import Algorithm, hierarchical_data, hierarchical_topology
 from tensorpar._alltoall import run_all_to_all
 from tensorpar._autograd import SYNC, Launch, apply_or_run, needs_graph
+from tensorpar._compiling import compiling
 from tensorpar._entry import reduction_args, resolve_args, source_chunk, split_args
 from tensorpar._group import GroupLike
 from tensorpar._meta import chunks_spec, sole_chunk, sole_input, source_header
@@ -96,7 +95,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
                 [2., 3.],
                 [4., 5.]])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.scatter(x, dim=dim, src=src, group=group, sizes=sizes,
                                exchange_meta=exchange_meta)
     fn = "scatter"
@@ -153,7 +152,7 @@ def gather(x: torch.Tensor, *, dim: int = 0, dst: int = 0, group: GroupLike = No
         tensor([[1., 1., 1.],
                 [1., 1., 1.]])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.gather(x, dim=dim, dst=dst, group=group, sizes=sizes)
     fn = "gather"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim, dst=dst)
@@ -206,7 +205,7 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = 0,
         >>> tensorpar.broadcast(torch.tensor([1.0, 2.0]))
         tensor([1., 2.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.broadcast(x, src=src, group=group, exchange_meta=exchange_meta,
                                  async_op=async_op)
     fn = "broadcast"
@@ -253,7 +252,7 @@ def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
         >>> tensorpar.reduce(torch.tensor([1.0, 2.0]), op="mean")
         tensor([1., 2.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.reduce(x, dst=dst, op=op, group=group)
     fn = "reduce"
     g, tensor, op_name = reduction_args(fn, x, op, group, dst=dst)
@@ -315,7 +314,7 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
         >>> tensorpar.all_gather(torch.ones(2), sizes=[2])
         tensor([1., 1.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.all_gather(x, dim=dim, group=group, sizes=sizes, async_op=async_op)
     fn = "all_gather"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
@@ -376,7 +375,7 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
         >>> tensorpar.reduce_scatter(torch.arange(3.0))
         tensor([0., 1., 2.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.reduce_scatter(x, dim=dim, op=op, group=group, sizes=sizes,
                                       async_op=async_op)
     fn = "reduce_scatter"
@@ -455,7 +454,7 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
         >>> tensorpar.all_reduce(torch.ones(2), backward="identity")
         tensor([1., 1.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.all_reduce(x, op=op, backward=backward, group=group, async_op=async_op,
                                   inplace=inplace, algorithm=algorithm, topology=topology)
     fn = "all_reduce"
@@ -505,7 +504,7 @@ def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: Group
         >>> tensorpar.all_to_all(torch.ones(2, 3), split_dim=1, concat_dim=0).shape
         torch.Size([2, 3])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.all_to_all(x, split_dim=split_dim, concat_dim=concat_dim, group=group,
                                   sizes=sizes)
     return run_all_to_all(x, split_dim, concat_dim, group, sizes)

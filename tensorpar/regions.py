@@ -20,10 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
 
 from tensorpar._autograd import SYNC
+from tensorpar._compiling import compiling
 from tensorpar._entry import resolve_args, split_args, tensor_args
 from tensorpar._group import Group, GroupLike
 from tensorpar._meta import chunks_spec, sole_chunk
@@ -69,7 +68,7 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
 def enter_region(x: torch.Tensor, group: GroupLike, label: str = "") -> torch.Tensor:
     """`copy_to_group`, with ``label`` naming the caller (a layer) in validation messages."""
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.copy_to_group(x, group=group)
     fn = "copy_to_group"
     g, tensor = tensor_args(fn, x, group, label)
@@ -104,7 +103,7 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         >>> tensorpar.reduce_from_group(torch.ones(2))
         tensor([1., 1.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.reduce_from_group(x, group=group)
     fn = "reduce_from_group"
     g, tensor = tensor_args(fn, x, group)
@@ -145,7 +144,7 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         >>> tensorpar.split_to_group(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
     g, tensor, _, d, split = split_args(fn, x, dim, group, sizes)
@@ -199,7 +198,7 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         >>> tensorpar.gather_from_group(torch.ones(1, 2))
         tensor([[1., 1.]])
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced.gather_from_group(x, dim=dim, group=group, sizes=sizes)
     fn = "gather_from_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)

@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
 
 from tensorpar import _comm
 from tensorpar._autograd import SYNC, direct_apply, needs_graph, torch_op
+from tensorpar._compiling import compiling
 from tensorpar._group import Group
 from tensorpar._meta import require_tensor
 from tensorpar._switch import VALIDATE
@@ -53,7 +52,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x = require_tensor("ColumnParallelLinear", x)
     if group.is_single:
         return F.linear(x, weight, bias)
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced_layers.column_linear(x, weight, bias, group)
     if VALIDATE[0] or autocast_on(x.device.type):  # copy_to_group fingerprints its calls
         return F.linear(enter_region(x, group, _LABEL), weight, bias)
@@ -136,7 +135,7 @@ class SharedInput:
 
     def copy(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         """``copy_to_group(x)``, made once per input tensor and version."""
-        if is_compiling() or _frame_hook() is not None:  # compiled: one copy per input object
+        if compiling():  # compiled: one copy per input object
             return self._traced_copy(x, group)
         if self._copy is not None and self._input is not None and self._input() is x \
                 and x._version == self._version:

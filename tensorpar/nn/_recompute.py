@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
+
+from tensorpar._compiling import compiling
 
 __all__ = ["install_recompute"]
 
@@ -55,7 +55,7 @@ class _RecomputedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) \
-                or not torch.is_grad_enabled() or is_compiling() or _frame_hook() is not None:
+                or not torch.is_grad_enabled() or compiling():
             return self.plain(*args, **kwargs)
         params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         if not args[0].requires_grad and not params:

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
 
 from tensorpar import _comm
 from tensorpar._autograd import direct_apply, needs_graph, torch_op
+from tensorpar._compiling import compiling
 from tensorpar._group import Group
 from tensorpar._symmetric import _CopyToGroup
 from tensorpar._traced import layers as _traced_layers
@@ -38,7 +37,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     apply (a single rank, autocast, validation mode, a ``reduce_dtype``). Where no graph is
     recorded (inference), the arithmetic runs without the Function.
     """
-    if is_compiling() or _frame_hook() is not None:  # compiled: tensorpar._traced
+    if compiling():  # compiled: tensorpar._traced
         return _traced_layers.row_linear(x, weight, bias, group)
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return row_linear_data(x, weight, bias, group)

@@ -10,9 +10,8 @@ validation mode the public functions run instead, so every call is fingerprinted
 from __future__ import annotations
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
 
+from tensorpar._compiling import compiling
 from tensorpar._meta import chunks_spec
 from tensorpar._split import SplitSpec
 from tensorpar._switch import VALIDATE
@@ -47,7 +46,7 @@ class SpecCache:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """``split_to_group(x, dim=-1, group=shard.group, sizes=shard.sizes)``."""
         s = self.shard
-        if (is_compiling() or _frame_hook() is not None) and not s.group.is_single:
+        if compiling() and not s.group.is_single:
             return _traced_layers.split_last(x, s.sizes, s.group)
         if VALIDATE[0] or s.group.is_single:
             return split_to_group(x, dim=-1, group=s.group, sizes=s.sizes)
@@ -62,7 +61,7 @@ class SpecCache:
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """``gather_from_group(y, dim=-1, group=shard.group, sizes=shard.sizes)``."""
         s = self.shard
-        if (is_compiling() or _frame_hook() is not None) and not s.group.is_single:
+        if compiling() and not s.group.is_single:
             return _traced_layers.gather_last(y, s.sizes, s.group)
         if VALIDATE[0] or s.group.is_single:
             return gather_from_group(y, dim=-1, group=s.group, sizes=s.sizes)

@@ -33,10 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_hook
-from torch.compiler import is_compiling
 
 from tensorpar._autograd import needs_graph
+from tensorpar._compiling import compiling
 from tensorpar._group import Group
 from tensorpar._split import balanced_sizes
 from tensorpar._switch import VALIDATE
@@ -162,8 +161,7 @@ class SequenceShards:
         (a replicated consumer). ``regather``: see `SequenceGather`.
         """
         sizes = self._current("gather", x)
-        if partial_grad and regather and torch.is_grad_enabled() and not is_compiling() \
-                and _frame_hook() is None:
+        if partial_grad and regather and torch.is_grad_enabled() and not compiling():
             info = _Regather(self, sizes, x.detach())
             whole: torch.Tensor = _GatherRegathered.apply(x, info)  # type: ignore[no-untyped-call]
             setattr(whole, _REGATHER, info)  # read by the column layers (`column_on_gathered`)
@@ -351,7 +349,7 @@ def sequence_row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     second-order graph).
     """
     fused = wide is None and not VALIDATE[0] and not autocast_on(x.device.type) \
-        and not is_compiling() and _frame_hook() is None
+        and not compiling()
     if fused and (torch.is_grad_enabled() or needs_graph(x)):
         out: torch.Tensor = _SequenceRowLinear.apply(x, weight, bias, shards)  # type: ignore[no-untyped-call]
         return out
