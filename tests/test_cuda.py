@@ -82,7 +82,8 @@ def _sequence_parallel_on_cuda(mode):
     import torch.nn.functional as F
 
     from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
-    from tests.test_sequence_parallel import build, local, tokens
+    from tests.test_clip import dense_slice as local
+    from tests.test_sequence_parallel import build, tokens
 
     dense = build("llama").cuda()
     parallel = tp.parallelize(build("llama").cuda(), plan_from_transformers(

@@ -8,6 +8,7 @@ import torch
 import tensorpar as tp
 from tensorpar.nn import Colwise, Rowwise, plan_from_transformers, vocab_parallel_cross_entropy
 from tensorpar.testing import run_distributed
+from tests.test_clip import dense_slice as shard
 from tests.test_hf_styles import compare_step
 
 pytest.importorskip("transformers")
@@ -66,20 +67,6 @@ def build(arch, dtype=torch.float64, **overrides):
 def tokens(seed, n=9):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, SMALL["vocab_size"], (2, n), generator=g)
-
-
-def shard(model, name, dense_tensor):
-    """The slice of a dense tensor that the parallel model's parameter ``name`` holds.
-
-    A packed layer holds a slice of every block: the pieces, concatenated.
-    """
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    dim = getattr(module, "sharded_dims", {}).get(leaf)
-    if dim is None:
-        return dense_tensor
-    return torch.cat([dense_tensor.narrow(dim, start, n) for start, _, n in module.shard.pieces],
-                     dim)
 
 
 def _train_and_compare(arch, tol=1e-10):

@@ -24,6 +24,7 @@ from tensorpar.nn import (
 )
 from tensorpar.nn.partial_grad import install_partial_grad, partial_grad_parameters
 from tensorpar.testing import run_distributed
+from tests.test_clip import dense_slice as local
 
 pytest.importorskip("transformers")
 
@@ -115,17 +116,6 @@ def build_from(entry, base, overrides, attention):
 def tokens(seed, n=9):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, BASE["vocab_size"], (2, n), generator=g)
-
-
-def local(model, name, dense_tensor):
-    """The slice of a dense tensor that the parallel model's parameter ``name`` holds."""
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    dim = getattr(module, "sharded_dims", {}).get(leaf)
-    if dim is None:
-        return dense_tensor
-    return torch.cat([dense_tensor.narrow(dim, start, n) for start, _, n in module.shard.pieces],
-                     dim)
 
 
 @contextlib.contextmanager
