@@ -12,7 +12,9 @@ cases of the same run: the spread between the two is the run's noise. ``interlea
 the same compute and the same raw calls placed where tensor parallelism needs them
 (between the layers): hand-written tensor parallelism without a library, the reference for
 host work, since blocking on a collective between layers costs CPU that the floor's calls,
-back to back, do not.
+back to back, do not. Two controls measure that cost without any communication:
+``compute`` (the floor's compute alone) and ``compute_sleeping`` (the same compute, the
+thread sleeping 50 us at each point where tensor parallelism blocks).
 
 With ``compile`` set, tensorpar's and DTensor's models are also timed compiled
 (``torch.compile`` with that backend, e.g. ``"inductor"``), each compiled once before the timed
@@ -28,6 +30,7 @@ import cProfile
 import functools
 import os
 import pstats
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -126,23 +129,23 @@ def _shard_model(workload: str, dim: int, hidden: int, blocks: int) -> nn.Module
     return model
 
 
-def _interleaved_step(workload: str, local: nn.Module, shape: tuple[int, ...],
-                      step: Callable[[nn.Module], None]) -> Callable[[], None]:
-    """The floor's compute with raw ``dist.all_reduce`` calls where tensor parallelism needs them.
+def _interleaved_step(workload: str, local: nn.Module, step: Callable[[nn.Module], None],
+                      wait: Callable[[], object]) -> Callable[[], None]:
+    """The floor's compute calling ``wait`` where tensor parallelism waits for a collective.
 
     After every row-parallel layer in forward, and in backward once per input of the
-    column-parallel layers (q, k and v share theirs), on a side buffer of the same shape.
-
-    The reference for host work: every tensor-parallel implementation has to block on its
-    collectives between layers, and a blocking call costs CPU to wake up from, which the
-    floor's calls, back to back after the compute, pay less.
+    column-parallel layers (q, k and v share theirs). With ``wait`` a raw
+    ``dist.all_reduce`` of a side buffer of the activations' shape, this is the reference
+    for host work: every tensor-parallel implementation has to block on its collectives
+    between layers, and a blocking call costs CPU to wake up from, which the floor's calls,
+    back to back after the compute, pay less. With ``wait`` a short sleep, it measures that
+    cost with no communication at all.
     """
     plan = _plan(workload, 1)
-    buffer = torch.empty(shape)
     seen: set[int] = set()
 
     def reduce_in_backward(grad: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(buffer)
+        wait()
         return grad
 
     def column_input(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -154,7 +157,7 @@ def _interleaved_step(workload: str, local: nn.Module, shape: tuple[int, ...],
         for name, style in plan.items():
             layer = block.get_submodule(name.partition(".")[2])
             if style == "rowwise":
-                layer.register_forward_hook(lambda *_: dist.all_reduce(buffer))
+                layer.register_forward_hook(lambda *_: wait())
             else:
                 layer.register_forward_pre_hook(column_input)
 
@@ -254,11 +257,17 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
         if dist.get_rank() == 0:
             step(dense)
 
+    def interleaved(wait: Callable[[], object]) -> Callable[[], None]:
+        return _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks), step,
+                                 wait)
+
+    side_buffer = torch.empty(shape)
     cases: dict[str, Callable[[], object]] = {
         "dense": dense_on_rank_0, "floor": floor, "tensorpar": lambda: step(ours),
         "dtensor": lambda: step(theirs), "floor_again": floor,
-        "interleaved": _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks),
-                                         shape, step)}
+        "interleaved": interleaved(lambda: dist.all_reduce(side_buffer)),
+        "compute": lambda: step(local),
+        "compute_sleeping": interleaved(lambda: time.sleep(50e-6))}
     pairs: tuple[tuple[str, str], ...] = (("tensorpar", "floor"), ("floor_again", "floor"),
                                           ("tensorpar", "dtensor"), ("tensorpar", "interleaved"),
                                           ("interleaved", "floor"))

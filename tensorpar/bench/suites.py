@@ -229,7 +229,8 @@ def _print_host_work(results: list[dict[str, Any]]) -> None:
     print(format_table(
         ["workload", "tp", "tp CPU ms", "tp compiled CPU ms", "interleaved CPU ms",
          "floor CPU ms", "tp/floor CPU", "tp compiled/floor CPU", "interleaved/floor CPU",
-         "tp/interleaved CPU", "tp compiled/interleaved CPU", "paired tp/interleaved"],
+         "tp/interleaved CPU", "tp compiled/interleaved CPU", "paired tp/interleaved",
+         "compute CPU ms", "sleeping/compute CPU"],
         [[r["workload"], r["tp"], _ms(cpu(r, "tensorpar")), _ms(cpu(r, "tensorpar_compiled")),
           _ms(cpu(r, "interleaved")), _ms(cpu(r, "floor")),
           ratio(cpu(r, "tensorpar"), cpu(r, "floor")),
@@ -237,11 +238,14 @@ def _print_host_work(results: list[dict[str, Any]]) -> None:
           ratio(cpu(r, "interleaved"), cpu(r, "floor")),
           ratio(cpu(r, "tensorpar"), cpu(r, "interleaved")),
           ratio(cpu(r, "tensorpar_compiled"), cpu(r, "interleaved")),
-          _x(r.get("tensorpar/interleaved"))] for r in results]))
+          _x(r.get("tensorpar/interleaved")), _ms(cpu(r, "compute")),
+          ratio(cpu(r, "compute_sleeping"), cpu(r, "compute"))] for r in results]))
     print("(host work: the calling thread's CPU time per step; interleaved: the floor's compute "
           "and raw all-reduces, each call placed between the layers where tensor parallelism "
           "needs it: hand-written tensor parallelism without a library, which blocks between "
-          "layers as every implementation must)")
+          "layers as every implementation must; compute: the floor's compute alone; sleeping: "
+          "the same compute sleeping 50 us where tensor parallelism blocks, no communication: "
+          "what blocking itself costs the thread on this machine)")
 
 
 def _sequence(args: argparse.Namespace, sizes: dict[str, int] | None = None
