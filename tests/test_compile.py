@@ -121,6 +121,41 @@ def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=540)
 
 
+def _layouts(uneven):
+    """Strides of the collectives' results along inner dims, eagerly and compiled, and
+    whether ``.view(-1)`` of each works inside a compiled function (it does eagerly)."""
+    _fresh()
+    n, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    sizes = [2 + (r % 2 if uneven else 0) for r in range(n)]
+    b, c = rand(1, 3, sizes[rank], 4), rand(2, 3, sum(sizes), 4)
+    calls = {
+        "all_gather dim 1": lambda: tp.all_gather(b, dim=1, sizes=sizes),
+        "all_gather dim -1": lambda: tp.all_gather(b.transpose(1, 2), dim=-1, sizes=sizes),
+        "gather_from_group dim -1": lambda: tp.gather_from_group(b.transpose(1, 2), dim=-1,
+                                                                 sizes=sizes),
+        "reduce_scatter dim 1": lambda: tp.reduce_scatter(c, dim=1, sizes=sizes),
+        "reduce_scatter dim -1": lambda: tp.reduce_scatter(c.transpose(1, 2), dim=-1,
+                                                           sizes=sizes),
+    }
+    rows = {}
+    for name, call in calls.items():
+        eager = call()
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")()
+        torch.testing.assert_close(compiled, eager, **TIGHT)
+        flat = torch.compile(lambda f=call: f().view(-1), fullgraph=True, backend="aot_eager")
+        rows[name] = (eager.stride(), compiled.stride(), flat().shape == (eager.numel(),))
+    return rows
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_compiled_collectives_return_eager_layout(uneven):
+    """A collective along an inner dim returns a contiguous tensor eagerly; compiled, the same
+    strides, so code that views the result (``.view``) runs alike (it failed compiled)."""
+    for rows in run_distributed(_layouts, 2, uneven, timeout=540):
+        for name, (eager, compiled, viewed) in rows.items():
+            assert compiled == eager and viewed, (name, eager, compiled, viewed)
+
+
 def _rooted_case(n, uneven):
     """Every rooted collective traced: sources and destinations differ, chunks uneven.
 

@@ -81,7 +81,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], name: str
         out = rows
     else:
         out = torch.cat([rows.narrow(0, r * width, sizes[r]) for r in range(n)])
-    return out if dim == 0 else out.movedim(0, dim)
+    return out if dim == 0 else _contiguous_at(out, dim)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], rank: int, name: str,
@@ -103,7 +103,16 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], rank: in
     out = wait(_C.reduce_scatter_tensor(front, op, n, name))  # (width, *rest)
     if out.shape[0] != sizes[rank]:
         out = out.narrow(0, 0, sizes[rank])
-    return out if dim == 0 else out.movedim(0, dim)
+    return out if dim == 0 else _contiguous_at(out, dim)
+
+
+def _contiguous_at(front: torch.Tensor, dim: int) -> torch.Tensor:
+    """``front``'s leading dim moved to ``dim``, in a contiguous tensor, as eagerly.
+
+    The moved view alone has other strides than the eager result: code that views it
+    (``.view``) would fail compiled only, and reductions over it may add in another order.
+    """
+    return front.movedim(0, dim).contiguous()
 
 
 def all_to_all_dims(x: torch.Tensor, split_dim: int, concat_dim: int, sizes: Sequence[int],
