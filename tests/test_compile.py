@@ -606,3 +606,41 @@ def test_architecture_compiles_fullgraph_and_equals_eager(model_type):
     packed projection interleaved per head."""
     pytest.importorskip("transformers")
     run_distributed(_compare_architecture, 2, model_type, timeout=540)
+
+
+# ---------------------------------------------------------------------------------------
+# mixture of experts: expert parallelism runs eagerly inside a compiled model
+# ---------------------------------------------------------------------------------------
+
+def _compare_expert_parallel(arch):
+    """An expert-parallel model compiled (no fullgraph: the routing's split sizes are data)
+    against itself eagerly: loss and every gradient; and the graph breaks of the layer."""
+    from tests import test_hf_experts as H
+
+    _fresh()
+    model = H.build(arch)
+    tp.parallelize(model, H.plan_for(arch, model))
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for f in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        loss = f(ids, labels=ids).loss
+        loss.backward()
+        results.append(([loss.detach()], [p.grad for p in model.parameters()]))
+    _assert_same(results)
+    experts = next(m for m in model.modules() if type(m).__name__ == "ParallelExperts")
+    hidden = rand(3, 2 * 9, 16)
+    index = torch.randint(0, 8, (2 * 9, 2), generator=torch.Generator().manual_seed(4))
+    _fresh()
+    return _graph_breaks(lambda h, i, w: experts(h * 2, i, w) + 1, hidden, index,
+                         torch.rand(2 * 9, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_expert_parallel_model_compiles_and_equals_eager(arch):
+    """Compiling an expert-parallel model failed inside dynamo (it traced the layer's count
+    exchange and reached into the process group); the layer now runs eagerly, one graph
+    break per call, the rest of the model compiled."""
+    pytest.importorskip("transformers")
+    for breaks, reasons in run_distributed(_compare_expert_parallel, 2, arch, timeout=540):
+        assert breaks == 1 and "_run_experts_eagerly" in reasons[0], reasons

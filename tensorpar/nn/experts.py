@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from tensorpar._compiling import compiling
 from tensorpar._group import GroupLike
 from tensorpar._switch import VALIDATE
 from tensorpar.nn._expert_route import (
@@ -28,6 +29,14 @@ Tokens = Literal["replicated", "local"]
 _WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 _NONE_BAD, _BAD_INDEX = 0, 1
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _run_experts_eagerly(layer: ParallelExperts, hidden_states: torch.Tensor,
+                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``layer``'s forward outside the compiled graph (dynamo breaks the graph around it)."""
+    out: torch.Tensor = layer(hidden_states, top_k_index, top_k_weights)
+    return out
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,15 @@ class ParallelExperts(ShardedLayer):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted sum for every token, as the dense module computes it."""
+        """The experts' weighted sum for every token, as the dense module computes it.
+
+        Under ``torch.compile`` the layer runs eagerly, one graph break per call: the split
+        sizes of its all-to-alls are the routing's counts, known only once they are exchanged.
+        """
+        if compiling():
+            out: torch.Tensor = _run_experts_eagerly(self, hidden_states, top_k_index,
+                                                     top_k_weights)
+            return out
         g = self.shard.group
         if self.tokens == "local" or g.is_single:
             return self._dispatch(hidden_states, top_k_index, top_k_weights)
