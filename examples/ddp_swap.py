@@ -90,6 +90,10 @@ def main():
     if rank == 0:
         print(f"check: largest weight difference from DDP after {args.steps} steps "
               f"{worst.item():.1e} (< 1e-5): {'OK' if ok else 'FAILED'}", flush=True)
+    # torch's DDP holds the process group in its C++ reducer: released now, while the group is
+    # still registered, the group is then torn down by destroy_process_group rather than at
+    # interpreter exit, where joining gloo's worker threads can deadlock with them
+    del ddp
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)

@@ -1,9 +1,11 @@
 """Every example runs under torchrun on CPU and ends with its own check (small settings)."""
 
+import contextlib
 import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -13,14 +15,45 @@ EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 
 def torchrun(script, ranks, *args, timeout=240, check=True):
+    """Run an example under torchrun; past ``timeout`` seconds kill it and its workers and
+    fail with what it printed so far."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", str(EXAMPLES / script), *map(str, args)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # the workers run in sessions of their own: signal each one
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"{script} did not end within {timeout} s; its output so far:\n"
+                        f"{stdout[-3000:]}{stderr[-3000:]}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if not check:
         return done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def _descendants(pid):
+    """The processes below ``pid`` (children, their children, ...), from /proc."""
+    parents = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 @pytest.mark.timeout(300)
