@@ -127,14 +127,16 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         raise ValueError(f"{fn}: {arch}'s tp_plan splits bare per-head parameters of "
                          f"{local} (style 'local_params', e.g. attention sinks); tensorpar "
                          f"cannot split a parameter that is not a layer's weight yet")
-    modules = [n for n, _ in model.named_modules()]
+    named = dict(model.named_modules())
+    modules = list(named)
     if is_mla(config, modules):  # multi-head latent attention: tensorpar's own split
         mla, entries = mla_plan(model, config, prefix, entries, reduce_dtype)
         plan.update(mla)
     whole = _whole_feature_mlps(model)
     for pattern, raw in entries.items():
         leaf = pattern.rpartition(".")[2]
-        if not any(match_module(prefix + pattern, n) for n in modules):
+        matched = {n: m for n, m in named.items() if match_module(prefix + pattern, n)}
+        if not matched:
             continue  # e.g. the dense MLP's entries in a model whose every layer is MoE
         if raw in _LEFT_REPLICATED or ".experts" in pattern:
             replicated.append(pattern)
@@ -148,8 +150,7 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
                              f"with PackedColwise, or Colwise(gather_output=True) and the "
                              f"output projection Rowwise(input_is_parallel=False)")
         if leaf == "q_proj" and raw == "colwise":
-            widths = {m.out_features for n, m in model.named_modules()
-                      if isinstance(m, nn.Linear) and match_module(prefix + pattern, n)}
+            widths = {m.out_features for m in matched.values() if isinstance(m, nn.Linear)}
             if widths and widths != {heads * head_dim}:
                 raise ValueError(f"{fn}: {arch}'s q_proj has {sorted(widths)} output features, "
                                  f"not {heads} heads of {head_dim} (a query fused with a gate, "
@@ -158,16 +159,14 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
         style = _style(leaf, raw, group, head_dim, reduce_dtype)
         beside_q = entries.get(pattern.rpartition(".")[0] + ".q_proj") == "colwise"
         if beside_q and leaf not in ("q_proj", "k_proj", "v_proj"):
-            style = _per_head(model, prefix + pattern, style, heads, group, head_dim)
+            style = _per_head(list(matched.values()), style, heads, group, head_dim)
         if isinstance(style, PartialGrad) and not any(
-                any(True for _ in m.parameters(recurse=False))
-                for n, m in model.named_modules() if match_module(prefix + pattern, n)):
+                any(True for _ in m.parameters(recurse=False)) for m in matched.values()):
             continue  # e.g. Gemma3n's v_norm, a norm without a scale: no gradient to sum
         if style is None:
             continue
-        matched = [n for n in modules if match_module(prefix + pattern, n)]
         kept = [n for n in matched if n.rpartition(".")[0] not in whole]
-        if kept == matched:
+        if len(kept) == len(matched):
             plan[prefix + pattern] = style
         else:  # the layers' own names, without the MLPs left whole
             plan.update(dict.fromkeys(kept, style))
@@ -259,15 +258,14 @@ def _whole_feature_mlps(model: nn.Module) -> set[str]:
             if isinstance(a := getattr(m, "activation_sparsity", None), float) and a > 0.0}
 
 
-def _per_head(model: nn.Module, pattern: str, style: Style | None, heads: int, group: int,
+def _per_head(layers: list[nn.Module], style: Style | None, heads: int, group: int,
               head_dim: int) -> Style | None:
     """A layer beside a head-split ``q_proj`` that works per head: split in query-head groups.
 
     A gate of one value per head (Laguna's ``g_proj``) or per head feature, and the output
     projection under any name (Phi's ``dense``), split like ``q_proj``.
     """
-    sizes = {(m.in_features, m.out_features) for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and match_module(pattern, n)}
+    sizes = {(m.in_features, m.out_features) for m in layers if isinstance(m, nn.Linear)}
     if len(sizes) != 1:
         return style
     ((fan_in, fan_out),) = sizes
