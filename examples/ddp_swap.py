@@ -14,7 +14,6 @@ two runs end with the same weights.
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -24,13 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tensorpar
 
-
-def device_and_backend():
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
 
 
 def make_model():
@@ -64,8 +56,7 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=0.5)
     args = parser.parse_args()
 
-    device, backend = device_and_backend()
-    dist.init_process_group(backend)
+    device = tensorpar.init_distributed()  # survives torchrun --max-restarts
     rank = dist.get_rank()
     ids = [device.index] if device.type == "cuda" else None
 

@@ -12,7 +12,6 @@ in float64 so that the comparison can be exact after any number of steps).
 """
 
 import argparse
-import os
 import pathlib
 import sysconfig
 
@@ -27,13 +26,6 @@ CONFIG = LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=200, num_
                      num_attention_heads=6, num_key_value_heads=3, head_dim=16,
                      max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=0)
 
-
-def device_and_backend():
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
 
 
 def text_bytes():
@@ -75,8 +67,7 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
 
-    device, backend = device_and_backend()
-    dist.init_process_group(backend)
+    device = tensorpar.init_distributed()  # survives torchrun --max-restarts
     rank = dist.get_rank()
     data = text_bytes()
 

@@ -15,7 +15,6 @@ whole field.
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -24,13 +23,6 @@ from torch import nn
 
 import tensorpar
 
-
-def device_and_backend():
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
 
 
 def make_field(rows, cols):
@@ -82,8 +74,7 @@ def main():
     parser.add_argument("--lr", type=float, default=0.5)
     args = parser.parse_args()
 
-    device, backend = device_and_backend()
-    dist.init_process_group(backend)
+    device = tensorpar.init_distributed()  # survives torchrun --max-restarts
     rank, world = dist.get_rank(), dist.get_world_size()
 
     if rank == 0:

@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import sysconfig
 import time
 
@@ -118,13 +119,6 @@ def global_batch(data, step, rows):
     return windows[:, :-1], windows[:, 1:]
 
 
-def device_and_backend():
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
-
 
 def dense_losses(data, args, device):
     """The reference: one process, the dense model, the same global batches."""
@@ -159,13 +153,15 @@ def main():
     parser.add_argument("--stop-at", type=int, default=None,
                         help="stop after this many steps (checkpoint saved), as if interrupted")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in --out")
+                        help="continue from the newest complete checkpoint in --out if there "
+                             "is one, else start fresh (the command line torchrun "
+                             "--max-restarts repeats)")
     parser.add_argument("--crash-in-save", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kill-at", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.dtype = getattr(torch, args.dtype)
 
-    device, backend = device_and_backend()
-    dist.init_process_group(backend)
+    device = tensorpar.init_distributed()  # survives torchrun --max-restarts
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the {world} processes")
@@ -180,14 +176,20 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out = pathlib.Path(args.out)
     first, losses = 0, []
-    if args.resume:
+    if args.resume and (out / "checkpoints" / "LATEST").exists():
         first, losses = load_checkpoint(out / "checkpoints", model, opt, args)
         if rank == 0:
-            print(f"resumed at step {first} from {out / 'checkpoints'}", flush=True)
+            print(f"resumed at step {first} from {out / 'checkpoints'} (attempt "
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
+    elif args.resume and rank == 0:
+        print(f"no checkpoint in {out / 'checkpoints'}: starting at step 0", flush=True)
     last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
 
     start = time.perf_counter()
     for step in range(first, last):
+        if step == args.kill_at and rank == world - 1 \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-run (for the restart test)
         x, y = global_batch(data, step, args.batch * args.dp)
         mine = slice(mesh["dp"].get_local_rank() * args.batch,
                      (mesh["dp"].get_local_rank() + 1) * args.batch)
@@ -221,13 +223,15 @@ def main():
     if rank == 0:
         reference = dense_losses(data, args, device)
         early = max(abs(a - b) for a, b in zip(losses[:20], reference[:20], strict=True))
-        final, final_ref = (sum(v[-10:]) / 10 for v in (losses, reference))
+        final, final_ref = (sum(v[-10:]) / len(v[-10:]) for v in (losses, reference))
         plot(losses, reference, out / "loss.png")
-        # float32 trajectories drift apart over hundreds of Adam steps: tight early, 3% late
-        ok = final < args.max_loss and early < 1e-3 and abs(final - final_ref) < 0.03 * final_ref
+        # float32 trajectories drift apart over hundreds of Adam steps: tight early, 3% late;
+        # float64 ones agree to rounding over the first 20 steps
+        tol = 1e-10 if args.dtype == torch.float64 else 1e-3
+        ok = final < args.max_loss and early < tol and abs(final - final_ref) < 0.03 * final_ref
         print(f"check: final loss {final:.3f} (< {args.max_loss}); against one process "
-              f"training the dense model: first 20 steps within {early:.1e} (< 1e-3), final "
-              f"loss {final_ref:.3f} (within 3%): {'OK' if ok else 'FAILED'}", flush=True)
+              f"training the dense model: first 20 steps within {early:.1e} (< {tol:.0e}), "
+              f"final loss {final_ref:.3f} (within 3%): {'OK' if ok else 'FAILED'}", flush=True)
     else:
         ok = True
     verdict = torch.tensor([int(ok)])

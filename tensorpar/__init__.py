@@ -25,6 +25,7 @@ from tensorpar.functional import (
     reduce_scatter,
     scatter,
 )
+from tensorpar.launch import init_distributed
 from tensorpar.nn.checkpoint import load_sharded_state_dict, sharded_state_dict
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.optim_checkpoint import (
@@ -65,6 +66,7 @@ __all__ = [
     "full_state_dict",
     "gather",
     "gather_from_group",
+    "init_distributed",
     "is_placeholder",
     "load_full_state_dict",
     "load_sharded_state_dict",

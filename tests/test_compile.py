@@ -289,16 +289,40 @@ def _rooted(x):
 
 def _compare_graph_breaks():
     _fresh()
-    x = rand(torch.distributed.get_rank(), 5, 3)
-    breaks, reasons = _graph_breaks(_rooted, x)
+    rank = torch.distributed.get_rank()
+    x = rand(rank, 5, 3)
+    # traced work on both sides of each call (on every rank), so each break splits a graph
+
+    def scatter(a):
+        b = a.sin()
+        return tp.scatter(b if rank == 0 else None, src=0).cos()
+
+    def broadcast(a):
+        b = a.sin()
+        return tp.broadcast(b if rank == 1 else None, src=1).cos()
+
+    def all_gather(a):
+        return tp.all_gather(a.sin(), dim=0).cos()
+
+    def all_three(a):
+        b = a.sin()
+        return (tp.scatter(b if rank == 0 else None, src=0).cos(),
+                tp.broadcast(b if rank == 1 else None, src=1).cos(),
+                tp.all_gather(b, dim=0).cos())
+
+    alone = {"scatter": scatter, "broadcast": broadcast, "all_gather": all_gather,
+             "all three": all_three}
+    counted = {name: _graph_breaks(fn, x) for name, fn in alone.items()}
     _assert_same(_run_both(_rooted, (x,), fullgraph=False))
-    return breaks, reasons
+    return {name: breaks for name, (breaks, _) in counted.items()}, \
+        [r for _, reasons in counted.values() for r in reasons]
 
 
 def test_metadata_exchanges_break_the_graph_once_each_and_equal_eager():
     for breaks, reasons in run_distributed(_compare_graph_breaks, 2, timeout=540):
-        # each is a call of the eager fallback (what follows a break may run untraced)
-        assert breaks >= 1, reasons
+        # each is one call of the eager fallback
+        assert breaks == {"scatter": 1, "broadcast": 1, "all_gather": 1, "all three": 3}, \
+            reasons
         assert all("torch.compiler.disable" in r for r in reasons), reasons
 
 
@@ -309,8 +333,10 @@ def _validation_under_compile():
     def fn(a):
         return tp.all_reduce(a) * 2 + tp.reduce_from_group(a) + tp.copy_to_group(a)
 
+    alone = {"all_reduce": lambda a: tp.all_reduce(a.sin()).cos(),
+             "reduce_from_group": lambda a: tp.reduce_from_group(a.sin()).cos()}
     with tp.validation(True):
-        breaks, _ = _graph_breaks(fn, rand(0, 3))
+        breaks = {name: _graph_breaks(f, rand(0, 3))[0] for name, f in alone.items()}
         _assert_same(_run_both(fn, (rand(0, 3, 4),), fullgraph=False))  # copy_to_group: alike
         mismatch = torch.compile(lambda a: tp.all_reduce(a, op="sum" if rank else "mean"),
                                  backend="aot_eager")
@@ -325,7 +351,8 @@ def _validation_under_compile():
 
 def test_validation_mode_checks_every_collective_under_compile():
     for breaks, caught in run_distributed(_validation_under_compile, 2, timeout=540):
-        assert breaks >= 1 and caught
+        # validation runs each collective eagerly (it fingerprints it): one break each
+        assert breaks == {"all_reduce": 1, "reduce_from_group": 1} and caught, breaks
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,10 +29,12 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     ``{"state": {dense name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
     A state tensor of the parameter's shape is a `ShardAtOffset` viewing this rank's
     shard (or a plain tensor / ``DTensor`` for a replica), so ``dcp.load`` into this dict
-    writes straight into the optimizer; scalars (``step``) are saved once. An optimizer
-    that has not stepped yet is given its initial state first (one step at learning rate 0
-    with zero gradients, which changes no parameter), so that there is something to load
-    into. On a model that is not parallelised it gives plain tensors in the same layout.
+    writes straight into the optimizer; scalars (``step``) are saved once. Saving changes
+    nothing: a parameter that has no state yet (before the first step, or one that has had
+    no gradient) is saved as ``has_state[name] == 0`` beside the state it would start from,
+    made on a throwaway copy, so that a fresh optimizer has tensors to load into; loading
+    leaves such a parameter without state, and its first step creates it exactly as in a
+    run that never saved. On a model that is not parallelised it gives plain tensors in the same layout.
     Under ``fully_shard`` (FSDP2 beside tensor parallelism) the state of a shard is the
     FSDP slice's pieces at their dense offsets and the state of a replica stays a
     ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
@@ -49,6 +51,8 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     Raises:
         ValueError: ``optimizer`` holds a parameter that is not ``model``'s, or a state
             tensor whose shape is neither the parameter's nor a scalar.
+        TypeError: a parameter has no state yet and the optimizer's class cannot be built
+            from its parameter groups alone.
 
     Example:
         >>> import torch
@@ -58,20 +62,26 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
         >>> state = tensorpar.sharded_optimizer_state_dict(model, opt)
         >>> sorted(state["state"]["weight"])
         ['exp_avg', 'exp_avg_sq', 'step']
+        >>> int(state["has_state"]["weight"]), len(opt.state)  # nothing was created
+        (0, 0)
     """
-    infos = _infos(model, optimizer, "sharded_optimizer_state_dict")
-    _initialise(optimizer)
+    fn = "sharded_optimizer_state_dict"
+    infos = _infos(model, optimizer, fn)
+    initial = _initial_states(optimizer, fn)
     state: dict[str, Any] = {}
+    has_state: dict[str, torch.Tensor] = {}
     groups = []
     for group in optimizer.param_groups:
         names = []
         for p in group["params"]:
             info = infos[id(p)]
             names.append(info.name)
+            own = optimizer.state.get(p)
+            has_state[info.name] = torch.tensor(int(bool(own)), dtype=torch.int8)
             state[info.name] = {key: _value(info, key, value)
-                                for key, value in optimizer.state.get(p, {}).items()}
+                                for key, value in (own or initial[id(p)]).items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups, "has_state": has_state}
 
 
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -81,6 +91,8 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     ``state`` is what `sharded_optimizer_state_dict` returned for this model and optimizer
     (then loaded, possibly from a checkpoint saved at another tensor-parallel size or by
     the dense model). Tensors DCP wrote in place are left alone; everything else is copied.
+    A parameter the checkpoint saved without state is left without state (its first step
+    creates it, as in the run that saved).
 
     Args:
         model: the model whose parameters ``optimizer`` updates.
@@ -94,6 +106,8 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     fn = "load_sharded_optimizer_state_dict"
     infos = _infos(model, optimizer, fn)
     saved, saved_groups = state["state"], state["param_groups"]
+    has_state = state.get("has_state", {})
+    fresh = _initial_states(optimizer, fn)  # typed like the parameters (DTensor under FSDP2)
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
                          f"optimizer {len(optimizer.param_groups)}; expected the same groups")
@@ -109,7 +123,12 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
             for p, name in zip(group["params"], names, strict=True):
                 if name not in saved:
                     raise KeyError(f"{fn}: the state lacks parameter {name!r}")
+                if not int(has_state.get(name, 1)):
+                    optimizer.state.pop(p, None)
+                    continue
                 own = optimizer.state[p]
+                if not own:
+                    own.update(fresh[id(p)])
                 for key, value in saved[name].items():
                     current = own.get(key)
                     if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
@@ -142,21 +161,33 @@ def _value(info: ParamInfo, key: str, value: Any) -> Any:
     return dcp_value(value, info.shard if info.sharded else None, info.dim)
 
 
-def _initialise(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter without state its initial state: a step at lr 0, zero grads."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(optimizer.state.get(p) for p in params):
-        return
-    grads = [p.grad for p in params]
-    lrs = [g["lr"] for g in optimizer.param_groups]
+def _initial_states(optimizer: torch.optim.Optimizer, fn: str
+                    ) -> dict[int, dict[str, Any]]:
+    """The state each parameter without one would get, made on copies (``optimizer`` untouched).
+
+    A throwaway optimizer of the same class and hyperparameters steps once at learning rate 0
+    over zero-filled twins of those parameters with zero gradients; its state has the keys,
+    shapes and dtypes the real one will have, so ``dcp.load`` has tensors to write into.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    if not params:
+        return {}
+    twins = {id(p): torch.zeros_like(p) for p in params}
+    groups = []
+    for g in optimizer.param_groups:
+        mine = [twins[id(p)] for p in g["params"] if id(p) in twins]
+        if mine:
+            lr = g["lr"].clone().fill_(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine,
+                           "lr": lr})
     try:
-        for p in params:  # parameters that have state sit this step out
-            p.grad = None if optimizer.state.get(p) else torch.zeros_like(p)
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"].clone().fill_(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        optimizer.step()
-    finally:
-        for p, grad in zip(params, grads, strict=True):
-            p.grad = grad
-        for g, lr in zip(optimizer.param_groups, lrs, strict=True):
-            g["lr"] = lr
+        shadow = type(optimizer)(groups)
+    except TypeError as e:
+        raise TypeError(f"{fn}: cannot build a {type(optimizer).__name__} from its parameter "
+                        f"groups alone ({e}) to learn the state of the parameters that have "
+                        f"none yet; expected an optimizer constructible as cls(param_groups), "
+                        f"or one step taken before saving") from e
+    for twin in twins.values():
+        twin.grad = torch.zeros_like(twin)
+    shadow.step()
+    return {pid: shadow.state[twin] for pid, twin in twins.items()}

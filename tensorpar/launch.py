@@ -1,0 +1,63 @@
+"""Start a job's process group so that it survives ``torchrun``'s restarts.
+
+``torchrun --max-restarts N`` starts every worker again after one fails, against the same
+rendezvous store. The default group's keys from the failed attempt (each rank's gloo
+address) are still in that store, and with gloo on torch 2.13 the restarted workers read
+them and fail to connect to the dead workers ("Gloo connectFullMesh failed ... Connection
+refused"). `init_distributed` keys the group under the attempt's number
+(``TORCHELASTIC_RESTART_COUNT``), so each attempt meets only its own workers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed"]
+
+
+def init_distributed(backend: str | None = None, *,
+                     timeout: datetime.timedelta | None = None) -> torch.device:
+    """Initialise the default process group from torchrun's environment; return this rank's device.
+
+    Picks NCCL and ``cuda:LOCAL_RANK`` where CUDA is available, gloo and the CPU otherwise
+    (or ``backend`` as given). The group's store is the ``env://`` rendezvous store prefixed
+    by the restart count, so the same script is the first attempt of a job and every
+    restart of it (``torchrun --max-restarts N``); pair it with a resume from the newest
+    checkpoint (see the training-loop docs) and a killed worker costs only the steps since
+    the last save.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device as above.
+        timeout: the process group's timeout for collectives; ``None`` keeps torch's default.
+
+    Returns:
+        The device this rank should compute on (``cuda:LOCAL_RANK`` or ``cpu``).
+
+    Raises:
+        RuntimeError: the default group is already initialised, or torchrun's environment
+            (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is missing.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("init_distributed: the default process group is already "
+                           "initialised; expected one call at the start of the job")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_distributed: environment variables {missing} are not set; "
+                           f"expected a job launched by torchrun (or with those set by hand)")
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and backend in (None, "nccl"):
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    store, rank, world_size = next(dist.rendezvous("env://", **kwargs))
+    store = dist.PrefixStore(f"tensorpar/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    return device
