@@ -24,7 +24,6 @@ from torch.nn.parallel import DistributedDataParallel
 import tensorpar
 
 
-
 def make_model():
     torch.manual_seed(0)  # the same weights on every rank
     return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),

@@ -24,7 +24,6 @@ from torch import nn
 import tensorpar
 
 
-
 def make_field(rows, cols):
     """A field (a few Gaussian blobs and noise) and its state after one step of diffusion."""
     g = torch.Generator().manual_seed(0)

@@ -15,6 +15,8 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+from torch.distributed.rendezvous import rendezvous
 
 __all__ = ["init_distributed"]
 
@@ -56,8 +58,8 @@ def init_distributed(backend: str | None = None, *,
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    store, rank, world_size = next(dist.rendezvous("env://", **kwargs))
-    store = dist.PrefixStore(f"tensorpar/attempt_{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    found = rendezvous("env://") if timeout is None else rendezvous("env://", timeout=timeout)
+    store, rank, world_size = next(found)
+    dist.init_process_group(backend, store=PrefixStore(f"tensorpar/attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
     return device

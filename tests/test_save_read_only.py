@@ -23,7 +23,8 @@ STEPS = 5
 OPTIMIZERS = {
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
     "adam_l2": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.05),
-    "sgd_momentum_wd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "sgd_momentum_wd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9,
+                                                      weight_decay=0.01),
 }
 LATE = "model.layers.1.mlp.down_proj.weight"  # no gradient in the first step
 FROZEN = "model.norm.weight"                   # never a gradient

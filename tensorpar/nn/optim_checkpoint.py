@@ -34,7 +34,8 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     no gradient) is saved as ``has_state[name] == 0`` beside the state it would start from,
     made on a throwaway copy, so that a fresh optimizer has tensors to load into; loading
     leaves such a parameter without state, and its first step creates it exactly as in a
-    run that never saved. On a model that is not parallelised it gives plain tensors in the same layout.
+    run that never saved. On a model that is not parallelised it gives plain tensors in
+    the same layout.
     Under ``fully_shard`` (FSDP2 beside tensor parallelism) the state of a shard is the
     FSDP slice's pieces at their dense offsets and the state of a replica stays a
     ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
@@ -181,7 +182,7 @@ def _initial_states(optimizer: torch.optim.Optimizer, fn: str
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine,
                            "lr": lr})
     try:
-        shadow = type(optimizer)(groups)
+        shadow = type(optimizer)(groups)  # type: ignore[call-arg]
     except TypeError as e:
         raise TypeError(f"{fn}: cannot build a {type(optimizer).__name__} from its parameter "
                         f"groups alone ({e}) to learn the state of the parameters that have "
