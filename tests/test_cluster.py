@@ -17,6 +17,8 @@ from tensorpar.testing.cluster import SimulatedCluster
 JOB = Path(__file__).with_name("_cluster_job.py")
 REDUCER_JOB = Path(__file__).with_name("_cluster_reducer_job.py")
 
+pytestmark = pytest.mark.slow  # namespaces, rate-limited links and whole jobs
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="a simulated cluster needs root and iproute2 (ip, tc) to create network namespaces")

@@ -116,7 +116,8 @@ def _compare_collectives(uneven):
     _assert_same(_run_both(fn, inputs))  # fullgraph=True: a graph break would raise
 
 
-@pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (2, True), (3, True)])
+@pytest.mark.parametrize(("world_size", "uneven"),
+                         [(2, False), (2, True), pytest.param(3, True, marks=pytest.mark.slow)])
 def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=540)
 
@@ -492,6 +493,7 @@ def _compare_tiny_lm_inductor():
         [str(b.reason) for b in explained.break_reasons]
 
 
+@pytest.mark.slow
 def test_whole_model_compiles_with_inductor_to_one_graph_and_equals_eager():
     for graphs, breaks, reasons in run_distributed(_compare_tiny_lm_inductor, 2, timeout=540):
         assert (graphs, breaks) == (1, 0), reasons
@@ -559,12 +561,14 @@ def _compare_model(dtype_name, backend, tol, sequence=False):
     _assert_same(_module_both(model, step, (ids,), backend), **tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_llama_model_compiles_fullgraph_and_equals_eager(world_size):
     pytest.importorskip("transformers")
     run_distributed(_compare_model, world_size, "float64", "aot_eager", TIGHT, timeout=540)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
     pytest.importorskip("transformers")
@@ -574,6 +578,7 @@ def test_llama_decoder_layer_inductor_float32_equals_eager(world_size):
         assert breaks == 0, reasons
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_llama_model_inductor_float32_equals_eager():
     pytest.importorskip("transformers")
@@ -587,6 +592,7 @@ def _compare_sequence_parallel():
     return breaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_llama_sequence_parallel_compiles_fullgraph_and_equals_eager(world_size):
     """The layer (length 5: uneven slices) is one graph; the model compiles fullgraph."""
@@ -625,6 +631,7 @@ def _compare_architecture(model_type):
     _assert_same(_module_both(model, lambda i: model(i).logits, (ids,)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["olmo2", "qwen3", "phi3", "gpt_neox"])
 def test_architecture_compiles_fullgraph_and_equals_eager(model_type):
     """Olmo2 normalises the gathered queries over all heads in float32: a gathered tensor
@@ -664,6 +671,7 @@ def _compare_expert_parallel(arch):
     return _graph_breaks(lambda h, i, w: experts(h * 2, i, w) + 1, hidden, index, weights)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
 def test_expert_parallel_model_compiles_and_equals_eager(arch):
     """Compiling an expert-parallel model failed inside dynamo (it traced the layer's count

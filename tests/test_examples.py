@@ -58,9 +58,11 @@ def _descendants(pid):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_lm_two_by_two(tmp_path):
-    out = torchrun("train_lm.py", 4, "--steps", 25, "--max-loss", 6, "--out", tmp_path)
+    # the loss starts at ln 256 = 5.5: a run that does not learn stays above 4
+    out = torchrun("train_lm.py", 4, "--steps", 25, "--max-loss", 4, "--out", tmp_path)
     assert "check:" in out and out.rstrip().endswith("OK"), out
     assert (tmp_path / "checkpoints" / "step_000025" / ".metadata").exists()
     assert (tmp_path / "checkpoints" / "LATEST").read_text() == "step_000025"
@@ -117,6 +119,7 @@ def test_train_lm_survives_a_killed_worker_with_torchrun_restarts(tmp_path):
         assert torch.equal(got[key], value), key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_train_lm_stopped_and_resumed_at_the_same_and_another_tp_continues_exactly(tmp_path):
     whole = torchrun("train_lm.py", 4, *RESUMABLE, "--out", tmp_path / "whole")
@@ -133,6 +136,7 @@ def test_train_lm_stopped_and_resumed_at_the_same_and_another_tp_continues_exact
         assert losses(out) == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 6, "--save-every", 2,
@@ -148,18 +152,21 @@ def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tm
     assert whole.rstrip().endswith("OK")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_placeholder_field():
     out = torchrun("placeholder_field.py", 3, "--rows", 101, "--cols", 64, "--steps", 20)
     assert "[34, 34, 33] rows each" in out and out.rstrip().endswith("OK"), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_swap():
     out = torchrun("ddp_swap.py", 2, "--steps", 5)
     assert "buckets, in launch order" in out and out.rstrip().endswith("OK"), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hf_tensor_parallel():
     pytest.importorskip("transformers")

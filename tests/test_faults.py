@@ -5,6 +5,7 @@ ranks of its own with a short process-group timeout."""
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,11 +39,13 @@ def _check_timeout(results):
     return message
 
 
+@pytest.mark.slow
 def test_a_rank_that_skips_a_collective_gives_a_timeout_error_naming_it():
     results = run_fresh(_skip_one_all_reduce, 2, False, pg_timeout=PG_TIMEOUT)
     _check_timeout(results)
 
 
+@pytest.mark.slow
 def test_resolve_of_an_async_collective_times_out_with_the_same_error():
     results = run_fresh(_skip_one_all_reduce, 2, True, pg_timeout=PG_TIMEOUT)
     _check_timeout(results)

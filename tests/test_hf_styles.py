@@ -137,23 +137,24 @@ def norms_in_model_dtype(arch):
         cls.forward = original
 
 
-def train_like_dense(arch, overrides=None, steps=3, tol=1e-10):
+def train_like_dense(arch, overrides=None, steps=3, tol=1e-10, param_tol=None):
     """Dense and parallel models side by side; returns the replicated parameters at the end."""
     with norms_in_model_dtype(arch):
-        return _train_like_dense(arch, overrides, steps, tol)
+        return _train_like_dense(arch, overrides, steps, tol, param_tol)
 
 
-def _train_like_dense(arch, overrides, steps, tol):
+def _train_like_dense(arch, overrides, steps, tol, param_tol):
     overrides = overrides or {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # experts left replicated
         dense = build(arch, **overrides)
         parallel = tp.parallelize(build(arch, **overrides),
                                   plan_from_transformers(build(arch, **overrides)))
-    return train_clipped(dense, parallel, [tokens(step) for step in range(steps)], tol)
+    return train_clipped(dense, parallel, [tokens(step) for step in range(steps)], tol,
+                         param_tol)
 
 
-def train_clipped(dense, parallel, batches, tol=1e-10):
+def train_clipped(dense, parallel, batches, tol=1e-10, param_tol=None):
     """One AdamW step per batch on both models, clipped by the dense model's norm (small
     enough that every step clips): every step compared (`compare_step`, and the norms), then
     the parameters. Returns the parallel model's replicated parameters."""
@@ -168,8 +169,9 @@ def train_clipped(dense, parallel, batches, tol=1e-10):
         dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
     dense_params = dict(dense.named_parameters())
     for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p, local(parallel, name, dense_params[name]), rtol=tol,
-                                   atol=tol, msg=f"{name} after {len(batches)} steps")
+        torch.testing.assert_close(p, local(parallel, name, dense_params[name]),
+                                   rtol=param_tol or tol, atol=param_tol or tol,
+                                   msg=f"{name} after {len(batches)} steps")
     return {name: p.detach().clone() for name, p in parallel.named_parameters()
             if not is_sharded(parallel, name)}
 
@@ -236,12 +238,17 @@ def test_mla_plan_splits_the_up_projections_by_head():
     assert olmo[attn + "o_proj"] == Rowwise(input_is_parallel=False)
 
 
-# Dots3 computes its norms and router in float32 whatever the model's dtype: float32-close (a
-# rotary-key norm left with its partial gradient differs by far more)
+# Dots3 computes its norms and router in float32 whatever the model's dtype: float32-close
+# (a rotary-key norm left with its partial gradient differs by far more). Measured at TP 2:
+# every step's gradients within 7e-10 of dense, which AdamW's normalisation turns into 1.4e-6
+# on the tied embedding after 3 steps: the parameters are held to the sweep's 1e-5.
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("arch, tol", [("kimi_linear", 1e-10), ("dots3_note", 1e-6)])
-def test_latent_attention_beside_other_modules_trains_like_dense(arch, tol, world_size):
-    results = run_distributed(train_like_dense, world_size, arch, None, 3, tol, timeout=300)
+@pytest.mark.parametrize("arch, tol, param_tol", [("kimi_linear", 1e-10, 1e-10),
+                                                  ("dots3_note", 1e-6, 1e-5)])
+def test_latent_attention_beside_other_modules_trains_like_dense(arch, tol, param_tol,
+                                                                 world_size):
+    results = run_distributed(train_like_dense, world_size, arch, None, 3, tol, param_tol,
+                              timeout=300)
     assert_replicas_identical(results)
 
 

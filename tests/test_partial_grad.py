@@ -88,7 +88,8 @@ def _partial_sum(mode):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["eager", "replaced", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "replaced",
+                                  pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("world", [2, 3])
 def test_partial_gradients_are_summed_over_the_group_as_dense(world, mode):
     assert all(run_distributed(_partial_sum, world, mode, timeout=240))

@@ -342,6 +342,7 @@ def _pool_on_subgroup():
     return sizes, len(reducer.buckets), len(reducer._pool), grads
 
 
+@pytest.mark.slow
 def test_overlap_groups_pool_on_a_subgroup_and_its_removal():
     # fresh ranks: group names derive from how many groups each process has made, which the
     # pooled ranks' earlier tests leave different (the pool then keeps one group, as designed)

@@ -51,6 +51,7 @@ def _raise_mid_backward(with_buffers):
     return errors, steps_done, same, reducer.iterations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_buffers", [False, True])
 def test_a_rank_raising_mid_backward_gives_every_rank_an_error_then_training_goes_on(
         with_buffers):

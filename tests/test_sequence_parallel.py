@@ -69,14 +69,14 @@ def _train_like_dense(arch, mode=True):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_sequence_parallel_trains_like_dense(arch, world_size):
     assert_replicas_identical(run_distributed(_train_like_dense, world_size, arch, timeout=240))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_regathered_sequence_parallel_trains_like_dense(arch, world_size):
     """The attention and MLP all-gather their input again in backward: the same numbers."""
@@ -96,7 +96,7 @@ def _generate(world_size):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_generate_equals_dense(world_size):
     results = run_distributed(_generate, world_size, world_size, timeout=240)
     assert all(torch.equal(r, results[0]) for r in results)
@@ -137,7 +137,7 @@ def _per_layer_bytes(arch, n):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_moves_the_bytes_of_tensor_parallelism(world_size):
     """Per decoder layer, each all-reduce became a reduce-scatter and an all-gather."""
     per_layer, whole = run_distributed(_per_layer_bytes, world_size, "llama", 64,
@@ -189,7 +189,8 @@ def _saved_bytes(mode):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_size", "limit"), [(2, 0.55), (4, 0.32)])
+@pytest.mark.parametrize(("world_size", "limit"),
+                         [(2, 0.55), pytest.param(4, 0.32, marks=pytest.mark.slow)])
 def test_sequence_parallel_saves_a_slice_of_the_activations(world_size, limit):
     dense, length = _saved_bytes(None)
     assert length == 128

@@ -243,6 +243,7 @@ def _compiled(regather):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 @pytest.mark.parametrize("regather", [False, True])
 def test_sequence_parallelism_compiles_without_graph_breaks(regather):
     """Compiled, a regathering gather keeps the gathered input (the eager path's overlapped

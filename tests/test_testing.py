@@ -50,6 +50,7 @@ def test_exception_names_rank_and_keeps_type(world_size):
     assert run_distributed(_all_reduce_rank, world_size) == [sum(range(world_size))] * world_size
 
 
+@pytest.mark.slow
 def test_hang_fails_with_timeout_and_pool_recovers():
     assert run_distributed(_all_reduce_rank, 2) == [1.0, 1.0]  # the pool is up: 2 s to reply
     with pytest.raises(RankTimeoutError,
@@ -70,6 +71,7 @@ def _raise_on_zero_while_others_block():
     return dist.get_rank()
 
 
+@pytest.mark.slow
 def test_pool_is_replaced_after_ranks_were_left_blocked():
     with pytest.raises(ValueError, match="boom on rank 0"):
         run_distributed(_raise_on_zero_while_others_block, 3, timeout=30)

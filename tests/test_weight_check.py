@@ -75,6 +75,7 @@ _PEAK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_check_needs_no_memory_in_proportion_to_the_tensor():
     numel = 16 << 20  # 32 MiB of bfloat16 (the former check took 24x that on top)
     out = subprocess.run([sys.executable, "-c", _PEAK.format(numel=numel)], check=True,
