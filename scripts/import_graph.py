@@ -1,0 +1,115 @@
+"""The package's import graph, measured: circles, folder sizes, and where modes and torch
+internals are read.
+
+    python scripts/import_graph.py            # a report
+    python scripts/import_graph.py --check    # exit 1 if there is any circle
+
+Every ``import`` of a tensorpar module counts, at module level or inside a function (an
+import inside a function hides a circle from Python, not from the design). A circle is a
+strongly connected component of more than one module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tensorpar"
+TORCH_PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z_]+)*\._[a-z][A-Za-z_]*")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The tensorpar modules ``path`` imports (a package import counts as its __init__)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != "tensorpar":
+                found.add(name)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 on any circle")
+    args = parser.parse_args()
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
+    found = circles(graph)
+    per_folder = collections.Counter(str(p.parent.relative_to(ROOT)) for p in files.values())
+    texts = {m: p.read_text() for m, p in files.items()}
+    validate = sorted(m for m, t in texts.items() if "VALIDATE[0]" in t)
+    private = {m: sorted(set(TORCH_PRIVATE.findall(t))) for m, t in texts.items()}
+    private = {m: v for m, v in private.items() if v}
+    importlib = sorted(m for m, t in texts.items() if re.search(r"\bimportlib\b", t))
+    print(f"{len(files)} modules; {sum(len(v) for v in graph.values())} import arrows")
+    print(f"circles: {len(found)}")
+    for c in found:
+        print("  " + " <-> ".join(c))
+    print("modules per folder:")
+    for folder, n in sorted(per_folder.items()):
+        print(f"  {n:3d}  {folder}")
+    print(f"modules reading VALIDATE[0]: {len(validate)}")
+    print(f"modules naming torch private names: {len(private)}")
+    for m, names in sorted(private.items()):
+        print(f"  {m}: {', '.join(names)}")
+    print(f"modules using importlib: {len(importlib)} {importlib}")
+    return 1 if args.check and found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
