@@ -10,6 +10,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 
 from tensorpar._group import Group
+from tensorpar._torch import FUNCTORCH_ACTIVE, UNWRAP_IF_DEAD
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, TensorparError
 
 __all__ = ["SYNC", "Launch", "apply_or_run", "backend_of", "check_op", "check_reducible",
@@ -125,11 +126,6 @@ def apply_or_run(function: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
     return out
 
 
-_functorch_active: Callable[[], bool] | None = getattr(torch._C, "_are_functorch_transforms_active",
-                                                     None)
-_unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
-    getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
-
 
 def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``function.apply`` for Functions whose arguments are tensors, ``None`` and plain values.
@@ -143,7 +139,7 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     ``setup_context`` (whose default arguments ``Function.apply`` binds).
     """
     base = super(torch.autograd.Function, function).apply  # type: ignore[misc]  # the C++ apply
-    active, unwrap = _functorch_active, _unwrap_if_dead
+    active, unwrap = FUNCTORCH_ACTIVE, UNWRAP_IF_DEAD
     if active is None or unwrap is None or "setup_context" in vars(function):
         return function.apply
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from tensorpar._faults import Pending, raise_translated, sequence_number
 from tensorpar._group import Group
+from tensorpar._torch import C10D_WORLD
 
 __all__ = ["CollectiveRecord", "CommCounter"]
 
@@ -196,7 +197,7 @@ def _pg(group: Group) -> dist.ProcessGroup | None:
 # (a tensor subclass, complex numbers, a coalescing block, a torch without these methods)
 # takes torch.distributed's function instead.
 _c10d: Any = dist.distributed_c10d if dist.is_available() else None
-_C10D_WORLD = getattr(_c10d, "_world", None)
+_C10D_WORLD = C10D_WORLD
 _PG = dist.ProcessGroup if dist.is_available() else None
 _PG_ALL_GATHER = getattr(_PG, "all_gather_single", None) or getattr(_PG, "_allgather_base", None)
 _PG_REDUCE_SCATTER = getattr(_PG, "reduce_scatter_single", None) \
@@ -242,7 +243,7 @@ def _direct(group: Group, *tensors: torch.Tensor) -> dist.ProcessGroup | None:
     for t in tensors:
         if type(t) is not torch.Tensor or t.dtype.is_complex:
             return None
-    if handle in _C10D_WORLD.pg_coalesce_state:  # type: ignore[union-attr]
+    if handle in _C10D_WORLD.pg_coalesce_state:
         return None
     return handle
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.compiler import is_compiling
+
+from tensorpar._torch import get_eval_frame_callback
 
 __all__ = ["compiling"]
 

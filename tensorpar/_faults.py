@@ -17,9 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
 from tensorpar._group import Group
+from tensorpar._torch import store_of
 from tensorpar.errors import CollectiveTimeoutError, PeerLostError
 
 __all__ = ["Pending", "raise_translated", "sequence_number"]
@@ -86,11 +85,7 @@ def _store(group: Group) -> Any:
     """The group's rendezvous store, or None (private torch API: best effort)."""
     try:
         handle = group.handle
-        c10d: Any = dist.distributed_c10d
-        if handle is None:
-            return None
-        entry = c10d._world.pg_map.get(handle)
-        return entry[1] if entry is not None else None
+        return None if handle is None else store_of(handle)
     except Exception:  # a torch without these internals: no diagnosis, still a clear error
         return None
 

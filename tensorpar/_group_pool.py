@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tensorpar import _comm
 from tensorpar._group import Group, resolve_group
+from tensorpar._torch import C10D_WORLD
 
 __all__ = ["GroupPool"]
 
@@ -81,8 +82,7 @@ class GroupPool:
 
 def _names_agree(group: Group) -> bool:
     """Whether every member of ``group`` knows as many groups (so torch names new ones alike)."""
-    known = getattr(dist.distributed_c10d, "_world", None)
-    names = getattr(known, "pg_names", None)
+    names = getattr(C10D_WORLD, "pg_names", None)
     counts = [row[0] for row in
               _comm.exchange_ints(group, [len(names) if names is not None else -1])]
     return counts[0] >= 0 and all(c == counts[0] for c in counts)

@@ -20,6 +20,7 @@ from tensorpar._reducer_checks import describe_change
 from tensorpar._reducer_sync import SyncPoint
 from tensorpar._replica import check_and_broadcast_replicas
 from tensorpar._switch import VALIDATE
+from tensorpar._torch import current_graph_task_id, queue_engine_callback
 from tensorpar.errors import CollectiveMismatchError, ReducerError
 from tensorpar.functional import all_reduce
 from tensorpar.hierarchical import shutdown_hierarchical
@@ -323,7 +324,7 @@ class BucketedAllReduce(SyncPoint):
         """Bookkeeping at a training forward (grad enabled); issues no collective."""
         if self._snapshot() != self._registered:
             raise ReducerError(describe_change(self.module, self._names, self._params))
-        if self._task is not None and torch._C._current_graph_task_id() == -1:
+        if self._task is not None and current_graph_task_id() == -1:
             # the last backward pass never reached its end on this rank (it raised, or a
             # check in it did): drain what it launched and start this iteration clean
             self._abandon()
@@ -379,15 +380,15 @@ class BucketedAllReduce(SyncPoint):
             view.div_(pre)
         self._used_since_sync[i] = True
         if not syncing:
-            task = torch._C._current_graph_task_id()
+            task = current_graph_task_id()
             if task != self._unsynced_task:
                 self._unsynced_task = task
                 self._unsynced += 1
             return
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if self._task is None:
             self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            queue_engine_callback(self._finish_backward)
         elif task != self._task:
             self._abandon()
             raise ReducerError(

@@ -33,12 +33,13 @@ import torch
 
 from tensorpar._autograd import no_backward as _no_backward
 from tensorpar._group import Group
+from tensorpar._torch import C10D_FUNCTIONAL
 
 __all__ = ["Broadcast", "CopyToGroup", "Gather", "GatherFromGroup", "Reduce", "ReduceIdentity",
            "Scatter", "SplitToGroup", "all_gather_dim", "all_reduce_sum", "all_to_all_dims",
            "gather_dim", "group_name", "no_backward", "reduce_scatter_dim", "scatter_dim", "wait"]
 
-_C = torch.ops._c10d_functional
+_C = C10D_FUNCTIONAL
 
 
 def group_name(g: Group) -> str:

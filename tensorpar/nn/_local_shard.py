@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from tensorpar._torch import register_state_dict_post_hook
 from tensorpar.nn._params import TAG, ParamTag, keep_tag
 
 __all__ = ["LocalShard", "mark_shards"]
@@ -76,6 +77,4 @@ def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
             if isinstance(value, torch.Tensor) and not isinstance(value, LocalShard):
                 state[key] = value.as_subclass(LocalShard)
 
-    register = getattr(layer, "register_state_dict_post_hook", None) \
-        or layer._register_state_dict_hook
-    register(hook)
+    register_state_dict_post_hook(layer, hook)

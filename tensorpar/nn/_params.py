@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tensorpar._group import Group
+from tensorpar._torch import fsdp_managed_params
 
 __all__ = ["ParamInfo", "ParamTag", "TAG", "TAGS", "parameter_infos", "retag", "sharded_layers",
            "tag_model"]
@@ -156,30 +157,8 @@ def _retag_once(module: nn.Module, args: Any) -> None:
 
 
 def _fsdp_params(module: nn.Module) -> list[tuple[torch.Tensor, nn.Module, str]]:
-    """``(sharded parameter, owner, attribute name)`` of every parameter FSDP2 manages here.
-
-    Read from FSDP2's state (``fully_shard``'s parameter groups); empty for a module that
-    is not an ``FSDPModule`` or a torch whose FSDP2 state is laid out otherwise.
-    """
-    state_of = getattr(module, "_get_fsdp_state", None)
-    if not callable(state_of):
-        return []
-    try:
-        state = state_of()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            one = getattr(state, "_fsdp_param_group", None)
-            groups = [one] if one is not None else []
-        out: list[tuple[torch.Tensor, nn.Module, str]] = []
-        for group in groups:
-            for fsdp_param in group.fsdp_params:
-                info = fsdp_param._module_info
-                owners = [(info.module, info.param_name),
-                          *zip(info.shared_modules, info.shared_param_names, strict=True)]
-                out.extend((fsdp_param.sharded_param, owner, leaf) for owner, leaf in owners)
-        return out
-    except (AttributeError, TypeError):
-        return []
+    """``(sharded parameter, owner, attribute name)`` of every parameter FSDP2 manages here."""
+    return fsdp_managed_params(module)
 
 
 def tag_of(param: torch.Tensor) -> ParamTag | None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tensorpar._group import Group
+from tensorpar._torch import DISABLED_TORCH_FUNCTION, local_offsets
 from tensorpar.functional import broadcast
 from tensorpar.nn._params import retag, sharded_layers
 from tensorpar.nn._shard import Piece
@@ -187,11 +188,7 @@ def _slice_of(value: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     mesh = getattr(value, "device_mesh", None)
     if mesh is None:
         return value.detach(), [0] * value.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offsets = compute_local_shape_and_global_offset(value.shape, mesh,
-                                                       value.placements)  # type: ignore[attr-defined]
-    return value.to_local().detach(), list(offsets)  # type: ignore[attr-defined]
+    return value.to_local().detach(), local_offsets(value)  # type: ignore[attr-defined]
 
 
 class ShardAtOffset(torch.Tensor):
@@ -213,7 +210,7 @@ class ShardAtOffset(torch.Tensor):
 
     global_size: torch.Size
     chunks: tuple[Chunk, ...]
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
     def of(local: torch.Tensor, global_size: torch.Size, *, dim: int,

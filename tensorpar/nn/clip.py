@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tensorpar._torch import foreach_norm, foreach_supported
 from tensorpar.functional import all_reduce
 from tensorpar.nn._params import parameter_infos, retag, tag_of
 
@@ -193,11 +194,11 @@ def _norms(tensors: list[torch.Tensor], p: float, foreach: bool | None) -> list[
         groups.setdefault((t.device, t.dtype), []).append(i)
     for (device, _), idx in groups.items():
         batch = [tensors[i] for i in idx]
-        fast = torch.utils._foreach_utils._device_has_foreach_support(device)
+        fast = foreach_supported(device)
         if foreach and not fast:
             raise RuntimeError(f"grad_norm: foreach=True was passed, but the foreach kernels "
                                f"do not support {device.type} tensors")
-        norms = list(torch._foreach_norm(batch, p)) if (foreach is None and fast) or foreach \
+        norms = foreach_norm(batch, p) if (foreach is None and fast) or foreach \
             else [torch.linalg.vector_norm(t, p) for t in batch]
         for i, n in zip(idx, norms, strict=True):
             out[i] = n

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.utils._pytree import tree_map
 
 from tensorpar._algorithm import Algorithm
 from tensorpar._buffers import common_rank, sum_flags
 from tensorpar._group import GroupLike
+from tensorpar._torch import tree_map
 from tensorpar.errors import ReducerError
 from tensorpar.nn._join import DDPJoinHook
 from tensorpar.reducer import BucketedAllReduce

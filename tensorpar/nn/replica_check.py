@@ -30,6 +30,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from tensorpar._switch import VALIDATE
+from tensorpar._torch import global_optimizer_post_hooks
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.functional import all_gather
 from tensorpar.nn._local_shard import LocalShard
@@ -44,7 +45,7 @@ CHUNK = 1 << 20  # elements hashed at a time: bounded extra memory
 
 def install() -> None:
     """Register the step post-hook with torch once per process (idempotent)."""
-    if any(hook is _after_step for hook in torch_optimizer._global_optimizer_post_hooks.values()):
+    if any(hook is _after_step for hook in global_optimizer_post_hooks()):
         return
     torch_optimizer.register_optimizer_step_post_hook(_after_step)
 

@@ -1,0 +1,138 @@
+"""The one room that touches torch's private internals (tested on torch 2.13).
+
+Everything tensorpar reads from torch beyond its public API is named here, once.
+``tests/test_torch_internals.py`` checks each name on the installed torch, so an upgrade that
+moves one fails that test by name instead of silently taking another path. Where a missing
+internal only costs speed (the direct ``Function.apply``, the direct process-group calls),
+the caller falls back to the public way; where it would cost correctness (FSDP2's parameter
+layout), the accessor raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
+from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch.utils._pytree import tree_map
+
+__all__ = [
+    "C10D_FUNCTIONAL",
+    "C10D_WORLD",
+    "DISABLED_TORCH_FUNCTION",
+    "FUNCTORCH_ACTIVE",
+    "UNWRAP_IF_DEAD",
+    "current_graph_task_id",
+    "foreach_norm",
+    "foreach_supported",
+    "fsdp_managed_params",
+    "get_eval_frame_callback",
+    "global_optimizer_post_hooks",
+    "local_offsets",
+    "queue_engine_callback",
+    "register_state_dict_post_hook",
+    "store_of",
+    "tree_map",
+]
+
+# Function.apply's own steps, called directly by tensorpar._autograd.direct_apply (speed only)
+FUNCTORCH_ACTIVE: Callable[[], bool] | None = getattr(
+    torch._C, "_are_functorch_transforms_active", None)
+UNWRAP_IF_DEAD: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
+    getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+
+# A tensor subclass whose operations give plain tensors (tensorpar.nn.checkpoint.ShardAtOffset)
+DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
+
+# The traced collectives (tensorpar._traced._prims): torch's functional collective ops
+C10D_FUNCTIONAL: Any = torch.ops._c10d_functional
+
+# The process groups torch knows: their stores and names (speed and diagnosis only)
+C10D_WORLD: Any = getattr(dist.distributed_c10d, "_world", None) if dist.is_available() else None
+
+
+def current_graph_task_id() -> int:
+    """The running backward pass's id, or -1 outside one."""
+    task: int = torch._C._current_graph_task_id()
+    return task
+
+
+def queue_engine_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the running backward pass has finished its work."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def global_optimizer_post_hooks() -> list[Callable[..., Any]]:
+    """The step post-hooks registered for every optimizer."""
+    return list(torch_optimizer._global_optimizer_post_hooks.values())
+
+
+def foreach_norm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """Each tensor's ``p``-norm in one foreach kernel (where `foreach_supported`)."""
+    return list(torch._foreach_norm(tensors, p))
+
+
+def foreach_supported(device: torch.device) -> bool:
+    """Whether torch's foreach kernels run on ``device``'s tensors."""
+    supported: bool = torch.utils._foreach_utils._device_has_foreach_support(device)
+    return supported
+
+
+def local_offsets(value: Any) -> list[int]:
+    """A ``DTensor``'s local shard's offsets in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                       value.placements)
+    return list(offsets)
+
+
+def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., Any]) -> None:
+    """``module.register_state_dict_post_hook`` (public from torch 2.5; private before)."""
+    register = getattr(module, "register_state_dict_post_hook", None) \
+        or module._register_state_dict_hook
+    register(hook)
+
+
+def store_of(group: dist.ProcessGroup) -> Any:
+    """The rendezvous store of a process group, or None where torch does not say."""
+    entry = C10D_WORLD.pg_map.get(group) if C10D_WORLD is not None else None
+    return entry[1] if entry is not None else None
+
+
+def fsdp_managed_params(module: nn.Module) -> list[tuple[torch.Tensor, nn.Module, str]]:
+    """``(sharded parameter, owner, attribute name)`` of every parameter FSDP2 manages here.
+
+    Empty for a module that is not an ``FSDPModule``.
+
+    Raises:
+        RuntimeError: ``module`` is an ``FSDPModule`` whose state is laid out in a way this
+            torch's tensorpar cannot read (tensorpar would otherwise save and clip FSDP2
+            models wrongly).
+    """
+    state_of = getattr(module, "_get_fsdp_state", None)
+    if not callable(state_of):
+        return []
+    try:
+        state = state_of()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        out: list[tuple[torch.Tensor, nn.Module, str]] = []
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                owners = [(info.module, info.param_name),
+                          *zip(info.shared_modules, info.shared_param_names, strict=True)]
+                out.extend((fsdp_param.sharded_param, owner, leaf) for owner, leaf in owners)
+        return out
+    except (AttributeError, TypeError) as e:
+        raise RuntimeError(f"tensorpar cannot read fully_shard's parameter layout on torch "
+                           f"{torch.__version__} ({type(e).__name__}: {e}); it needs it to tag "
+                           f"FSDP2's sharded parameters for checkpoints and clipping. tensorpar "
+                           f"is tested on torch 2.13") from e
