@@ -4,7 +4,8 @@ Serves the site built by ``mkdocs build`` on 127.0.0.1 and drives Chromium with 
 (the system's Chromium: nothing is downloaded). Checks that
 
 - the home page renders with its title and the navigation (Getting started, the API pages);
-- an API page (tensorpar.functional) renders its heading, its functions and the navigation;
+- an API page (tensorpar.collectives.functional) renders its heading, its functions and the
+  navigation;
 - the search (which runs in JavaScript, in a web worker) finds ``no_sync``;
 
 and saves a screenshot of each into --screenshots. Exits 0 when every check passes, 1 when
@@ -67,7 +68,7 @@ def check_home(page: Any, url: str) -> list[str]:
     if not page.locator("article h1").first.inner_text().strip().startswith("tensorpar"):
         problems.append("home: no 'tensorpar' heading in the article")
     titles = nav_titles(page)
-    for wanted in ("Getting started", "Data parallelism", "tensorpar.functional"):
+    for wanted in ("Getting started", "Data parallelism", "tensorpar.collectives.functional"):
         if wanted not in titles:
             problems.append(f"home: navigation lacks {wanted!r} (has {titles})")
     return problems
@@ -78,16 +79,16 @@ def check_api(page: Any, url: str) -> list[str]:
     page.wait_for_selector("nav.md-nav--primary")
     problems = []
     heading = page.locator("article h1").first.inner_text()
-    if "tensorpar.functional" not in heading:
+    if "tensorpar.collectives.functional" not in heading:
         problems.append(f"api: heading is {heading!r}")
     functions = page.locator("article .doc-function").count()
     if functions < 8:
         problems.append(f"api: {functions} documented functions, expected the 8 collectives")
     for name in ("scatter", "all_reduce"):
-        if page.locator(f"[id='tensorpar.functional.{name}']").count() == 0:
-            problems.append(f"api: no entry for tensorpar.functional.{name}")
+        if page.locator(f"[id='tensorpar.collectives.functional.{name}']").count() == 0:
+            problems.append(f"api: no entry for tensorpar.collectives.functional.{name}")
     active = page.locator("nav.md-nav--primary a.md-nav__link--active").all_inner_texts()
-    if not any("tensorpar.functional" in a for a in active):
+    if not any("tensorpar.collectives.functional" in a for a in active):
         problems.append(f"api: the navigation does not mark the page as active ({active})")
     return problems
 

@@ -19,6 +19,11 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The layers, lowest first: an import from a lower layer into a higher one runs back up.
+LAYERS = [["_torch", "errors"], ["comm"], ["placeholder", "collaborative"], ["collectives"],
+          ["validation"], ["hierarchical"], ["ddp"],
+          ["nn", "domain", "context", "pipeline", "launch"], ["testing", "bench", "__init__"]]
+LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 PACKAGE = ROOT / "tensorpar"
 TORCH_PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z_]+)*\._[a-z][A-Za-z_]*")
 
@@ -28,6 +33,12 @@ def module_name(path: pathlib.Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """The first name below ``tensorpar`` (a package, or a top-level module)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
@@ -86,6 +97,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 on any circle")
+    parser.add_argument("--list", metavar="PACKAGE", help="also list PACKAGE's arrows back up")
     args = parser.parse_args()
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
@@ -100,6 +112,17 @@ def main() -> int:
     print(f"circles: {len(found)}")
     for c in found:
         print("  " + " <-> ".join(c))
+    back = collections.Counter(
+        (package_of(a), package_of(b)) for a, targets in graph.items() for b in targets
+        if LEVEL.get(package_of(a), 99) < LEVEL.get(package_of(b), 99))
+    print(f"arrows back up (a lower layer importing a higher one): {sum(back.values())}")
+    for (a, b), n in sorted(back.items()):
+        print(f"  {a} -> {b}: {n}")
+        if args.list == a:
+            for m, targets in sorted(graph.items()):
+                for t in sorted(targets):
+                    if package_of(m) == a and package_of(t) == b:
+                        print(f"      {m} -> {t}")
     print("modules per folder:")
     for folder, n in sorted(per_folder.items()):
         print(f"  {n:3d}  {folder}")

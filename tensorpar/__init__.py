@@ -1,8 +1,25 @@
 """tensorpar: placeholder-aware, autograd-safe collectives for model-parallel PyTorch."""
 
 from tensorpar import nn as nn
-from tensorpar._comm import CollectiveRecord, CommCounter
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
+from tensorpar.collectives.functional import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+from tensorpar.collectives.regions import (
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    split_to_group,
+)
+from tensorpar.comm._comm import CollectiveRecord, CommCounter
+from tensorpar.ddp.reducer import BucketedAllReduce
 from tensorpar.errors import (
     CollectiveArgumentError,
     CollectiveMismatchError,
@@ -15,27 +32,15 @@ from tensorpar.errors import (
     UnresolvedCollectiveError,
     WireFormatError,
 )
-from tensorpar.functional import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    broadcast,
-    gather,
-    reduce,
-    reduce_scatter,
-    scatter,
-)
+from tensorpar.hierarchical.topology import Topology
 from tensorpar.launch import init_distributed
-from tensorpar.nn.checkpoint import load_sharded_state_dict, sharded_state_dict
-from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
-from tensorpar.nn.optim_checkpoint import (
+from tensorpar.nn.plans.convert import full_state_dict, load_full_state_dict, parallelize
+from tensorpar.nn.state.checkpoint import load_sharded_state_dict, sharded_state_dict
+from tensorpar.nn.state.optim_checkpoint import (
     load_sharded_optimizer_state_dict,
     sharded_optimizer_state_dict,
 )
 from tensorpar.placeholder import TensorPlaceholder, is_placeholder
-from tensorpar.reducer import BucketedAllReduce
-from tensorpar.regions import copy_to_group, gather_from_group, reduce_from_group, split_to_group
-from tensorpar.topology import Topology
 from tensorpar.validation import validation, validation_enabled
 
 __version__ = "0.1.0"

@@ -39,16 +39,16 @@ __all__ = [
     "tree_map",
 ]
 
-# Function.apply's own steps, called directly by tensorpar._autograd.direct_apply (speed only)
+# Function.apply's own steps, called directly by collectives._autograd.direct_apply (speed only)
 FUNCTORCH_ACTIVE: Callable[[], bool] | None = getattr(
     torch._C, "_are_functorch_transforms_active", None)
 UNWRAP_IF_DEAD: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
 
-# A tensor subclass whose operations give plain tensors (tensorpar.nn.checkpoint.ShardAtOffset)
+# A tensor subclass whose operations give plain tensors (nn.state.checkpoint.ShardAtOffset)
 DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
 
-# The traced collectives (tensorpar._traced._prims): torch's functional collective ops
+# The traced collectives (tensorpar.collectives._traced._prims): torch's functional collective ops
 C10D_FUNCTIONAL: Any = torch.ops._c10d_functional
 
 # The process groups torch knows: their stores and names (speed and diagnosis only)

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.hierarchical import hierarchical_all_reduce
+from tensorpar.hierarchical.topology import Topology
 from tensorpar.testing.cluster import link_bytes
-from tensorpar.topology import Topology
 
 
 def _sent_per_call(fn):

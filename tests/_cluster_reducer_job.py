@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorpar as tp
-from tensorpar.topology import Topology
+from tensorpar.hierarchical.topology import Topology
 
 
 def main():

@@ -473,7 +473,7 @@ def test_a_destroyed_group_is_not_kept_alive():
 
 def test_the_default_group_is_resolved_again_after_it_is_replaced():
     """``group=None`` reuses the last resolved default group only while WORLD is that group."""
-    from tensorpar._group import Group, resolve_group
+    from tensorpar.comm._group import Group, resolve_group
 
     assert not dist.is_initialized()  # this runs in the test process, not on a pooled rank
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -494,8 +494,8 @@ def test_the_default_group_is_resolved_again_after_it_is_replaced():
 
 def _uneven_exchange_point_to_point(ranks):
     """On gloo an uneven flat all-to-all goes point to point; async, on a subgroup too."""
-    from tensorpar import _comm
-    from tensorpar._group import resolve_group
+    from tensorpar.comm import _comm
+    from tensorpar.comm._group import resolve_group
 
     group, rank, p = _subgroup(ranks)
     if rank < 0:

@@ -196,7 +196,7 @@ def _rooted_case(n, uneven):
 def _run_rooted(fn, inputs, compile_it):
     """``fn`` eagerly or compiled (fullgraph where the rooted collectives trace): outputs and
     the gradients of the tensor inputs."""
-    from tensorpar._traced.rooted import TRACES
+    from tensorpar.collectives._traced.rooted import TRACES
 
     f = torch.compile(fn, fullgraph=TRACES, backend="aot_eager") if compile_it else fn
     leaves = [t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor)
@@ -227,7 +227,7 @@ def _placeholder_out(compile_it):
     def fn(chunk):
         return tp.gather(chunk * 2, dim=0, dst=1, sizes=split)
 
-    from tensorpar._traced.rooted import TRACES
+    from tensorpar.collectives._traced.rooted import TRACES
 
     f = torch.compile(fn, fullgraph=TRACES, backend="aot_eager") if compile_it else fn
     chunk = rand(rank, split[rank], 3).requires_grad_()
@@ -605,7 +605,7 @@ def test_llama_sequence_parallel_compiles_fullgraph_and_equals_eager(world_size)
 def test_traced_split_returns_a_copy_not_a_view():
     """A Function whose output is a view of its input was traced by torch 2.11 with a zero
     gradient (split_to_group's compiled input gradient came out zero there)."""
-    from tensorpar._traced import _prims
+    from tensorpar.collectives._traced import _prims
 
     x = torch.arange(6.0).view(3, 2)
     out = _prims.SplitToGroup.apply(x, 0, (1, 1, 1), 0, "")

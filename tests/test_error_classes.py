@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import _faults
-from tensorpar._group import Group
+from tensorpar.comm import _faults
+from tensorpar.comm._group import Group
 from tensorpar.errors import CollectiveTimeoutError, TensorparError
 
 

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 import tensorpar as tp
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.nn import plan_from_transformers
-from tensorpar.nn._params import tag_of
+from tensorpar.nn.state._params import tag_of
 from tensorpar.testing import run_distributed
 from tests.test_clip import _dense_step, _loss, build, dense_slice
 from tests.test_fsdp_tp import _optimizer, batch, both, load_perturbed

@@ -22,7 +22,7 @@ from tensorpar.nn import (
     plan_from_transformers,
     vocab_parallel_cross_entropy,
 )
-from tensorpar.nn.partial_grad import install_partial_grad, partial_grad_parameters
+from tensorpar.nn.state.partial_grad import install_partial_grad, partial_grad_parameters
 from tensorpar.testing import run_distributed
 from tests.test_clip import dense_slice as local
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.hierarchical import HierarchicalWork, hierarchical_all_reduce, shutdown_hierarchical
+from tensorpar.hierarchical.topology import Topology
 from tensorpar.testing import run_distributed
-from tensorpar.topology import Topology
 
 TIMEOUT = 120.0
 NUMELS = [0, 1, 3, 7, 99991, 2**20]
@@ -129,7 +129,7 @@ def test_engine_thread_stops_joins_and_restarts():
 
 def test_shutdown_argument_errors():
     assert shutdown_hierarchical() is True
-    with pytest.raises(TypeError, match=r"topology must be a tensorpar\.topology\.Topology or "
+    with pytest.raises(TypeError, match=r"topology must be a tensorpar\.Topology or "
                                         r"None, got int"):
         shutdown_hierarchical(3)
 
@@ -187,7 +187,7 @@ def test_single_rank_and_argument_errors():
         hierarchical_all_reduce(torch.zeros(2, 2).t(), topo)
     with pytest.raises(ValueError, match="slice_bytes must be >= 1, got 0"):
         hierarchical_all_reduce(x, topo, slice_bytes=0)
-    with pytest.raises(TypeError, match=r"topology must be a tensorpar\.topology\.Topology"):
+    with pytest.raises(TypeError, match=r"topology must be a tensorpar\.Topology"):
         hierarchical_all_reduce(x, None)
     with pytest.raises(TypeError, match=r"tensor must be a torch\.Tensor, got list"):
         hierarchical_all_reduce([1.0], topo)

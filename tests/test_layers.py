@@ -296,7 +296,7 @@ def test_column_row_double_backward_matches_dense(world_size):
 
 
 def _all_reduce_before_weight_grad():
-    from tensorpar.nn import _column_fn
+    from tensorpar.nn.layers import _column_fn
 
     torch.manual_seed(0)
     layer = ColumnParallelLinear(6, 8).double()
@@ -326,7 +326,7 @@ def test_column_backward_launches_all_reduce_before_weight_gradient():
 def test_direct_apply_is_function_apply():
     """The layers' shortcut to a Function's C++ apply records the same node and gradients,
     and under a functorch transform is ``Function.apply`` itself (here: the same refusal)."""
-    from tensorpar._autograd import direct_apply
+    from tensorpar.collectives._autograd import direct_apply
 
     class Scale(torch.autograd.Function):
         @staticmethod

@@ -366,7 +366,7 @@ def test_siblings_reading_one_input_all_reduce_its_gradient_once(cross, all_redu
 def test_heads_that_do_not_pair_up_are_described_by_projection():
     from types import SimpleNamespace
 
-    from tensorpar.nn.plan import check_heads
+    from tensorpar.nn.plans.plan import check_heads
 
     class Attn(nn.Module):
         def __init__(self):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorpar.nn.partial_grad import install_partial_grad, partial_grad_group
+from tensorpar.nn.state.partial_grad import install_partial_grad, partial_grad_group
 from tensorpar.testing import run_distributed
 
 

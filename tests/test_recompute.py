@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.nn._recompute import install_recompute
+from tensorpar.nn.layers._recompute import install_recompute
 
 
 class NormThenDropout(nn.Module):

@@ -85,7 +85,7 @@ def _parity(name, options, steps, micro_batches, dtype_name, device="cpu"):
     theirs = copy.deepcopy(ours)
     find_unused = options.get("find_unused_parameters", False)
     if options.get("algorithm"):  # machines of 2 ranks on 4 ranks, else one rank per machine
-        from tensorpar.topology import Topology
+        from tensorpar.hierarchical.topology import Topology
         world = dist.get_world_size()
         options = {**options, "topology": Topology.grid(2 if world == 4 else 1)}
     wrapped = tp.nn.DistributedDataParallel(ours, **options)

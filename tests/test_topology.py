@@ -5,8 +5,8 @@ import os
 import pytest
 import torch.distributed as dist
 
+from tensorpar.hierarchical.topology import Topology
 from tensorpar.testing import run_distributed
-from tensorpar.topology import Topology
 
 TIMEOUT = 60.0
 

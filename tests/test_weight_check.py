@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorpar._replica import check_same_weights
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.testing import run_distributed
+from tensorpar.validation._replica import check_same_weights
 
 TIMEOUT = 60.0
 
@@ -57,7 +57,7 @@ def test_the_same_weights_pass():
 
 _PEAK = textwrap.dedent("""
     import torch
-    from tensorpar._replica import _fingerprints
+    from tensorpar.validation._replica import _fingerprints
 
     def rss(field):
         with open("/proc/self/status") as f:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorpar.functional import all_gather, all_reduce, all_to_all, reduce_scatter
+from tensorpar.collectives.functional import all_gather, all_reduce, all_to_all, reduce_scatter
 from tensorpar.validation import validation
 
 __all__ = ["native_all_to_all", "padded_all_to_all", "p2p_all_to_all", "run_rank",

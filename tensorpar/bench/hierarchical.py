@@ -23,8 +23,8 @@ import torch.distributed as dist
 from tensorpar.bench import reducer_cluster
 from tensorpar.bench._timing import format_table
 from tensorpar.hierarchical import hierarchical_all_reduce
+from tensorpar.hierarchical.topology import Topology
 from tensorpar.testing.cluster import SimulatedCluster, link_bytes
-from tensorpar.topology import Topology
 
 __all__ = ["CASES", "rank_main", "run_cluster", "suite"]
 

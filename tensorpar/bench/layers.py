@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from tensorpar.nn.convert import parallelize
+from tensorpar.nn.plans.convert import parallelize
 
 __all__ = ["profile_steps", "run_rank", "WORKLOADS"]
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorpar.reducer import BucketedAllReduce
+from tensorpar.ddp.reducer import BucketedAllReduce
 
 __all__ = ["MODELS", "VARIANTS", "build_model", "check_parity", "memory_rank", "run_rank"]
 

@@ -42,10 +42,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from tensorpar.bench._timing import format_table, time_side_by_side
+from tensorpar.ddp.reducer import BucketedAllReduce
 from tensorpar.hierarchical import hierarchical_all_reduce
-from tensorpar.reducer import BucketedAllReduce
+from tensorpar.hierarchical.topology import Topology
 from tensorpar.testing.cluster import SimulatedCluster
-from tensorpar.topology import Topology
 
 __all__ = ["HIERARCHICAL_VARIANTS", "VARIANTS", "rank_main", "run_cluster", "suite",
            "variant_table"]

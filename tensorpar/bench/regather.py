@@ -59,7 +59,7 @@ def _switched(shards: Any, overlap: bool, fn: Callable[[], Any]) -> Callable[[],
 
 def _layer(sizes: dict[str, int]) -> tuple[Any, Forward]:
     """One regathered column layer: its `SequenceShards` and its forward."""
-    from tensorpar._group import resolve_group
+    from tensorpar.comm._group import resolve_group
     from tensorpar.nn.sequence import SequenceShards, column_on_gathered
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -120,7 +120,7 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
     from tensorpar.bench._timing import time_side_by_side
     from tensorpar.bench.sequence import SIZES, _loss, _model
     from tensorpar.nn import plan_from_transformers
-    from tensorpar.nn.convert import parallelize
+    from tensorpar.nn.plans.convert import parallelize
 
     sizes = dict(SIZES if sizes is None else sizes)
     ids = torch.randint(sizes["vocab"], (sizes["batch"], sizes["seq"]),

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorpar.functional import gather, scatter
+from tensorpar.collectives.functional import gather, scatter
 from tensorpar.placeholder import TensorPlaceholder
 
 

@@ -1,17 +1,16 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
-from tensorpar.nn.clip import clip_grad_norm_, grad_norm
-from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
-from tensorpar.nn.data_parallel import DistributedDataParallel
-from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.ddp.data_parallel import DistributedDataParallel
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
-from tensorpar.nn.hf_plan import plan_from_transformers
-from tensorpar.nn.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.nn.loss import vocab_parallel_cross_entropy
-from tensorpar.nn.modules import Gather, Scatter
-from tensorpar.nn.partial_grad import install_partial_grad
-from tensorpar.nn.plan import (
+from tensorpar.nn.hf.plan import plan_from_transformers
+from tensorpar.nn.layers.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from tensorpar.nn.layers.embedding import ParallelEmbedding, VocabParallelEmbedding
+from tensorpar.nn.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.nn.layers.loss import vocab_parallel_cross_entropy
+from tensorpar.nn.layers.modules import Gather, Scatter
+from tensorpar.nn.layers.random import ParallelRNG
+from tensorpar.nn.plans.convert import full_state_dict, load_full_state_dict, parallelize
+from tensorpar.nn.plans.plan import (
     Builder,
     Colwise,
     EmbeddingDim,
@@ -25,7 +24,8 @@ from tensorpar.nn.plan import (
     Vocab,
     match_module,
 )
-from tensorpar.nn.random import ParallelRNG
+from tensorpar.nn.state.clip import clip_grad_norm_, grad_norm
+from tensorpar.nn.state.partial_grad import install_partial_grad
 
 __all__ = [
     "Builder",

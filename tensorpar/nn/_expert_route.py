@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar import _comm
-from tensorpar._group import Group
-from tensorpar._split import NATIVE_DTYPES
-from tensorpar._switch import VALIDATE
+from tensorpar.collectives._split import NATIVE_DTYPES
+from tensorpar.comm import _comm
+from tensorpar.comm._group import Group
+from tensorpar.comm._switch import VALIDATE
 from tensorpar.validation import check
 
 __all__ = ["exchange_counts", "exchange_rows", "gather_sum", "grouped_linear",

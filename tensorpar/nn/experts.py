@@ -8,9 +8,9 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from tensorpar._compiling import compiling
-from tensorpar._group import GroupLike
-from tensorpar._switch import VALIDATE
+from tensorpar.comm._compiling import compiling
+from tensorpar.comm._group import GroupLike
+from tensorpar.comm._switch import VALIDATE
 from tensorpar.nn._expert_route import (
     exchange_counts,
     exchange_rows,
@@ -18,9 +18,9 @@ from tensorpar.nn._expert_route import (
     grouped_linear,
     sum_grads_over_ranks,
 )
-from tensorpar.nn._local_shard import mark_shards
-from tensorpar.nn._shard import shard_of
-from tensorpar.nn.linear import ShardedLayer
+from tensorpar.nn.layers._shard import shard_of
+from tensorpar.nn.layers.linear import ShardedLayer
+from tensorpar.nn.state._local_shard import mark_shards
 from tensorpar.validation import check
 
 __all__ = ["ExpertParallel", "ParallelExperts", "experts_problem"]

@@ -34,16 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar._autograd import needs_graph
-from tensorpar._compiling import compiling
-from tensorpar._group import Group
-from tensorpar._split import balanced_sizes
-from tensorpar._switch import VALIDATE
 from tensorpar.collaborative import CollaborativeTensor
-from tensorpar.functional import all_gather, reduce_scatter
-from tensorpar.nn._column_fn import _rows, autocast_on, save_linear_inputs
-from tensorpar.nn._recompute import install_recompute
-from tensorpar.regions import gather_from_group, split_to_group
+from tensorpar.collectives._autograd import needs_graph
+from tensorpar.collectives._split import balanced_sizes
+from tensorpar.collectives.functional import all_gather, reduce_scatter
+from tensorpar.collectives.regions import gather_from_group, split_to_group
+from tensorpar.comm._compiling import compiling
+from tensorpar.comm._group import Group
+from tensorpar.comm._switch import VALIDATE
+from tensorpar.nn.layers._column_fn import _rows, autocast_on, save_linear_inputs
+from tensorpar.nn.layers._recompute import install_recompute
 
 __all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
            "SequenceSplit", "column_on_gathered", "install_sequence_style",

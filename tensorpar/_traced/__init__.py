@@ -1,7 +1,0 @@
-"""The traceable path: what the collectives and layers run while ``torch.compile`` traces.
-
-The eager path stays where it is (`tensorpar.functional`, `tensorpar.regions`, the layers):
-each public entry point checks ``torch.compiler.is_compiling()`` once and hands over to the
-functions here, which build the same computation from PyTorch's functional collectives so
-that dynamo records it in one graph, forward and backward.
-"""

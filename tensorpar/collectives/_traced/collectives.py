@@ -1,0 +1,171 @@
+"""The public collectives and region mappings as ``torch.compile`` traces them.
+
+Each public function checks first whether it runs inside a compiled function (dynamo traces
+it, or runs it for real because it skipped the frame) and then calls its namesake here. While
+dynamo traces, that is: the same argument checks as eagerly (the functions of
+`tensorpar.collectives._entry`, plain Python evaluated once at trace time), then the functional
+collectives of `tensorpar.collectives._traced._prims`, which the compiled graph holds as ops.
+The rooted collectives (scatter, gather, broadcast, reduce) are in
+`tensorpar.collectives._traced.rooted`. What needs
+values only the ranks' data can tell (a metadata header exchange: chunk lengths without
+``sizes``) and validation mode (a fingerprint exchange per call) run eagerly instead, through
+`eager`, which dynamo sees as one graph break. So does a call that dynamo runs for real inside
+a compiled function (a frame it skipped): `eager` keeps dynamo out of tensorpar's eager
+internals, which talk to the process group directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.compiler import is_compiling
+
+from tensorpar.collaborative import CollaborativeTensor
+from tensorpar.collectives._entry import (
+    all_to_all_args,
+    reduction_args,
+    resolve_args,
+    split_args,
+    tensor_args,
+)
+from tensorpar.collectives._meta import own_chunk, sole_chunk
+from tensorpar.collectives._traced import _prims as P
+from tensorpar.collectives._traced._fallback import eager
+from tensorpar.collectives._traced._fallback import result as _result
+from tensorpar.collectives._traced.rooted import broadcast, gather, reduce, scatter
+from tensorpar.comm._group import GroupLike, resolve_group
+from tensorpar.comm._switch import VALIDATE
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group", "eager",
+           "gather", "gather_from_group", "reduce", "reduce_from_group", "reduce_scatter",
+           "scatter", "split_to_group"]
+
+
+
+def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
+               group: GroupLike = None, async_op: bool = False, inplace: bool = False,
+               algorithm: str = "flat", topology: Any = None
+               ) -> torch.Tensor | CollaborativeTensor:
+    """`tensorpar.all_reduce`, traced (the hierarchical algorithms run eagerly)."""
+    if VALIDATE[0] or algorithm != "flat" or not is_compiling():
+        return eager("all_reduce", x, op=op, backward=backward, group=group,  # type: ignore[no-any-return]
+                     async_op=async_op, inplace=inplace, algorithm=algorithm, topology=topology)
+    g, tensor, op_name = reduction_args("all_reduce", x, op, group, backward=backward,
+                                        inplace=inplace)
+    if g.is_single:
+        return _result(tensor, async_op)
+    name = P.group_name(g)
+    source = tensor / g.size if op_name == "mean" else tensor
+    if op_name in ("max", "min") or backward == "sum":
+        out = P.all_reduce_sum(source, name, "sum" if op_name == "mean" else op_name)
+    else:
+        out = P.ReduceIdentity.apply(source, name)  # type: ignore[no-untyped-call]
+    if inplace:
+        with torch.no_grad():
+            tensor.copy_(out)
+        out = tensor
+    return _result(out, async_op)
+
+
+def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
+               sizes: Sequence[int] | None = None, async_op: bool = False
+               ) -> torch.Tensor | CollaborativeTensor:
+    """`tensorpar.all_gather`, traced when ``sizes`` is given (else one graph break)."""
+    if VALIDATE[0] or sizes is None or not is_compiling():
+        return eager("all_gather", x, dim=dim, group=group, sizes=sizes,  # type: ignore[no-any-return]
+                     async_op=async_op)
+    fn = "all_gather"
+    g, checked = resolve_args(fn, group, sizes, x=x, dim=dim)
+    assert checked is not None
+    if g.is_single:
+        return _result(sole_chunk(fn, x, dim, checked), async_op)
+    tensor, d = own_chunk(fn, x, dim, g, checked)
+    return _result(P.all_gather_dim(tensor, d, checked, P.group_name(g)), async_op)
+
+
+def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: GroupLike = None,
+                   sizes: Sequence[int] | None = None, async_op: bool = False
+                   ) -> torch.Tensor | CollaborativeTensor:
+    """`tensorpar.reduce_scatter`, traced."""
+    if VALIDATE[0] or not is_compiling():
+        return eager("reduce_scatter", x, dim=dim, op=op, group=group,  # type: ignore[no-any-return]
+                     sizes=sizes, async_op=async_op)
+    g, tensor, op_name, d, split = split_args("reduce_scatter", x, dim, group, sizes, op)
+    assert op_name is not None  # an op was given
+    if g.is_single:
+        return _result(tensor, async_op)
+    source = tensor / g.size if op_name == "mean" else tensor
+    reduce_op = "sum" if op_name == "mean" else op_name
+    return _result(P.reduce_scatter_dim(source, d, split, g.rank, P.group_name(g), reduce_op),
+                   async_op)
+
+
+def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: GroupLike = None,
+               sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """`tensorpar.all_to_all`, traced when ``sizes`` is given (else one graph break)."""
+    if VALIDATE[0] or sizes is None or not is_compiling():
+        return eager("all_to_all", x, split_dim=split_dim,  # type: ignore[no-any-return]
+                     concat_dim=concat_dim, group=group, sizes=sizes)
+    fn = "all_to_all"
+    g = resolve_group(group, fn)
+    tensor, sd, cd, checked = all_to_all_args(fn, x, split_dim, concat_dim, g, sizes)
+    assert checked is not None
+    if g.is_single:
+        return tensor
+    return P.all_to_all_dims(tensor, sd, cd, checked, g.rank, P.group_name(g))
+
+
+def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
+    """`tensorpar.copy_to_group`, traced."""
+    if VALIDATE[0] or not is_compiling():
+        return eager("copy_to_group", x, group=group)  # type: ignore[no-any-return]
+    g, tensor = tensor_args("copy_to_group", x, group)
+    if g.is_single:
+        return tensor
+    out: torch.Tensor = P.CopyToGroup.apply(tensor, P.group_name(g))  # type: ignore[no-untyped-call]
+    return out
+
+
+def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
+    """`tensorpar.reduce_from_group`, traced."""
+    if VALIDATE[0] or not is_compiling():
+        return eager("reduce_from_group", x, group=group)  # type: ignore[no-any-return]
+    g, tensor = tensor_args("reduce_from_group", x, group)
+    if g.is_single:
+        return tensor
+    out: torch.Tensor = P.ReduceIdentity.apply(tensor, P.group_name(g))  # type: ignore[no-untyped-call]
+    return out
+
+
+def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
+                   sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """`tensorpar.split_to_group`, traced."""
+    if VALIDATE[0] or not is_compiling():
+        return eager("split_to_group", x, dim=dim, group=group,  # type: ignore[no-any-return]
+                     sizes=sizes)
+    g, tensor, _, d, split = split_args("split_to_group", x, dim, group, sizes)
+    if g.is_single:
+        return tensor
+    out: torch.Tensor = P.SplitToGroup.apply(  # type: ignore[no-untyped-call]
+        tensor, d, split, g.rank, P.group_name(g))
+    return out
+
+
+def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """`tensorpar.gather_from_group`, traced when ``sizes`` is given (else one graph break)."""
+    if VALIDATE[0] or sizes is None or not is_compiling():
+        return eager("gather_from_group", x, dim=dim, group=group,  # type: ignore[no-any-return]
+                     sizes=sizes)
+    fn = "gather_from_group"
+    g, checked = resolve_args(fn, group, sizes, x=x, dim=dim)
+    assert checked is not None
+    if g.is_single:
+        return sole_chunk(fn, x, dim, checked)
+    tensor, d = own_chunk(fn, x, dim, g, checked)
+    out: torch.Tensor = P.GatherFromGroup.apply(  # type: ignore[no-untyped-call]
+        tensor, d, checked, g.rank, P.group_name(g))
+    return out
+

@@ -1,0 +1,5 @@
+"""transformers adapters.
+
+Plans derived from a model's tp_plan, latent attention, experts and sequence parallelism for its
+architectures.
+"""

@@ -1,0 +1,87 @@
+"""The row-parallel matmul, its all-reduce and its bias as one autograd Function.
+
+``reduce_from_group(F.linear(x, W)) + b`` records three backward nodes and, on the way
+forward, clones the matmul's output before reducing it (the public all-reduce never
+overwrites its input). `_RowLinear` does the same arithmetic in one node: the matmul's output
+is a fresh tensor nobody else holds, so it is all-reduced in place and the bias is added
+to it in place, after the sum (adding it before would multiply it by the group size).
+Its backward issues no collective (the all-reduce's adjoint is the identity for a
+replicated consumer) and computes the input, weight and bias gradients in one go.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar.collectives._autograd import direct_apply, needs_graph, torch_op
+from tensorpar.collectives._symmetric import _CopyToGroup
+from tensorpar.collectives._traced import layers as _traced_layers
+from tensorpar.comm import _comm
+from tensorpar.comm._compiling import compiling
+from tensorpar.comm._group import Group
+from tensorpar.nn.layers._column_fn import _rows, save_linear_inputs
+
+__all__ = ["row_linear"]
+
+_SUM = torch_op("sum")
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               group: Group) -> torch.Tensor:
+    """``reduce_from_group(F.linear(x, weight)) + bias`` in one Function.
+
+    ``group`` has more than one rank; the caller takes the composition where this does not
+    apply (a single rank, autocast, validation mode, a ``reduce_dtype``). Where no graph is
+    recorded (inference), the arithmetic runs without the Function.
+    """
+    if compiling():  # compiled: tensorpar.collectives._traced
+        return _traced_layers.row_linear(x, weight, bias, group)
+    if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
+        return row_linear_data(x, weight, bias, group)
+    out: torch.Tensor = _apply_row(x, weight, bias, group)
+    return out
+
+
+def row_linear_data(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    group: Group) -> torch.Tensor:
+    """The forward arithmetic: matmul, in-place all-reduce of its output, then the bias."""
+    y = F.linear(x, weight)
+    if not y.is_contiguous():  # every rank's bytes must be reduced in the same order
+        y = y.contiguous()
+    _comm.all_reduce(y, _SUM, group)
+    if bias is None:
+        return y
+    return y.add_(bias) if bias.dtype == y.dtype else y + bias
+
+
+class _RowLinear(torch.autograd.Function):
+    """Forward: ``all_reduce(x W^T) + b``. Backward: ``g W``, ``g^T x``, ``sum(g)``, no comm."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Group) -> torch.Tensor:
+        save_linear_inputs(ctx, x, weight, bias, group)
+        return row_linear_data(x, weight, bias, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        bias_grad = grad
+        if torch.is_grad_enabled():
+            # create_graph: the matmul's gradient passes through the all-reduce's adjoint
+            # (copy_to_group), whose own backward all-reduces: second-order gradients come
+            # out as with the composition, on every rank (tied to x, as copy_to_group does)
+            if x is not None:
+                grad = grad + x.reshape(-1)[:0].sum()
+            grad = _CopyToGroup.apply(grad, ctx.group)  # type: ignore[no-untyped-call]
+        grad_x = grad.matmul(weight) if need_x else None
+        grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
+        grad_b = _rows(bias_grad).sum(0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+_apply_row = direct_apply(_RowLinear)

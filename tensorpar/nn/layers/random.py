@@ -1,0 +1,88 @@
+"""Random streams for dropout inside tensor-parallel regions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from tensorpar.comm._group import GroupLike, resolve_group
+
+__all__ = ["ParallelRNG"]
+
+
+class ParallelRNG:
+    """Two random streams for a tensor-parallel group, kept apart from torch's global one.
+
+    - `replicated`: the same stream on every rank of the group. Use it for dropout on
+      activations that every rank holds in full (after a row-parallel layer), so the ranks
+      keep identical activations.
+    - `sharded`: a different stream on every rank. Use it for dropout on activations
+      that are split across the group (after a column-parallel layer), so the slices do not
+      all draw the same mask.
+
+    Each stream advances across uses and is restored around each ``with`` block; the global
+    RNG is left as it was. Ranks of *different* tensor-parallel groups (e.g. data-parallel
+    replicas) should pass different seeds if they must draw different masks.
+
+    Args:
+        seed: the base seed.
+        group: the tensor-parallel group.
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import ParallelRNG
+        >>> rng = ParallelRNG(seed=1234)
+        >>> with rng.replicated():
+        ...     mask = torch.nn.functional.dropout(torch.ones(4), p=0.5)
+    """
+
+    def __init__(self, seed: int, *, group: GroupLike = None) -> None:
+        g = resolve_group(group, "ParallelRNG")
+        self._states = {"replicated": self._seeded(seed),
+                        "sharded": self._seeded(seed + 1 + 7919 * (g.rank + 1))}
+
+    @staticmethod
+    def _seeded(seed: int) -> dict[str, torch.Tensor]:
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            torch.manual_seed(seed)
+            return _capture()
+
+    @contextlib.contextmanager
+    def replicated(self) -> Iterator[None]:
+        """Draw from the stream that is the same on every rank of the group."""
+        with self._use("replicated"):
+            yield
+
+    @contextlib.contextmanager
+    def sharded(self) -> Iterator[None]:
+        """Draw from this rank's own stream."""
+        with self._use("sharded"):
+            yield
+
+    @contextlib.contextmanager
+    def _use(self, name: str) -> Iterator[None]:
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            _restore(self._states[name])
+            try:
+                yield
+            finally:
+                self._states[name] = _capture()
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def _capture() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,5 @@
+"""Parameter state.
+
+Tags, sharded and full checkpoints, optimizer state, gradient clipping, partial gradients,
+replica checks.
+"""

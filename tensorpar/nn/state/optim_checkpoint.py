@@ -1,0 +1,194 @@
+"""Optimizer state in sharded checkpoints: every moment at its dense offset, like the weights.
+
+An optimizer of a tensor-parallel model keeps, per parameter, tensors of the parameter's
+shard shape (Adam's moments, SGD's momentum). ``optimizer.state_dict()`` keys them by
+position and gives no offsets, so ``torch.distributed.checkpoint`` would take every rank's
+shard for the same tensor. Here they are keyed by the parameter's dense name and travel as
+`ShardAtOffset` exactly as `sharded_state_dict` sends the parameters: a checkpoint loads
+at another tensor-parallel size and into the dense model's optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorpar.nn.state._params import ParamInfo, parameter_infos, retag
+from tensorpar.nn.state.checkpoint import copy_into, dcp_value, local_of
+
+__all__ = ["load_sharded_optimizer_state_dict", "sharded_optimizer_state_dict"]
+
+
+def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
+                                 ) -> dict[str, Any]:
+    """The optimizer's state for ``torch.distributed.checkpoint``, every shard at its offset.
+
+    ``{"state": {dense name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
+    A state tensor of the parameter's shape is a `ShardAtOffset` viewing this rank's
+    shard (or a plain tensor / ``DTensor`` for a replica), so ``dcp.load`` into this dict
+    writes straight into the optimizer; scalars (``step``) are saved once. Saving changes
+    nothing: a parameter that has no state yet (before the first step, or one that has had
+    no gradient) is saved as ``has_state[name] == 0`` beside the state it would start from,
+    made on a throwaway copy, so that a fresh optimizer has tensors to load into; loading
+    leaves such a parameter without state, and its first step creates it exactly as in a
+    run that never saved. On a model that is not parallelised it gives plain tensors in
+    the same layout.
+    Under ``fully_shard`` (FSDP2 beside tensor parallelism) the state of a shard is the
+    FSDP slice's pieces at their dense offsets and the state of a replica stays a
+    ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
+    without FSDP2. No communication.
+
+    Args:
+        model: the model whose parameters ``optimizer`` updates.
+        optimizer: a ``torch.optim`` optimizer whose per-parameter state tensors have the
+            parameter's shape (Adam, AdamW, SGD, Adagrad, RMSprop, ...).
+
+    Returns:
+        The state to pass to ``dcp.save`` or ``dcp.load``.
+
+    Raises:
+        ValueError: ``optimizer`` holds a parameter that is not ``model``'s, or a state
+            tensor whose shape is neither the parameter's nor a scalar.
+        TypeError: a parameter has no state yet and the optimizer's class cannot be built
+            from its parameter groups alone.
+
+    Example:
+        >>> import torch
+        >>> import tensorpar
+        >>> model = torch.nn.Linear(3, 2)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> state = tensorpar.sharded_optimizer_state_dict(model, opt)
+        >>> sorted(state["state"]["weight"])
+        ['exp_avg', 'exp_avg_sq', 'step']
+        >>> int(state["has_state"]["weight"]), len(opt.state)  # nothing was created
+        (0, 0)
+    """
+    fn = "sharded_optimizer_state_dict"
+    infos = _infos(model, optimizer, fn)
+    initial = _initial_states(optimizer, fn)
+    state: dict[str, Any] = {}
+    has_state: dict[str, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        names = []
+        for p in group["params"]:
+            info = infos[id(p)]
+            names.append(info.name)
+            own = optimizer.state.get(p)
+            has_state[info.name] = torch.tensor(int(bool(own)), dtype=torch.int8)
+            state[info.name] = {key: _value(info, key, value)
+                                for key, value in (own or initial[id(p)]).items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": groups, "has_state": has_state}
+
+
+def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                      state: Mapping[str, Any]) -> None:
+    """Copy a state filled by ``dcp.load`` into ``optimizer`` (hyperparameters included).
+
+    ``state`` is what `sharded_optimizer_state_dict` returned for this model and optimizer
+    (then loaded, possibly from a checkpoint saved at another tensor-parallel size or by
+    the dense model). Tensors DCP wrote in place are left alone; everything else is copied.
+    A parameter the checkpoint saved without state is left without state (its first step
+    creates it, as in the run that saved).
+
+    Args:
+        model: the model whose parameters ``optimizer`` updates.
+        optimizer: its optimizer.
+        state: its sharded optimizer state, loaded.
+
+    Raises:
+        KeyError: ``state`` lacks one of the optimizer's parameters or a state key.
+        ValueError: the parameter groups differ from the checkpoint's.
+    """
+    fn = "load_sharded_optimizer_state_dict"
+    infos = _infos(model, optimizer, fn)
+    saved, saved_groups = state["state"], state["param_groups"]
+    has_state = state.get("has_state", {})
+    fresh = _initial_states(optimizer, fn)  # typed like the parameters (DTensor under FSDP2)
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
+                         f"optimizer {len(optimizer.param_groups)}; expected the same groups")
+    with torch.no_grad():
+        for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
+            names = [infos[id(p)].name for p in group["params"]]
+            if list(saved_group["params"]) != names:
+                raise ValueError(f"{fn}: a parameter group holds {list(saved_group['params'])} "
+                                 f"in the checkpoint and {names} in the optimizer")
+            for k, v in saved_group.items():
+                if k != "params":
+                    group[k] = v
+            for p, name in zip(group["params"], names, strict=True):
+                if name not in saved:
+                    raise KeyError(f"{fn}: the state lacks parameter {name!r}")
+                if not int(has_state.get(name, 1)):
+                    optimizer.state.pop(p, None)
+                    continue
+                own = optimizer.state[p]
+                if not own:
+                    own.update(fresh[id(p)])
+                for key, value in saved[name].items():
+                    current = own.get(key)
+                    if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                        copy_into(current, value)
+                    else:
+                        own[key] = local_of(value).clone() \
+                            if isinstance(value, torch.Tensor) else value
+
+
+def _infos(model: nn.Module, optimizer: torch.optim.Optimizer, fn: str) -> dict[int, ParamInfo]:
+    retag(model)
+    infos = {id(info.param): info for info in parameter_infos(model)}
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in infos:
+                raise ValueError(f"{fn}: parameter {j} of the optimizer's group {i} (shape "
+                                 f"{tuple(p.shape)}) is not a parameter of the model; expected "
+                                 f"the model whose parameters the optimizer updates")
+    return infos
+
+
+def _value(info: ParamInfo, key: str, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.shape != info.param.shape:
+        raise ValueError(f"sharded_optimizer_state_dict: the state {key!r} of {info.name!r} has "
+                         f"shape {tuple(value.shape)}; expected the parameter's shape "
+                         f"{tuple(info.param.shape)} or a scalar (this optimizer's state cannot "
+                         f"be placed at offsets)")
+    return dcp_value(value, info.shard if info.sharded else None, info.dim)
+
+
+def _initial_states(optimizer: torch.optim.Optimizer, fn: str
+                    ) -> dict[int, dict[str, Any]]:
+    """The state each parameter without one would get, made on copies (``optimizer`` untouched).
+
+    A throwaway optimizer of the same class and hyperparameters steps once at learning rate 0
+    over zero-filled twins of those parameters with zero gradients; its state has the keys,
+    shapes and dtypes the real one will have, so ``dcp.load`` has tensors to write into.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    if not params:
+        return {}
+    twins = {id(p): torch.zeros_like(p) for p in params}
+    groups = []
+    for g in optimizer.param_groups:
+        mine = [twins[id(p)] for p in g["params"] if id(p) in twins]
+        if mine:
+            lr = g["lr"].clone().fill_(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine,
+                           "lr": lr})
+    try:
+        shadow = type(optimizer)(groups)  # type: ignore[call-arg]
+    except TypeError as e:
+        raise TypeError(f"{fn}: cannot build a {type(optimizer).__name__} from its parameter "
+                        f"groups alone ({e}) to learn the state of the parameters that have "
+                        f"none yet; expected an optimizer constructible as cls(param_groups), "
+                        f"or one step taken before saving") from e
+    for twin in twins.values():
+        twin.grad = torch.zeros_like(twin)
+    shadow.step()
+    return {pid: shadow.state[twin] for pid, twin in twins.items()}
