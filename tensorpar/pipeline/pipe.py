@@ -17,6 +17,7 @@ from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule
 from tensorpar.pipeline.stages import (
     Decoder,
     StageSpec,
+    decoder_of,
     is_transformers,
     prune,
     run_stage,
@@ -63,19 +64,20 @@ class Pipeline(nn.Module):
                 f"transformers causal LM brings its own loss")
         specs = stage_specs(model, g.size * virtual_stages, split)
         mine = [s for s in specs if s.index % g.size == g.rank]
-        prune(model, mine)
+        self._decoder: Decoder | None = decoder_of(model) if hf else None
+        self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
+        hf_model: Any = model
+        tied = hf and g.size > 1 and hf_model.get_output_embeddings().weight is \
+            hf_model.get_input_embeddings().weight
+        prune(model, mine, self._decoder)
         for name, child in model._modules.items():
             if child is not None:
                 self.add_module(name, child)
         self._group = g
-        self._decoder: Decoder | None = None
-        self._loss_function: Any = None
-        if hf:
-            head = model.get_output_embeddings()  # type: ignore[operator]
-            self._decoder = Decoder(model.config, str(model.base_model_prefix), next(
-                (n for n, c in model._modules.items() if c is head), "lm_head"))
-            self._loss_function = model.loss_function
         self.loss_fn = loss_fn
+        # the embedding tied to the LM head lives on the first and the last rank: the two
+        # halves of its gradient are summed after each step
+        self._tied = tied
         self.stages: tuple[StageSpec, ...] = tuple(mine)
         self.num_stages = len(specs)
         self.microbatches = microbatches
@@ -181,6 +183,8 @@ class Pipeline(nn.Module):
             timings.append((action, began, time.perf_counter()))
         for work, _ in pending:
             work.wait()
+        if self._tied:
+            self._sum_tied_gradient()
         self.last_timings = timings
         if self.is_last:
             assert total is not None
@@ -189,6 +193,23 @@ class Pipeline(nn.Module):
                                            if p.is_floating_point()), torch.float32),
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
+
+    def _sum_tied_gradient(self) -> None:
+        """Add the last rank's gradient of the tied embedding to the first's, and back."""
+        if not (self.is_first or self.is_last):
+            return
+        assert self._decoder is not None
+        name = f"{self._decoder.prefix}.embed_tokens" if self.is_first else self._decoder.head
+        weight: Any = self.get_submodule(name).weight
+        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        peer = (self.num_stages - 1) % self._group.size if self.is_first else 0
+        tag = 2 * self.microbatches * self.num_stages  # after every activation's tags
+        link = Link(self._group, peer, tag, tag, [])
+        link.post_send(grad.detach().clone())
+        other = link.receive(torch.empty_like(grad))
+        for work, _ in link.pending or []:
+            work.wait()
+        weight.grad = grad + other if self.is_first else other + grad  # same order on both
 
     def _check(self, inputs: Any, target: Any) -> str:
         if self.is_first:

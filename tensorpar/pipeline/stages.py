@@ -24,7 +24,7 @@ from torch import nn
 
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 
-__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "prune", "run_stage",
+__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "prune", "run_stage",
            "stage_specs"]
 
 HF_MODEL_TYPES = ("llama",)
@@ -129,10 +129,20 @@ def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> l
     return specs
 
 
-def prune(model: nn.Module, kept: Sequence[StageSpec]) -> None:
+def decoder_of(model: nn.Module) -> Decoder:
+    """The config, decoder name and LM head name of a transformers causal LM."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    name = next((n for n, c in model._modules.items() if c is head), None)
+    if name is None:
+        raise CollectiveTypeError(f"pipeline: {type(model).__name__} has no LM head among its "
+                                  f"top-level modules; expected a causal LM")
+    return Decoder(model.config, str(model.base_model_prefix), name)
+
+
+def prune(model: nn.Module, kept: Sequence[StageSpec], decoder: Decoder | None) -> None:
     """Delete, in place, the blocks (and head/embedding) of the stages not in ``kept``."""
     keep = {name for spec in kept for name in spec.blocks}
-    if isinstance(model, nn.Sequential):
+    if decoder is None:
         for name in list(model._modules):
             if name not in keep:
                 del model._modules[name]
@@ -146,10 +156,7 @@ def prune(model: nn.Module, kept: Sequence[StageSpec]) -> None:
         del inner._modules["embed_tokens"]
     if not any(s.last for s in kept):
         del inner._modules["norm"]
-        head = model.get_output_embeddings()  # type: ignore[operator]
-        for name, child in list(model._modules.items()):
-            if child is head:
-                del model._modules[name]
+        del model._modules[decoder.head]
 
 
 def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
