@@ -1,0 +1,99 @@
+"""Pipeline parallelism composed: tensor parallelism inside a stage (pp x tp), clipping over
+the whole pipeline, sharded checkpoints in dense names across pipeline sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
+from tensorpar.testing import run_distributed
+from tests.test_clip import dense_slice
+from tests.test_pipeline import batch, sequential
+from tests.test_pipeline_hf import llama, lm_loss, tokens
+
+pytest.importorskip("transformers")
+
+TOL = 1e-10
+
+
+def mesh_groups(pp, tp_size):
+    """pp x tp on the world: tp groups are consecutive ranks, pp groups strided."""
+    rank = dist.get_rank()
+    tp_group = pp_group = None
+    for i in range(pp):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(i * tp_size, (i + 1) * tp_size)))
+        if rank // tp_size == i:
+            tp_group = g
+    for j in range(tp_size):
+        g = dist.new_group(list(range(j, pp * tp_size, tp_size)))
+        if rank % tp_size == j:
+            pp_group = g
+    return pp_group, tp_group
+
+
+def _pp_tp_matches_dense(order):
+    pp_group, tp_group = mesh_groups(2, 2)
+    dense = llama()
+    model = llama()
+
+    def vocab_parallel_loss(local_logits, labels):  # (B, T, V/tp): the head's slice
+        return vocab_parallel_cross_entropy(local_logits[:, :-1].flatten(0, 1),
+                                            labels[:, 1:].flatten(), group=tp_group)
+
+    if order == "tp-first":  # vocab-parallel head: the loss never gathers the logits
+        tp.parallelize(model, plan_from_transformers(llama()), group=tp_group)
+        pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3,
+                              loss_fn=vocab_parallel_loss)
+    else:  # gathered head: any loss on whole logits
+        pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3, loss_fn=lm_loss)
+        tp.parallelize(pipe, plan_from_transformers(llama(), lm_head="gathered"),
+                       group=tp_group)
+    sharded = [n for n, m in pipe.named_modules() if getattr(m, "sharded_dims", None)]
+    assert sharded, "tensor parallelism was not applied"
+    for step, length in enumerate((9, 5)):
+        ids = tokens(step, length=length)
+        loss = pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+        dense_loss = lm_loss(dense(ids).logits, ids)
+        dense_loss.backward()
+        if pipe.is_last:
+            torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
+        grads = dict(dense.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, dense_slice(pipe, name, grads[name].grad),
+                                       rtol=TOL, atol=TOL, msg=f"step {step}: {name}")
+        # the norm over the whole pipeline (every stage, shards reduced once) is dense's
+        norm = tp.nn.grad_norm(pipe)
+        torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(
+            [p.grad for p in dense.parameters()]), rtol=TOL, atol=TOL)
+        pipe.zero_grad(), dense.zero_grad()
+    return len(sharded)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("order", ["tp-first", "pp-first"])
+def test_pp2_x_tp2_equals_dense(order):
+    counts = run_distributed(_pp_tp_matches_dense, 4, order, timeout=220)
+    assert all(c > 0 for c in counts)
+
+
+def _clip_matches_dense(norm_type):
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), microbatches=3, loss_fn=F.mse_loss)
+    x, y = batch(7, 0)
+    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    F.mse_loss(dense(x), y).backward()
+    norm = tp.nn.clip_grad_norm_(pipe, 0.01, norm_type)
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.01, norm_type)
+    torch.testing.assert_close(norm, dense_norm, rtol=TOL, atol=TOL)
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_over_the_whole_pipeline(norm_type, world_size):
+    run_distributed(_clip_matches_dense, world_size, norm_type, timeout=100)
