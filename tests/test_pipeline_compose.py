@@ -97,3 +97,62 @@ def _clip_matches_dense(norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_over_the_whole_pipeline(norm_type, world_size):
     run_distributed(_clip_matches_dense, world_size, norm_type, timeout=100)
+
+
+# ---------------------------------------------------------------------------------------
+# sharded checkpoints in dense names: saved at one pipeline size, loaded at another
+# ---------------------------------------------------------------------------------------
+
+def _build(kind, seed):
+    if kind == "sequential":
+        return sequential(seed)
+    torch.manual_seed(seed)
+    model = llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # other weights than llama()'s
+    return model
+
+
+def _save(kind, path, tp_size):
+    import torch.distributed.checkpoint as dcp
+
+    pp_group, tp_group = mesh_groups(dist.get_world_size() // tp_size, tp_size)
+    model = _build(kind, 1)
+    if tp_size > 1:
+        tp.parallelize(model, plan_from_transformers(llama()), group=tp_group)
+    pipe = tp.nn.pipeline(model, group=pp_group, microbatches=2,
+                          loss_fn=F.mse_loss if kind == "sequential" else lm_loss)
+    dcp.save(tp.sharded_state_dict(pipe), checkpoint_id=path)
+
+
+def _load(kind, path):
+    import torch.distributed.checkpoint as dcp
+
+    pipe = tp.nn.pipeline(_build(kind, 0), microbatches=2,
+                          loss_fn=F.mse_loss if kind == "sequential" else lm_loss)
+    state = tp.sharded_state_dict(pipe)
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(pipe, state)
+    saved = dict(_build(kind, 1).named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=name)
+    return [name for name, _ in pipe.named_parameters()]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind,tp_size", [("sequential", 1), ("llama", 2)])
+def test_checkpoint_saved_at_pp2_loads_at_pp3_and_dense(kind, tp_size, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save, 2 * tp_size, kind, path, tp_size, timeout=200)
+    held = run_distributed(_load, 3, kind, path, timeout=200)
+    names = {name for name, _ in _build(kind, 1).named_parameters()}
+    assert sorted(n for r in held for n in r) == sorted(names)
+    dense = _build(kind, 0)
+    state = dense.state_dict()
+    dcp.load(state, checkpoint_id=path)  # one process, no process group: the dense model
+    dense.load_state_dict(state)
+    for name, p in _build(kind, 1).named_parameters():
+        torch.testing.assert_close(dense.get_parameter(name), p, rtol=0, atol=0, msg=name)
