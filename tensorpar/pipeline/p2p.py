@@ -34,7 +34,7 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["Link", "Meta", "recv", "recv_activation", "send", "send_activation"]
+__all__ = ["recv", "send"]
 
 
 class Meta(NamedTuple):
