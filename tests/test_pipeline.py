@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorpar as tp
-from tensorpar.pipeline import build_schedule, recv, send
+from tensorpar.pipeline import bubble_fraction, build_schedule, recv, send
+from tensorpar.pipeline.schedules import timeline
 from tensorpar.testing import run_distributed
 
 TOL = 1e-10
@@ -179,3 +180,12 @@ def test_bad_batch_on_one_rank_raises_on_every_rank():
     messages = run_distributed(_bad_batch_raises_everywhere, 3, timeout=50)
     assert "shape (2, 5)" in messages[0]
     assert all("invalid inputs" in m for m in messages[1:])
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (2, 8), (3, 6), (4, 8)])
+def test_schedule_bubble_is_theory(schedule, virtual, ranks, microbatches):
+    rows = timeline(schedule, ranks, microbatches, virtual)
+    end = max(t + (1 if a.kind == "F" else 2) for row in rows for t, a in row)
+    busy = 3 * microbatches * virtual  # ticks of work per rank: forward 1, backward 2
+    assert 1 - busy / end == pytest.approx(bubble_fraction(ranks, microbatches, virtual))

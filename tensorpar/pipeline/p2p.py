@@ -18,6 +18,7 @@ for them once (the public functions wait before returning).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -58,10 +59,11 @@ class Link:
     tag: int
     back_tag: int
     pending: list[tuple[Any, tuple[torch.Tensor, ...]]] | None = field(default=None)
+    waited: list[float] | None = field(default=None)  # seconds spent in receives, added up
 
     def reverse(self) -> Link:
         """The link the gradient of this transfer travels on (the other way)."""
-        return Link(self.group, self.peer, self.back_tag, self.tag, self.pending)
+        return Link(self.group, self.peer, self.back_tag, self.tag, self.pending, self.waited)
 
     def post_send(self, *tensors: torch.Tensor) -> None:
         """Post a send of each tensor (``isend``); wait at once when there is no ``pending``."""
@@ -78,8 +80,11 @@ class Link:
 
     def receive(self, buffer: torch.Tensor) -> torch.Tensor:
         """Receive into ``buffer`` (blocking) and return it."""
+        start = time.perf_counter()
         dist.recv(buffer, src=self.group.global_rank(self.peer), group=self.group.handle,
                   tag=self.tag)
+        if self.waited is not None:
+            self.waited[0] += time.perf_counter() - start
         return buffer
 
 

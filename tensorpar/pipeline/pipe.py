@@ -85,7 +85,7 @@ class Pipeline(nn.Module):
         self.virtual_stages = virtual_stages
         self._actions: list[Action] = build_schedule(schedule, g.size, microbatches,
                                                      virtual_stages)[g.rank]
-        self.last_timings: list[tuple[Action, float, float]] = []
+        self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
 
     # -- where things are -------------------------------------------------------------
     @property
@@ -113,12 +113,12 @@ class Pipeline(nn.Module):
         return p.device if p is not None else torch.device("cpu")
 
     def _link(self, stage: int, microbatch: int, outgoing: bool,
-              pending: list[Any]) -> Link:
+              pending: list[Any], waited: list[float]) -> Link:
         """The link of the activation leaving ``stage`` (``outgoing``) or entering it."""
         src = stage if outgoing else stage - 1
         peer = (src + 1) % self._group.size if outgoing else src % self._group.size
         tag = 2 * (microbatch * self.num_stages + src)
-        return Link(self._group, peer, tag, tag + 1, pending)
+        return Link(self._group, peer, tag, tag + 1, pending, waited)
 
     # -- the step -------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | TensorPlaceholder | None = None,
@@ -154,7 +154,8 @@ class Pipeline(nn.Module):
         total: torch.Tensor | None = None
         single = self._group.size == 1
         device = self._device()
-        timings: list[tuple[Action, float, float]] = []
+        waited = [0.0]
+        busy = 0.0
         for action in self._actions:
             k, i = action.stage, action.microbatch
             spec = self.stages[k // self._group.size]
@@ -165,8 +166,7 @@ class Pipeline(nn.Module):
                 elif single:
                     x = held.pop((i, k - 1))
                 else:
-                    x = recv_activation(None, self._link(k, i, False, pending), device)
-                began = time.perf_counter()
+                    x = recv_activation(None, self._link(k, i, False, pending, waited), device)
                 y = run_stage(self, spec, x, self._decoder)
                 if spec.last:
                     loss = self._loss(y, targets[i], weights[i])
@@ -175,17 +175,15 @@ class Pipeline(nn.Module):
                 elif single:
                     held[(i, k)] = y
                 else:
-                    held[(i, k)] = send_activation(y, self._link(k, i, True, pending))
-            else:
-                began = start
-                if spec.last or not single:  # the loss, or the send's placeholder
-                    held.pop((i, k)).backward()
-            timings.append((action, began, time.perf_counter()))
+                    held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited))
+            elif spec.last or not single:  # the loss, or the send's placeholder
+                held.pop((i, k)).backward()
+            busy += time.perf_counter() - start
         for work, _ in pending:
             work.wait()
         if self._tied:
             self._sum_tied_gradient()
-        self.last_timings = timings
+        self.last_busy = busy - waited[0]
         if self.is_last:
             assert total is not None
             return total

@@ -74,9 +74,34 @@ def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int =
              ) -> list[list[tuple[int, Action]]]:
     """Each rank's actions with their start tick on the schedule's clock.
 
+    A rank with both a forward and a backward it may run picks the backward (which frees
+    activations) or, played out too, the forward (Megatron's strict alternation after the
+    warm-up); the order that finishes first on the clock wins (the backward on a tie).
+
     Raises:
         CollectiveArgumentError: an unknown schedule, or counts below 1.
     """
+    plays = [_play(schedule, ranks, microbatches, virtual_stages, prefer)
+             for prefer in ((False,) if schedule == "gpipe" else (False, True))]
+    best = min((rows for rows in plays if rows is not None), key=_end, default=None)
+    if best is None:  # pragma: no cover - every schedule this module makes finishes
+        raise RuntimeError(f"pipeline: schedule {schedule!r} does not finish for {ranks} "
+                           f"ranks, {microbatches} microbatches, {virtual_stages} virtual "
+                           f"stages")
+    return best
+
+
+Rows = list[list[tuple[int, Action]]]
+
+
+def _end(rows: Rows) -> int:
+    return max(t + (FORWARD_TICKS if a.kind == "F" else BACKWARD_TICKS)
+               for row in rows for t, a in row)
+
+
+def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
+          prefer_forward: bool) -> Rows | None:
+    """Play the schedule out on the clock (``None``: it gets stuck)."""
     if schedule not in SCHEDULES:
         raise CollectiveArgumentError(
             f"pipeline: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
@@ -99,9 +124,7 @@ def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int =
 
     while any(nf[r] + nb[r] < total for r in range(ranks)):
         if t > 4 * total * ranks * (FORWARD_TICKS + BACKWARD_TICKS) + 8:
-            raise RuntimeError(f"pipeline: schedule {schedule!r} did not finish for "
-                               f"{ranks} stages, {microbatches} microbatches, "
-                               f"{virtual_stages} virtual stages")  # pragma: no cover
+            return None
         for r in range(ranks):
             if free[r] > t:
                 continue
@@ -115,9 +138,12 @@ def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int =
             if schedule == "gpipe" and f is not None:
                 b_ready = False
             pick: Action | None = None
-            if b_ready:
+            may_forward = f is not None and nf[r] - nb[r] < limits[r]
+            if prefer_forward and may_forward:
+                pick = f if f_ready else None
+            elif b_ready:
                 pick = b
-            elif f_ready and nf[r] - nb[r] < limits[r]:
+            elif f_ready and may_forward:
                 pick = f
             if pick is None:
                 continue
@@ -156,8 +182,7 @@ def render(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1
         | 1 | . | F0s1 | F1s1 | B0s1 | B0s1 | B1s1 | B1s1 | . | . |
     """
     rows = timeline(schedule, ranks, microbatches, virtual_stages)
-    end = max(t + (FORWARD_TICKS if a.kind == "F" else BACKWARD_TICKS)
-              for row in rows for t, a in row)
+    end = _end(rows)
     lines = ["| rank | " + " | ".join(str(t) for t in range(end)) + " |",
              "|---|" + "---|" * end]
     for r, row in enumerate(rows):
