@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import tensorpar
 import tensorpar as tp
 from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
 from tensorpar.testing import run_distributed
@@ -156,3 +157,27 @@ def test_checkpoint_saved_at_pp2_loads_at_pp3_and_dense(kind, tp_size, tmp_path)
     dense.load_state_dict(state)
     for name, p in _build(kind, 1).named_parameters():
         torch.testing.assert_close(dense.get_parameter(name), p, rtol=0, atol=0, msg=name)
+
+
+def _dp_x_pp_matches_dense():
+    pp_group, dp_group = mesh_groups(2, 2)  # dp ranks consecutive, pp ranks strided
+    replica = dist.get_rank(dp_group)
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), group=pp_group, microbatches=3, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
+    for step in range(2):
+        x, y = batch(12, step)  # each replica takes its half of the batch
+        mine = slice(6 * replica, 6 * replica + 6)
+        pipe.step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None)
+        tensorpar.pipeline.average_gradients(pipe, group=dp_group)
+        F.mse_loss(dense(x), y).backward()
+        grads = dict(dense.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+        opt.step(), dense_opt.step(), opt.zero_grad(), dense_opt.zero_grad()
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_pipeline_replicas_equal_dense():
+    run_distributed(_dp_x_pp_matches_dense, 4, timeout=100)

@@ -8,7 +8,8 @@ autograd Functions whose backward is their mirror.
 
 from tensorpar.pipeline.p2p import recv, send
 from tensorpar.pipeline.pipe import Pipeline, pipeline
+from tensorpar.pipeline.replicas import average_gradients
 from tensorpar.pipeline.schedules import Action, bubble_fraction, build_schedule, render
 
-__all__ = ["Action", "Pipeline", "bubble_fraction", "build_schedule", "pipeline", "recv",
-           "render", "send"]
+__all__ = ["Action", "Pipeline", "average_gradients", "bubble_fraction", "build_schedule",
+           "pipeline", "recv", "render", "send"]
