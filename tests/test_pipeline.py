@@ -189,3 +189,19 @@ def test_schedule_bubble_is_theory(schedule, virtual, ranks, microbatches):
     end = max(t + (1 if a.kind == "F" else 2) for row in rows for t, a in row)
     busy = 3 * microbatches * virtual  # ticks of work per rank: forward 1, backward 2
     assert 1 - busy / end == pytest.approx(bubble_fraction(ranks, microbatches, virtual))
+
+
+def _bench_rows():
+    from tensorpar.bench import pipeline as bench
+
+    return bench.run_rank(4, 1, {"width": 16, "blocks_per_rank": 4, "rows": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_benchmark_suite_runs():
+    rows = run_distributed(_bench_rows, 2, timeout=100)[0]
+    assert [r["case"] for r in rows] == ["gpipe", "1f1b", "interleaved"]
+    for r in rows:
+        assert r["tensorpar"] > 0 and r["torch"] > 0 and 0 <= r["bubble"] < 1
+    assert rows[1]["bubble_theory"] == pytest.approx(1 / 5)
