@@ -179,6 +179,8 @@ class Pipeline(nn.Module):
             elif spec.last or not single:  # the loss, or the send's placeholder
                 held.pop((i, k)).backward()
             busy += time.perf_counter() - start
+            # let go of sends that are done: their tensors would otherwise live to the end
+            pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
         for work, _ in pending:
             work.wait()
         if self._tied:
