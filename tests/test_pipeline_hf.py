@@ -105,3 +105,9 @@ def test_llama_tied_embedding_sums_both_stages_gradients(world_size):
     results = run_distributed(_llama_matches_dense, world_size, "1f1b", 1, 3, (9,), False, True,
                               timeout=150)
     assert "model.embed_tokens.weight" in results[0] and "lm_head.weight" in results[-1]
+
+
+def test_llama_single_process_pipeline_equals_dense():
+    # one process, 2 virtual stages: no communication, the schedule and the loss weighting
+    names = _llama_matches_dense("1f1b", 2, 3, (9, 5), False)
+    assert names == sorted(_names())
