@@ -205,3 +205,20 @@ def test_benchmark_suite_runs():
     for r in rows:
         assert r["tensorpar"] > 0 and r["torch"] > 0 and 0 <= r["bubble"] < 1
     assert rows[1]["bubble_theory"] == pytest.approx(1 / 5)
+
+
+def _frozen_first_stage():
+    dense, model = sequential(), sequential()
+    for m in (dense, model):
+        m[0].requires_grad_(False)  # the first stage's output needs no gradient
+    pipe = tp.nn.pipeline(model, microbatches=3, loss_fn=F.mse_loss, split=[1, 6])
+    x, y = batch(7, 0)
+    loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    dense_loss = F.mse_loss(dense(x), y)
+    dense_loss.backward()
+    _compare(pipe, dense, loss, dense_loss, "frozen first stage")
+
+
+@pytest.mark.timeout(60)
+def test_frozen_first_stage():
+    run_distributed(_frozen_first_stage, 2, timeout=50)

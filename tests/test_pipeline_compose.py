@@ -181,3 +181,22 @@ def _dp_x_pp_matches_dense():
 @pytest.mark.timeout(120)
 def test_data_parallel_pipeline_replicas_equal_dense():
     run_distributed(_dp_x_pp_matches_dense, 4, timeout=100)
+
+
+def _own_loss_on_vocab_parallel_head_raises():
+    pp_group, tp_group = mesh_groups(2, 2)
+    model = tp.parallelize(llama(), plan_from_transformers(llama()), group=tp_group)
+    pipe = tp.nn.pipeline(model, group=pp_group, microbatches=2)  # the model's own loss
+    ids = tokens(0)
+    try:
+        pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_own_loss_on_a_vocab_parallel_head_raises_on_every_rank():
+    messages = run_distributed(_own_loss_on_vocab_parallel_head_raises, 4, timeout=100)
+    assert all("vocab-parallel" in m for m in messages[2:])  # the last stage's ranks
+    assert all("another rank" in m for m in messages[:2])

@@ -177,7 +177,9 @@ class Pipeline(nn.Module):
                 else:
                     held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited))
             elif spec.last or not single:  # the loss, or the send's placeholder
-                held.pop((i, k)).backward()
+                done = held.pop((i, k))
+                if done.requires_grad:  # a stage whose output needs no gradient: none comes
+                    done.backward()
             busy += time.perf_counter() - start
             # let go of sends that are done: their tensors would otherwise live to the end
             pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
@@ -226,6 +228,16 @@ class Pipeline(nn.Module):
             if target.dim() == 0 or target.shape[0] < self.microbatches:
                 return (f"Pipeline.step: a target of shape {tuple(target.shape)} cannot be "
                         f"cut into microbatches={self.microbatches} non-empty microbatches")
+            if self.loss_fn is None and self._decoder is not None:
+                head = self.get_submodule(self._decoder.head)
+                shard = getattr(head, "shard", None)
+                if getattr(head, "gather_output", True) is False and shard is not None \
+                        and not shard.group.is_single:
+                    return (f"Pipeline.step: the LM head {self._decoder.head!r} is "
+                            f"vocab-parallel (each rank holds a slice of the logits), and the "
+                            f"model's own loss reads whole logits; pass loss_fn built on "
+                            f"tensorpar.nn.vocab_parallel_cross_entropy, or plan the model "
+                            f"with plan_from_transformers(model, lm_head='gathered')")
         return ""
 
     def _agree(self, problem: str) -> None:
