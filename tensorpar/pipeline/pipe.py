@@ -312,7 +312,8 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
         >>> pipe = tensorpar.nn.pipeline(model, microbatches=2,
         ...                              loss_fn=torch.nn.functional.mse_loss)
         >>> loss = pipe.step(torch.ones(5, 3), torch.zeros(5, 3))  # one process: one stage
-        >>> [name for name, _ in pipe.named_parameters()][:2]
+        >>> names = [name for name, _ in pipe.named_parameters()]  # the dense names
+        >>> print(names[:2])
         ['0.weight', '0.bias']
     """
     return Pipeline(model, group=group, microbatches=microbatches, schedule=schedule,
