@@ -165,11 +165,11 @@ def test_errors_on_every_rank_before_communicating():
         pipe.step(*batch(3, 0))
 
 
-def _bad_batch_raises_everywhere():
+def _bad_batch_raises_everywhere(rows_in, rows_target):
     pipe = tp.nn.pipeline(sequential(), microbatches=4, loss_fn=F.mse_loss)
     x, y = batch(10, 0)
     try:
-        pipe.step(x[:2] if pipe.is_first else None, y if pipe.is_last else None)
+        pipe.step(x[:rows_in] if pipe.is_first else None, y[:rows_target] if pipe.is_last else None)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -177,9 +177,12 @@ def _bad_batch_raises_everywhere():
 
 @pytest.mark.timeout(60)
 def test_bad_batch_on_one_rank_raises_on_every_rank():
-    messages = run_distributed(_bad_batch_raises_everywhere, 3, timeout=50)
+    messages = run_distributed(_bad_batch_raises_everywhere, 3, 2, 10, timeout=50)
     assert "shape (2, 5)" in messages[0]
     assert all("invalid inputs" in m for m in messages[1:])
+    messages = run_distributed(_bad_batch_raises_everywhere, 3, 10, 9, timeout=50)
+    assert all("a batch of 10 rows and the last stage a target of 9 rows" in m
+               for m in messages)
 
 
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])

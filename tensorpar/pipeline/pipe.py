@@ -145,7 +145,7 @@ class Pipeline(nn.Module):
                 the batch has fewer rows than microbatches (raised on every rank).
         """
         problem = self._check(inputs, target)
-        self._agree(problem)
+        self._agree(problem, inputs, target)
         pending: list[Any] = []
         batch = list(torch.tensor_split(inputs, self.microbatches)) \
             if self.is_first and isinstance(inputs, torch.Tensor) else []
@@ -240,14 +240,25 @@ class Pipeline(nn.Module):
                             f"with plan_from_transformers(model, lm_head='gathered')")
         return ""
 
-    def _agree(self, problem: str) -> None:
-        """Raise on every rank if any rank found a problem (one small all-reduce)."""
+    def _agree(self, problem: str, inputs: Any, target: Any) -> None:
+        """Raise on every rank if any rank found a problem, or the batch and target rows differ.
+
+        One small all-reduce (max) of ``[problem, batch rows, target rows]``: the first stage
+        gives the batch's rows, the last the target's, so the two are compared everywhere.
+        """
+        rows_in = inputs.shape[0] if self.is_first and not problem else 0
+        rows_target = target.shape[0] if self.is_last and not problem else 0
+        flags = [1 if problem else 0, rows_in, rows_target]
         if self._group.size > 1:
-            flag = torch.tensor([1 if problem else 0], dtype=torch.int64,
-                                device=self._group.comm_device(self._device()))
-            dist.all_reduce(flag, group=self.group)
-            if int(flag.item()) and not problem:
+            t = torch.tensor(flags, dtype=torch.int64,
+                             device=self._group.comm_device(self._device()))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            flags = [int(v) for v in t.tolist()]
+            if flags[0] and not problem:
                 problem = "Pipeline.step: another rank of the pipeline got invalid inputs"
+        if not problem and flags[1] != flags[2]:
+            problem = (f"Pipeline.step: the first stage got a batch of {flags[1]} rows and the "
+                       f"last stage a target of {flags[2]} rows; expected the same")
         if problem:
             raise CollectiveArgumentError(problem)
 
