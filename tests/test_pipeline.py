@@ -10,7 +10,7 @@ from torch import nn
 
 import tensorpar as tp
 from tensorpar.pipeline import bubble_fraction, build_schedule, recv, send
-from tensorpar.pipeline.schedules import timeline
+from tensorpar.pipeline.schedules import in_order, timeline
 from tensorpar.testing import run_distributed
 
 TOL = 1e-10
@@ -183,6 +183,19 @@ def test_bad_batch_on_one_rank_raises_on_every_rank():
     messages = run_distributed(_bad_batch_raises_everywhere, 3, 10, 9, timeout=50)
     assert all("a batch of 10 rows and the last stage a target of 9 rows" in m
                for m in messages)
+
+
+def test_schedules_receive_in_the_order_peers_send():
+    # what a backend that ignores tags (NCCL) needs; gloo pairs transfers by tag
+    odd = set()
+    for schedule in ("gpipe", "1f1b"):
+        for ranks in range(2, 6):
+            for virtual in range(1, 4):
+                for microbatches in range(1, 13):
+                    rows = build_schedule(schedule, ranks, microbatches, virtual)
+                    if not in_order(rows, ranks):
+                        odd.add((schedule, ranks, virtual, microbatches % 2))
+    assert odd == {("1f1b", 2, 2, 1), ("1f1b", 2, 3, 1)}  # interleaved on 2 ranks, odd m
 
 
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])

@@ -13,7 +13,7 @@ from torch import nn
 from tensorpar._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.pipeline.p2p import Link, recv_activation, send_activation
-from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule
+from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
 from tensorpar.pipeline.stages import (
     Decoder,
     StageSpec,
@@ -83,8 +83,15 @@ class Pipeline(nn.Module):
         self.microbatches = microbatches
         self.schedule = schedule
         self.virtual_stages = virtual_stages
-        self._actions: list[Action] = build_schedule(schedule, g.size, microbatches,
-                                                     virtual_stages)[g.rank]
+        rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
+        if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
+            raise CollectiveArgumentError(
+                f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
+                f"microbatches={microbatches}, activations and gradients travel the same way "
+                f"between two ranks in an order the receiver cannot follow without tags, "
+                f"which the {_backend(g)!r} backend ignores; use a number of microbatches "
+                f"divisible by {g.size}")
+        self._actions: list[Action] = rows[g.rank]
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
 
     # -- where things are -------------------------------------------------------------
@@ -279,6 +286,13 @@ class Pipeline(nn.Module):
             return loss
         loss = self.loss_fn(output, target) * weight
         return loss
+
+
+def _backend(g: Group) -> str:
+    try:
+        return str(dist.get_backend(g.handle))
+    except (RuntimeError, ValueError):  # pragma: no cover - no backend to ask
+        return ""
 
 
 def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,

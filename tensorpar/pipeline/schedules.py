@@ -23,8 +23,8 @@ from typing import Literal, NamedTuple
 
 from tensorpar.errors import CollectiveArgumentError
 
-__all__ = ["SCHEDULES", "Action", "ScheduleName", "bubble_fraction", "build_schedule", "render",
-           "timeline"]
+__all__ = ["SCHEDULES", "Action", "ScheduleName", "bubble_fraction", "build_schedule",
+           "in_order", "render", "timeline"]
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
@@ -164,6 +164,33 @@ def build_schedule(schedule: str, ranks: int, microbatches: int, virtual_stages:
     """Each rank's actions, in the order it runs them (see the module docstring)."""
     return [[a for _, a in row] for row in timeline(schedule, ranks, microbatches,
                                                     virtual_stages)]
+
+
+def in_order(rows: list[list[Action]], ranks: int) -> bool:
+    """Whether every rank receives from each peer in the order that peer sends to it.
+
+    A backend that ignores tags (NCCL) pairs the transfers between two ranks in the order
+    they are issued; gloo pairs them by tag and needs no such order. True for every
+    schedule here except interleaving on 2 ranks with an odd number of microbatches, where
+    activations and gradients travel the same way between the two ranks.
+    """
+    last = len(rows) and max(a.stage for row in rows for a in row)
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for r, row in enumerate(rows):
+        for a in row:
+            k, i = a.stage, a.microbatch
+            if a.kind == "F":
+                if k > 0:  # the activation of stage k - 1
+                    received.setdefault(((k - 1) % ranks, r), []).append(("F", i, k - 1))
+                if k < last:
+                    sent.setdefault((r, (k + 1) % ranks), []).append(("F", i, k))
+            else:
+                if k < last:  # the gradient of this stage's output
+                    received.setdefault(((k + 1) % ranks, r), []).append(("B", i, k))
+                if k > 0:
+                    sent.setdefault((r, (k - 1) % ranks), []).append(("B", i, k - 1))
+    return all(sent.get(pair) == received.get(pair) for pair in set(sent) | set(received))
 
 
 def bubble_fraction(ranks: int, microbatches: int, virtual_stages: int = 1) -> float:
