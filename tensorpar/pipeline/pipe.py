@@ -43,6 +43,9 @@ class Pipeline(nn.Module):
         num_stages: the number of (virtual) stages over the whole group.
         microbatches: microbatches per step.
         schedule: the schedule's name.
+        last_busy: seconds the last `step` spent computing on this rank (its forwards and
+            backwards, less the time their receives waited): ``1 - last_busy / step time``
+            is this rank's bubble.
     """
 
     def __init__(self, model: nn.Module, *, group: GroupLike, microbatches: int,
@@ -64,6 +67,14 @@ class Pipeline(nn.Module):
                 f"transformers causal LM brings its own loss")
         specs = stage_specs(model, g.size * virtual_stages, split)
         mine = [s for s in specs if s.index % g.size == g.rank]
+        rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
+        if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
+            raise CollectiveArgumentError(
+                f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
+                f"microbatches={microbatches}, activations and gradients travel the same way "
+                f"between two ranks in an order the receiver cannot follow without tags, "
+                f"which the {_backend(g)!r} backend ignores; use a number of microbatches "
+                f"divisible by {g.size}")
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
         hf_model: Any = model
@@ -83,14 +94,6 @@ class Pipeline(nn.Module):
         self.microbatches = microbatches
         self.schedule = schedule
         self.virtual_stages = virtual_stages
-        rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
-        if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
-            raise CollectiveArgumentError(
-                f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
-                f"microbatches={microbatches}, activations and gradients travel the same way "
-                f"between two ranks in an order the receiver cannot follow without tags, "
-                f"which the {_backend(g)!r} backend ignores; use a number of microbatches "
-                f"divisible by {g.size}")
         self._actions: list[Action] = rows[g.rank]
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
 
