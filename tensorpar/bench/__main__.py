@@ -1,7 +1,8 @@
 """Command line: ``python -m tensorpar.bench SUITE [--world-sizes 2 4] [--json PATH]``.
 
 Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``moe``, ``regather``
-(sequence parallelism's backward all-gather overlapped or not), ``hierarchical`` (a
+(sequence parallelism's backward all-gather overlapped or not), ``pipeline`` (schedules
+against torch.distributed.pipelining), ``hierarchical`` (a
 simulated 2-machine cluster; needs root). Options left out take the suite's
 defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
 suite with a progress display and writes plots (see `tensorpar.bench.report`).
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="reducer: models to train; default: 8M 30M")
     parser.add_argument("--rounds", type=int,
                         help="timed rounds per case; default: 15 (reducer: 11, layers: 31)")
+    parser.add_argument("--microbatches", type=int, nargs="+",
+                        help="pipeline: microbatches per step; default: 4 8")
     parser.add_argument("--budget", type=float,
                         help="collectives: seconds of raw calls that set each case's number "
                              "of calls; default: 1.5")

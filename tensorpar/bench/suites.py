@@ -333,6 +333,29 @@ def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import pipeline
+
+    results: list[dict[str, Any]] = []
+    for world in args.world_sizes:
+        for m in args.microbatches:
+            results += _run(args, f"{world} stages, {m} microbatches", pipeline.run_rank,
+                            world, m, args.rounds)[0]
+    print(format_table(
+        ["schedule", "ranks", "microbatches", "tensorpar ms", "torch ms", "paired tp/torch",
+         "bubble", "theory", "bubble - theory"],
+        [[r["case"], r["ranks"], r["microbatches"], _ms(r["tensorpar"]), _ms(r["torch"]),
+          _x(r["paired_ratio"]), f"{r['bubble']:.3f}", f"{r['bubble_theory']:.3f}",
+          f"{r['bubble'] - r['bubble_theory']:+.3f}"] for r in results]))
+    print("(one training step of an nn.Sequential of Linear+GELU blocks, float32, sizes in "
+          "tensorpar.bench.pipeline.SHAPE; torch: torch.distributed.pipelining's ScheduleGPipe "
+          "/ Schedule1F1B / ScheduleInterleaved1F1B (2 virtual stages) on the same blocks; "
+          "step: the slowest rank's, median over rounds; paired: median over rounds of the "
+          "ratio within a round; bubble: a rank's share of the step not computing, mean over "
+          "ranks; theory: (P - 1) / (V m + P - 1))")
+    return results
+
+
 def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tensorpar.bench import hierarchical
 
@@ -341,7 +364,7 @@ def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
           "layers": _layers, "hierarchical": _hierarchical, "moe": _moe,
-          "regather": _regather}
+          "regather": _regather, "pipeline": _pipeline}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
@@ -350,6 +373,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "layers": {"world_sizes": [2, 4], "rounds": 31, "compile": "inductor"},
     "moe": {"world_sizes": [2, 4], "rounds": 15},
     "regather": {"world_sizes": [2, 4], "rounds": 31},
+    "pipeline": {"world_sizes": [2, 4], "microbatches": [4, 8], "rounds": 9},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
                      "reducer_rounds": 7},

@@ -26,6 +26,7 @@ from tensorpar.nn.plans.plan import (
 )
 from tensorpar.nn.state.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.state.partial_grad import install_partial_grad
+from tensorpar.pipeline import Pipeline, pipeline
 
 __all__ = [
     "Builder",
@@ -42,6 +43,7 @@ __all__ = [
     "PackedColwise",
     "PartialGrad",
     "ParallelRNG",
+    "Pipeline",
     "RowParallelConv1D",
     "RowParallelLinear",
     "Rowwise",
@@ -56,6 +58,7 @@ __all__ = [
     "load_full_state_dict",
     "match_module",
     "parallelize",
+    "pipeline",
     "plan_from_transformers",
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",

@@ -182,7 +182,8 @@ def assign(model: nn.Module, plan: Mapping[str, str | Style], size: int,
                             f"{sorted(NAMED_STYLES)} or a style object)")
             continue
         matched = [n for n in modules if n and match_module(pattern, n)]
-        if not matched:
+        if not matched and getattr(model, "stage_group", None) is None:  # a pipeline
+            # stage holds part of the model: a pattern may match only other stages' modules
             problems.append(f"{pattern!r} matches no module (a '*' matches one dotted "
                             f"segment; '**' matches any depth)")
         for name in matched:

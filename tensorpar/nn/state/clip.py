@@ -40,7 +40,9 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
     """The dense model's gradient norm, the same on every rank (nothing is scaled).
 
     Every rank of the model's groups must call it (it issues one all-reduce per group that
-    holds shards, none on a model that is not parallelised).
+    holds shards, none on a model that is not parallelised). For a pipeline
+    (`tensorpar.nn.pipeline`), pass the pipeline itself: every stage's norm joins the
+    total (one more all-reduce, over the pipeline group).
 
     Args:
         model_or_parameters: the model, or its parameters (tensorpar's layers tag their
@@ -77,11 +79,9 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
                                             for t in locals_]
     _reduce(per_param, [groups for _, _, groups in entries], locals_, p)
     present = [n for n in per_param if n is not None]
-    if not present:
-        return torch.tensor(0.0)
-    first = present[0].device
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(first) for n in present]),
-                                                   p)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(
+        [n.to(present[0].device) for n in present]), p) if present else torch.tensor(0.0)
+    total = _across_stages(total, model_or_parameters, p)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(f"grad_norm: the total norm of order {p} of the gradients is "
                            f"{float(total)}; it cannot be clipped (error_if_nonfinite=True). "
@@ -129,6 +129,29 @@ def clip_grad_norm_(model_or_parameters: Parameters, max_norm: float,
                       error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def _across_stages(total: torch.Tensor, model: Parameters, p: float) -> torch.Tensor:
+    """Combine the stages' norms of a pipeline (`tensorpar.nn.pipeline`) over its group.
+
+    Each rank of a pipeline holds other parameters: the total is the norm of the stages'
+    norms (for ``p = 0``, the sum of their counts), computed by one all-reduce of this
+    rank's norm over the pipeline group. Any other model is returned as it is.
+    """
+    group = getattr(model, "stage_group", None) if isinstance(model, nn.Module) else None
+    if group is None or group.is_single:
+        return total
+    dtype = total.dtype
+    param = next(iter(model.parameters()), None)  # type: ignore[union-attr]
+    wide = total.to(param.device if param is not None else total.device,
+                    torch.promote_types(dtype, torch.float32))
+    if p == math.inf or p == -math.inf:
+        reduced = all_reduce(wide, op="max" if p > 0 else "min", group=group)
+    elif p == 0:
+        reduced = all_reduce(wide, op="sum", group=group)
+    else:
+        reduced = all_reduce(wide ** p, op="sum", group=group) ** (1.0 / p)
+    return reduced.to(dtype)
 
 
 def _parameter_list(model_or_parameters: Parameters) -> list[torch.Tensor]:

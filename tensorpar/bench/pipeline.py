@@ -1,0 +1,128 @@
+r"""One pipeline-parallel training step: tensorpar's schedules against torch.distributed.pipelining.
+
+The same model (an ``nn.Sequential`` of ``Linear + GELU`` blocks, float32, the same number
+of blocks on every rank, cut into contiguous stages of equal size), the same batch and the
+same number of microbatches, one step (every forward and backward) timed in interleaved
+rounds:
+
+- tensorpar: ``tensorpar.nn.pipeline`` with ``schedule="gpipe"``, ``"1f1b"`` and
+  ``"1f1b"`` with 2 virtual stages per rank (interleaved);
+- torch: ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` over
+  ``PipelineStage``\\ s of the same blocks.
+
+The step time is the slowest rank's. The measured bubble is the share of a step a rank
+does not compute (its forwards and backwards, less the time its receives wait), averaged
+over the ranks, next to theory's ``(P - 1) / (V * m + P - 1)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar
+from tensorpar.pipeline import bubble_fraction
+
+__all__ = ["CASES", "SHAPE", "run_rank"]
+
+SHAPE = {"width": 1024, "blocks_per_rank": 4, "rows": 64}
+"""Default sizes: features, blocks per rank (over its virtual stages), rows per microbatch."""
+
+CASES = (("gpipe", "gpipe", 1, "ScheduleGPipe"), ("1f1b", "1f1b", 1, "Schedule1F1B"),
+         ("interleaved", "1f1b", 2, "ScheduleInterleaved1F1B"))
+"""``(name, tensorpar schedule, virtual stages, torch schedule class)``."""
+
+
+def _model(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
+                           for _ in range(blocks)])
+
+
+def _max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _mean(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _timed(step: Callable[[], object]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    return _max(time.perf_counter() - start)
+
+
+def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
+             ) -> list[dict[str, Any]]:
+    """Time each case on this rank's stage(s); every rank returns the same figures."""
+    from torch.distributed import pipelining
+
+    shape = {**SHAPE, **(shape or {})}
+    torch.set_num_threads(1)
+    ranks, rank = dist.get_world_size(), dist.get_rank()
+    width, rows = shape["width"], shape["rows"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows * microbatches, width, generator=g)
+    y = torch.randn(rows * microbatches, width, generator=g)
+    out = []
+    for name, schedule, virtual, torch_name in CASES:
+        stages = ranks * virtual
+        blocks = shape["blocks_per_rank"] * ranks
+        per = blocks // stages
+        ours = tensorpar.nn.pipeline(_model(width, blocks), microbatches=microbatches,
+                                     schedule=schedule, loss_fn=F.mse_loss,
+                                     virtual_stages=virtual)
+        dense = _model(width, blocks)
+        theirs_stages = [pipelining.PipelineStage(
+            nn.Sequential(*[dense[i] for i in range(k * per, (k + 1) * per)]), k, stages,
+            torch.device("cpu")) for k in range(rank, stages, ranks)]
+        cls = getattr(pipelining, torch_name)
+        theirs = cls(theirs_stages if virtual > 1 else theirs_stages[0],
+                     n_microbatches=microbatches, loss_fn=F.mse_loss)
+        first, last = rank == 0, rank == (stages - 1) % ranks
+
+        def ours_step() -> None:
+            ours.step(x if first else None, y if last else None)  # noqa: B023
+            ours.zero_grad()  # noqa: B023
+
+        def theirs_step() -> None:
+            if first:  # noqa: B023
+                theirs.step(x)  # noqa: B023
+            elif last:  # noqa: B023
+                theirs.step(target=y, losses=[])  # noqa: B023
+            else:
+                theirs.step()  # noqa: B023
+            dense.zero_grad()  # noqa: B023
+
+        for _ in range(2):  # warm-up (torch's stages infer their shapes on the first step)
+            ours_step()
+            theirs_step()
+        times: dict[str, list[float]] = {"ours": [], "theirs": [], "bubble": []}
+        for r in range(rounds):
+            pair = [("ours", ours_step), ("theirs", theirs_step)]
+            for key, step in pair if r % 2 == 0 else pair[::-1]:
+                elapsed = _timed(step)
+                times[key].append(elapsed)
+                if key == "ours":
+                    times["bubble"].append(_mean(1.0 - ours.last_busy / elapsed))
+        ratios = [a / b for a, b in zip(times["ours"], times["theirs"], strict=True)]
+        out.append({"case": name, "ranks": ranks, "microbatches": microbatches,
+                    "virtual_stages": virtual, "tensorpar": statistics.median(times["ours"]),
+                    "torch": statistics.median(times["theirs"]),
+                    "paired_ratio": statistics.median(ratios),
+                    "bubble": statistics.median(times["bubble"]),
+                    "bubble_theory": bubble_fraction(ranks, microbatches, virtual)})
+    return out

@@ -1,0 +1,15 @@
+"""Pipeline parallelism: stages of a dense model on a group of ranks, run over microbatches.
+
+`pipeline` cuts an ``nn.Sequential`` or a transformers causal LM into contiguous stages,
+keeps this rank's, and returns a `Pipeline` whose ``step`` runs a schedule (GPipe, 1F1B,
+interleaved 1F1B). Stages hand activations over with `send` / `recv`, point-to-point
+autograd Functions whose backward is their mirror.
+"""
+
+from tensorpar.pipeline.p2p import recv, send
+from tensorpar.pipeline.pipe import Pipeline, pipeline
+from tensorpar.pipeline.replicas import average_gradients
+from tensorpar.pipeline.schedules import Action, bubble_fraction, build_schedule, render
+
+__all__ = ["Action", "Pipeline", "average_gradients", "bubble_fraction", "build_schedule",
+           "pipeline", "recv", "render", "send"]

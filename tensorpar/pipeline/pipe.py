@@ -1,0 +1,348 @@
+"""The pipeline: one rank's stages of a dense model, and the training step that runs them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar.errors import CollectiveArgumentError
+from tensorpar.pipeline.p2p import Link, recv_activation, send_activation
+from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
+from tensorpar.pipeline.stages import (
+    Decoder,
+    StageSpec,
+    decoder_of,
+    is_transformers,
+    prune,
+    run_stage,
+    stage_specs,
+)
+from tensorpar.placeholder import TensorPlaceholder
+
+__all__ = ["Pipeline", "pipeline"]
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+class Pipeline(nn.Module):
+    """This rank's stages of a dense model, run over microbatches by a schedule.
+
+    Built by `pipeline`. Its submodules are the dense model's, under their dense names
+    (only those of this rank's stages), so ``parameters()``, ``named_parameters()``,
+    ``state_dict()``, `tensorpar.sharded_state_dict` and `tensorpar.parallelize` see the
+    dense model's names. Call `step` on every rank of the group together.
+
+    Attributes:
+        stages: the specs of this rank's (virtual) stages, in order.
+        num_stages: the number of (virtual) stages over the whole group.
+        microbatches: microbatches per step.
+        schedule: the schedule's name.
+        last_busy: seconds the last `step` spent computing on this rank (its forwards and
+            backwards, less the time their receives waited): ``1 - last_busy / step time``
+            is this rank's bubble.
+    """
+
+    def __init__(self, model: nn.Module, *, group: GroupLike, microbatches: int,
+                 schedule: str, loss_fn: LossFn | None, virtual_stages: int,
+                 split: Sequence[int] | None) -> None:
+        super().__init__()
+        fn = "pipeline"
+        g = resolve_group(group, fn)
+        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CollectiveArgumentError(f"{fn}: {name} must be an int >= 1, got {value!r}")
+        if schedule not in SCHEDULES:
+            raise CollectiveArgumentError(
+                f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
+        hf = is_transformers(model)
+        if loss_fn is None and not hf:
+            raise CollectiveArgumentError(
+                f"{fn}: an nn.Sequential needs loss_fn=(output, target) -> loss; only a "
+                f"transformers causal LM brings its own loss")
+        specs = stage_specs(model, g.size * virtual_stages, split)
+        mine = [s for s in specs if s.index % g.size == g.rank]
+        rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
+        if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
+            raise CollectiveArgumentError(
+                f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
+                f"microbatches={microbatches}, activations and gradients travel the same way "
+                f"between two ranks in an order the receiver cannot follow without tags, "
+                f"which the {_backend(g)!r} backend ignores; use a number of microbatches "
+                f"divisible by {g.size}")
+        self._decoder: Decoder | None = decoder_of(model) if hf else None
+        self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
+        hf_model: Any = model
+        tied = hf and g.size > 1 and hf_model.get_output_embeddings().weight is \
+            hf_model.get_input_embeddings().weight
+        prune(model, mine, self._decoder)
+        for name, child in model._modules.items():
+            if child is not None:
+                self.add_module(name, child)
+        self._group = g
+        self.loss_fn = loss_fn
+        # the embedding tied to the LM head lives on the first and the last rank: the two
+        # halves of its gradient are summed after each step
+        self._tied = tied
+        self.stages: tuple[StageSpec, ...] = tuple(mine)
+        self.num_stages = len(specs)
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.virtual_stages = virtual_stages
+        self._actions: list[Action] = rows[g.rank]
+        self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
+
+    # -- where things are -------------------------------------------------------------
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The pipeline's process group (``None``: the default group or a single process)."""
+        return self._group.handle
+
+    @property
+    def stage_group(self) -> Group:
+        """The resolved pipeline group (a gradient norm over the pipeline reduces over it)."""
+        return self._group
+
+    @property
+    def is_first(self) -> bool:
+        """This rank runs the first stage (it takes the batch)."""
+        return self._group.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """This rank runs the last stage (it takes the target and returns the loss)."""
+        return (self.num_stages - 1) % self._group.size == self._group.rank
+
+    def _device(self) -> torch.device:
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _link(self, stage: int, microbatch: int, outgoing: bool,
+              pending: list[Any], waited: list[float]) -> Link:
+        """The link of the activation leaving ``stage`` (``outgoing``) or entering it."""
+        src = stage if outgoing else stage - 1
+        peer = (src + 1) % self._group.size if outgoing else src % self._group.size
+        tag = 2 * (microbatch * self.num_stages + src)
+        return Link(self._group, peer, tag, tag + 1, pending, waited)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor | TensorPlaceholder | None = None,
+             target: Any = None) -> torch.Tensor | TensorPlaceholder:
+        """One training step's forwards and backwards over the microbatches.
+
+        Gradients accumulate into ``.grad`` as ``loss.backward()`` would (zero them
+        between steps). Call on every rank of the group.
+
+        Args:
+            inputs: the whole batch on the first stage (token ids for a transformers
+                model); ``None`` or a placeholder elsewhere (ignored).
+            target: the whole batch's target on the last stage (``labels`` for a
+                transformers model); ignored elsewhere.
+
+        Returns:
+            The batch loss on the last stage (detached): the microbatch losses weighted by
+                their share of the batch (of the label tokens, for a transformers model's
+                own loss), so a mean-reduced loss equals the dense model's. A 0-d
+                placeholder (``owner``: the last stage's rank) elsewhere.
+
+        Raises:
+            CollectiveArgumentError: the first stage got no tensor, the last no target, or
+                the batch has fewer rows than microbatches (raised on every rank).
+        """
+        problem = self._check(inputs, target)
+        self._agree(problem, inputs, target)
+        pending: list[Any] = []
+        batch = list(torch.tensor_split(inputs, self.microbatches)) \
+            if self.is_first and isinstance(inputs, torch.Tensor) else []
+        targets, weights = self._targets(target) if self.is_last else ([], [])
+        held: dict[tuple[int, int], Any] = {}
+        total: torch.Tensor | None = None
+        single = self._group.size == 1
+        device = self._device()
+        waited = [0.0]
+        busy = 0.0
+        for action in self._actions:
+            k, i = action.stage, action.microbatch
+            spec = self.stages[k // self._group.size]
+            start = time.perf_counter()
+            if action.kind == "F":
+                if k == 0:
+                    x = batch[i]
+                elif single:
+                    x = held.pop((i, k - 1))
+                else:
+                    x = recv_activation(None, self._link(k, i, False, pending, waited), device)
+                y = run_stage(self, spec, x, self._decoder)
+                if spec.last:
+                    loss = self._loss(y, targets[i], weights[i])
+                    total = loss.detach() if total is None else total + loss.detach()
+                    held[(i, k)] = loss
+                elif single:
+                    held[(i, k)] = y
+                else:
+                    held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited))
+            elif spec.last or not single:  # the loss, or the send's placeholder
+                done = held.pop((i, k))
+                if done.requires_grad:  # a stage whose output needs no gradient: none comes
+                    done.backward()
+            busy += time.perf_counter() - start
+            # let go of sends that are done: their tensors would otherwise live to the end
+            pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
+        for work, _ in pending:
+            work.wait()
+        if self._tied:
+            self._sum_tied_gradient()
+        self.last_busy = busy - waited[0]
+        if self.is_last:
+            assert total is not None
+            return total
+        return TensorPlaceholder((), next((p.dtype for p in self.parameters()
+                                           if p.is_floating_point()), torch.float32),
+                                 device=device, owner=(self.num_stages - 1) % self._group.size,
+                                 group=self.group)
+
+    def _sum_tied_gradient(self) -> None:
+        """Add the last rank's gradient of the tied embedding to the first's, and back."""
+        if not (self.is_first or self.is_last):
+            return
+        assert self._decoder is not None
+        name = f"{self._decoder.prefix}.embed_tokens" if self.is_first else self._decoder.head
+        weight: Any = self.get_submodule(name).weight
+        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        peer = (self.num_stages - 1) % self._group.size if self.is_first else 0
+        tag = 2 * self.microbatches * self.num_stages  # after every activation's tags
+        link = Link(self._group, peer, tag, tag, [])
+        link.post_send(grad.detach().clone())
+        other = link.receive(torch.empty_like(grad))
+        for work, _ in link.pending or []:
+            work.wait()
+        weight.grad = grad + other if self.is_first else other + grad  # same order on both
+
+    def _check(self, inputs: Any, target: Any) -> str:
+        if self.is_first:
+            if not isinstance(inputs, torch.Tensor):
+                return (f"Pipeline.step: the first stage (rank {self._group.rank}) needs the "
+                        f"batch as a tensor, got {type(inputs).__name__}")
+            if inputs.dim() == 0 or inputs.shape[0] < self.microbatches:
+                return (f"Pipeline.step: a batch of shape {tuple(inputs.shape)} cannot be cut "
+                        f"into microbatches={self.microbatches} non-empty microbatches")
+        if self.is_last:
+            if not isinstance(target, torch.Tensor):
+                return (f"Pipeline.step: the last stage (rank {self._group.rank}) needs "
+                        f"target as a tensor, got {type(target).__name__}")
+            if target.dim() == 0 or target.shape[0] < self.microbatches:
+                return (f"Pipeline.step: a target of shape {tuple(target.shape)} cannot be "
+                        f"cut into microbatches={self.microbatches} non-empty microbatches")
+            if self.loss_fn is None and self._decoder is not None:
+                head = self.get_submodule(self._decoder.head)
+                shard = getattr(head, "shard", None)
+                if getattr(head, "gather_output", True) is False and shard is not None \
+                        and not shard.group.is_single:
+                    return (f"Pipeline.step: the LM head {self._decoder.head!r} is "
+                            f"vocab-parallel (each rank holds a slice of the logits), and the "
+                            f"model's own loss reads whole logits; pass loss_fn built on "
+                            f"tensorpar.nn.vocab_parallel_cross_entropy, or plan the model "
+                            f"with plan_from_transformers(model, lm_head='gathered')")
+        return ""
+
+    def _agree(self, problem: str, inputs: Any, target: Any) -> None:
+        """Raise on every rank if any rank found a problem, or the batch and target rows differ.
+
+        One small all-reduce (max) of ``[problem, batch rows, target rows]``: the first stage
+        gives the batch's rows, the last the target's, so the two are compared everywhere.
+        """
+        rows_in = inputs.shape[0] if self.is_first and not problem else 0
+        rows_target = target.shape[0] if self.is_last and not problem else 0
+        flags = [1 if problem else 0, rows_in, rows_target]
+        if self._group.size > 1:
+            t = torch.tensor(flags, dtype=torch.int64,
+                             device=self._group.comm_device(self._device()))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            flags = [int(v) for v in t.tolist()]
+            if flags[0] and not problem:
+                problem = "Pipeline.step: another rank of the pipeline got invalid inputs"
+        if not problem and flags[1] != flags[2]:
+            problem = (f"Pipeline.step: the first stage got a batch of {flags[1]} rows and the "
+                       f"last stage a target of {flags[2]} rows; expected the same")
+        if problem:
+            raise CollectiveArgumentError(problem)
+
+    def _targets(self, target: torch.Tensor) -> tuple[list[Any], list[Any]]:
+        """Each microbatch's target and the weight of its loss in the batch loss."""
+        parts = list(torch.tensor_split(target, self.microbatches))
+        if self.loss_fn is None:  # the model's own loss: a sum over label tokens / their count
+            count = (target[..., 1:] != -100).sum()
+            return parts, [count] * len(parts)
+        return parts, [p.shape[0] / target.shape[0] for p in parts]
+
+    def _loss(self, output: torch.Tensor, target: Any, weight: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            assert self._decoder is not None
+            loss: torch.Tensor = self._loss_function(
+                logits=output, labels=target, vocab_size=self._decoder.config.vocab_size,
+                num_items_in_batch=weight)
+            return loss
+        loss = self.loss_fn(output, target) * weight
+        return loss
+
+
+def _backend(g: Group) -> str:
+    try:
+        return str(dist.get_backend(g.handle))
+    except (RuntimeError, ValueError):  # pragma: no cover - no backend to ask
+        return ""
+
+
+def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
+             schedule: str = "1f1b", loss_fn: LossFn | None = None, virtual_stages: int = 1,
+             split: Sequence[int] | None = None) -> Pipeline:
+    """Cut ``model`` into pipeline stages over ``group``; keep this rank's, return the pipeline.
+
+    Every rank builds the same dense model and calls this; the modules of other ranks'
+    stages are deleted from ``model`` (in place). Stage ``k`` of ``P * virtual_stages``
+    runs on group rank ``k % P`` (round-robin). Stages are contiguous runs of blocks: an
+    ``nn.Sequential``'s blocks, or a transformers causal LM's decoder layers (the
+    embedding joins the first stage, the final norm and the LM head the last). Uneven
+    counts are balanced like ``torch.tensor_split`` (7 blocks on 3 stages: 3, 2, 2).
+
+    Args:
+        model: an ``nn.Sequential`` or a transformers causal LM (Llama family).
+        group: the pipeline's process group (``None``: the default group, resolved at
+            call time); group rank 0 runs the first stage.
+        microbatches: microbatches per step (the batch is split like ``tensor_split``:
+            they need not divide it).
+        schedule: ``"gpipe"`` or ``"1f1b"`` (interleaved 1F1B when ``virtual_stages > 1``).
+        loss_fn: ``(output, target) -> loss`` of a microbatch, mean-reduced over its rows;
+            ``None`` for a transformers model: its own causal-LM loss (``labels``).
+        virtual_stages: stages per rank (interleaving).
+        split: blocks (decoder layers) per stage, ``P * virtual_stages`` of them.
+
+    Returns:
+        The `Pipeline`: call ``step(inputs, target)`` on every rank.
+
+    Raises:
+        CollectiveArgumentError: bad counts, an unknown schedule, a split that does not add
+            up, or an ``nn.Sequential`` without ``loss_fn``.
+        CollectiveTypeError: a model that is neither kind.
+
+    Shape:
+        ``inputs``: ``(B, *)`` on the first stage; ``target``: ``(B, *)`` on the last;
+        microbatch ``i`` takes rows ``tensor_split(range(B), microbatches)[i]``.
+
+    Example:
+        >>> import torch, tensorpar
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(4)])
+        >>> pipe = tensorpar.nn.pipeline(model, microbatches=2,
+        ...                              loss_fn=torch.nn.functional.mse_loss)
+        >>> loss = pipe.step(torch.ones(5, 3), torch.zeros(5, 3))  # one process: one stage
+        >>> names = [name for name, _ in pipe.named_parameters()]  # the dense names
+        >>> print(names[:2])
+        ['0.weight', '0.bias']
+    """
+    return Pipeline(model, group=group, microbatches=microbatches, schedule=schedule,
+                    loss_fn=loss_fn, virtual_stages=virtual_stages, split=split)

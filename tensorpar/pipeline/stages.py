@@ -1,0 +1,204 @@
+"""Cutting a dense model into contiguous stages, and running one stage.
+
+Two kinds of model are understood:
+
+- an ``nn.Sequential``: stage ``k`` runs a contiguous run of its blocks;
+- a transformers causal LM of the Llama family: stage ``k`` runs a contiguous run of the
+  decoder layers; the first stage also embeds the tokens, the last one also applies the
+  final norm and the LM head.
+
+Every rank builds the same dense model; `prune` deletes the modules of the stages other
+ranks run, so that the model keeps its dense names (``"3.weight"``,
+``"model.layers.5.mlp.up_proj.weight"``) for the parameters this rank holds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
+
+__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "prune", "run_stage",
+           "stage_specs"]
+
+HF_MODEL_TYPES = ("llama",)
+"""transformers ``model_type``\\ s whose decoder this module runs stage by stage."""
+
+
+class Decoder(NamedTuple):
+    """Where a transformers causal LM keeps its parts: its config, decoder and head names."""
+
+    config: Any
+    prefix: str  # the decoder's name ("model")
+    head: str  # the LM head's name ("lm_head")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What stage ``index`` runs: the dense names of its blocks (or decoder layers).
+
+    Attributes:
+        index: the global (virtual) stage index.
+        blocks: the dense module names it runs in order (``"3"``, ``"model.layers.5"``).
+        first: it embeds the tokens (transformers) / takes the batch.
+        last: it applies the head (transformers) and the loss.
+    """
+
+    index: int
+    blocks: tuple[str, ...]
+    first: bool
+    last: bool
+
+
+def balanced(total: int, parts: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(range(total), parts)`` (the first ones one longer).
+
+    Example:
+        >>> balanced(7, 3)
+        [3, 2, 2]
+    """
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def is_transformers(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (checked without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    prefix = getattr(model, "base_model_prefix", "model")
+    inner = getattr(model, prefix, None)
+    if not isinstance(inner, nn.Module) or not hasattr(inner, "layers"):
+        raise CollectiveTypeError(
+            f"pipeline: the transformers model {type(model).__name__} has no decoder "
+            f"'{prefix}.layers'; expected a causal LM such as LlamaForCausalLM")
+    return inner
+
+
+def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> list[StageSpec]:
+    """The blocks of each of ``stages`` stages (``split``: blocks per stage, or balanced).
+
+    Raises:
+        CollectiveTypeError: ``model`` is neither an ``nn.Sequential`` nor a supported
+            transformers causal LM.
+        CollectiveArgumentError: ``split`` has the wrong length or total, or a stage would
+            get no block.
+    """
+    if isinstance(model, nn.Sequential):
+        names = list(model._modules)
+        what = "blocks of the nn.Sequential"
+        prefix = ""
+    elif is_transformers(model):
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in HF_MODEL_TYPES:
+            raise CollectiveTypeError(
+                f"pipeline: transformers model_type {model_type!r} is not supported; "
+                f"supported: {HF_MODEL_TYPES}")
+        inner: Any = _decoder(model)
+        names = list(inner.layers._modules)
+        what = "decoder layers"
+        prefix = f"{model.base_model_prefix}.layers."
+    else:
+        raise CollectiveTypeError(
+            f"pipeline: model must be an nn.Sequential or a transformers causal LM, got "
+            f"{type(model).__name__}")
+    if split is None:
+        if len(names) < stages:
+            raise CollectiveArgumentError(
+                f"pipeline: {len(names)} {what} cannot fill {stages} stages "
+                f"(pipeline ranks x virtual_stages); each stage needs at least one")
+        sizes = balanced(len(names), stages)
+    else:
+        sizes = list(split)
+        if len(sizes) != stages or sum(sizes) != len(names) or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+            raise CollectiveArgumentError(
+                f"pipeline: split={list(split)} must give {stages} stage sizes >= 1 that add up "
+                f"to the {len(names)} {what}")
+    specs, start = [], 0
+    for k, n in enumerate(sizes):
+        specs.append(StageSpec(k, tuple(prefix + name for name in names[start:start + n]),
+                               k == 0, k == stages - 1))
+        start += n
+    return specs
+
+
+def decoder_of(model: nn.Module) -> Decoder:
+    """The config, decoder name and LM head name of a transformers causal LM."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    name = next((n for n, c in model._modules.items() if c is head), None)
+    if name is None:
+        raise CollectiveTypeError(f"pipeline: {type(model).__name__} has no LM head among its "
+                                  f"top-level modules; expected a causal LM")
+    return Decoder(model.config, str(model.base_model_prefix), name)
+
+
+def prune(model: nn.Module, kept: Sequence[StageSpec], decoder: Decoder | None) -> None:
+    """Delete, in place, the blocks (and head/embedding) of the stages not in ``kept``."""
+    keep = {name for spec in kept for name in spec.blocks}
+    if decoder is None:
+        for name in list(model._modules):
+            if name not in keep:
+                del model._modules[name]
+        return
+    inner: Any = _decoder(model)
+    prefix = f"{model.base_model_prefix}.layers."
+    for name in list(inner.layers._modules):
+        if prefix + name not in keep:
+            del inner.layers._modules[name]
+    if not any(s.first for s in kept):
+        del inner._modules["embed_tokens"]
+    if not any(s.last for s in kept):
+        del inner._modules["norm"]
+        del model._modules[decoder.head]
+
+
+def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
+                              "position_ids": positions}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kwargs[name] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = positions[0]
+    return create_causal_mask(**kwargs)
+
+
+def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decoder | None
+              ) -> torch.Tensor:
+    """Stage ``spec``'s forward on ``x``, looking its modules up in ``root`` by dense name.
+
+    Looked up at every call, so modules that `tensorpar.parallelize` replaced after the
+    pipeline was built are the ones that run. ``decoder`` is ``None`` for an
+    ``nn.Sequential``. The last transformers stage returns the logits.
+    """
+    if decoder is None:
+        for name in spec.blocks:
+            block: Any = root.get_submodule(name)
+            x = block(x)
+        return x
+    inner: Any = root.get_submodule(decoder.prefix)
+    hidden = inner.embed_tokens(x) if spec.first else x  # (B, T, D)
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+    mask = _causal_mask(decoder.config, hidden, positions)
+    rotary = inner.rotary_emb(hidden, position_ids=positions)
+    for name in spec.blocks:
+        layer: Any = root.get_submodule(name)
+        out = layer(hidden, attention_mask=mask, position_ids=positions,
+                    position_embeddings=rotary)
+        hidden = out[0] if isinstance(out, tuple) else out
+    if spec.last:
+        head: Any = root.get_submodule(decoder.head)
+        logits: torch.Tensor = head(inner.norm(hidden))
+        return logits  # (B, T, vocab)
+    return hidden

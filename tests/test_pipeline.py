@@ -1,0 +1,240 @@
+"""Pipeline parallelism: every schedule equals the dense model (loss, gradients, AdamW steps)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar as tp
+from tensorpar.pipeline import bubble_fraction, build_schedule, recv, send
+from tensorpar.pipeline.schedules import in_order, timeline
+from tensorpar.testing import run_distributed
+
+TOL = 1e-10
+WIDTHS = (5, 6, 4, 7, 3, 5, 6, 2)  # 7 blocks of changing widths: each boundary its own shape
+
+
+def sequential(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                           for a, b in itertools.pairwise(WIDTHS)]).double()
+
+
+def batch(n, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(n, WIDTHS[0], generator=g, dtype=torch.float64),
+            torch.randn(n, WIDTHS[-1], generator=g, dtype=torch.float64))
+
+
+def _compare(pipe, dense, loss, dense_loss, what):
+    if pipe.is_last:
+        torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL, msg=what)
+    else:
+        assert tp.is_placeholder(loss)
+    grads = dict(dense.named_parameters())
+    names = []
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL,
+                                   msg=f"{what}: {name}")
+        names.append(name)
+    return names
+
+
+def _sequential_matches_dense(schedule, virtual, n, microbatches, split, steps):
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), microbatches=microbatches, schedule=schedule,
+                          loss_fn=F.mse_loss, virtual_stages=virtual, split=split)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = batch(n, step)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        dense_loss = F.mse_loss(dense(x), y)
+        dense_loss.backward()
+        names = _compare(pipe, dense, loss, dense_loss, f"step {step}")
+        opt.step(), dense_opt.step(), opt.zero_grad(), dense_opt.zero_grad()
+    params = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, params[name], rtol=TOL, atol=TOL, msg=name)
+    return sorted({name.split(".")[0] for name in names}, key=int)
+
+
+CASES = {  # schedule, virtual stages, batch, microbatches, split per world size
+    "gpipe-10x4": ("gpipe", 1, 10, 4, None),
+    "1f1b-10x4": ("1f1b", 1, 10, 4, None),
+    "1f1b-13x5": ("1f1b", 1, 13, 5, None),
+    "interleaved-10x4": ("1f1b", 2, 10, 4, None),
+    "interleaved-13x5": ("1f1b", 2, 13, 5, None),
+    "gpipe-interleaved-13x5": ("gpipe", 2, 13, 5, None),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sequential_equals_dense(case, world_size):
+    results = run_distributed(_sequential_matches_dense, world_size, *CASES[case], 3,
+                              timeout=100)
+    blocks = [b for r in results for b in r]
+    assert sorted(blocks, key=int) == [str(i) for i in range(7)]  # each block on one rank
+    if CASES[case][1] == 1:  # contiguous and balanced like tensor_split: 7 on 3 -> 3, 2, 2
+        sizes = [len(r) for r in results]
+        assert sizes == ([4, 3] if world_size == 2 else [3, 2, 2])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_split(world_size):
+    split = [1, 6] if world_size == 2 else [4, 1, 2]
+    results = run_distributed(_sequential_matches_dense, world_size, "1f1b", 1, 10, 4, split, 3,
+                              timeout=100)
+    assert [len(r) for r in results] == split
+
+
+def test_single_process_pipeline_equals_dense():
+    assert _sequential_matches_dense("1f1b", 3, 13, 5, None, 2) == [str(i) for i in range(7)]
+
+
+# ---------------------------------------------------------------------------------------
+# schedules as data
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("virtual", [1, 2, 3])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8])
+def test_schedule_runs_everything_once(schedule, ranks, virtual, microbatches):
+    rows = build_schedule(schedule, ranks, microbatches, virtual)
+    actions = [a for row in rows for a in row]
+    assert len(actions) == len(set(actions)) == 2 * microbatches * ranks * virtual
+    for r, row in enumerate(rows):
+        assert all(a.stage % ranks == r for a in row)
+        live, peak = set(), 0
+        for a in row:
+            (live.add if a.kind == "F" else live.remove)((a.microbatch, a.stage))
+            peak = max(peak, len(live))
+        if schedule == "1f1b" and virtual == 1:  # 1F1B bounds live microbatches
+            assert peak <= ranks - r
+
+
+# ---------------------------------------------------------------------------------------
+# point-to-point Functions
+# ---------------------------------------------------------------------------------------
+
+def _send_recv_round_trip(shape):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    if rank == 0:
+        ph = send(w * 2, dst=1, tag=3)
+        assert tp.is_placeholder(ph) and ph.shape == torch.Size(shape) and ph.owner == 1
+        ph.backward()  # receives the gradient of w * 2 from rank 1
+        return w.grad
+    x = recv(src=0, tag=3)
+    assert x.requires_grad and x.shape == torch.Size(shape)
+    (x ** 3).sum().backward()  # sends 3 x^2 back
+    return x.detach()
+
+
+@pytest.mark.timeout(60)
+def test_send_backward_receives_the_gradient():
+    for shape in [(3, 4), (2, 5, 1)]:  # a new shape per call: no shape inference, no rebuild
+        grad, received = run_distributed(_send_recv_round_trip, 2, shape, timeout=50)
+        torch.manual_seed(0)
+        w = torch.randn(shape, dtype=torch.float64)
+        torch.testing.assert_close(received, 2 * w, rtol=0, atol=0)
+        torch.testing.assert_close(grad, 2 * 3 * (2 * w) ** 2, rtol=TOL, atol=TOL)
+
+
+def test_errors_on_every_rank_before_communicating():
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        tp.nn.pipeline(sequential(), microbatches=2, schedule="zb", loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="loss_fn"):
+        tp.nn.pipeline(sequential(), microbatches=2)
+    with pytest.raises(ValueError, match=r"split=\[3, 3\]"):
+        tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss, split=[3, 3])
+    with pytest.raises(ValueError, match=r"7 blocks of the nn.Sequential cannot fill 8"):
+        tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss, virtual_stages=8)
+    with pytest.raises(TypeError, match=r"nn.Sequential or a transformers"):
+        tp.nn.pipeline(nn.Linear(2, 2), microbatches=2, loss_fn=F.mse_loss)
+    pipe = tp.nn.pipeline(sequential(), microbatches=4, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="microbatches=4"):
+        pipe.step(*batch(3, 0))
+
+
+def _bad_batch_raises_everywhere(rows_in, rows_target):
+    pipe = tp.nn.pipeline(sequential(), microbatches=4, loss_fn=F.mse_loss)
+    x, y = batch(10, 0)
+    try:
+        pipe.step(x[:rows_in] if pipe.is_first else None, y[:rows_target] if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_bad_batch_on_one_rank_raises_on_every_rank():
+    messages = run_distributed(_bad_batch_raises_everywhere, 3, 2, 10, timeout=50)
+    assert "shape (2, 5)" in messages[0]
+    assert all("invalid inputs" in m for m in messages[1:])
+    messages = run_distributed(_bad_batch_raises_everywhere, 3, 10, 9, timeout=50)
+    assert all("a batch of 10 rows and the last stage a target of 9 rows" in m
+               for m in messages)
+
+
+def test_schedules_receive_in_the_order_peers_send():
+    # what a backend that ignores tags (NCCL) needs; gloo pairs transfers by tag
+    odd = set()
+    for schedule in ("gpipe", "1f1b"):
+        for ranks in range(2, 6):
+            for virtual in range(1, 4):
+                for microbatches in range(1, 13):
+                    rows = build_schedule(schedule, ranks, microbatches, virtual)
+                    if not in_order(rows, ranks):
+                        odd.add((schedule, ranks, virtual, microbatches % 2))
+    assert odd == {("1f1b", 2, 2, 1), ("1f1b", 2, 3, 1)}  # interleaved on 2 ranks, odd m
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (2, 8), (3, 6), (4, 8)])
+def test_schedule_bubble_is_theory(schedule, virtual, ranks, microbatches):
+    rows = timeline(schedule, ranks, microbatches, virtual)
+    end = max(t + (1 if a.kind == "F" else 2) for row in rows for t, a in row)
+    busy = 3 * microbatches * virtual  # ticks of work per rank: forward 1, backward 2
+    assert 1 - busy / end == pytest.approx(bubble_fraction(ranks, microbatches, virtual))
+
+
+def _bench_rows():
+    from tensorpar.bench import pipeline as bench
+
+    return bench.run_rank(4, 1, {"width": 16, "blocks_per_rank": 4, "rows": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_benchmark_suite_runs():
+    rows = run_distributed(_bench_rows, 2, timeout=100)[0]
+    assert [r["case"] for r in rows] == ["gpipe", "1f1b", "interleaved"]
+    for r in rows:
+        assert r["tensorpar"] > 0 and r["torch"] > 0 and 0 <= r["bubble"] < 1
+    assert rows[1]["bubble_theory"] == pytest.approx(1 / 5)
+
+
+def _frozen_first_stage():
+    dense, model = sequential(), sequential()
+    for m in (dense, model):
+        m[0].requires_grad_(False)  # the first stage's output needs no gradient
+    pipe = tp.nn.pipeline(model, microbatches=3, loss_fn=F.mse_loss, split=[1, 6])
+    x, y = batch(7, 0)
+    loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    dense_loss = F.mse_loss(dense(x), y)
+    dense_loss.backward()
+    _compare(pipe, dense, loss, dense_loss, "frozen first stage")
+
+
+@pytest.mark.timeout(60)
+def test_frozen_first_stage():
+    run_distributed(_frozen_first_stage, 2, timeout=50)

@@ -1,0 +1,202 @@
+"""Pipeline parallelism composed: tensor parallelism inside a stage (pp x tp), clipping over
+the whole pipeline, sharded checkpoints in dense names across pipeline sizes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tensorpar
+import tensorpar as tp
+from tensorpar.nn import plan_from_transformers, vocab_parallel_cross_entropy
+from tensorpar.testing import run_distributed
+from tests.test_clip import dense_slice
+from tests.test_pipeline import batch, sequential
+from tests.test_pipeline_hf import llama, lm_loss, tokens
+
+pytest.importorskip("transformers")
+
+TOL = 1e-10
+
+
+def mesh_groups(pp, tp_size):
+    """pp x tp on the world: tp groups are consecutive ranks, pp groups strided."""
+    rank = dist.get_rank()
+    tp_group = pp_group = None
+    for i in range(pp):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(i * tp_size, (i + 1) * tp_size)))
+        if rank // tp_size == i:
+            tp_group = g
+    for j in range(tp_size):
+        g = dist.new_group(list(range(j, pp * tp_size, tp_size)))
+        if rank % tp_size == j:
+            pp_group = g
+    return pp_group, tp_group
+
+
+def _pp_tp_matches_dense(order):
+    pp_group, tp_group = mesh_groups(2, 2)
+    dense = llama()
+    model = llama()
+
+    def vocab_parallel_loss(local_logits, labels):  # (B, T, V/tp): the head's slice
+        return vocab_parallel_cross_entropy(local_logits[:, :-1].flatten(0, 1),
+                                            labels[:, 1:].flatten(), group=tp_group)
+
+    if order == "tp-first":  # vocab-parallel head: the loss never gathers the logits
+        tp.parallelize(model, plan_from_transformers(llama()), group=tp_group)
+        pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3,
+                              loss_fn=vocab_parallel_loss)
+    else:  # gathered head: any loss on whole logits
+        pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3, loss_fn=lm_loss)
+        tp.parallelize(pipe, plan_from_transformers(llama(), lm_head="gathered"),
+                       group=tp_group)
+    sharded = [n for n, m in pipe.named_modules() if getattr(m, "sharded_dims", None)]
+    assert sharded, "tensor parallelism was not applied"
+    for step, length in enumerate((9, 5)):
+        ids = tokens(step, length=length)
+        loss = pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+        dense_loss = lm_loss(dense(ids).logits, ids)
+        dense_loss.backward()
+        if pipe.is_last:
+            torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
+        grads = dict(dense.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, dense_slice(pipe, name, grads[name].grad),
+                                       rtol=TOL, atol=TOL, msg=f"step {step}: {name}")
+        # the norm over the whole pipeline (every stage, shards reduced once) is dense's
+        norm = tp.nn.grad_norm(pipe)
+        torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(
+            [p.grad for p in dense.parameters()]), rtol=TOL, atol=TOL)
+        pipe.zero_grad(), dense.zero_grad()
+    return len(sharded)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("order", ["tp-first", "pp-first"])
+def test_pp2_x_tp2_equals_dense(order):
+    counts = run_distributed(_pp_tp_matches_dense, 4, order, timeout=220)
+    assert all(c > 0 for c in counts)
+
+
+def _clip_matches_dense(norm_type):
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), microbatches=3, loss_fn=F.mse_loss)
+    x, y = batch(7, 0)
+    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    F.mse_loss(dense(x), y).backward()
+    norm = tp.nn.clip_grad_norm_(pipe, 0.01, norm_type)
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.01, norm_type)
+    torch.testing.assert_close(norm, dense_norm, rtol=TOL, atol=TOL)
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_over_the_whole_pipeline(norm_type, world_size):
+    run_distributed(_clip_matches_dense, world_size, norm_type, timeout=100)
+
+
+# ---------------------------------------------------------------------------------------
+# sharded checkpoints in dense names: saved at one pipeline size, loaded at another
+# ---------------------------------------------------------------------------------------
+
+def _build(kind, seed):
+    if kind == "sequential":
+        return sequential(seed)
+    torch.manual_seed(seed)
+    model = llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # other weights than llama()'s
+    return model
+
+
+def _save(kind, path, tp_size):
+    import torch.distributed.checkpoint as dcp
+
+    pp_group, tp_group = mesh_groups(dist.get_world_size() // tp_size, tp_size)
+    model = _build(kind, 1)
+    if tp_size > 1:
+        tp.parallelize(model, plan_from_transformers(llama()), group=tp_group)
+    pipe = tp.nn.pipeline(model, group=pp_group, microbatches=2,
+                          loss_fn=F.mse_loss if kind == "sequential" else lm_loss)
+    dcp.save(tp.sharded_state_dict(pipe), checkpoint_id=path)
+
+
+def _load(kind, path):
+    import torch.distributed.checkpoint as dcp
+
+    pipe = tp.nn.pipeline(_build(kind, 0), microbatches=2,
+                          loss_fn=F.mse_loss if kind == "sequential" else lm_loss)
+    state = tp.sharded_state_dict(pipe)
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(pipe, state)
+    saved = dict(_build(kind, 1).named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0, msg=name)
+    return [name for name, _ in pipe.named_parameters()]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind,tp_size", [("sequential", 1), ("llama", 2)])
+def test_checkpoint_saved_at_pp2_loads_at_pp3_and_dense(kind, tp_size, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save, 2 * tp_size, kind, path, tp_size, timeout=200)
+    held = run_distributed(_load, 3, kind, path, timeout=200)
+    names = {name for name, _ in _build(kind, 1).named_parameters()}
+    assert sorted(n for r in held for n in r) == sorted(names)
+    dense = _build(kind, 0)
+    state = dense.state_dict()
+    dcp.load(state, checkpoint_id=path)  # one process, no process group: the dense model
+    dense.load_state_dict(state)
+    for name, p in _build(kind, 1).named_parameters():
+        torch.testing.assert_close(dense.get_parameter(name), p, rtol=0, atol=0, msg=name)
+
+
+def _dp_x_pp_matches_dense():
+    pp_group, dp_group = mesh_groups(2, 2)  # dp ranks consecutive, pp ranks strided
+    replica = dist.get_rank(dp_group)
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), group=pp_group, microbatches=3, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
+    for step in range(2):
+        x, y = batch(12, step)  # each replica takes its half of the batch
+        mine = slice(6 * replica, 6 * replica + 6)
+        pipe.step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None)
+        tensorpar.pipeline.average_gradients(pipe, group=dp_group)
+        F.mse_loss(dense(x), y).backward()
+        grads = dict(dense.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+        opt.step(), dense_opt.step(), opt.zero_grad(), dense_opt.zero_grad()
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_pipeline_replicas_equal_dense():
+    run_distributed(_dp_x_pp_matches_dense, 4, timeout=100)
+
+
+def _own_loss_on_vocab_parallel_head_raises():
+    pp_group, tp_group = mesh_groups(2, 2)
+    model = tp.parallelize(llama(), plan_from_transformers(llama()), group=tp_group)
+    pipe = tp.nn.pipeline(model, group=pp_group, microbatches=2)  # the model's own loss
+    ids = tokens(0)
+    try:
+        pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_own_loss_on_a_vocab_parallel_head_raises_on_every_rank():
+    messages = run_distributed(_own_loss_on_vocab_parallel_head_raises, 4, timeout=100)
+    assert all("vocab-parallel" in m for m in messages[2:])  # the last stage's ranks
+    assert all("another rank" in m for m in messages[:2])
