@@ -262,7 +262,7 @@ class _RowGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _RowAdd.apply(g, *ctx.args), None, None, None, None
+        return _RowAdd.apply(g, *ctx.args), None, None, None, None  # type: ignore[no-untyped-call]
 
 
 class _RowAdd(torch.autograd.Function):
@@ -276,7 +276,7 @@ class _RowAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _RowGather.apply(gg, *ctx.args, 0.0), None, None, None
+        return _RowGather.apply(gg, *ctx.args, 0.0), None, None, None  # type: ignore[no-untyped-call]
 
 
 def gather_rows(x: torch.Tensor, dim: int, plan: RowPlan, group: Group, fill: float = 0.0
@@ -287,5 +287,5 @@ def gather_rows(x: torch.Tensor, dim: int, plan: RowPlan, group: Group, fill: fl
     """
     if plan.is_identity:
         return x
-    out: torch.Tensor = _RowGather.apply(x, dim, plan, group, fill)
+    out: torch.Tensor = _RowGather.apply(x, dim, plan, group, fill)  # type: ignore[no-untyped-call]
     return out
