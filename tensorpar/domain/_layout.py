@@ -50,6 +50,9 @@ class DomainContext:
         self.reduced = False  # a global pooling has left no split dim
         self.partial: dict[int, bool] = {}  # id(module) -> ran on tiles in the last forward
         self.active = False
+        self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
+        self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
+        self.finish_queued = False
         self.internal = False  # a conversion's own functional call is running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}

@@ -182,6 +182,14 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
     A module that ran before any global pooling sees only this rank's points: its gradient
     is partial (the dense one is the sum over the domain). One that ran after it (a head on
     the pooled, replicated features) already has the whole gradient on every rank.
+
+    The sums are made once, at the end of the backward pass, for every such parameter in
+    the model's order, as one all-reduce per split dim: a rank whose tile is empty computes
+    its (zero) gradients in another order than its peers, so summing each gradient as it
+    arrives could pair different parameters' all-reduces. Each gradient hook keeps the
+    partial gradient aside and lets zeros through; the end of the backward adds the sums to
+    ``.grad`` (so accumulation over several backward passes stays exact). Gradients asked
+    for with ``torch.autograd.grad`` do not include these sums: use ``backward()``.
     """
     key = id(module)
 
@@ -191,18 +199,45 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
     module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=False):
         if p.requires_grad:
-            p.register_hook(_summer(ctx, key))
+            ctx.params.append((key, p))
+            p.register_hook(_keeper(ctx, key, len(ctx.params) - 1))
 
 
-def _summer(ctx: DomainContext, key: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if not ctx.partial.get(key, False):
+        if not ctx.partial.get(key, False) or all(g.is_single for g in ctx.groups):
             return grad
+        kept = ctx.kept.get(index)
+        ctx.kept[index] = grad.detach() if kept is None else kept + grad.detach()
+        if not ctx.finish_queued:
+            ctx.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: _finish(ctx))
+        return torch.zeros_like(grad)
+    return hook
+
+
+def _finish(ctx: DomainContext) -> None:
+    """End of a backward: sum the kept gradients over the domain, add them to ``.grad``."""
+    ctx.finish_queued = False
+    kept, ctx.kept = ctx.kept, {}
+    params = [(i, p) for i, (key, p) in enumerate(ctx.params) if ctx.partial.get(key, False)]
+    if not params:
+        return
+    like = next(iter(kept.values())) if kept else params[0][1].detach()
+    flat = torch.cat([kept[i].reshape(-1).to(like.dtype) if i in kept else
+                      like.new_zeros(p.numel()) for i, p in params])
+    with torch.no_grad():
         for g in ctx.groups:
             if not g.is_single:
-                grad = all_reduce(grad.contiguous(), backward="identity", group=g)
-        return grad
-    return hook
+                flat = all_reduce(flat, backward="identity", group=g)
+        for (_, p), part in zip(params, flat.split([p.numel() for _, p in params]),
+                                strict=True):
+            total = part.view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = total.clone()
+            else:
+                p.grad.add_(total)
 
 
 def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
