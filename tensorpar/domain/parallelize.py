@@ -45,6 +45,15 @@ _POINTWISE: tuple[type, ...] = (
 )
 """Leaf layers that act on each point (or on replicated data) and run as they are."""
 
+_KNOWN_POINTWISE = frozenset({
+    "diffusers.models.embeddings.Timesteps",  # sinusoidal embedding of the timestep
+})
+"""Leaf layers of other libraries, by qualified class name, that never see the image."""
+
+
+def _qualname(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__name__}"
+
 
 def _forward_for(module: nn.Module) -> Forward | None:
     for types_, fwd in _CONVERT:
@@ -55,14 +64,19 @@ def _forward_for(module: nn.Module) -> Forward | None:
     return None
 
 
-def _refusal(name: str, module: nn.Module) -> str | None:
+def _refusal(name: str, module: nn.Module, keep: Sequence[type | str]) -> str | None:
     """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
     label = f"{name or '<model>'} ({type(module).__name__})"
     fwd = _forward_for(module)
     if fwd is None:
-        if isinstance(module, _POINTWISE) or next(module.children(), None) is not None:
+        if isinstance(module, _POINTWISE) or next(module.children(), None) is not None \
+                or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) \
+                or _qualname(module) in _KNOWN_POINTWISE \
+                or any(k == name or k == type(module).__name__ if isinstance(k, str)
+                       else isinstance(module, k) for k in keep):
             return None
-        return f"{label}: no domain-parallel version of this layer"
+        return f"{label}: no domain-parallel version of this layer (if it never sees the " \
+               f"image or acts on each point, name it in pointwise=)"
     if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and module.return_indices:
         return f"{label}: return_indices=True (the indices would be the tile's)"
     if isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
@@ -79,7 +93,8 @@ def _refusal(name: str, module: nn.Module) -> str | None:
 
 
 def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
-                       group: GroupLike = None) -> nn.Module:
+                       group: GroupLike = None, pointwise: Sequence[type | str] = ()
+                       ) -> nn.Module:
     """Make a dense convolutional model domain-parallel, in place.
 
     Each rank calls the converted model with its own tile of the image input (the dense
@@ -110,6 +125,10 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         group: the process group for one split dim (``None``: the default group, resolved
             now), or a ``DeviceMesh`` with one mesh dim per entry of ``dims`` (a grid of
             tiles: mesh dim ``i`` splits ``dims[i]``).
+        pointwise: more leaf layers to run as they are (types, class names or module
+            names): layers that act on each point or never see the image. Built in: torch's
+            activations, dropout, ``Linear``, ``Embedding``, ``Flatten`` and diffusers'
+            ``Timesteps``.
 
     Returns:
         ``model`` itself.
@@ -136,7 +155,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     groups = _groups(fn, dims_t, group)
     if getattr(model, _CTX, None) is not None:
         raise ValueError(f"{fn}: the model is already domain-parallel")
-    problems = [p for name, m in model.named_modules() if (p := _refusal(name, m))]
+    problems = [p for name, m in model.named_modules() if (p := _refusal(name, m, pointwise))]
     if problems:
         raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
                          + "\n  ".join(problems))

@@ -1,10 +1,10 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
+from tensorpar.domain import domain_layout, halo_exchange, parallelize_domain
 from tensorpar.nn.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.data_parallel import DistributedDataParallel
-from tensorpar.domain import domain_layout, halo_exchange, parallelize_domain
 from tensorpar.nn.embedding import ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
 from tensorpar.nn.hf_plan import plan_from_transformers
