@@ -1,6 +1,6 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
-from tensorpar.domain import domain_layout, halo_exchange, parallelize_domain
+from tensorpar.domain import domain_layout, domain_mean, halo_exchange, parallelize_domain
 from tensorpar.nn.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
@@ -61,6 +61,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
     "domain_layout",
+    "domain_mean",
     "halo_exchange",
     "parallelize_domain",
     "grad_norm",
