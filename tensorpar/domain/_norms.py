@@ -1,7 +1,8 @@
 """Normalisation over a split domain: statistics over every rank's points, like dense.
 
 Mean and variance are two passes of float64 sums all-reduced over the domain (the mean
-first, then the squared deviations from it: no cancellation), with the all-reduce's
+first, then the squared deviations from it: no cancellation; the tile itself stays in its
+dtype), with the all-reduce's
 backward summing the gradients, so each tile's gradient includes what its points do to the
 statistics seen by every other tile. BatchNorm's running statistics are updated once per
 forward, identically on every rank, as dense.
@@ -39,18 +40,22 @@ def _global_count(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: s
 
 
 def moments(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str
-            ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Mean and biased variance (float64, dims kept) over ``dims`` of the whole domain."""
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Centred ``x``, mean and biased variance over ``dims`` of the whole domain.
+
+    The sums are float64 (``sum(dtype=)``: no float64 copy of the tile is kept for the
+    backward); the centred tile stays in ``x``'s dtype. Mean and variance keep ``dims``.
+    """
     count = _global_count(ctx, x, dims, where)
-    xd = x.double()
-    mean = sum_over_domain(ctx, xd.sum(dims, keepdim=True)) / count
-    var = sum_over_domain(ctx, (xd - mean).square().sum(dims, keepdim=True)) / count
-    return mean, var, count
+    mean = sum_over_domain(ctx, x.sum(dims, keepdim=True, dtype=torch.float64)) / count
+    centred = x - mean.to(x.dtype)
+    var = sum_over_domain(ctx, (centred * centred).sum(dims, keepdim=True,
+                                                       dtype=torch.float64)) / count
+    return centred, mean, var, count
 
 
-def _normalize(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float
-               ) -> torch.Tensor:
-    return (x - mean.to(x.dtype)) * torch.rsqrt(var + eps).to(x.dtype)
+def _normalize(centred: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
+    return centred * torch.rsqrt(var + eps).to(centred.dtype)
 
 
 def _channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     dims = [0, *range(2, x.dim())]
-    mean, var, count = moments(ctx, x, dims, where)
+    centred, mean, var, count = moments(ctx, x, dims, where)
     if module.training and module.track_running_stats:
         with torch.no_grad():
             module.num_batches_tracked.add_(1)
@@ -78,7 +83,7 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
             module.running_mean.mul_(1 - f).add_(mean.flatten().to(module.running_mean), alpha=f)
             module.running_var.mul_(1 - f).add_(unbiased.flatten().to(module.running_var),
                                                 alpha=f)
-    y = _normalize(x, mean, var, module.eps)
+    y = _normalize(centred, var, module.eps)
     if module.affine:
         y = y * _channel(module.weight, x) + _channel(module.bias, x)
     return y
@@ -93,8 +98,8 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     g = module.num_groups
     xg = x.reshape(n, g, c // g, *x.shape[2:])
     # split dims keep their (negative) position in the grouped view
-    mean, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
-    y = _normalize(xg, mean, var, module.eps).reshape(x.shape)
+    centred, _, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
+    y = _normalize(centred, var, module.eps).reshape(x.shape)
     if module.affine:
         y = y * _channel(module.weight, x) + _channel(module.bias, x)
     return y
@@ -105,8 +110,8 @@ def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> t
     if ctx.reduced:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
-    mean, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
-    y = _normalize(x, mean, var, module.eps)
+    centred, _, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
+    y = _normalize(centred, var, module.eps)
     if module.affine:
         y = y * _channel(module.weight, x) + _channel(module.bias, x)
     return y
@@ -123,8 +128,8 @@ def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     if ctx.reduced or not _split_dims_in(ctx, x, dims):
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = "LayerNorm (domain-parallel)"
-    mean, var, _ = moments(ctx, x, dims, where)
-    y = _normalize(x, mean, var, module.eps)
+    centred, _, var, _ = moments(ctx, x, dims, where)
+    y = _normalize(centred, var, module.eps)
     w, b = module.weight, getattr(module, "bias", None)
     for i, d in enumerate(ctx.dims):
         if x.dim() + d in dims:
