@@ -18,8 +18,8 @@ Timed side by side on every rank (interleaved rounds, slowest rank, medians):
 Also per rank: the halo bytes one step sends (forward and backward, `tensorpar.CommCounter`)
 against the exact count for the conv stack (each interior boundary: one row of 32 channels
 each way per conv forward, and per conv but the first backward, as the input needs no
-gradient), and the bytes of activations autograd saves (``saved_tensors_hooks``) against
-the dense model's.
+gradient), and the bytes of activations autograd saves (``saved_tensors_hooks``, each storage
+once) against the dense model's.
 """
 
 from __future__ import annotations
@@ -71,12 +71,16 @@ def _model(name: str) -> tuple[nn.Module, int]:
 
 
 def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    params = {p.data_ptr() for p in model.parameters()}
+    """Bytes of the tensors autograd saves in one step, each storage counted once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
     total = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            total[0] += t.numel() * t.element_size()
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
