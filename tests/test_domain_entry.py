@@ -63,3 +63,36 @@ def test_domain_mean_one_rank():
     assert torch.allclose(x.grad, torch.full((6,), 1 / 6))
     with pytest.raises(ValueError, match="no points"):
         domain_mean(torch.zeros(0))
+
+
+class _Slices(torch.nn.Module):
+    """Drops the first row of every tile: a call parallelize_domain cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(1, 2, 3, padding=1)
+        self.b = torch.nn.Conv2d(2, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(self.a(x)[:, :, 1:])
+
+
+def _validated(kind):
+    torch.manual_seed(0)
+    model = SmallUNet().double() if kind == "unet" else _Slices().double()
+    x = torch.randn(1, 1, 16, 8, dtype=torch.float64)
+    par = parallelize_domain(copy.deepcopy(model), dims=-2)
+    sizes = [16 // dist.get_world_size()] * dist.get_world_size()
+    tile = x.narrow(2, dist.get_rank() * sizes[0], sizes[0]).clone().requires_grad_(True)
+    with tensorpar.validation(True):
+        try:
+            par(tile).sum().backward()
+        except RuntimeError as exc:
+            return str(exc)
+    return "ran"
+
+
+def test_validation_mode_checks_every_layer():
+    assert run_distributed(_validated, 2, "unet", timeout=T) == ["ran", "ran"]
+    messages = run_distributed(_validated, 2, "slices", timeout=T)  # raised on every rank
+    assert all("no split of this forward" in m for m in messages), messages

@@ -13,6 +13,10 @@ belongs to the rank that owns its *anchor*, the input row at the centre of its w
 (rounded down), clamped to the domain. A stride-1 convolution with symmetric padding keeps
 the split; a stride-2 one gives each rank the outputs centred on its rows.
 
+In validation mode every layer exchanges its tile sizes instead and checks them against
+the recorded splits (an unconverted call that changed the tiles raises on every rank), and
+every halo exchange compares its fingerprint across the ranks.
+
 A layer finds its input's split from its tile's local size. That is unique when, for every
 rank, the splits recorded so far give that rank different sizes (the common case); when it
 is not (an empty tile is 0 rows long in every split), the layer asks for the sizes (one
@@ -30,6 +34,7 @@ import torch
 from tensorpar._comm import exchange_ints
 from tensorpar._group import Group
 from tensorpar.domain._rows import RowPlan, offsets, plan_rows
+from tensorpar.validation import validation_enabled
 
 __all__ = ["DomainContext", "anchor_sizes"]
 
@@ -86,6 +91,15 @@ class DomainContext:
                                f"the model it was converted with (its entry records the "
                                f"tiles' sizes); call the converted model itself")
         table, g = self.layouts[i], self.groups[i]
+        if validation_enabled() and not g.is_single:
+            # ask every time, and decide from what every rank sees alike
+            sizes = tuple(r[0] for r in exchange_ints(g, [n], device))
+            if table.get(sum(sizes)) != sizes:
+                raise RuntimeError(
+                    f"{where}: the tiles have {list(sizes)} rows along dim {self.dims[i]}, "
+                    f"which is no split of this forward ({sorted(table.values())}); a call "
+                    f"that is not converted (a functional resize, pad or slice?) changed them")
+            return sizes
         if self._unique(i):
             for sizes in table.values():
                 if sizes[g.rank] == n:

@@ -29,6 +29,7 @@ import torch
 
 from tensorpar._comm import all_to_all as _all_to_all
 from tensorpar._group import Group
+from tensorpar.validation import check, validation_enabled
 
 __all__ = ["RowPlan", "gather_rows", "map_row", "offsets", "plan_rows"]
 
@@ -75,6 +76,7 @@ class RowPlan:
         upper: pool index of each output row after the run.
         fill: whether the pool ends with a fill row.
         exchange: whether any rank of the group sends anything (the same on every rank).
+        sizes: every rank's tile size (what validation mode compares).
     """
 
     n_in: int
@@ -87,6 +89,7 @@ class RowPlan:
     upper: tuple[int, ...]
     fill: bool
     exchange: bool
+    sizes: tuple[int, ...] = ()
 
     @property
     def n_out(self) -> int:
@@ -174,6 +177,7 @@ def plan_rows(sizes: Sequence[int], wants: Sequence[tuple[int, int]], rank: int,
         upper=tuple(pool_of[n_lower:]),
         fill=has_fill,
         exchange=exchange,
+        sizes=tuple(sizes),
     )
 
 
@@ -251,6 +255,20 @@ def _add_back(g: torch.Tensor, dim: int, plan: RowPlan, group: Group) -> torch.T
     return out
 
 
+def _validate(t: torch.Tensor, dim: int, plan: RowPlan, group: Group, backward: bool
+              ) -> None:
+    """Validation mode: compare this exchange's fingerprint across the ranks.
+
+    Every rank's exchange must have the same dim, dtype, split and row shape, and this
+    rank's tile the length the split gives it (else the same error on every rank).
+    """
+    if plan.exchange and validation_enabled():
+        rows = plan.n_out if backward else plan.n_in
+        check("halo exchange", group, backward=backward, dtype=t.dtype, shape=t.shape,
+              shape_skips=[dim], dim=dim, sizes=plan.sizes,
+              against_sizes=t.shape[dim] - rows, label="a domain-parallel layer")
+
+
 class _RowGather(torch.autograd.Function):
     """Forward: gather rows by plan. Backward: `_RowAdd` (the rows' gradients added back)."""
 
@@ -258,6 +276,7 @@ class _RowGather(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, plan: RowPlan, group: Group,
                 fill: float) -> torch.Tensor:
         ctx.args = (dim, plan, group)
+        _validate(x, dim, plan, group, backward=False)
         return _gather(x, dim, plan, group, fill)
 
     @staticmethod
@@ -272,6 +291,7 @@ class _RowAdd(torch.autograd.Function):
     def forward(ctx: Any, g: torch.Tensor, dim: int, plan: RowPlan, group: Group
                 ) -> torch.Tensor:
         ctx.args = (dim, plan, group)
+        _validate(g, dim, plan, group, backward=True)
         return _add_back(g, dim, plan, group)
 
     @staticmethod
