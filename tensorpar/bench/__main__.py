@@ -2,7 +2,8 @@
 
 Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``moe``, ``regather``
 (sequence parallelism's backward all-gather overlapped or not), ``pipeline`` (schedules
-against torch.distributed.pipelining), ``hierarchical`` (a
+against torch.distributed.pipelining), ``domain`` (domain parallelism against the
+ideal), ``hierarchical`` (a
 simulated 2-machine cluster; needs root). Options left out take the suite's
 defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
 suite with a progress display and writes plots (see `tensorpar.bench.report`).
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", metavar="BACKEND",
                         help="layers: also time tensorpar and DTensor under torch.compile with "
                              "this backend; default: inductor ('' to skip)")
+    parser.add_argument("--size", type=int,
+                        help="domain: the image's height and width; default: 512")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args(argv)
     for name, value in {"timeout": 600.0, **DEFAULTS[args.suite]}.items():

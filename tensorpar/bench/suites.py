@@ -353,6 +353,34 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
           "step: the slowest rank's, median over rounds; paired: median over rounds of the "
           "ratio within a round; bubble: a rank's share of the step not computing, mean over "
           "ranks; theory: (P - 1) / (V m + P - 1))")
+
+
+def _domain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Domain parallelism (`tensorpar.bench.domain`): strips against the ideal."""
+    from tensorpar.bench import domain
+
+    results = [_run(args, f"{world} ranks, {name}", domain.run_rank, world, name, args.size,
+                    args.rounds)[0]
+               for name in domain.WORKLOADS for world in args.world_sizes]
+    rows = []
+    for r in results:
+        mib = 2**20
+        exact = r["exact_bytes"]
+        rows.append([r["workload"], r["world_size"], f"{r['size']}x{r['size']}",
+                     _ms(r["domain"]), _ms(r["ideal"]), _x(r["domain/ideal"]),
+                     f"{max(r['halo_bytes']) / mib:.2f}",
+                     "-" if exact is None else
+                     ("yes" if exact == r["halo_bytes"] else f"no ({max(exact) / mib:.2f})"),
+                     f"{max(r['saved_bytes']) / mib:.1f}", f"{r['saved_dense'] / mib:.1f}",
+                     _x(max(r["saved_bytes"]) / r["saved_dense"])])
+    print(format_table(["workload", "ranks", "image", "domain ms", "ideal ms",
+                        "paired domain/ideal", "halo MiB/step (max rank)", "= exact count",
+                        "saved MiB (max rank)", "saved MiB dense", "saved/dense"], rows))
+    print("(float32, batch 1, forward+backward, strips along H, one thread per rank; ideal: "
+          "the dense model on the rank's rows plus the first layer's halo rows, no "
+          f"communication; {os.cpu_count()} CPU cores. PhysicsNeMo's ShardTensor is not "
+          "run: nvidia-physicsnemo is not installed here, and its DistributedManager "
+          "passes device_id=cpu to init_process_group, which torch 2.13 refuses)")
     return results
 
 
@@ -364,7 +392,7 @@ def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
           "layers": _layers, "hierarchical": _hierarchical, "moe": _moe,
-          "regather": _regather, "pipeline": _pipeline}
+          "regather": _regather, "pipeline": _pipeline, "domain": _domain}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
@@ -374,6 +402,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "moe": {"world_sizes": [2, 4], "rounds": 15},
     "regather": {"world_sizes": [2, 4], "rounds": 31},
     "pipeline": {"world_sizes": [2, 4], "microbatches": [4, 8], "rounds": 9},
+    "domain": {"world_sizes": [2, 4], "rounds": 5, "size": 512},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
                      "reducer_rounds": 7},

@@ -1,6 +1,7 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
 from tensorpar.ddp.data_parallel import DistributedDataParallel
+from tensorpar.domain import domain_layout, domain_mean, halo_exchange, parallelize_domain
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
 from tensorpar.nn.hf.plan import plan_from_transformers
 from tensorpar.nn.layers.conv1d import ColumnParallelConv1D, RowParallelConv1D
@@ -62,5 +63,9 @@ __all__ = [
     "plan_from_transformers",
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
+    "domain_layout",
+    "domain_mean",
+    "halo_exchange",
+    "parallelize_domain",
     "grad_norm",
 ]

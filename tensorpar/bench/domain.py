@@ -1,0 +1,132 @@
+"""Domain parallelism: a conv stack and a U-Net split in strips, against the ideal.
+
+Workloads (float32, batch 1, one forward+backward per step, loss ``sum(out)``):
+
+- ``conv8``: 8 x ``Conv2d(32, 32, 3, padding=1)`` on a ``size x size`` image;
+- ``unet``: a 2-level U-Net (width 16: max pooling, strided conv, transposed conv, bilinear
+  up-sampling, BatchNorm and GroupNorm, skip connections) on a ``size x size`` image.
+
+Timed side by side on every rank (interleaved rounds, slowest rank, medians):
+
+- ``domain``: the model converted by `tensorpar.nn.parallelize_domain`, on the rank's strip;
+- ``ideal``: the same dense model on a strip of the rank's rows plus the halo rows of the
+  first layer (one on each side that has a neighbour, for the conv stack; two on each side
+  for the U-Net, which needs a multiple of 4 rows), with no communication at all. (It
+  computes the halo rows' outputs too, so it does a little more arithmetic than the domain
+  step.)
+
+Also per rank: the halo bytes one step sends (forward and backward, `tensorpar.CommCounter`)
+against the exact count for the conv stack (each interior boundary: one row of 32 channels
+each way per conv forward, and per conv but the first backward, as the input needs no
+gradient), and the bytes of activations autograd saves (``saved_tensors_hooks``, each storage
+once) against the dense model's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tensorpar
+from tensorpar.bench._timing import time_side_by_side
+from tensorpar.nn import parallelize_domain
+
+__all__ = ["WORKLOADS", "run_rank"]
+
+WORKLOADS = ("conv8", "unet")
+
+
+def _block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                         nn.Conv2d(cout, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
+
+
+class _UNet(nn.Module):
+    def __init__(self, w: int = 16) -> None:
+        super().__init__()
+        self.enc1, self.pool, self.enc2 = _block(1, w), nn.MaxPool2d(2), _block(w, 2 * w)
+        self.down = nn.Conv2d(2 * w, 2 * w, 3, stride=2, padding=1)
+        self.mid = _block(2 * w, 4 * w)
+        self.up2, self.dec2 = nn.ConvTranspose2d(4 * w, 2 * w, 2, stride=2), _block(4 * w, 2 * w)
+        self.up1, self.dec1 = nn.Upsample(scale_factor=2, mode="bilinear"), _block(3 * w, w)
+        self.out = nn.Conv2d(w, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.pool(e1))
+        m = self.mid(self.down(e2))
+        d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
+        return self.out(self.dec1(torch.cat([self.up1(d2), e1], 1)))  # type: ignore[no-any-return]
+
+
+def _model(name: str) -> tuple[nn.Module, int]:
+    torch.manual_seed(0)
+    if name == "conv8":
+        return nn.Sequential(*[nn.Conv2d(32, 32, 3, padding=1) for _ in range(8)]), 32
+    return _UNet(), 1
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves in one step, each storage counted once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return total[0]
+
+
+def run_rank(name: str, size: int, rounds: int) -> dict[str, Any]:
+    """One workload on this rank (every rank calls it); the figures of the slowest rank."""
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dense, channels = _model(name)
+    sizes = [size // world + (r < size % world) for r in range(world)]
+    start = sum(sizes[:rank])
+    full = torch.randn(1, channels, size, size)
+    tile = full[:, :, start:start + sizes[rank]].contiguous()
+    if name == "conv8":
+        lo, hi = min(1, start), min(1, size - start - sizes[rank])
+        ideal_in = full[:, :, start - lo:start + sizes[rank] + hi].contiguous()
+    else:  # the U-Net needs a multiple of 4 rows: two more on each side
+        ideal_in = torch.randn(1, channels, sizes[rank] + 4, size)
+    model = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    ideal = copy.deepcopy(dense)
+
+    def step(m: nn.Module, x: torch.Tensor) -> None:
+        m(x).sum().backward()
+
+    with tensorpar.CommCounter() as counter:
+        step(model, tile)
+    halo = counter.nbytes("all_to_all")
+    if name == "conv8":
+        interior = (rank > 0) + (rank < world - 1)
+        # 8 convs forward, 7 backward (the input tile needs no gradient), float32 rows
+        exact: int | None = (8 + 7) * interior * channels * size * 4
+    else:
+        exact = None
+    saved = _saved_bytes(model, tile)
+    saved_dense = _saved_bytes(ideal, full) if rank == 0 else 0
+    times = time_side_by_side({"domain": lambda: step(model, tile),
+                               "ideal": lambda: step(ideal, ideal_in)},
+                              rounds=rounds, pairs=(("domain", "ideal"),))
+    figures = torch.tensor([halo, exact or 0, saved], dtype=torch.float64)
+    every = [torch.zeros_like(figures) for _ in range(world)]
+    dist.all_gather(every, figures)
+    return {"workload": name, "world_size": world, "size": size, **times,
+            "halo_bytes": [int(f[0]) for f in every],
+            "exact_bytes": None if exact is None else [int(f[1]) for f in every],
+            "saved_bytes": [int(f[2]) for f in every], "saved_dense": saved_dense}

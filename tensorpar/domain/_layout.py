@@ -1,0 +1,165 @@
+"""The per-forward layout of a domain-parallel model: every tile's size along each split dim.
+
+At the model's entry one small all-gather per split dim tells every rank every tile's size
+(`DomainContext.begin`). From then on each converted layer works out its output's split with
+the same arithmetic on every rank, so no layer asks anyone for sizes again.
+
+One rule keeps the tiles of different tensors compatible (a U-Net concatenates an encoder
+tensor with an up-sampled one): within a forward, **a global length has one split**. The
+first tensor of global length ``N`` along a split dim defines the split of ``N``; a later
+layer whose output has ``N`` rows produces exactly those tiles (it fetches the input rows
+the tiles need, wherever they are). A new length is split by ownership: output row ``o``
+belongs to the rank that owns its *anchor*, the input row at the centre of its window
+(rounded down), clamped to the domain. A stride-1 convolution with symmetric padding keeps
+the split; a stride-2 one gives each rank the outputs centred on its rows.
+
+In validation mode every layer exchanges its tile sizes instead and checks them against
+the recorded splits (an unconverted call that changed the tiles raises on every rank), and
+every halo exchange compares its fingerprint across the ranks.
+
+A layer finds its input's split from its tile's local size. That is unique when, for every
+rank, the splits recorded so far give that rank different sizes (the common case); when it
+is not (an empty tile is 0 rows long in every split), the layer asks for the sizes (one
+small all-gather). The decision depends only on the recorded splits, which every rank holds
+identically, so every rank takes the same path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tensorpar._comm import exchange_ints
+from tensorpar._group import Group
+from tensorpar.domain._rows import RowPlan, offsets, plan_rows
+from tensorpar.validation import validation_enabled
+
+__all__ = ["DomainContext", "anchor_sizes"]
+
+
+class DomainContext:
+    """The domain of one converted model: split dims, their groups, this forward's splits.
+
+    Args:
+        dims: the split dims as the user gave them (negative: from the end).
+        groups: one resolved group per split dim.
+    """
+
+    def __init__(self, dims: Sequence[int], groups: Sequence[Group]) -> None:
+        self.user_dims = tuple(dims)
+        self.dims = tuple(d for d in dims if d < 0)  # negative form; set again by `begin`
+        self.groups = tuple(groups)
+        self.layouts: list[dict[int, tuple[int, ...]]] = [{} for _ in dims]
+        self.reduced = False  # a global pooling has left no split dim
+        self.partial: dict[int, bool] = {}  # id(module) -> ran on tiles in the last forward
+        self.active = False
+        self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
+        self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
+        self.finish_queued = False
+        self.internal = False  # a conversion's own functional call is running
+        self.modes: list[Any] = []  # functional-call conversions entered by forwards
+        self._plans: dict[Any, RowPlan] = {}
+
+    # -- entry -----------------------------------------------------------------------------
+    def begin(self, x: torch.Tensor) -> None:
+        """Start a forward: record every tile's size along each split dim of ``x``."""
+        ndim = x.dim()
+        dims = []
+        for d in self.user_dims:
+            nd = d - ndim if d >= 0 else d
+            if not -ndim <= nd < 0:
+                raise ValueError(f"parallelize_domain: split dim {d} is out of range for the "
+                                 f"model's {ndim}-D input of shape {tuple(x.shape)}")
+            dims.append(nd)
+        self.dims = tuple(dims)
+        for i, (d, g) in enumerate(zip(self.dims, self.groups, strict=False)):
+            n = x.shape[d]
+            sizes = (n,) if g.is_single else tuple(r[0] for r in exchange_ints(g, [n], x.device))
+            self.layouts[i] = {sum(sizes): sizes}
+        self.reduced = False
+        self.partial.clear()
+        self.active = True
+
+    # -- lookups ---------------------------------------------------------------------------
+    def sizes_of(self, i: int, n: int, where: str, device: torch.device | None = None
+                 ) -> tuple[int, ...]:
+        """The split of the tensor whose tile has ``n`` rows along split dim ``i``."""
+        if not self.active:
+            raise RuntimeError(f"{where}: a domain-parallel layer ran outside the forward of "
+                               f"the model it was converted with (its entry records the "
+                               f"tiles' sizes); call the converted model itself")
+        table, g = self.layouts[i], self.groups[i]
+        if validation_enabled() and not g.is_single:
+            # ask every time, and decide from what every rank sees alike
+            sizes = tuple(r[0] for r in exchange_ints(g, [n], device))
+            if table.get(sum(sizes)) != sizes:
+                raise RuntimeError(
+                    f"{where}: the tiles have {list(sizes)} rows along dim {self.dims[i]}, "
+                    f"which is no split of this forward ({sorted(table.values())}); a call "
+                    f"that is not converted (a functional resize, pad or slice?) changed them")
+            return sizes
+        if self._unique(i):
+            for sizes in table.values():
+                if sizes[g.rank] == n:
+                    return sizes
+            known = sorted(s[g.rank] for s in table.values())
+            raise RuntimeError(
+                f"{where}: this rank's tile has {n} rows along dim {self.dims[i]}, which no "
+                f"split of this forward gives it (known: {known}); a call that is not converted "
+                f"(a functional resize or pad?) changed the tile")
+        sizes = tuple(r[0] for r in exchange_ints(g, [n], device))
+        known_sizes = table.setdefault(sum(sizes), sizes)
+        if known_sizes != sizes:
+            raise RuntimeError(f"{where}: tiles of {list(sizes)} rows along dim "
+                               f"{self.dims[i]} do not match this forward's split of "
+                               f"{sum(sizes)} rows, {list(known_sizes)}")
+        return sizes
+
+    def _unique(self, i: int) -> bool:
+        splits = list(self.layouts[i].values())
+        return all(len({s[q] for s in splits}) == len(splits)
+                   for q in range(self.groups[i].size))
+
+    def out_sizes(self, i: int, m: int, natural: Callable[[], tuple[int, ...]]
+                  ) -> tuple[int, ...]:
+        """The split of an output of ``m`` rows: the recorded one, else ``natural()``."""
+        table = self.layouts[i]
+        if m not in table:
+            table[m] = natural()
+        return table[m]
+
+    def plan(self, sizes: Sequence[int], wants: Sequence[tuple[int, int]], rank: int,
+             mode: str) -> RowPlan:
+        """`plan_rows`, remembered (the same requests recur every forward)."""
+        key = (tuple(sizes), tuple(wants), rank, mode)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[key] = plan_rows(sizes, wants, rank, mode)
+        return plan
+
+    def owned(self, i: int, sizes: Sequence[int]) -> tuple[int, int]:
+        """This rank's rows ``[start, end)`` in the split ``sizes`` of split dim ``i``."""
+        r = self.groups[i].rank
+        start = sum(sizes[:r])
+        return start, start + sizes[r]
+
+
+def anchor_sizes(sizes_in: Sequence[int], m: int, below: Callable[[int], int]
+                 ) -> tuple[int, ...]:
+    """Split ``m`` output rows by the owner of each row's anchor (see the module doc).
+
+    ``below(b)`` counts the outputs whose anchor is before input row ``b`` (for
+    ``0 < b < n``); outputs anchored before the domain go to the first tile that has rows,
+    those anchored after it to the last.
+    """
+    off = offsets(sizes_in)
+    n = off[-1]
+    ends: list[int] = []
+    for b in off[1:]:
+        e = 0 if b <= 0 else m if b >= n else min(max(below(b), 0), m)
+        ends.append(max(e, ends[-1]) if ends else e)
+    return tuple(e - s for s, e in zip([0, *ends[:-1]], ends, strict=False))

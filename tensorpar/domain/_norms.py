@@ -1,0 +1,144 @@
+"""Normalisation over a split domain: statistics over every rank's points, like dense.
+
+Mean and variance are two passes of float64 sums all-reduced over the domain (the mean
+first, then the squared deviations from it: no cancellation; the tile itself stays in its
+dtype), with the all-reduce's
+backward summing the gradients, so each tile's gradient includes what its points do to the
+statistics seen by every other tile. BatchNorm's running statistics are updated once per
+forward, identically on every rank, as dense.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tensorpar.domain._layout import DomainContext
+from tensorpar.functional import all_reduce
+
+__all__ = ["batch_norm_forward", "group_norm_forward", "instance_norm_forward",
+           "layer_norm_forward", "sum_over_domain"]
+
+
+def sum_over_domain(ctx: DomainContext, t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over every rank of the domain (backward: the gradients summed too)."""
+    for g in ctx.groups:
+        if not g.is_single:
+            t = all_reduce(t, backward="sum", group=g)
+    return t
+
+
+def _global_count(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str) -> int:
+    count = 1
+    split = {x.dim() + d: i for i, d in enumerate(ctx.dims)}
+    for dim in dims:
+        i = split.get(dim)
+        count *= x.shape[dim] if i is None else sum(
+            ctx.sizes_of(i, x.shape[dim], where, x.device))
+    return count
+
+
+def moments(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Centred ``x``, mean and biased variance over ``dims`` of the whole domain.
+
+    The sums are float64 (``sum(dtype=)``: no float64 copy of the tile is kept for the
+    backward); the centred tile stays in ``x``'s dtype. Mean and variance keep ``dims``.
+    """
+    count = _global_count(ctx, x, dims, where)
+    mean = sum_over_domain(ctx, x.sum(dims, keepdim=True, dtype=torch.float64)) / count
+    centred = x - mean.to(x.dtype)
+    var = sum_over_domain(ctx, (centred * centred).sum(dims, keepdim=True,
+                                                       dtype=torch.float64)) / count
+    return centred, mean, var, count
+
+
+def _normalize(centred: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
+    return centred * torch.rsqrt(var + eps).to(centred.dtype)
+
+
+def _channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _split_dims_in(ctx: DomainContext, x: torch.Tensor, dims: list[int]) -> bool:
+    return any(x.dim() + d in dims for d in ctx.dims)
+
+
+def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``BatchNormNd``: batch statistics over the whole domain; running stats updated once."""
+    batch_stats = module.training or module.running_mean is None
+    if ctx.reduced or not batch_stats:
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    where = f"{type(module).__name__} (domain-parallel)"
+    dims = [0, *range(2, x.dim())]
+    centred, mean, var, count = moments(ctx, x, dims, where)
+    if module.training and module.track_running_stats:
+        with torch.no_grad():
+            module.num_batches_tracked.add_(1)
+            f = 1.0 / float(module.num_batches_tracked) if module.momentum is None \
+                else module.momentum
+            unbiased = var * (count / max(count - 1, 1))
+            module.running_mean.mul_(1 - f).add_(mean.flatten().to(module.running_mean), alpha=f)
+            module.running_var.mul_(1 - f).add_(unbiased.flatten().to(module.running_var),
+                                                alpha=f)
+    y = _normalize(centred, var, module.eps)
+    if module.affine:
+        y = y * _channel(module.weight, x) + _channel(module.bias, x)
+    return y
+
+
+def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``GroupNorm``: each (sample, group)'s statistics over the whole domain."""
+    if ctx.reduced or not _split_dims_in(ctx, x, list(range(2, x.dim()))):
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    where = "GroupNorm (domain-parallel)"
+    n, c = x.shape[0], x.shape[1]
+    g = module.num_groups
+    xg = x.reshape(n, g, c // g, *x.shape[2:])
+    # split dims keep their (negative) position in the grouped view
+    centred, _, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
+    y = _normalize(centred, var, module.eps).reshape(x.shape)
+    if module.affine:
+        y = y * _channel(module.weight, x) + _channel(module.bias, x)
+    return y
+
+
+def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``InstanceNormNd`` (no running statistics): each (sample, channel) over the domain."""
+    if ctx.reduced:
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    where = f"{type(module).__name__} (domain-parallel)"
+    centred, _, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
+    y = _normalize(centred, var, module.eps)
+    if module.affine:
+        y = y * _channel(module.weight, x) + _channel(module.bias, x)
+    return y
+
+
+def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``LayerNorm``: over its normalised dims; a split one among them sums over the domain.
+
+    The weight and bias cover the whole domain: a rank uses its rows of them (and gets
+    their gradient; the other rows' gradient is zero there and summed in from their owner).
+    """
+    k = len(module.normalized_shape)
+    dims = list(range(x.dim() - k, x.dim()))
+    if ctx.reduced or not _split_dims_in(ctx, x, dims):
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    where = "LayerNorm (domain-parallel)"
+    centred, _, var, _ = moments(ctx, x, dims, where)
+    y = _normalize(centred, var, module.eps)
+    w, b = module.weight, getattr(module, "bias", None)
+    for i, d in enumerate(ctx.dims):
+        if x.dim() + d in dims:
+            start, end = ctx.owned(i, ctx.sizes_of(i, x.shape[d], where, x.device))
+            w = None if w is None else w.narrow(k + d, start, end - start)
+            b = None if b is None else b.narrow(k + d, start, end - start)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
+

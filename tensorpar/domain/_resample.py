@@ -1,0 +1,237 @@
+"""Resolution-changing layers over a split domain, and ``F.interpolate`` calls converted.
+
+The layers: up-sampling, transposed convolution, global average pooling.
+
+Up-sampling finds, for each output row, its source rows and weights by running torch's own
+1-D interpolation on the row numbers (so scale factors, ``align_corners`` and rounding are
+torch's), fetches the source rows of the output rows this rank owns, and interpolates one
+dim after the other (separable, as torch's kernels are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from tensorpar.domain._layout import DomainContext, anchor_sizes
+from tensorpar.domain._norms import _global_count
+from tensorpar.domain._rows import gather_rows, offsets
+from tensorpar.domain._window import EmptyOut, spatial_index
+from tensorpar.functional import all_reduce
+
+__all__ = ["MODES", "conv_transpose_forward", "enter_functional_mode", "exit_functional_mode",
+           "global_pool_forward", "interpolate", "upsample_forward"]
+
+MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear")
+
+
+def _per_dim(v: Any, k: int) -> list[Any]:
+    if v is None:
+        return [None] * k
+    return list(v) if isinstance(v, (tuple, list)) else [v] * k
+
+
+def _sources(ctx: DomainContext, n: int, size: int | None, scale: float | None, mode: str,
+             align_corners: bool | None, recompute: bool | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each output row's source rows ``i0``, ``i1`` and weight of ``i1`` (None: nearest)."""
+    rows = torch.arange(n, dtype=torch.float64).view(1, 1, n)
+    nearest = mode.startswith("nearest")
+    kw: dict[str, Any] = {"size": size} if size is not None else \
+        {"scale_factor": scale, "recompute_scale_factor": recompute}
+    if not nearest:
+        kw["align_corners"] = align_corners
+    ctx.internal = True  # (the functional-call conversion lets this one through)
+    try:
+        pos = F.interpolate(rows, mode=mode if nearest else "linear", **kw)[0, 0]
+    finally:
+        ctx.internal = False
+    if nearest:
+        i0 = pos.round().long()
+        return i0, i0, None
+    i0 = pos.floor().clamp(0, max(n - 1, 0)).long()
+    lam = pos - i0
+    return i0, (i0 + 1).clamp(max=max(n - 1, 0)), lam
+
+
+def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_factor: Any = None,
+                mode: str = "nearest", align_corners: bool | None = None,
+                recompute_scale_factor: bool | None = None) -> torch.Tensor:
+    """``F.interpolate`` of this rank's tile: this rank's rows of the dense result."""
+    where = f"interpolate(mode={mode!r}) (domain-parallel)"
+    if mode not in MODES:
+        raise ValueError(f"{where}: mode {mode!r} is not supported over a split domain "
+                         f"(supported: {', '.join(MODES)})")
+    k = x.dim() - 2
+    js = spatial_index(ctx, x, k, where)
+    sizes, scales = _per_dim(size, k), _per_dim(scale_factor, k)
+    splits = [ctx.sizes_of(i, x.shape[d], where, x.device) for i, d in enumerate(ctx.dims)]
+    picks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    for j in range(k):
+        n = sum(splits[js.index(j)]) if j in js else x.shape[2 + j]
+        picks.append(_sources(ctx, n, sizes[j], scales[j], mode, align_corners,
+                              recompute_scale_factor))
+    for i, (d, j) in enumerate(zip(ctx.dims, js, strict=False)):
+        i0, i1, lam = picks[j]
+        sizes_in = splits[i]
+        m = i0.numel()
+
+        def natural(sizes_in: Sequence[int] = sizes_in, m: int = m, i0: torch.Tensor = i0
+                    ) -> tuple[int, ...]:
+            return anchor_sizes(sizes_in, m,
+                                lambda row: int(torch.searchsorted(i0, row, side="left")))
+        sizes_out = ctx.out_sizes(i, m, natural)
+        oo, oi = offsets(sizes_out), offsets(sizes_in)
+        wants = [(int(i0[oo[p]]), int(i1[oo[p + 1] - 1]) + 1) if sizes_out[p]
+                 else (oi[p], oi[p]) for p in range(len(sizes_in))]
+        g = ctx.groups[i]
+        x = gather_rows(x, x.dim() + d, ctx.plan(sizes_in, wants, g.rank, "zeros"), g)
+        a, b = oo[g.rank], oo[g.rank + 1]
+        first = wants[g.rank][0]
+        picks[j] = (i0[a:b] - first, i1[a:b] - first, None if lam is None else lam[a:b])
+    for j, (i0, i1, lam) in enumerate(picks):
+        dim = 2 + j
+        lo = x.index_select(dim, i0.to(x.device))
+        if lam is None:
+            x = lo
+            continue
+        shape = [1] * x.dim()
+        shape[dim] = lam.numel()
+        w = lam.to(x.dtype).to(x.device).view(shape)
+        x = lo * (1 - w) + x.index_select(dim, i1.to(x.device)) * w
+    return x
+
+
+def upsample_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Upsample`` on this rank's tile."""
+    if ctx.reduced:
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    return interpolate(ctx, x, module.size, module.scale_factor, module.mode,
+                       module.align_corners, module.recompute_scale_factor)
+
+
+def conv_transpose_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``ConvTransposeNd`` on this rank's tile.
+
+    The input rows whose outputs land on this rank's output rows, a local transposed
+    convolution, then a crop (and the bias).
+    """
+    if ctx.reduced:
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    name = type(module).__name__
+    where = f"{name} (domain-parallel)"
+    k = len(module.kernel_size)
+    js = spatial_index(ctx, x, k, where)
+    splits = [ctx.sizes_of(i, x.shape[d], where, x.device) for i, d in enumerate(ctx.dims)]
+    crops = []
+    for i, (d, j) in enumerate(zip(ctx.dims, js, strict=False)):
+        s, p = module.stride[j], module.padding[j]
+        ke = module.dilation[j] * (module.kernel_size[j] - 1)
+        sizes_in = splits[i]
+        m = (sum(sizes_in) - 1) * s - 2 * p + ke + module.output_padding[j] + 1
+        shift = p - ke // 2  # anchor(o) = (o + shift) // s
+
+        def natural(sizes_in: Sequence[int] = sizes_in, m: int = m, s: int = s,
+                    shift: int = shift) -> tuple[int, ...]:
+            return anchor_sizes(sizes_in, m, lambda b: b * s - shift)
+        sizes_out = ctx.out_sizes(i, m, natural)
+        oo, oi = offsets(sizes_out), offsets(sizes_in)
+        wants = []
+        for q in range(len(sizes_in)):
+            if not sizes_out[q]:
+                wants.append((oi[q], oi[q]))
+                continue
+            g0 = -((ke - oo[q] - p) // s)  # ceil((o0 + p - ke) / s)
+            wants.append((g0, max((oo[q + 1] - 1 + p) // s + 1, g0 + 1)))
+        g = ctx.groups[i]
+        x = gather_rows(x, x.dim() + d, ctx.plan(sizes_in, wants, g.rank, "zeros"), g)
+        crops.append((wants[g.rank][0] * s - p, oo[g.rank], sizes_out[g.rank]))
+    if any(c[2] == 0 for c in crops):
+        shape = [*x.shape[:-k - 1], module.out_channels]
+        for j in range(k):
+            if j in js:
+                shape.append(crops[js.index(j)][2])
+            else:
+                n = x.shape[x.dim() - k + j]
+                shape.append((n - 1) * module.stride[j] - 2 * module.padding[j]
+                             + module.dilation[j] * (module.kernel_size[j] - 1)
+                             + module.output_padding[j] + 1)
+        out: torch.Tensor = EmptyOut.apply(  # type: ignore[no-untyped-call]
+            tuple(shape), x, module.weight, module.bias)
+        return out
+    pad = tuple(0 if j in js else module.padding[j] for j in range(k))
+    opad = tuple(0 if j in js else module.output_padding[j] for j in range(k))
+    transpose = getattr(F, f"conv_transpose{k}d")
+    y: torch.Tensor = transpose(x, module.weight, None, module.stride, pad, opad, module.groups,
+                                module.dilation)
+    for (start, o0, rows), d in zip(crops, ctx.dims, strict=True):
+        dim = y.dim() + d
+        before, after = start - o0, o0 + rows - (start + y.shape[dim])
+        if before > 0 or after > 0:  # output rows no input reaches (a stride above the kernel)
+            spec = [0, 0] * (y.dim() - dim - 1) + [max(before, 0), max(after, 0)]
+            y = F.pad(y, spec)
+            start -= max(before, 0)
+        y = y.narrow(dim, o0 - start, rows)
+    if module.bias is not None:
+        y = y + module.bias.view(1, -1, *([1] * k))
+    return y
+
+
+def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
+    """``AdaptiveAvgPoolNd`` to size 1: the mean over the whole domain, on every rank.
+
+    The result is replicated (every rank holds it whole) and what follows runs dense. Its
+    gradient passes straight back to each tile (a replicated loss counts once).
+    """
+    if ctx.reduced:
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
+    k = int(type(module).__name__[-2])
+    dims = list(range(x.dim() - k, x.dim()))
+    count = _global_count(ctx, x, dims, f"{type(module).__name__} (domain-parallel)")
+    total = x.sum(dims, keepdim=True)
+    for g in ctx.groups:
+        if not g.is_single:
+            total = all_reduce(total, backward="identity", group=g)
+    ctx.reduced = True
+    return total / count
+
+
+class _Interpolate(TorchFunctionMode):
+    """While a converted model runs: ``F.interpolate`` of a tile becomes `interpolate`."""
+
+    def __init__(self, ctx: DomainContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.interpolate and self.ctx.active and not (self.ctx.reduced
+                                                              or self.ctx.internal):
+            names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
+            call = dict(zip(names, args[1:], strict=False))
+            call.update({n: kwargs[n] for n in names if n in kwargs})
+            if kwargs.get("antialias"):
+                raise ValueError("interpolate (domain-parallel): antialias=True is not "
+                                 "supported over a split domain")
+            return interpolate(self.ctx, args[0] if args else kwargs["input"], **call)
+        return func(*args, **kwargs)
+
+
+def enter_functional_mode(ctx: DomainContext) -> None:
+    """Start converting functional calls (the model's entry)."""
+    mode = _Interpolate(ctx)
+    mode.__enter__()  # type: ignore[no-untyped-call]
+    ctx.modes.append(mode)
+
+
+def exit_functional_mode(ctx: DomainContext) -> None:
+    """Stop converting functional calls (the model's exit, also after an exception)."""
+    if ctx.modes:
+        ctx.modes.pop().__exit__(None, None, None)
+    if not ctx.modes:
+        ctx.active = False

@@ -1,0 +1,295 @@
+"""`parallelize_domain`: a dense convolutional model made domain-parallel, in place."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar.domain import _norms, _resample, _window
+from tensorpar.domain._layout import DomainContext
+from tensorpar.functional import all_reduce
+
+__all__ = ["domain_context", "domain_layout", "parallelize_domain"]
+
+_CTX = "_tensorpar_domain"
+
+Forward = Callable[[Any, DomainContext, torch.Tensor], torch.Tensor]
+
+_CONVERT: list[tuple[tuple[type, ...], Forward]] = [
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), _window.conv_forward),
+    ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
+     _resample.conv_transpose_forward),
+    ((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
+     _window.pool_forward),
+    ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
+     _resample.global_pool_forward),
+    ((nn.Upsample,), _resample.upsample_forward),
+    ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
+     _norms.batch_norm_forward),
+    ((nn.GroupNorm,), _norms.group_norm_forward),
+    ((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), _norms.instance_norm_forward),
+    ((nn.LayerNorm,), _norms.layer_norm_forward),
+]
+
+_POINTWISE: tuple[type, ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
+    nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
+    nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Identity,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Linear,
+    nn.Embedding, nn.Flatten,
+)
+"""Leaf layers that act on each point (or on replicated data) and run as they are."""
+
+_KNOWN_POINTWISE = frozenset({
+    "diffusers.models.embeddings.Timesteps",  # sinusoidal embedding of the timestep
+})
+"""Leaf layers of other libraries, by qualified class name, that never see the image."""
+
+
+def _qualname(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__name__}"
+
+
+def _forward_for(module: nn.Module) -> Forward | None:
+    for types_, fwd in _CONVERT:
+        if isinstance(module, types_):
+            base: Any = next(t for t in type(module).__mro__ if t in types_)
+            if type(module).forward is base.forward:
+                return fwd
+    return None
+
+
+def _refusal(name: str, module: nn.Module, keep: Sequence[type | str]) -> str | None:
+    """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
+    label = f"{name or '<model>'} ({type(module).__name__})"
+    fwd = _forward_for(module)
+    if fwd is None:
+        if isinstance(module, _POINTWISE) or next(module.children(), None) is not None \
+                or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) \
+                or _qualname(module) in _KNOWN_POINTWISE \
+                or any(k == name or k == type(module).__name__ if isinstance(k, str)
+                       else isinstance(module, k) for k in keep):
+            return None
+        return f"{label}: no domain-parallel version of this layer (if it never sees the " \
+               f"image or acts on each point, name it in pointwise=)"
+    if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and module.return_indices:
+        return f"{label}: return_indices=True (the indices would be the tile's)"
+    if isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+        size = module.output_size
+        sizes = size if isinstance(size, (tuple, list)) else (size,)
+        if any(s != 1 for s in sizes):
+            return f"{label}: output_size={size} (only global pooling, output size 1)"
+    if isinstance(module, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) \
+            and module.track_running_stats:
+        return f"{label}: track_running_stats=True"
+    if isinstance(module, nn.Upsample) and module.mode not in _resample.MODES:
+        return f"{label}: mode={module.mode!r} (supported: {', '.join(_resample.MODES)})"
+    return None
+
+
+def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
+                       group: GroupLike = None, pointwise: Sequence[type | str] = ()
+                       ) -> nn.Module:
+    """Make a dense convolutional model domain-parallel, in place.
+
+    Each rank calls the converted model with its own tile of the image input (the dense
+    tensor split along ``dims`` in rank order; any sizes, including a tile narrower than a
+    halo and an empty tile) and gets its tile of the dense output, or the whole output
+    where no split dim is left (after a global pooling). Every parameter's gradient after
+    backward is the dense gradient, and each input tile's gradient its slice of the dense
+    one. Parameter and buffer names are unchanged: the layers keep their class and weights;
+    each converted layer's ``forward`` is replaced.
+
+    Converted: ``Conv1d/2d/3d`` (any kernel, stride, dilation, groups, padding ints,
+    ``"same"``, ``"valid"``; padding modes zeros, circular, reflect, replicate),
+    ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool`` to
+    size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``BatchNorm``, ``GroupNorm``,
+    ``InstanceNorm``, ``LayerNorm``. Pointwise layers run as they are. Any other leaf layer
+    is refused, on every rank, before anything changes. ``F.interpolate`` called inside a
+    forward is converted while the model runs; other functional calls are not (see the
+    domain parallelism guide).
+
+    The first tensor argument of the model's forward is the image input; other arguments
+    (a timestep) pass through. Every tile's size along each split dim is exchanged once per
+    forward at the entry (one small all-gather per split dim); see `domain_layout`.
+
+    Args:
+        model: the dense model; converted in place.
+        dims: the split dims of the image input: an int or a tuple (negative count from the
+            end: ``-2`` is H of NCHW, ``-3`` is D of NCDHW; positive from the front).
+        group: the process group for one split dim (``None``: the default group, resolved
+            now), or a ``DeviceMesh`` with one mesh dim per entry of ``dims`` (a grid of
+            tiles: mesh dim ``i`` splits ``dims[i]``).
+        pointwise: more leaf layers to run as they are (types, class names or module
+            names): layers that act on each point or never see the image. Built in: torch's
+            activations, dropout, ``Linear``, ``Embedding``, ``Flatten`` and diffusers'
+            ``Timesteps``.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: bad ``dims``, a mesh whose number of dims differs from ``dims``, an
+            already converted model, or layers that cannot be converted (all named).
+        TypeError: ``dims`` is not an int or a sequence of ints.
+
+    Example:
+        >>> import torch
+        >>> net = parallelize_domain(torch.nn.Conv2d(1, 1, 3, padding=1), dims=-2)
+        >>> net(torch.ones(1, 1, 4, 4)).shape  # one rank: its tile is the whole image
+        torch.Size([1, 1, 4, 4])
+    """
+    fn = "parallelize_domain"
+    if not isinstance(dims, (int, tuple, list)):
+        raise TypeError(f"{fn}: dims must be an int or a tuple of ints, got {dims!r}")
+    dims_t = (dims,) if isinstance(dims, int) else tuple(dims)
+    if not dims_t or any(isinstance(d, bool) or not isinstance(d, int) for d in dims_t):
+        raise TypeError(f"{fn}: dims must be an int or a non-empty tuple of ints, got {dims!r}")
+    if len(set(dims_t)) != len(dims_t):
+        raise ValueError(f"{fn}: dims has a repeated entry: {dims_t}")
+    groups = _groups(fn, dims_t, group)
+    if getattr(model, _CTX, None) is not None:
+        raise ValueError(f"{fn}: the model is already domain-parallel")
+    problems = [p for name, m in model.named_modules() if (p := _refusal(name, m, pointwise))]
+    if problems:
+        raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
+                         + "\n  ".join(problems))
+    ctx = DomainContext(dims_t, groups)
+    for m in model.modules():
+        fwd = _forward_for(m)
+        if fwd is not None:
+            _override(m, fwd, ctx)
+        if any(True for _ in m.parameters(recurse=False)):
+            _hook_parameters(m, ctx)
+    model.__dict__[_CTX] = ctx
+    model.register_forward_pre_hook(_entry, with_kwargs=True)
+    model.register_forward_hook(_exit, always_call=True)
+    return model
+
+
+def _groups(fn: str, dims: tuple[int, ...], group: GroupLike) -> list[Group]:
+    if type(group).__name__ == "DeviceMesh":
+        mesh: Any = group
+        if mesh.ndim != len(dims):
+            raise ValueError(f"{fn}: the mesh has {mesh.ndim} dim(s) but dims={dims} has "
+                             f"{len(dims)}; expected one mesh dim per split dim")
+        return [resolve_group(mesh.get_group(i), fn) for i in range(mesh.ndim)]
+    if len(dims) != 1:
+        raise ValueError(f"{fn}: dims={dims} splits {len(dims)} dims; pass a DeviceMesh with "
+                         f"{len(dims)} dims as group (one process group splits one dim)")
+    return [resolve_group(group, fn)]
+
+
+def _override(module: nn.Module, fwd: Forward, ctx: DomainContext) -> None:
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs:
+            raise TypeError(f"{type(self).__name__} (domain-parallel): extra forward "
+                            f"arguments are not supported (got {len(args) + len(kwargs)})")
+        return fwd(self, self.__dict__[_CTX], x)
+    module.__dict__[_CTX] = ctx
+    module.forward = types.MethodType(forward, module)
+
+
+def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
+    """Sum the module's parameter gradients over the domain when it ran on tiles.
+
+    A module that ran before any global pooling sees only this rank's points: its gradient
+    is partial (the dense one is the sum over the domain). One that ran after it (a head on
+    the pooled, replicated features) already has the whole gradient on every rank.
+
+    The sums are made once, at the end of the backward pass, for every such parameter in
+    the model's order, as one all-reduce per split dim: a rank whose tile is empty computes
+    its (zero) gradients in another order than its peers, so summing each gradient as it
+    arrives could pair different parameters' all-reduces. Each gradient hook keeps the
+    partial gradient aside and lets zeros through; the end of the backward adds the sums to
+    ``.grad`` (so accumulation over several backward passes stays exact). Gradients asked
+    for with ``torch.autograd.grad`` do not include these sums: use ``backward()``.
+    """
+    key = id(module)
+
+    def record(mod: nn.Module, args: object) -> None:
+        ctx.partial[key] = ctx.active and not ctx.reduced
+
+    module.register_forward_pre_hook(record)
+    for p in module.parameters(recurse=False):
+        if p.requires_grad:
+            ctx.params.append((key, p))
+            p.register_hook(_keeper(ctx, key, len(ctx.params) - 1))
+
+
+def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not ctx.partial.get(key, False) or all(g.is_single for g in ctx.groups):
+            return grad
+        kept = ctx.kept.get(index)
+        ctx.kept[index] = grad.detach() if kept is None else kept + grad.detach()
+        if not ctx.finish_queued:
+            ctx.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: _finish(ctx))
+        return torch.zeros_like(grad)
+    return hook
+
+
+def _finish(ctx: DomainContext) -> None:
+    """End of a backward: sum the kept gradients over the domain, add them to ``.grad``."""
+    ctx.finish_queued = False
+    kept, ctx.kept = ctx.kept, {}
+    params = [(i, p) for i, (key, p) in enumerate(ctx.params) if ctx.partial.get(key, False)]
+    if not params:
+        return
+    like = next(iter(kept.values())) if kept else params[0][1].detach()
+    flat = torch.cat([kept[i].reshape(-1).to(like.dtype) if i in kept else
+                      like.new_zeros(p.numel()) for i, p in params])
+    with torch.no_grad():
+        for g in ctx.groups:
+            if not g.is_single:
+                flat = all_reduce(flat, backward="identity", group=g)
+        for (_, p), part in zip(params, flat.split([p.numel() for _, p in params]),
+                                strict=True):
+            total = part.view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = total.clone()
+            else:
+                p.grad.add_(total)
+
+
+def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    ctx: DomainContext = model.__dict__[_CTX]
+    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if x is None:
+        raise TypeError("parallelize_domain: the model's forward got no tensor argument "
+                        "(the first one is the image tile)")
+    ctx.begin(x)
+    _resample.enter_functional_mode(ctx)
+
+
+def _exit(model: nn.Module, args: object, output: object) -> None:
+    ctx: DomainContext = model.__dict__[_CTX]
+    _resample.exit_functional_mode(ctx)
+
+
+def domain_context(model: nn.Module) -> DomainContext:
+    """The `DomainContext` of a model converted by `parallelize_domain`."""
+    ctx = getattr(model, _CTX, None)
+    if not isinstance(ctx, DomainContext):
+        raise ValueError("domain_context: the model was not converted by parallelize_domain")
+    return ctx
+
+
+def domain_layout(model: nn.Module) -> list[dict[int, tuple[int, ...]]]:
+    """The splits recorded by the model's last forward, per split dim.
+
+    Entry ``i`` maps each global length seen along split dim ``i`` to every rank's tile
+    size (group-rank order): the input's split, and the split each converted layer gave
+    its output. Use it to find which rows of the dense output a rank's output tile is.
+
+    Raises:
+        ValueError: the model was not converted by `parallelize_domain`.
+    """
+    return [dict(t) for t in domain_context(model).layouts]

@@ -1,0 +1,122 @@
+"""parallelize_domain on the other layer kinds: norms (statistics over the whole domain,
+running statistics), max/avg pooling with padding and ceil mode, global pooling with a
+replicated head, up-sampling (nearest, bilinear, trilinear, both align_corners),
+``F.interpolate`` inside a forward, transposed convolutions; odd sizes, narrow and empty
+tiles, at 2 and 3 ranks (float64, within 1e-10 of dense)."""
+
+import pytest
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.testing import run_distributed
+from tests._domain_check import check
+
+pytestmark = pytest.mark.timeout(900)
+T = 600
+TOL = 1e-10
+
+
+class Interp(nn.Module):
+    """A block that resizes with a functional call inside its forward (diffusers style)."""
+
+    def __init__(self, mode, **kw):
+        super().__init__()
+        self.mode, self.kw = mode, kw
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.interpolate(x, mode=self.mode, **self.kw))
+
+
+def norms():
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.GroupNorm(2, 4), nn.InstanceNorm2d(4, affine=True),
+                         nn.BatchNorm2d(4, momentum=None), nn.LayerNorm([4, 17, 6]))
+
+
+def pools():
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1),
+                         nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False),
+                         nn.MaxPool2d(2, ceil_mode=True),
+                         nn.AvgPool2d(2, stride=2, padding=1, ceil_mode=True),
+                         nn.AvgPool2d(3, stride=1, padding=1, divisor_override=5))
+
+
+def resample():
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Upsample(scale_factor=2),
+                         nn.Upsample(scale_factor=0.5, mode="bilinear"),
+                         nn.Upsample(size=(23, 9), mode="bilinear", align_corners=True),
+                         Interp("nearest", scale_factor=1.5),
+                         Interp("bilinear", size=(12, 7), align_corners=False),
+                         nn.Upsample(scale_factor=(2, 1), mode="nearest-exact"))
+
+
+def transposed():
+    return nn.Sequential(nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1),
+                         nn.ConvTranspose2d(3, 3, 2, stride=2),
+                         nn.ConvTranspose2d(3, 2, 1, stride=3, bias=True),
+                         nn.ConvTranspose2d(2, 2, (4, 3), stride=(2, 1), padding=1, dilation=2,
+                                            groups=2))
+
+
+def head():
+    return nn.Sequential(nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.GELU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def volume():
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.BatchNorm3d(2),
+                         nn.MaxPool3d(2), nn.Upsample(scale_factor=2, mode="trilinear"),
+                         nn.ConvTranspose3d(2, 1, 2, stride=2), nn.GroupNorm(1, 1))
+
+
+def line():
+    return nn.Sequential(nn.Conv1d(1, 2, 3, padding=1), nn.InstanceNorm1d(2),
+                         nn.AvgPool1d(3, stride=2, padding=1),
+                         nn.Upsample(scale_factor=3, mode="linear", align_corners=True))
+
+
+BUILDERS = {"norms": norms, "pools": pools, "resample": resample, "transposed": transposed,
+            "head": head, "volume": volume, "line": line}
+SHAPES = {"volume": (2, 1, None, 4, 4), "line": (2, 1, None)}
+DIMS = {"volume": -3, "line": -1}
+
+
+def _run(name, sizes, steps=0):
+    shape = list(SHAPES.get(name, (2, 2, None, 6)))
+    shape[shape.index(None)] = sum(sizes)
+    return check(BUILDERS[name], shape, (DIMS.get(name, -2),), (sizes,), steps=steps,
+                 replicated=name == "head")
+
+
+@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head"])
+def test_layers_two_ranks(name):
+    assert max(run_distributed(_run, 2, name, [9, 8], timeout=T)) < TOL
+
+
+@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head"])
+def test_layers_three_ranks_narrow_tile(name):
+    assert max(run_distributed(_run, 3, name, [5, 1, 11], timeout=T)) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head"])
+def test_layers_three_ranks_empty_tile(name):
+    assert max(run_distributed(_run, 3, name, [7, 0, 10], timeout=T)) < TOL
+
+
+def test_norms_running_statistics_over_three_steps():
+    assert max(run_distributed(_run, 3, "norms", [6, 6, 5], 3, timeout=T)) < TOL
+
+
+@pytest.mark.parametrize("world,sizes", [(2, [5, 3]), (3, [3, 1, 4])])
+def test_volume_and_line(world, sizes):
+    assert max(run_distributed(_run, world, "volume", sizes, timeout=T)) < TOL
+    assert max(run_distributed(_run, world, "line", [s + 2 for s in sizes], timeout=T)) < TOL
+
+
+@pytest.mark.slow
+def test_layers_four_ranks():
+    for name in BUILDERS:
+        sizes = [2, 8, 0, 6] if name in ("volume", "line") else [4, 4, 1, 8]
+        assert max(run_distributed(_run, 4, name, sizes, timeout=T)) < TOL, name
