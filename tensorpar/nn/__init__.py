@@ -1,5 +1,6 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
+from tensorpar.context import ring_attention
 from tensorpar.nn.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
@@ -57,6 +58,7 @@ __all__ = [
     "match_module",
     "parallelize",
     "plan_from_transformers",
+    "ring_attention",
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
     "grad_norm",

@@ -1,0 +1,10 @@
+"""Context parallelism: a sequence split over the ranks of a group.
+
+`ring_attention` computes exact attention over the whole sequence from each rank's chunk;
+`context_parallel` makes a transformers decoder LM keep only its rank's share of the
+sequence from the embedding on. Both are exported from `tensorpar.nn`.
+"""
+
+from tensorpar.context.attention import ring_attention
+
+__all__ = ["ring_attention"]
