@@ -6,5 +6,6 @@ sequence from the embedding on. Both are exported from `tensorpar.nn`.
 """
 
 from tensorpar.context.attention import ring_attention
+from tensorpar.context.hf import context_parallel
 
-__all__ = ["ring_attention"]
+__all__ = ["context_parallel", "ring_attention"]
