@@ -22,8 +22,8 @@ def build():
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16,
+                                      num_hidden_layers=1, num_attention_heads=8,
+                                      num_key_value_heads=8, head_dim=32,
                                       max_position_embeddings=TOTAL)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

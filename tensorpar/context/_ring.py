@@ -135,7 +135,9 @@ class _RingAttention(torch.autograd.Function):
                 spec: RingSpec) -> torch.Tensor:
         g, rank = spec.group, spec.group.rank
         acc = _acc_dtype(q)
-        out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)  # (B, H, Tq, Dv)
+        # (B, H, Tq, Dv) laid out as (B, Tq, H, Dv): what attention layers reshape it to next
+        b, h, tq, _ = q.shape
+        out = q.new_zeros((b, tq, h, v.shape[-1]), dtype=acc).transpose(1, 2)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)  # (B, H, Tq)
         kv = _pack(k, v)
         mine = spec.slices(rank)
