@@ -114,3 +114,53 @@ def test_breadth(arch, world, total):
 def test_single_rank():
     history, drift, _ = _train("llama", 9, 1)
     _assert_close([(history, drift, 0)], 1)
+
+
+def _tp_cp(arch, total, steps, lm_head):
+    """4 ranks: tensor parallel over (0, 1) and (2, 3), context parallel over (0, 2), (1, 3)."""
+    import tensorpar
+    from tensorpar.nn import plan_from_transformers
+    from tests.test_clip import dense_slice
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    tp, cp = groups[rank // 2], groups[2 + rank % 2]
+    dense, parallel = build(arch), build(arch)
+    tensorpar.parallelize(parallel, plan_from_transformers(parallel, lm_head=lm_head), group=tp)
+    context_parallel(parallel, group=cp)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    history = []
+    for step in range(steps):
+        ids, labels = batch(step, total)
+        want, got = dense(ids, labels=labels), parallel(ids, labels=labels)
+        want.loss.backward()
+        got.loss.backward()
+        errors = {"loss": abs(got.loss.double().item() - want.loss.double().item())}
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            ref = dense_slice(parallel, name, dense_params[name].grad)
+            errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        history.append(errors)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    drift = 0.0
+    for name, p in parallel.named_parameters():
+        ref = dense_slice(parallel, name, dense_params[name])
+        drift = max(drift, ((p - ref).abs().max() / ref.abs().max()).item())
+    return history, drift, rank
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tensor_times_context_parallel(arch):
+    """TP 2 x CP 2 on 4 ranks, the default vocabulary-parallel head."""
+    _assert_close(run_distributed(_tp_cp, 4, arch, 61, 3, "vocab_parallel", timeout=600), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("lm_head", ["vocab_parallel", "gathered"])
+def test_tensor_times_context_parallel_breadth(arch, lm_head):
+    _assert_close(run_distributed(_tp_cp, 4, arch, 61, 3, lm_head, timeout=1200), 3)

@@ -110,7 +110,8 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
             conf._attn_implementation = IMPLEMENTATION
     for sub in (config, text):
         sub._attn_implementation = IMPLEMENTATION
-    model.register_forward_pre_hook(_before, with_kwargs=True)
+    # first: it takes labels aside (its loss handles a vocab-parallel head) before any guard
+    model.register_forward_pre_hook(_before, with_kwargs=True, prepend=True)
     get_embedding().register_forward_hook(_keep_rows)
     model.register_forward_hook(_loss, with_kwargs=True)
     for p in model.parameters():
@@ -177,10 +178,18 @@ def _loss(model: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
     ignore = -100
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore)], dim=1)
     count = (shifted != ignore).sum()  # every rank holds every label: no communication
-    local = model.loss_function(logits=out.logits, labels=None,  # type: ignore[operator]
-                                vocab_size=out.logits.shape[-1],
-                                shift_labels=shifted[:, index].contiguous(),
-                                num_items_in_batch=count, ignore_index=ignore)
+    target = shifted[:, index].contiguous()
+    shard = getattr(model.get_output_embeddings(), "shard", None)  # type: ignore[operator]
+    if shard is not None and out.logits.shape[-1] != sum(shard.sizes):  # vocab-parallel head
+        from tensorpar.nn.loss import vocab_parallel_cross_entropy  # (nn imports this module)
+
+        local = vocab_parallel_cross_entropy(
+            out.logits.float().flatten(0, 1), target.flatten(), group=shard.group,
+            sizes=shard.sizes, ignore_index=ignore, reduction="sum") / count
+    else:
+        local = model.loss_function(logits=out.logits, labels=None,  # type: ignore[operator]
+                                    vocab_size=out.logits.shape[-1], shift_labels=target,
+                                    num_items_in_batch=count, ignore_index=ignore)
     # each rank's share of the mean; the sum is the dense loss, replicated on every rank
     out.loss = local if state.group.is_single else all_reduce(
         local, backward="identity", group=state.group)
