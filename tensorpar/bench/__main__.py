@@ -1,7 +1,8 @@
 """Command line: ``python -m tensorpar.bench SUITE [--world-sizes 2 4] [--json PATH]``.
 
 Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``moe``, ``regather``
-(sequence parallelism's backward all-gather overlapped or not), ``hierarchical`` (a
+(sequence parallelism's backward all-gather overlapped or not), ``context`` (ring
+attention and context_parallel against their ideal), ``hierarchical`` (a
 simulated 2-machine cluster; needs root). Options left out take the suite's
 defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
 suite with a progress display and writes plots (see `tensorpar.bench.report`).
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(collectives)")
     parser.add_argument("--models", nargs="+", choices=["8M", "30M"],
                         help="reducer: models to train; default: 8M 30M")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help="context: sequence lengths; default: 2048 4096 8192")
     parser.add_argument("--rounds", type=int,
                         help="timed rounds per case; default: 15 (reducer: 11, layers: 31)")
     parser.add_argument("--budget", type=float,
