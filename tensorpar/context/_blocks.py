@@ -22,11 +22,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SKIP", "Segment", "block_backward", "block_forward", "merge", "pair_mask"]
+__all__ = ["CAUSAL", "SKIP", "Segment", "block_backward", "block_forward", "merge", "pair_mask"]
 
 _NEG_INF = float("-inf")
 SKIP = "skip"
 """`pair_mask`'s answer for a block with no visible key."""
+CAUSAL = "causal"
+"""`pair_mask`'s answer for a block on the diagonal: the same positions, causal, no window edge
+(the kernels' own causal mode, which skips the hidden half)."""
+
+Mask = torch.Tensor | str | None
 
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,15 +44,16 @@ class Segment(NamedTuple):
 
 
 def pair_mask(q: Segment, k: Segment, causal: bool, window: int | None,
-              device: torch.device) -> torch.Tensor | str | None:
+              device: torch.device) -> Mask:
     """Which keys of segment ``k`` each query of segment ``q`` sees.
 
     Causal: key position <= query position. A window ``w``: query - key < w (causal), or
     ``|query - key| < w`` (not causal).
 
     Returns:
-        `SKIP` (no query sees any key), ``None`` (every query sees every key) or a boolean
-        ``(q.length, k.length)`` tensor, True where visible.
+        `SKIP` (no query sees any key), ``None`` (every query sees every key), `CAUSAL` (the
+        same positions, lower triangle visible) or a boolean ``(q.length, k.length)`` tensor,
+        True where visible.
     """
     if q.length == 0 or k.length == 0:
         return SKIP
@@ -61,6 +67,8 @@ def pair_mask(q: Segment, k: Segment, causal: bool, window: int | None,
         full = full and q_hi - k_lo < window and (causal or k_hi - q_lo < window)
     if full:
         return None
+    if causal and q == k and (window is None or window >= q.length):
+        return CAUSAL
     qp = torch.arange(q_lo, q_hi + 1, device=device).unsqueeze(1)  # (Lq, 1)
     kp = torch.arange(k_lo, k_hi + 1, device=device)  # (Lk,)
     dist = qp - kp
@@ -74,6 +82,13 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
 
 
+def _boolean(mask: Mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    if mask is CAUSAL:
+        return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    assert not isinstance(mask, str)
+    return mask
+
+
 def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     if mask is None:
         return None
@@ -81,7 +96,7 @@ def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | N
         ~mask, _NEG_INF)
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over ``k``/``v`` alone, and each query's log-sum-exp.
 
@@ -92,11 +107,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         ``mask``: ``(Lq, Lk)`` or ``None``; returns ``(B, H, Lq, Dv)`` and ``(B, H, Lq)``.
     """
     if _fused(q) and k.shape[-1] == v.shape[-1]:
+        if mask is CAUSAL:  # every query sees itself
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, is_causal=True, scale=scale)
+            return out, lse
+        mask = _boolean(mask, q, k)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, attn_mask=_additive(mask, q), scale=scale)
         if mask is not None:  # the fused kernel reports lse 0 for a query that sees nothing
             lse = lse.masked_fill(~mask.any(-1), _NEG_INF)
         return out, lse
+    mask = _boolean(mask, q, k)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
     if mask is not None:
         s = s.masked_fill(~mask, _NEG_INF)
@@ -107,7 +128,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                   mask: torch.Tensor | None, scale: float
+                   mask: Mask, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block from the final output ``out`` and log-sum-exp ``lse``.
 
@@ -117,9 +138,12 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         ``dq``, ``dk``, ``dv`` of this block (``dq`` to be added over the blocks).
     """
     if _fused(q) and k.shape[-1] == v.shape[-1]:
+        causal = mask is CAUSAL
+        attn_mask = None if causal else _additive(_boolean(mask, q, k), q)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask, q), scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale)
         return dq, dk, dv
+    mask = _boolean(mask, q, k)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, _NEG_INF)

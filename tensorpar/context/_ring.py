@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from tensorpar._group import Group
-from tensorpar.context._blocks import Segment, block_backward, block_forward, merge, pair_mask
+from tensorpar.context._blocks import SKIP, Segment, block_backward, block_forward, merge, pair_mask
 
 __all__ = ["RingSpec", "ring_apply"]
 
@@ -152,7 +152,7 @@ class _RingAttention(torch.autograd.Function):
             for qseg, qs in mine:
                 for kseg, ks in spec.slices(owner):
                     mask = pair_mask(qseg, kseg, spec.causal, spec.window, q.device)
-                    if isinstance(mask, str):  # SKIP
+                    if mask is SKIP:
                         continue
                     o, l_ = block_forward(q[:, :, qs], _repeat(kj[:, :, ks], spec.kv_groups),
                                           _repeat(vj[:, :, ks], spec.kv_groups), mask, spec.scale)
@@ -193,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
             for qseg, qs in mine:
                 for kseg, ks in spec.slices(owner):
                     mask = pair_mask(qseg, kseg, spec.causal, spec.window, q.device)
-                    if isinstance(mask, str):  # SKIP
+                    if mask is SKIP:
                         continue
                     dqb, dkb, dvb = block_backward(
                         dout[:, :, qs], q[:, :, qs], _repeat(kj[:, :, ks], spec.kv_groups),
