@@ -1,6 +1,6 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
-from tensorpar.context import context_parallel, ring_attention
+from tensorpar.context import context_parallel, distributed_fft2, ring_attention
 from tensorpar.nn.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
@@ -62,5 +62,6 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
     "context_parallel",
+    "distributed_fft2",
     "grad_norm",
 ]
