@@ -164,3 +164,46 @@ def test_tensor_times_context_parallel(arch):
 @pytest.mark.parametrize("lm_head", ["vocab_parallel", "gathered"])
 def test_tensor_times_context_parallel_breadth(arch, lm_head):
     _assert_close(run_distributed(_tp_cp, 4, arch, 61, 3, lm_head, timeout=1200), 3)
+
+
+def _dp_cp(arch, total, steps):
+    """4 ranks: context parallel over (0, 1) and (2, 3), data parallel over (0, 2), (1, 3)."""
+    from tensorpar.nn import DistributedDataParallel
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    cp, dp = groups[rank // 2], groups[2 + rank % 2]
+    replica = rank // 2  # which data-parallel batch this rank's context group runs
+    dense = build(arch)
+    parallel = DistributedDataParallel(context_parallel(build(arch), group=cp),
+                                       process_group=dp)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    history = []
+    for step in range(steps):
+        want = sum(_loss(dense, step, r, total) for r in (0, 1)) / 2
+        got = _loss(parallel, step, replica, total)
+        want.backward()
+        got.backward()
+        errors = {"loss": 0.0}  # each replica's loss is its own batch's; gradients are averaged
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.module.named_parameters():
+            ref = dense_params[name].grad
+            errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        history.append(errors)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    drift = max(((p - dense_params[n]).abs().max() / dense_params[n].abs().max()).item()
+                for n, p in parallel.module.named_parameters())
+    return history, drift, rank
+
+
+def _loss(model, step, replica, total):
+    ids, labels = batch(100 * replica + step, total)
+    return model(ids, labels=labels).loss
+
+
+@pytest.mark.timeout(900)
+def test_data_times_context_parallel():
+    """DP 2 x CP 2 on 4 ranks (tensorpar's data-parallel wrapper over the context groups)."""
+    _assert_close(run_distributed(_dp_cp, 4, "llama", 61, 3, timeout=600), 3)
