@@ -3,7 +3,7 @@
 Suites: ``scatter-gather``, ``collectives``, ``reducer``, ``layers``, ``moe``, ``regather``
 (sequence parallelism's backward all-gather overlapped or not), ``pipeline`` (schedules
 against torch.distributed.pipelining), ``domain`` (domain parallelism against the
-ideal), ``hierarchical`` (a
+ideal), ``context`` (ring attention and context_parallel against their ideal), ``hierarchical`` (a
 simulated 2-machine cluster; needs root). Options left out take the suite's
 defaults. ``python -m tensorpar.bench all [--quick] [--json PATH] [--plot DIR]`` runs every
 suite with a progress display and writes plots (see `tensorpar.bench.report`).
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(collectives)")
     parser.add_argument("--models", nargs="+", choices=["8M", "30M"],
                         help="reducer: models to train; default: 8M 30M")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help="context: sequence lengths; default: 2048 4096 8192")
     parser.add_argument("--rounds", type=int,
                         help="timed rounds per case; default: 15 (reducer: 11, layers: 31)")
     parser.add_argument("--microbatches", type=int, nargs="+",

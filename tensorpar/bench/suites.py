@@ -353,6 +353,7 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
           "step: the slowest rank's, median over rounds; paired: median over rounds of the "
           "ratio within a round; bubble: a rank's share of the step not computing, mean over "
           "ranks; theory: (P - 1) / (V m + P - 1))")
+    return results
 
 
 def _domain(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -390,9 +391,37 @@ def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
     return hierarchical.suite(args)
 
 
+def _context(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tensorpar.bench import context
+
+    rows: list[dict[str, Any]] = []
+    for world in args.world_sizes:
+        for total in args.lengths:
+            rows += _run(args, f"{world} ranks, T={total}", context.run_rank, world, total,
+                         args.rounds)[0]
+    print(format_table(
+        ["case", "ranks", "T", "ring ms", "ideal ms", "ring/ideal", "compute ms",
+         "paired ring/compute", "hop ms", "torch cp ms", "ring/torch", "saved MiB/rank",
+         "saved x W / dense"],
+        [[r["case"], r["world_size"], r["total"], _ms(r["ring"]), _ms(r["ideal"]),
+          _x(r["ring/ideal"]), _ms(r["compute"]), _x(r["ring/compute"]), _ms(r["hop"]),
+          _ms(r["torch_cp"]),
+          _x(r["ring"] / r["torch_cp"] if r["torch_cp"] else None),
+          f"{r['saved'] / 2**20:.2f}",
+          f"{r['saved'] * r['world_size'] / r['dense_saved']:.2f}"] for r in rows]))
+    notes = sorted({r["torch_note"] for r in rows if r["torch_note"]})
+    print(f"(forward+backward, float32, causal, zigzag layout; sizes in tensorpar.bench.context "
+          f"LAYER and LLAMA; ideal: this rank's queries against the keys they see computed "
+          f"locally in one go (compute) plus the ring's key/value hops at the hop time measured "
+          f"in the same run; paired: median over rounds of the ratio within a round; saved: "
+          f"bytes autograd keeps per rank, parameters excluded. torch cp: "
+          f"{'; '.join(notes) or 'ran'})")
+    return rows
+
+
 SUITES = {"scatter-gather": _scatter_gather, "collectives": _collectives, "reducer": _reducer,
           "layers": _layers, "hierarchical": _hierarchical, "moe": _moe,
-          "regather": _regather, "pipeline": _pipeline, "domain": _domain}
+          "regather": _regather, "pipeline": _pipeline, "domain": _domain, "context": _context}
 DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "scatter-gather": {"world_sizes": [2], "mib": [64.0], "rounds": 15},
     "collectives": {"world_sizes": [2, 4], "mib": [1.0, 64.0], "rounds": 15, "budget": 1.5},
@@ -403,6 +432,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # for options left out
     "regather": {"world_sizes": [2, 4], "rounds": 31},
     "pipeline": {"world_sizes": [2, 4], "microbatches": [4, 8], "rounds": 9},
     "domain": {"world_sizes": [2, 4], "rounds": 5, "size": 512},
+    "context": {"world_sizes": [2, 4], "lengths": [2048, 4096, 8192], "rounds": 5},
     "hierarchical": {"mib": [4.0, 64.0, 256.0], "rounds": 3, "link": "500mbit",
                      "slice_mib": 4.0, "timeout": 900.0, "skip_reducer": False,
                      "reducer_rounds": 7},

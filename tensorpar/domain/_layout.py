@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from tensorpar._comm import exchange_ints
-from tensorpar._group import Group
+from tensorpar.comm._comm import exchange_ints
+from tensorpar.comm._group import Group
 from tensorpar.domain._rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
 

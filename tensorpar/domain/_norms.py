@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain._layout import DomainContext
-from tensorpar.functional import all_reduce
 
 __all__ = ["batch_norm_forward", "group_norm_forward", "instance_norm_forward",
            "layer_norm_forward", "sum_over_domain"]

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
 from tensorpar.domain._window import EmptyOut, spatial_index
-from tensorpar.functional import all_reduce
 
 __all__ = ["MODES", "conv_transpose_forward", "enter_functional_mode", "exit_functional_mode",
            "global_pool_forward", "interpolate", "upsample_forward"]

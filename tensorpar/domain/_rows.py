@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from tensorpar._comm import all_to_all as _all_to_all
-from tensorpar._group import Group
+from tensorpar.comm._comm import all_to_all as _all_to_all
+from tensorpar.comm._group import Group
 from tensorpar.validation import check, validation_enabled
 
 __all__ = ["RowPlan", "gather_rows", "map_row", "offsets", "plan_rows"]

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar.collectives.functional import all_reduce
+from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.domain import _norms, _resample, _window
 from tensorpar.domain._layout import DomainContext
-from tensorpar.functional import all_reduce
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
 

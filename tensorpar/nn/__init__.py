@@ -1,5 +1,6 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
+from tensorpar.context import context_parallel, distributed_fft2, ring_attention
 from tensorpar.ddp.data_parallel import DistributedDataParallel
 from tensorpar.domain import domain_layout, domain_mean, halo_exchange, parallelize_domain
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
@@ -61,6 +62,9 @@ __all__ = [
     "parallelize",
     "pipeline",
     "plan_from_transformers",
+    "ring_attention",
+    "context_parallel",
+    "distributed_fft2",
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
     "domain_layout",

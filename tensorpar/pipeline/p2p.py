@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
     HEADER_LEN,

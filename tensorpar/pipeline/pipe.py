@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensorpar._group import Group, GroupLike, resolve_group
+from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.pipeline.p2p import Link, recv_activation, send_activation
 from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensorpar._group import GroupLike, resolve_group
-from tensorpar.functional import all_reduce
+from tensorpar.collectives.functional import all_reduce
+from tensorpar.comm._group import GroupLike, resolve_group
 
 __all__ = ["average_gradients"]
 

@@ -1,0 +1,194 @@
+"""Context parallelism: ring attention against its ideal, one layer and a 2-layer Llama.
+
+Per rank, forward+backward, float32, causal, the zigzag layout:
+
+- ``ring``: `ring_attention`'s Function on the rank's rows (the layer), or the model under
+  `context_parallel` (the Llama).
+- ``ideal``: this rank's queries against every key they see, computed locally in one go
+  (torch's SDPA per query segment over the key prefix it sees: the same arithmetic, no
+  ring), plus the key/value bytes the ring moves at the bandwidth measured in the same run
+  (one ring hop of a key/value chunk, timed, times the hops: ``2 (W - 1)`` chunk hops and
+  ``W`` gradient hops per attention).
+- torch's experimental ``context_parallel`` on the same layer, where it runs.
+- saved activations per rank (``saved_tensors_hooks``), against the dense layer or model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tensorpar.bench._timing import time_side_by_side
+from tensorpar.comm._group import resolve_group
+from tensorpar.context._ring import RingSpec, _Transfer, ring_apply
+from tensorpar.context.layout import Layout, positions, zigzag_layout
+
+__all__ = ["LAYER", "LLAMA", "run_rank"]
+
+LAYER: dict[str, int] = {"batch": 1, "heads": 4, "head_dim": 32}
+LLAMA: dict[str, Any] = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "head_dim": 32}
+_IDEAL = "tensorpar_bench_ideal"
+
+
+def _saved_bytes(fn: Any, exclude: set[int]) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _ideal_attention(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor,
+                     layout: Layout, rank: int) -> torch.Tensor:
+    """The rank's queries against the keys they see, locally: one SDPA per query segment."""
+    outs, at = [], 0
+    for seg in layout[rank]:
+        end = seg.start + seg.length
+        qs = q[:, :, at: at + seg.length]
+        at += seg.length
+        qpos = torch.arange(seg.start, end).unsqueeze(1)
+        mask = torch.arange(end) <= qpos  # (L, end): causal by global position
+        outs.append(F.scaled_dot_product_attention(qs, k_full[:, :, :end], v_full[:, :, :end],
+                                                   attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
+def _hop(spec: RingSpec, chunk: torch.Tensor) -> Any:
+    recv = torch.empty_like(chunk)
+
+    def run() -> None:
+        _Transfer(spec, chunk, recv, 0x52AF).wait()
+    return run
+
+
+def _torch_cp_layer(total: int, rounds: int) -> tuple[float | None, str]:
+    """Time torch's experimental context_parallel on one projection + SDPA layer, or why not."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        b, h, d = LAYER["batch"], LAYER["heads"], LAYER["head_dim"]
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        proj = torch.nn.Linear(h * d, 3 * h * d)
+        x = torch.randn(b, total, h * d)
+
+        def step() -> None:
+            with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
+                q, k, v = proj(x).view(b, -1, 3, h, d).permute(2, 0, 3, 1, 4)
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        return time_side_by_side({"torch": step}, rounds=rounds)["torch"], ""
+    except Exception as exc:  # report why it cannot run here
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+def layer_rank(total: int, rounds: int) -> dict[str, Any]:
+    """One causal attention layer (``LAYER``) at sequence length ``total``."""
+    g = resolve_group(None, "bench")
+    b, h, d = LAYER["batch"], LAYER["heads"], LAYER["head_dim"]
+    layout = zigzag_layout(total, g.size)
+    rows = positions(layout, g.rank)
+    torch.manual_seed(g.rank)
+    q, k, v = (torch.randn(b, h, len(rows), d, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, len(rows), d)
+    spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=d ** -0.5,
+                    kv_groups=1)
+    k_full, v_full = (torch.randn(b, h, total, d, requires_grad=True) for _ in range(2))
+    chunk = torch.randn(2 * b * h * max(len(r) for r in map(lambda s: positions(layout, s),
+                                                              range(g.size))) * d)
+
+    def ring() -> None:
+        ring_apply(q, k, v, spec).backward(dout)
+
+    def compute() -> None:
+        _ideal_attention(q, k_full, v_full, layout, g.rank).backward(dout)
+
+    times = time_side_by_side({"ring": ring, "compute": compute, "hop": _hop(spec, chunk)},
+                              rounds=rounds, pairs=(("ring", "compute"),))
+    hops = 2 * (g.size - 1) + g.size
+    ideal = times["compute"] + hops * times["hop"]
+    torch_time, torch_note = _torch_cp_layer(total, max(1, rounds // 2))
+    saved = _saved_bytes(lambda: ring_apply(q, k, v, spec), set())
+    qf = torch.randn(b, h, total, d, requires_grad=True)
+    dense = _saved_bytes(lambda: F.scaled_dot_product_attention(qf, k_full, v_full,
+                                                                is_causal=True), set())
+    return {"case": "attention layer", "world_size": g.size, "total": total, **times,
+            "ideal": ideal, "ring/ideal": times["ring"] / ideal, "torch_cp": torch_time,
+            "torch_note": torch_note, "saved": saved, "dense_saved": dense}
+
+
+def _ideal_hf_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: Any, **kwargs: Any
+                        ) -> tuple[torch.Tensor, None]:
+    state = module.__dict__["_tensorpar_context"]
+    total = sum(seg.length for r in state.layout for seg in r)
+    reps = -(-total // max(1, key.shape[2]))
+    k_full = key.repeat(1, 1, reps, 1)[:, :, :total]  # the right size; values do not matter
+    v_full = value.repeat(1, 1, reps, 1)[:, :, :total]
+    out = _ideal_attention(query, k_full, v_full, state.layout, state.group.rank)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _set_attention(model: torch.nn.Module, name: str) -> None:
+    for module in model.modules():
+        conf = getattr(module, "config", None)
+        if conf is not None and hasattr(conf, "_attn_implementation"):
+            conf._attn_implementation = name
+
+
+def llama_rank(total: int, rounds: int) -> dict[str, Any]:
+    """A 2-layer Llama (``LLAMA``) under context_parallel at sequence length ``total``."""
+    import transformers
+
+    from tensorpar.nn import context_parallel
+
+    transformers.AttentionInterface.register(_IDEAL, _ideal_hf_attention)
+    g = resolve_group(None, "bench")
+    def build() -> Any:
+        config = transformers.LlamaConfig(**LLAMA, max_position_embeddings=total)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)
+
+    dense, model = build(), context_parallel(build())
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, total),
+                        generator=torch.Generator().manual_seed(0))
+    layout = zigzag_layout(total, g.size)
+    spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=1.0, kv_groups=1)
+    longest = max(sum(s.length for s in r) for r in layout)
+    chunk = torch.randn(2 * LLAMA["num_key_value_heads"] * longest * LLAMA["head_dim"])
+
+    def step(name: str) -> Any:
+        def run() -> None:
+            _set_attention(model, name)
+            model(ids, labels=ids).loss.backward()
+        return run
+
+    times = time_side_by_side({"ring": step("tensorpar_ring"), "compute": step(_IDEAL),
+                               "hop": _hop(spec, chunk)},
+                              rounds=rounds, pairs=(("ring", "compute"),))
+    _set_attention(model, "tensorpar_ring")
+    layers = LLAMA["num_hidden_layers"]
+    ideal = times["compute"] + layers * (2 * (g.size - 1) + g.size) * times["hop"]
+    params = {p.untyped_storage().data_ptr() for m in (model, dense) for p in m.parameters()}
+    saved = _saved_bytes(lambda: model(ids, labels=ids), params)
+    dense_saved = _saved_bytes(lambda: dense(ids, labels=ids), params)
+    return {"case": "2-layer Llama", "world_size": g.size, "total": total, **times,
+            "ideal": ideal, "ring/ideal": times["ring"] / ideal, "torch_cp": None,
+            "torch_note": "not run on the model (see the layer row)", "saved": saved,
+            "dense_saved": dense_saved}
+
+
+def run_rank(total: int, rounds: int) -> list[dict[str, Any]]:
+    """Both cases at one sequence length; the slowest rank's times, rank 0's bytes."""
+    return [layer_rank(total, rounds), llama_rank(total, rounds)]

@@ -1,0 +1,13 @@
+"""Context parallelism: a sequence split over the ranks of a group.
+
+`ring_attention` computes exact attention over the whole sequence from each rank's chunk;
+`context_parallel` makes a transformers decoder LM keep only its rank's share of the
+sequence from the embedding on; `distributed_fft2` is a 2-D FFT of a field split along one
+dim. All are exported from `tensorpar.nn`.
+"""
+
+from tensorpar.context.attention import ring_attention
+from tensorpar.context.fft import distributed_fft2
+from tensorpar.context.hf import context_parallel
+
+__all__ = ["context_parallel", "distributed_fft2", "ring_attention"]

@@ -1,0 +1,221 @@
+"""The ring attention autograd Function: key/value chunks travel the ring, queries stay.
+
+Forward, on rank ``r`` of ``W``: at step ``s`` the rank holds the key/value chunk of rank
+``(r - s) % W``. It posts the send of that chunk to ``r + 1`` and the receive of the next
+one from ``r - 1``, computes its queries against the chunk it holds (block by block, see
+`tensorpar.context._blocks`), merges the result into the running output with the
+log-sum-exp, then waits for the transfer. ``W - 1`` transfers; no rank ever holds more than
+two key/value chunks.
+
+Backward: the same ring again (the chunks are not kept from the forward). The gradient of
+the queries stays local; each chunk's key/value gradient is an accumulator that travels
+with the chunk, each rank adding its queries' share, and one last hop brings it home to the
+owner. A rank computes its share into a fresh buffer while the accumulator is in flight, so
+the transfer overlaps the computation.
+
+Key/value heads travel unrepeated: grouped-query attention repeats them on arrival, and the
+gradient of the repeated heads is summed back before it travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from tensorpar.comm._group import Group
+from tensorpar.context._blocks import SKIP, Segment, block_backward, block_forward, merge, pair_mask
+
+__all__ = ["RingSpec", "ring_apply"]
+
+_KV_TAG = 0x52A1
+_GRAD_TAG = 0x52A2
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Everything a ring attention call needs besides its tensors (the same on every rank).
+
+    ``layout[r]`` lists rank ``r``'s segments in the order its rows hold them.
+    """
+
+    group: Group
+    layout: tuple[tuple[Segment, ...], ...]
+    causal: bool
+    window: int | None
+    scale: float
+    kv_groups: int  # query heads per key/value head
+
+    def rows(self, rank: int) -> int:
+        return sum(seg.length for seg in self.layout[rank])
+
+    def slices(self, rank: int) -> list[tuple[Segment, slice]]:
+        out, at = [], 0
+        for seg in self.layout[rank]:
+            out.append((seg, slice(at, at + seg.length)))
+            at += seg.length
+        return out
+
+
+def ring_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> torch.Tensor:
+    """Run `_RingAttention` (inputs already validated)."""
+    out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Transfer:
+    """One point-to-point step of the ring: send to ``r + 1``, receive from ``r - 1``."""
+
+    def __init__(self, spec: RingSpec, send: torch.Tensor | None, recv: torch.Tensor | None,
+                 tag: int) -> None:
+        g = spec.group
+        handle = g.handle
+        self.works: list[dist.Work] = []
+        nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+        if recv is not None and recv.numel():
+            work = dist.irecv(recv, group=handle, group_src=prv, tag=tag)
+            if work is not None:
+                self.works.append(work)
+        if send is not None and send.numel():
+            work = dist.isend(send, group=handle, group_dst=nxt, tag=tag)
+            if work is not None:
+                self.works.append(work)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(flat: torch.Tensor, k_shape: tuple[int, ...], v_shape: tuple[int, ...]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    nk = 1
+    for n in k_shape:
+        nk *= n
+    return flat[:nk].view(k_shape), flat[nk:].view(v_shape)
+
+
+def _shapes(k: torch.Tensor, v: torch.Tensor, rows: int
+            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    b, h, _, d = k.shape
+    return (b, h, rows, d), (b, h, rows, v.shape[-1])
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _unrepeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x.view(b, h // groups, groups, n, d).sum(2)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                spec: RingSpec) -> torch.Tensor:
+        g, rank = spec.group, spec.group.rank
+        acc = _acc_dtype(q)
+        # (B, H, Tq, Dv) laid out as (B, Tq, H, Dv): what attention layers reshape it to next
+        b, h, tq, _ = q.shape
+        out = q.new_zeros((b, tq, h, v.shape[-1]), dtype=acc).transpose(1, 2)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)  # (B, H, Tq)
+        kv = _pack(k, v)
+        mine = spec.slices(rank)
+        for step in range(g.size):
+            owner = (rank - step) % g.size
+            transfer = None
+            if step < g.size - 1:
+                nxt_shapes = _shapes(k, v, spec.rows((owner - 1) % g.size))
+                incoming = kv.new_empty(_numel(nxt_shapes[0]) + _numel(nxt_shapes[1]))
+                transfer = _Transfer(spec, kv, incoming, _KV_TAG)
+            kj, vj = _unpack(kv, *_shapes(k, v, spec.rows(owner)))
+            for qseg, qs in mine:
+                for kseg, ks in spec.slices(owner):
+                    mask = pair_mask(qseg, kseg, spec.causal, spec.window, q.device)
+                    if mask is SKIP:
+                        continue
+                    o, l_ = block_forward(q[:, :, qs], _repeat(kj[:, :, ks], spec.kv_groups),
+                                          _repeat(vj[:, :, ks], spec.kv_groups), mask, spec.scale)
+                    merge(out[:, :, qs], lse[:, :, qs], o.to(acc), l_.to(acc))
+            if transfer is not None:
+                transfer.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        spec: RingSpec = ctx.spec
+        g, rank = spec.group, spec.group.rank
+        acc = _acc_dtype(q)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, Tq)
+        kv = _pack(k, v)
+        mine = spec.slices(rank)
+        pending: tuple[_Transfer, torch.Tensor] | None = None  # accumulator in flight
+        for step in range(g.size):
+            owner = (rank - step) % g.size
+            transfer = None
+            if step < g.size - 1:
+                nxt_shapes = _shapes(k, v, spec.rows((owner - 1) % g.size))
+                incoming = kv.new_empty(_numel(nxt_shapes[0]) + _numel(nxt_shapes[1]))
+                transfer = _Transfer(spec, kv, incoming, _KV_TAG)
+            k_shape, v_shape = _shapes(k, v, spec.rows(owner))
+            kj, vj = _unpack(kv, k_shape, v_shape)
+            dkv = kv.new_zeros(kv.shape, dtype=acc)
+            dkj, dvj = _unpack(dkv, k_shape, v_shape)
+            for qseg, qs in mine:
+                for kseg, ks in spec.slices(owner):
+                    mask = pair_mask(qseg, kseg, spec.causal, spec.window, q.device)
+                    if mask is SKIP:
+                        continue
+                    dqb, dkb, dvb = block_backward(
+                        dout[:, :, qs], q[:, :, qs], _repeat(kj[:, :, ks], spec.kv_groups),
+                        _repeat(vj[:, :, ks], spec.kv_groups), out[:, :, qs], lse[:, :, qs],
+                        delta[:, :, qs], mask, spec.scale)
+                    dq[:, :, qs] += dqb
+                    dkj[:, :, ks] += _unrepeat(dkb, spec.kv_groups)
+                    dvj[:, :, ks] += _unrepeat(dvb, spec.kv_groups)
+            if pending is not None:  # the accumulator of this chunk, from the ranks before
+                pending[0].wait()
+                dkv += pending[1]
+            grad_in = dkv.new_empty(0)
+            if g.size > 1:
+                back = (owner - 1) % g.size if step < g.size - 1 else rank
+                shapes = _shapes(k, v, spec.rows(back))
+                grad_in = dkv.new_empty(_numel(shapes[0]) + _numel(shapes[1]))
+                pending = (_Transfer(spec, dkv, grad_in, _GRAD_TAG), grad_in)
+            if transfer is not None:
+                transfer.wait()
+                kv = incoming
+        if pending is not None:
+            pending[0].wait()
+            dkv = pending[1]
+        dk, dv = _unpack(dkv, *_shapes(k, v, k.shape[2]))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -1,0 +1,171 @@
+"""``ring_attention``: exact attention over a sequence split across the ranks of a group."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from tensorpar.collectives.functional import all_gather
+from tensorpar.comm._group import GroupLike, resolve_group
+from tensorpar.context._blocks import Segment
+from tensorpar.context._ring import RingSpec, ring_apply
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
+
+__all__ = ["ring_attention"]
+
+_FN = "ring_attention"
+# one row per rank: [ok, T, B, H, Hkv, D, Dv, causal, window + 1, dtype code]
+_META = 10
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                   group: GroupLike = None, scale: float | None = None, enable_gqa: bool = False,
+                   window: int | None = None, lengths: Sequence[int] | None = None
+                   ) -> torch.Tensor:
+    """Scaled dot-product attention over a sequence split in contiguous chunks over ``group``.
+
+    Rank ``r`` (a rank within ``group``) holds the ``r``-th chunk of the sequence's queries,
+    keys and values; chunks may have any length, 0 included. The result is this rank's
+    chunk of ``torch.nn.functional.scaled_dot_product_attention`` over the whole sequence,
+    with the causal mask (and the window) following *global* positions. The key/value chunks
+    travel the ring by point-to-point messages while the current block computes; partial
+    results are merged with their log-sum-exp (online softmax), so no rank ever holds the
+    whole key/value sequence.
+
+    Forward: ring pass of the key/value chunks. Backward: the same ring again, each chunk's
+    key/value gradient travelling with it and returning to its owner; the query gradient
+    stays local. (Not twice differentiable.)
+
+    Args:
+        q: this rank's queries.
+        k: this rank's keys.
+        v: this rank's values.
+        is_causal: each position attends to itself and earlier *global* positions.
+        group: the context-parallel group (``None``: the default group, resolved at call
+            time).
+        scale: the logits' factor (``None``: ``1 / sqrt(D)``, as SDPA).
+        enable_gqa: allow fewer key/value heads than query heads (grouped-query attention:
+            query head ``h`` uses key/value head ``h // (H / Hkv)``, as SDPA). The key/value
+            heads travel unrepeated and are repeated on arrival.
+        window: a sliding window: with ``is_causal`` a position sees the ``window`` positions
+            ending at itself (``0 <= q_pos - k_pos < window``, transformers' convention);
+            without, those with ``|q_pos - k_pos| < window``.
+        lengths: every rank's chunk length, the same list on every rank, to skip the one
+            small exchange that learns them (and checks that the ranks agree).
+
+    Returns:
+        This rank's chunk of the attention output.
+
+    Raises:
+        CollectiveTypeError: an argument of the wrong type (every rank, after the exchange).
+        CollectiveArgumentError: shapes, head counts, dtypes, ``is_causal`` or ``window``
+            that are inconsistent on a rank or differ between the ranks (raised on every
+            rank); ``lengths`` malformed or disagreeing with this rank's chunk.
+
+    Shape:
+        ``q``: ``(B, H, T_r, D)``; ``k``: ``(B, Hkv, T_r, D)``; ``v``: ``(B, Hkv, T_r, Dv)``;
+        output: ``(B, H, T_r, Dv)``, where ``T_r`` is this rank's chunk length.
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import ring_attention
+        >>> q = k = v = torch.ones(1, 2, 3, 4)
+        >>> ring_attention(q, k, v, is_causal=True).shape  # one rank: plain attention
+        torch.Size([1, 2, 3, 4])
+    """
+    g = resolve_group(group, _FN)
+    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window)
+    if lengths is None:
+        lengths = _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
+                            group=g)
+    else:
+        problem = problem or _check_lengths(lengths, g.size, g.rank, q)
+        if problem:
+            raise CollectiveArgumentError(f"{_FN}: {problem}")
+    offsets = [sum(lengths[:r]) for r in range(g.size)]
+    layout = tuple((Segment(offsets[r], lengths[r]),) for r in range(g.size))
+    return ring_apply(q, k, v, RingSpec(
+        group=g, layout=layout, causal=is_causal, window=window,
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        kv_groups=q.shape[1] // k.shape[1]))
+
+
+def _local_problem(q: object, k: object, v: object, is_causal: object, scale: object,
+                   enable_gqa: bool, window: object) -> str | None:
+    """What is wrong with this rank's arguments, or ``None``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.ndim != 4:
+            return f"{name} must be 4-D (B, heads, T, D), got shape {tuple(t.shape)}"
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
+        return f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2]:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must agree in "
+                f"batch and length, and k and v in heads")
+    if q.shape[-1] != k.shape[-1]:
+        return f"q's head dim {q.shape[-1]} differs from k's {k.shape[-1]}"
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv and not (enable_gqa and hkv > 0 and hq % hkv == 0):
+        expected = "a divisor of q's" if enable_gqa else "q's (or pass enable_gqa=True)"
+        return f"k and v have {hkv} heads and q has {hq}; expected {expected}"
+    if not isinstance(is_causal, bool):
+        return f"is_causal must be a bool, got {type(is_causal).__name__}"
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        return f"window must be None or an int >= 1, got {window!r}"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        return f"scale must be None or a float, got {type(scale).__name__}"
+    return None
+
+
+def _check_lengths(lengths: object, size: int, rank: int, q: torch.Tensor) -> str | None:
+    if not isinstance(lengths, Sequence) or len(lengths) != size or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
+        return f"lengths must be {size} ints >= 0 (one per rank), got {lengths!r}"
+    if lengths[rank] != q.shape[2]:
+        return f"lengths[{rank}]={lengths[rank]} but this rank's chunk has length {q.shape[2]}"
+    return None
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+              window: int | None, problem: str | None, size: int, device: torch.device,
+              group: GroupLike) -> list[int]:
+    """All-gather every rank's chunk length and shapes; raise on every rank if any disagree."""
+    row = [0] * _META
+    if problem is None:
+        code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
+        row = [1, q.shape[2], q.shape[0], q.shape[1], k.shape[1], q.shape[3], v.shape[3],
+               int(is_causal), 0 if window is None else window + 1, code]
+    if size == 1:
+        if problem is not None:
+            raise _error(problem)
+        return [q.shape[2]]
+    meta = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=group,
+                      sizes=[1] * size).tolist()
+    if problem is not None:
+        raise _error(problem)
+    bad = [r for r, m in enumerate(meta) if not m[0]]
+    if bad:
+        raise CollectiveArgumentError(f"{_FN}: rank(s) {bad} of the group got bad arguments "
+                                      f"(their own error says which)")
+    names = ["", "", "batch", "query heads", "key/value heads", "head dim", "value head dim",
+             "is_causal", "window + 1", "dtype"]
+    for i in range(2, _META):
+        values = [m[i] for m in meta]
+        if len(set(values)) > 1:
+            raise CollectiveArgumentError(f"{_FN}: the ranks disagree on the {names[i]}: "
+                                          f"{values} (rank order); expected one value")
+    return [m[1] for m in meta]
+
+
+def _error(problem: str) -> Exception:
+    cls = CollectiveTypeError if "must be a" in problem else CollectiveArgumentError
+    return cls(f"{_FN}: {problem}")

@@ -1,0 +1,220 @@
+"""``context_parallel``: a transformers decoder LM that holds one share of the sequence per rank.
+
+Every rank calls the model with the whole ``input_ids`` (and ``labels``). Hooks make it keep
+only this rank's share of the positions from the embedding on:
+
+- a forward pre-hook on the model computes the layout for the sequence length (`zigzag_layout`:
+  an early and a late chunk per rank), passes the global ``position_ids`` of the rank's rows
+  (so rotary tables follow global positions), switches the cache off and takes ``labels``
+  aside;
+- a forward hook on the input embedding keeps the rank's rows of its output;
+- the attention layers run `tensorpar`'s ring attention (a transformers attention
+  implementation registered under ``"tensorpar_ring"``); it reads the layer's causality,
+  scaling and sliding window as the model passes them, so masks follow global positions and
+  no ``(T, T)`` mask is ever built;
+- a forward hook on the model computes the loss of the rank's rows with the model's own loss
+  function, normalised by the whole batch's token count, and sums it over the group, so
+  ``out.loss`` is the dense loss on every rank (``out.logits`` holds the rank's rows);
+- every parameter is replicated over the group but sees only the rank's rows: a gradient
+  hook sums its gradient over the group once per backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorpar.collectives.functional import all_reduce
+from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.context._ring import RingSpec, ring_apply
+from tensorpar.context.layout import Layout, positions, zigzag_layout
+
+__all__ = ["context_parallel"]
+
+_FN = "context_parallel"
+IMPLEMENTATION = "tensorpar_ring"
+_STATE = "_tensorpar_context"
+_SUMMED = "_tensorpar_context_grad"
+
+
+@dataclass
+class _State:
+    """The group and, during a forward, the layout of the current sequence."""
+
+    group: Group
+    layout: Layout | None = None
+    index: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
+    """Split a transformers decoder LM's sequence over ``group`` (ring attention), in place.
+
+    Every rank calls the model with the whole ``input_ids`` and ``labels``; the model keeps
+    only this rank's share of the activations (an early and a late chunk of the sequence,
+    any length), attention runs across the ranks, ``out.loss`` is the dense loss on every
+    rank and every parameter's gradient is the dense gradient (summed over ``group``).
+    ``out.logits`` holds this rank's positions, in the order of
+    `tensorpar.context.layout.zigzag_layout`.
+
+    Works with the decoder LMs whose attention goes through transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma2/3, ...), sliding windows
+    included. Apply it after `tensorpar.parallelize` (tensor parallelism over another group).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` for causal LM (``...ForCausalLM``).
+        group: the context-parallel group (``None``: the default group, resolved now).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` has no input embedding or no transformers config.
+        ValueError: the model is already context parallel, or uses attention logit
+            soft-capping.
+
+    Example:
+        >>> import torch, transformers
+        >>> from tensorpar.nn import context_parallel
+        >>> config = transformers.LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=8,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+        >>> model = context_parallel(transformers.LlamaForCausalLM(config))
+        >>> ids = torch.tensor([[1, 2, 3, 4]])
+        >>> model(ids, labels=ids).logits.shape  # one rank: the whole sequence
+        torch.Size([1, 4, 11])
+    """
+    g = resolve_group(group, _FN)
+    config = getattr(model, "config", None)
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    if config is None or get_embedding is None:
+        raise TypeError(f"{_FN}: model must be a transformers PreTrainedModel (a config and an "
+                        f"input embedding), got {type(model).__name__}")
+    if getattr(model, _STATE, None) is not None:
+        raise ValueError(f"{_FN}: {type(model).__name__} is already context parallel")
+    text = getattr(config, "get_text_config", lambda: config)()
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{_FN}: attention logit soft-capping "
+                         f"(attn_logit_softcapping={text.attn_logit_softcapping}) is not "
+                         f"supported by ring attention; expected None")
+    _register()
+    state = _State(g)
+    setattr(model, _STATE, state)
+    for module in model.modules():
+        module.__dict__[_STATE] = state
+        conf = getattr(module, "config", None)
+        if conf is not None and hasattr(conf, "_attn_implementation"):
+            conf._attn_implementation = IMPLEMENTATION
+    for sub in (config, text):
+        sub._attn_implementation = IMPLEMENTATION
+    # first: it takes labels aside (its loss handles a vocab-parallel head) before any guard
+    model.register_forward_pre_hook(_before, with_kwargs=True, prepend=True)
+    get_embedding().register_forward_hook(_keep_rows)
+    model.register_forward_hook(_loss, with_kwargs=True)
+    for p in model.parameters():
+        if p.requires_grad and not g.is_single and not getattr(p, _SUMMED, False):
+            setattr(p, _SUMMED, True)
+            p.register_hook(_summer(g))
+    return model
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _attention)
+
+
+def _summer(g: Group) -> Any:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        # the summed gradient is replicated: its consumers count it once (identity adjoint)
+        return all_reduce(grad.contiguous(), backward="identity", group=g)
+    return hook
+
+
+def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    state: _State = getattr(model, _STATE)
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{_FN}: the model must be called with input_ids of shape (B, T) "
+                         f"(inputs_embeds are not split), got {got}")
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError(f"{_FN}: inputs_embeds is not supported; pass input_ids")
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(torch.all(mask != 0)):
+        raise ValueError(f"{_FN}: a padding attention_mask (zeros) is not supported; expected "
+                         f"None or all ones")
+    if len(args) > 1:
+        raise ValueError(f"{_FN}: pass the arguments after input_ids by keyword")
+    batch, total = ids.shape
+    state.layout = zigzag_layout(total, state.group.size)
+    state.index = positions(state.layout, state.group.rank, ids.device)
+    given = kwargs.get("position_ids")
+    global_pos = (given if given is not None
+                  else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
+    kwargs["position_ids"] = global_pos[:, state.index]
+    kwargs["use_cache"] = False
+    state.labels = kwargs.pop("labels", None)
+    return (ids,), kwargs
+
+
+def _keep_rows(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    state: _State = module.__dict__[_STATE]
+    if state.index is None:
+        raise RuntimeError(f"{_FN}: the input embedding was called outside the model's forward")
+    return output.index_select(1, state.index)  # (B, T_local, H)
+
+
+def _loss(model: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+    state: _State = getattr(model, _STATE)
+    labels, index = state.labels, state.index
+    state.labels = state.index = None
+    if labels is None or index is None:
+        return out
+    ignore = -100
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore)], dim=1)
+    count = (shifted != ignore).sum()  # every rank holds every label: no communication
+    target = shifted[:, index].contiguous()
+    shard = getattr(model.get_output_embeddings(), "shard", None)  # type: ignore[operator]
+    if shard is not None and out.logits.shape[-1] != sum(shard.sizes):  # vocab-parallel head
+        from tensorpar.nn.layers.loss import (
+            vocab_parallel_cross_entropy,  # (nn imports this module)
+        )
+
+        local = vocab_parallel_cross_entropy(
+            out.logits.float().flatten(0, 1), target.flatten(), group=shard.group,
+            sizes=shard.sizes, ignore_index=ignore, reduction="sum") / count
+    else:
+        local = model.loss_function(logits=out.logits, labels=None,  # type: ignore[operator]
+                                    vocab_size=out.logits.shape[-1], shift_labels=target,
+                                    num_items_in_batch=count, ignore_index=ignore)
+    # each rank's share of the mean; the sum is the dense loss, replicated on every rank
+    out.loss = local if state.group.is_single else all_reduce(
+        local, backward="identity", group=state.group)
+    return out
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0,
+               scaling: float | None = None, sliding_window: int | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The transformers attention implementation: ring attention over the context-parallel group."""
+    state: _State | None = module.__dict__.get(_STATE)
+    if state is None or state.layout is None:
+        raise RuntimeError(f"{_FN}: the {IMPLEMENTATION!r} attention ran outside a context-"
+                           f"parallel model's forward")
+    if dropout:
+        raise ValueError(f"{_FN}: attention dropout ({dropout}) is not supported; expected 0")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{_FN}: attention soft-capping is not supported")
+    spec = RingSpec(group=state.group, layout=state.layout,
+                    causal=bool(getattr(module, "is_causal", True)),
+                    window=sliding_window if sliding_window else None,
+                    scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
+                    kv_groups=query.shape[1] // key.shape[1])
+    out = ring_apply(query, key.contiguous(), value.contiguous(), spec)  # (B, H, T_local, D)
+    return out.transpose(1, 2).contiguous(), None

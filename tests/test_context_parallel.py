@@ -1,0 +1,209 @@
+"""context_parallel on transformers decoder LMs: loss, gradients and AdamW steps equal dense.
+
+transformers keeps float32 islands inside a float64 model (RMSNorm's variance, the rotary
+tables, the causal-LM loss on ``logits.float()``), so the bar is float32 rounding: the loss
+within 1e-6 (compared in float64), each gradient within 1e-5 of its tensor's largest entry.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensorpar.nn import context_parallel
+from tensorpar.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 53, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 2,
+         "max_position_embeddings": 128}
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 4}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6}),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+                 "sliding_window": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+                "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}),
+}
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
+
+
+def build(arch, dtype=torch.float64):
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**SMALL, **extra})
+    config._attn_implementation = "eager" if arch.startswith("gemma") else "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).to(dtype)
+
+
+def batch(seed, total):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, total), generator=g)
+    labels = ids.clone()
+    labels[0, total // 3] = -100  # an ignored label: the token count is the batch's
+    return ids, labels
+
+
+def _errors(dense, parallel, ids, labels):
+    """One forward and backward of both models: the loss's and each gradient's error."""
+    want, got = dense(ids, labels=labels), parallel(ids, labels=labels)
+    want.loss.backward()
+    got.loss.backward()
+    errors = {"loss": abs(got.loss.double().item() - want.loss.double().item())}
+    dense_params = dict(dense.named_parameters())
+    for name, p in parallel.named_parameters():
+        ref = dense_params[name].grad
+        errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return errors
+
+
+def _train(arch, total, steps):
+    dense, parallel = build(arch), context_parallel(build(arch))
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    history = []
+    for step in range(steps):
+        errors = _errors(dense, parallel, *batch(step, total))
+        history.append(errors)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    drift = max(((p - dense_params[n]).abs().max() / dense_params[n].abs().max()).item()
+                for n, p in parallel.named_parameters())
+    return history, drift, dist.get_rank() if dist.is_initialized() else 0
+
+
+def _assert_close(results, steps):
+    for history, drift, rank in results:
+        assert len(history) == steps
+        for step, errors in enumerate(history):
+            assert errors["loss"] < LOSS_TOL, f"rank {rank} step {step}: loss {errors['loss']}"
+            worst = max((v, k) for k, v in errors.items() if k != "loss")
+            assert worst[0] < GRAD_TOL, f"rank {rank} step {step}: {worst[1]} off by {worst[0]}"
+        assert drift < GRAD_TOL, f"rank {rank}: parameters after {steps} steps off by {drift}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_trains_like_dense(arch, world):
+    """T = 61 (uneven chunks, Mistral's window 16 and Gemma3's 5 cross the chunks)."""
+    _assert_close(run_distributed(_train, world, arch, 61, 3, timeout=600), 3)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_short_sequence_four_ranks(arch):
+    """T = 7 on 4 ranks: 8 chunks, one of them empty."""
+    _assert_close(run_distributed(_train, 4, arch, 7, 1, timeout=600), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("total", [7, 61])
+def test_breadth(arch, world, total):
+    _assert_close(run_distributed(_train, world, arch, total, 3, timeout=1200), 3)
+
+
+def test_single_rank():
+    history, drift, _ = _train("llama", 9, 1)
+    _assert_close([(history, drift, 0)], 1)
+
+
+def _tp_cp(arch, total, steps, lm_head):
+    """4 ranks: tensor parallel over (0, 1) and (2, 3), context parallel over (0, 2), (1, 3)."""
+    import tensorpar
+    from tensorpar.nn import plan_from_transformers
+    from tests.test_clip import dense_slice
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    tp, cp = groups[rank // 2], groups[2 + rank % 2]
+    dense, parallel = build(arch), build(arch)
+    tensorpar.parallelize(parallel, plan_from_transformers(parallel, lm_head=lm_head), group=tp)
+    context_parallel(parallel, group=cp)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    history = []
+    for step in range(steps):
+        ids, labels = batch(step, total)
+        want, got = dense(ids, labels=labels), parallel(ids, labels=labels)
+        want.loss.backward()
+        got.loss.backward()
+        errors = {"loss": abs(got.loss.double().item() - want.loss.double().item())}
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.named_parameters():
+            ref = dense_slice(parallel, name, dense_params[name].grad)
+            errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        history.append(errors)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    drift = 0.0
+    for name, p in parallel.named_parameters():
+        ref = dense_slice(parallel, name, dense_params[name])
+        drift = max(drift, ((p - ref).abs().max() / ref.abs().max()).item())
+    return history, drift, rank
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tensor_times_context_parallel(arch):
+    """TP 2 x CP 2 on 4 ranks, the default vocabulary-parallel head."""
+    _assert_close(run_distributed(_tp_cp, 4, arch, 61, 3, "vocab_parallel", timeout=600), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("lm_head", ["vocab_parallel", "gathered"])
+def test_tensor_times_context_parallel_breadth(arch, lm_head):
+    _assert_close(run_distributed(_tp_cp, 4, arch, 61, 3, lm_head, timeout=1200), 3)
+
+
+def _dp_cp(arch, total, steps):
+    """4 ranks: context parallel over (0, 1) and (2, 3), data parallel over (0, 2), (1, 3)."""
+    from tensorpar.nn import DistributedDataParallel
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    cp, dp = groups[rank // 2], groups[2 + rank % 2]
+    replica = rank // 2  # which data-parallel batch this rank's context group runs
+    dense = build(arch)
+    parallel = DistributedDataParallel(context_parallel(build(arch), group=cp),
+                                       process_group=dp)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    history = []
+    for step in range(steps):
+        want = sum(_loss(dense, step, r, total) for r in (0, 1)) / 2
+        got = _loss(parallel, step, replica, total)
+        want.backward()
+        got.backward()
+        errors = {"loss": 0.0}  # each replica's loss is its own batch's; gradients are averaged
+        dense_params = dict(dense.named_parameters())
+        for name, p in parallel.module.named_parameters():
+            ref = dense_params[name].grad
+            errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        history.append(errors)
+        dense_opt.step(), opt.step(), dense_opt.zero_grad(), opt.zero_grad()
+    dense_params = dict(dense.named_parameters())
+    drift = max(((p - dense_params[n]).abs().max() / dense_params[n].abs().max()).item()
+                for n, p in parallel.module.named_parameters())
+    return history, drift, rank
+
+
+def _loss(model, step, replica, total):
+    ids, labels = batch(100 * replica + step, total)
+    return model(ids, labels=labels).loss
+
+
+@pytest.mark.timeout(900)
+def test_data_times_context_parallel():
+    """DP 2 x CP 2 on 4 ranks (tensorpar's data-parallel wrapper over the context groups)."""
+    _assert_close(run_distributed(_dp_cp, 4, "llama", 61, 3, timeout=600), 3)

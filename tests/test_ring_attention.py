@@ -1,0 +1,163 @@
+"""ring_attention equals torch's SDPA over the whole sequence (float64, 1e-10)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tensorpar
+from tensorpar.context import _blocks
+from tensorpar.nn import ring_attention
+from tensorpar.testing import run_distributed
+
+TOL = 1e-10
+
+
+def dense_mask(total, causal, window):
+    pos = torch.arange(total)
+    dist_ = pos.unsqueeze(1) - pos
+    mask = dist_ >= 0 if causal else torch.ones(total, total, dtype=torch.bool)
+    if window is not None:
+        mask &= dist_.abs() < window
+    return mask
+
+
+def _compare(lengths, causal, heads=(4, 4), window=None, scale=None, kernel="auto",
+             pass_lengths=False, batch=2, dim=5):
+    """Every rank: its chunk of the output and of q/k/v's gradients against dense SDPA."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    total = sum(lengths)
+    g = torch.Generator().manual_seed(7)
+    hq, hkv = heads
+    q, k, v = (torch.randn(batch, h, total, dim, generator=g, dtype=torch.float64)
+               for h in (hq, hkv, hkv))
+    dout = torch.randn(batch, hq, total, dim, generator=g, dtype=torch.float64)
+    gqa = hq != hkv
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, attn_mask=dense_mask(total, causal, window),
+                                         scale=scale, enable_gqa=gqa)
+    ref.backward(dout)
+    start = sum(lengths[:rank])
+    mine = slice(start, start + lengths[rank])
+    local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    fused = _blocks._fused
+    if kernel == "math":
+        _blocks._fused = lambda t: False
+    try:
+        out = ring_attention(*local, is_causal=causal, scale=scale, enable_gqa=gqa,
+                             window=window, lengths=list(lengths) if pass_lengths else None)
+        out.backward(dout[:, :, mine])
+    finally:
+        _blocks._fused = fused
+    errors = {"out": (out - ref[:, :, mine]).abs().max().item() if out.numel() else 0.0}
+    for name, loc, full in zip("qkv", local, leaves, strict=True):
+        diff = loc.grad - full.grad[:, :, mine]
+        errors["d" + name] = diff.abs().max().item() if diff.numel() else 0.0
+    return errors
+
+
+def _check(world, *args, **kwargs):
+    for rank, errors in enumerate(run_distributed(_with_kwargs, world, args, kwargs,
+                                                  timeout=240)):
+        for name, err in errors.items():
+            assert err < TOL, f"rank {rank}: {name} off by {err}"
+
+
+def _with_kwargs(args, kwargs):
+    return _compare(*args, **kwargs)
+
+
+CASES = {2: [3, 4], 3: [5, 0, 8], 4: [3, 1, 4, 2]}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_sdpa(world, causal):
+    _check(world, CASES[world], causal)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_sdpa_four_ranks(causal):
+    _check(4, CASES[4], causal)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lengths", [[1, 12], [12, 1], [5, 0, 8], [0, 0, 1], [0, 1, 0, 0],
+                                     [0, 0, 0]])
+@pytest.mark.parametrize("causal", [False, True])
+def test_uneven_and_empty_chunks(lengths, causal):
+    _check(len(lengths), lengths, causal)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_gqa_and_scale(world):
+    _check(world, CASES[world], True, heads=(6, 2), scale=0.37)
+    _check(world, CASES[world], False, heads=(6, 3), scale=1.9)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_sliding_window(world, causal, window):
+    _check(world, [5, 1, 7][:world], causal, window=window)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matmul_kernel(world, causal):
+    """The kernel used off the CPU (plain matmul/softmax), forced here."""
+    _check(world, CASES[world], causal, heads=(4, 2), window=3, kernel="math")
+    _check(world, CASES[world], causal, kernel="math", pass_lengths=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_breadth(world):
+    lengths = {2: [17, 6], 3: [9, 0, 14], 4: [6, 11, 0, 7]}[world]
+    for causal in (False, True):
+        for window in (None, 5):
+            _check(world, lengths, causal, heads=(6, 2), window=window, scale=0.5)
+            _check(world, lengths, causal, heads=(4, 4), window=window, kernel="math")
+
+
+def test_single_rank_matches_sdpa():
+    errors = _compare([6], True, heads=(4, 2))
+    assert max(errors.values()) < TOL
+
+
+def _bad_rank(kind):
+    rank = dist.get_rank()
+    q = torch.zeros(1, 2, 3, 4)
+    k = v = q
+    if kind == "heads" and rank == 1:
+        q = torch.zeros(1, 4, 3, 4)
+    if kind == "ndim" and rank == 0:
+        q = torch.zeros(2, 3, 4)
+    try:
+        ring_attention(q, k, v, is_causal=True)
+    except tensorpar.TensorparError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["heads", "ndim"])
+def test_bad_arguments_raise_on_every_rank(kind):
+    results = run_distributed(_bad_rank, 2, kind, timeout=240)
+    assert all(r is not None and "ring_attention" in r[1] for r in results), results
+
+
+def test_lengths_checked():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="lengths"):
+        ring_attention(q, q, q, lengths=[2])
+    with pytest.raises(ValueError, match="enable_gqa"):
+        ring_attention(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="window"):
+        ring_attention(q, q, q, window=0)
