@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorpar._torch import queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.domain import _norms, _resample, _window
@@ -230,8 +231,7 @@ def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor]
         ctx.kept[index] = grad.detach() if kept is None else kept + grad.detach()
         if not ctx.finish_queued:
             ctx.finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: _finish(ctx))
+            queue_engine_callback(lambda: _finish(ctx))
         return torch.zeros_like(grad)
     return hook
 
