@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -100,8 +101,7 @@ def _local_problem(q: object, k: object, v: object, is_causal: object, scale: ob
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.ndim != 4:
             return f"{name} must be 4-D (B, heads, T, D), got shape {tuple(t.shape)}"
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-    assert isinstance(v, torch.Tensor)
+    q, k, v = cast(torch.Tensor, q), cast(torch.Tensor, k), cast(torch.Tensor, v)
     if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
         return f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2]:
