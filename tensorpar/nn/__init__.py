@@ -1,6 +1,11 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
-from tensorpar.context import context_parallel, distributed_fft2, ring_attention
+from tensorpar.context import (
+    context_parallel,
+    distributed_fft2,
+    ring_attention,
+    ulysses_attention,
+)
 from tensorpar.nn.clip import clip_grad_norm_, grad_norm
 from tensorpar.nn.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
@@ -59,6 +64,7 @@ __all__ = [
     "parallelize",
     "plan_from_transformers",
     "ring_attention",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
     "context_parallel",
