@@ -207,3 +207,13 @@ def _loss(model, step, replica, total):
 def test_data_times_context_parallel():
     """DP 2 x CP 2 on 4 ranks (tensorpar's data-parallel wrapper over the context groups)."""
     _assert_close(run_distributed(_dp_cp, 4, "llama", 61, 3, timeout=600), 3)
+
+
+def test_keyword_input_ids_and_refusals():
+    model = context_parallel(build("llama"))
+    ids, labels = batch(0, 5)
+    assert model(input_ids=ids, labels=labels).loss.ndim == 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="already context parallel"):
+        context_parallel(model)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import tensorpar
 from tensorpar.context import _blocks
-from tensorpar.nn import ring_attention
+from tensorpar.nn import ring_attention, ulysses_attention
 from tensorpar.testing import run_distributed
 
 TOL = 1e-10
@@ -23,7 +23,7 @@ def dense_mask(total, causal, window):
 
 
 def _compare(lengths, causal, heads=(4, 4), window=None, scale=None, kernel="auto",
-             pass_lengths=False, batch=2, dim=5):
+             pass_lengths=False, batch=2, dim=5, fn=ring_attention):
     """Every rank: its chunk of the output and of q/k/v's gradients against dense SDPA."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     total = sum(lengths)
@@ -44,7 +44,7 @@ def _compare(lengths, causal, heads=(4, 4), window=None, scale=None, kernel="aut
     if kernel == "math":
         _blocks._fused = lambda t: False
     try:
-        out = ring_attention(*local, is_causal=causal, scale=scale, enable_gqa=gqa,
+        out = fn(*local, is_causal=causal, scale=scale, enable_gqa=gqa,
                              window=window, lengths=list(lengths) if pass_lengths else None)
         out.backward(dout[:, :, mine])
     finally:
@@ -153,6 +153,14 @@ def test_bad_arguments_raise_on_every_rank(kind):
     assert all(r is not None and "ring_attention" in r[1] for r in results), results
 
 
+def test_ulysses_errors_name_it():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="ulysses_attention: lengths"):
+        ulysses_attention(q, q, q, lengths=[2])
+    with pytest.raises(ValueError, match="ulysses_attention: k and v"):
+        ulysses_attention(q, q[:, :1], q[:, :1])
+
+
 def test_lengths_checked():
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="lengths"):
@@ -161,3 +169,13 @@ def test_lengths_checked():
         ring_attention(q, q[:, :1], q[:, :1])
     with pytest.raises(ValueError, match="window"):
         ring_attention(q, q, q, window=0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("lengths", [[3, 4], [5, 0, 8], [1, 12], [3, 1, 4, 2]])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_matches_sdpa(lengths, causal):
+    """The all-to-all variant: 6 heads (padded at 4 ranks), GQA, a window."""
+    _check(len(lengths), lengths, causal, heads=(6, 3), fn=ulysses_attention)
+    _check(len(lengths), lengths, causal, heads=(4, 4), window=3, scale=0.7,
+           fn=ulysses_attention)

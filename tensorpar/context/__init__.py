@@ -1,6 +1,7 @@
 """Context parallelism: a sequence split over the ranks of a group.
 
-`ring_attention` computes exact attention over the whole sequence from each rank's chunk;
+`ring_attention` computes exact attention over the whole sequence from each rank's chunk
+(`ulysses_attention`: the same by two all-to-alls);
 `context_parallel` makes a transformers decoder LM keep only its rank's share of the
 sequence from the embedding on; `distributed_fft2` is a 2-D FFT of a field split along one
 dim. All are exported from `tensorpar.nn`.
@@ -9,5 +10,6 @@ dim. All are exported from `tensorpar.nn`.
 from tensorpar.context.attention import ring_attention
 from tensorpar.context.fft import distributed_fft2
 from tensorpar.context.hf import context_parallel
+from tensorpar.context.ulysses import ulysses_attention
 
-__all__ = ["context_parallel", "distributed_fft2", "ring_attention"]
+__all__ = ["context_parallel", "distributed_fft2", "ring_attention", "ulysses_attention"]

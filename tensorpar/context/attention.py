@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -100,8 +101,7 @@ def _local_problem(q: object, k: object, v: object, is_causal: object, scale: ob
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.ndim != 4:
             return f"{name} must be 4-D (B, heads, T, D), got shape {tuple(t.shape)}"
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-    assert isinstance(v, torch.Tensor)
+    q, k, v = cast(torch.Tensor, q), cast(torch.Tensor, k), cast(torch.Tensor, v)
     if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
         return f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[2] != k.shape[2]:
@@ -137,7 +137,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
               window: int | None, problem: str | None, size: int, device: torch.device,
-              group: GroupLike) -> list[int]:
+              group: GroupLike, fn: str = _FN) -> list[int]:
     """All-gather every rank's chunk length and shapes; raise on every rank if any disagree."""
     row = [0] * _META
     if problem is None:
@@ -146,26 +146,26 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                int(is_causal), 0 if window is None else window + 1, code]
     if size == 1:
         if problem is not None:
-            raise _error(problem)
+            raise _error(problem, fn)
         return [q.shape[2]]
     meta = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=group,
                       sizes=[1] * size).tolist()
     if problem is not None:
-        raise _error(problem)
+        raise _error(problem, fn)
     bad = [r for r, m in enumerate(meta) if not m[0]]
     if bad:
-        raise CollectiveArgumentError(f"{_FN}: rank(s) {bad} of the group got bad arguments "
+        raise CollectiveArgumentError(f"{fn}: rank(s) {bad} of the group got bad arguments "
                                       f"(their own error says which)")
     names = ["", "", "batch", "query heads", "key/value heads", "head dim", "value head dim",
              "is_causal", "window + 1", "dtype"]
     for i in range(2, _META):
         values = [m[i] for m in meta]
         if len(set(values)) > 1:
-            raise CollectiveArgumentError(f"{_FN}: the ranks disagree on the {names[i]}: "
+            raise CollectiveArgumentError(f"{fn}: the ranks disagree on the {names[i]}: "
                                           f"{values} (rank order); expected one value")
     return [m[1] for m in meta]
 
 
-def _error(problem: str) -> Exception:
+def _error(problem: str, fn: str = _FN) -> Exception:
     cls = CollectiveTypeError if "must be a" in problem else CollectiveArgumentError
-    return cls(f"{_FN}: {problem}")
+    return cls(f"{fn}: {problem}")

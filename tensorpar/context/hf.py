@@ -21,7 +21,7 @@ only this rank's share of the positions from the embedding on:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +48,6 @@ class _State:
     layout: Layout | None = None
     index: torch.Tensor | None = None
     labels: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
@@ -137,7 +136,7 @@ def _summer(g: Group) -> Any:
 def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     state: _State = getattr(model, _STATE)
-    ids = args[0] if args else kwargs.get("input_ids")
+    ids = args[0] if args else kwargs.pop("input_ids", None)
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
         got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{_FN}: the model must be called with input_ids of shape (B, T) "

@@ -21,8 +21,8 @@ def contiguous_layout(lengths: list[int]) -> Layout:
     """Rank ``r`` holds the ``r``-th of consecutive chunks of the given lengths.
 
     Example:
-        >>> [tuple(r[0]) for r in contiguous_layout([2, 0, 3])]
-        [(0, 2), (2, 0), (2, 3)]
+        >>> contiguous_layout([2, 0, 3])[2]
+        (Segment(start=2, length=3),)
     """
     starts = [sum(lengths[:r]) for r in range(len(lengths))]
     return tuple((Segment(s, n),) for s, n in zip(starts, lengths, strict=True))
@@ -36,8 +36,8 @@ def zigzag_layout(total: int, world: int) -> Layout:
     sees few keys and a late one many, so each rank's pair costs about the same.
 
     Example:
-        >>> [[tuple(s) for s in r] for r in zigzag_layout(7, 2)]
-        [[(0, 2), (6, 1)], [(2, 2), (4, 2)]]
+        >>> zigzag_layout(7, 2)[0]  # chunks of 2, 2, 2, 1: rank 0 holds the first and last
+        (Segment(start=0, length=2), Segment(start=6, length=1))
     """
     lengths = _balanced(total, 2 * world)
     starts = [sum(lengths[:i]) for i in range(2 * world)]

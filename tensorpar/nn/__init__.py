@@ -1,6 +1,11 @@
 """Modules: model-parallel layers, plan-based parallelisation and the data-parallel wrapper."""
 
-from tensorpar.context import context_parallel, distributed_fft2, ring_attention
+from tensorpar.context import (
+    context_parallel,
+    distributed_fft2,
+    ring_attention,
+    ulysses_attention,
+)
 from tensorpar.ddp.data_parallel import DistributedDataParallel
 from tensorpar.domain import domain_layout, domain_mean, halo_exchange, parallelize_domain
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
@@ -63,10 +68,11 @@ __all__ = [
     "pipeline",
     "plan_from_transformers",
     "ring_attention",
-    "context_parallel",
-    "distributed_fft2",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
     "clip_grad_norm_",
+    "context_parallel",
+    "distributed_fft2",
     "domain_layout",
     "domain_mean",
     "halo_exchange",

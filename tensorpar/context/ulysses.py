@@ -1,0 +1,96 @@
+"""``ulysses_attention``: the all-to-all variant of context-parallel attention.
+
+Instead of passing key/value chunks around a ring, one all-to-all trades the sequence split
+for a head split: every rank receives the *whole* sequence of ``H / W`` heads, runs ordinary
+SDPA on them, and a second all-to-all trades back. Two collectives per call instead of
+``W - 1`` ring hops, but each rank briefly holds the whole sequence of its heads, and the
+head count bounds the group size usefully (heads are padded with zero heads up to a
+multiple of ``W``; the padding is computed and dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar.collectives.functional import all_to_all
+from tensorpar.comm._group import GroupLike, resolve_group
+from tensorpar.context.attention import _check_lengths, _error, _exchange, _local_problem
+
+__all__ = ["ulysses_attention"]
+
+_FN = "ulysses_attention"
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      is_causal: bool = False, group: GroupLike = None,
+                      scale: float | None = None, enable_gqa: bool = False,
+                      window: int | None = None, lengths: Sequence[int] | None = None
+                      ) -> torch.Tensor:
+    """The same result as `ring_attention`, by two all-to-alls (sequence split <-> head split).
+
+    Arguments, chunks and masks are `ring_attention`'s. With ``enable_gqa`` the key/value
+    heads are repeated to the query heads *before* the exchange (they travel repeated).
+
+    Forward: all-to-all (split heads, gather the sequence), SDPA, all-to-all back. Backward:
+    the mirrored all-to-alls around SDPA's backward.
+
+    Args:
+        q: this rank's queries.
+        k: this rank's keys.
+        v: this rank's values.
+        is_causal: causal by global position.
+        group: the context-parallel group (``None``: the default group, resolved at call
+            time).
+        scale: the logits' factor (``None``: ``1 / sqrt(D)``).
+        enable_gqa: allow fewer key/value heads than query heads.
+        window: a sliding window, as in `ring_attention`.
+        lengths: every rank's chunk length (skips the exchange that learns them).
+
+    Returns:
+        This rank's chunk of the attention output.
+
+    Raises:
+        CollectiveArgumentError: as `ring_attention` (also raised on every rank).
+
+    Shape:
+        ``q``: ``(B, H, T_r, D)``; ``k``, ``v``: ``(B, Hkv, T_r, D)``; output
+        ``(B, H, T_r, D)``.
+    """
+    g = resolve_group(group, _FN)
+    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window)
+    if lengths is None:
+        lengths = _exchange(q, k, v, is_causal, window, problem, g.size,
+                            g.comm_device(q.device), group=g, fn=_FN)
+    else:
+        problem = problem or _check_lengths(lengths, g.size, g.rank, q)
+        if problem:
+            raise _error(problem, _FN)
+    heads = q.shape[1]
+    if k.shape[1] != heads:
+        k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
+    padded = -(-heads // g.size) * g.size
+    total = sum(lengths)
+
+    def spread(t: torch.Tensor) -> torch.Tensor:  # (B, H, T_r, D) -> (B, H'/W, T, D)
+        if padded != heads:
+            t = torch.cat([t, t.new_zeros((t.shape[0], padded - heads, *t.shape[2:]))], dim=1)
+        return t if g.is_single else all_to_all(t, split_dim=1, concat_dim=2, group=g)
+
+    qh, kh, vh = spread(q), spread(k), spread(v)
+    pos = torch.arange(total, device=q.device)
+    dist = pos.unsqueeze(1) - pos
+    mask = None
+    if window is not None or is_causal:
+        mask = dist >= 0 if is_causal else torch.ones_like(dist, dtype=torch.bool)
+        if window is not None:
+            mask &= dist.abs() < window
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask,
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    if not g.is_single:  # (B, H'/W, T, D) -> (B, H', T_r, D): every rank the same shape
+        out = all_to_all(out, split_dim=2, concat_dim=1, group=g, sizes=list(lengths))
+    return out[:, :heads]
