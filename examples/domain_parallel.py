@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    tensorpar.init_distributed(backend="gloo")  # survives torchrun --max-restarts
     rank = dist.get_rank()
     if dist.get_world_size() != 4:
         raise SystemExit("run with --nproc-per-node 4")

@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--virtual-stages", type=int, default=1)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    tensorpar.init_distributed(backend="gloo")  # survives torchrun --max-restarts
     if dist.get_world_size() != args.dp * args.pp * args.tp:
         raise SystemExit(f"dp({args.dp}) * pp({args.pp}) * tp({args.tp}) != world size "
                          f"({dist.get_world_size()})")
