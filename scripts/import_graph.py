@@ -49,7 +49,9 @@ def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            # "from package import submodule" depends on the submodule, not on the package
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
+                     else node.module for a in node.names]
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]
