@@ -1,7 +1,11 @@
 """tensorpar: placeholder-aware, autograd-safe collectives for model-parallel PyTorch."""
 
+# The modules that were here before the packages stay attributes:
+# ``from tensorpar import functional`` works.
 from tensorpar import nn as nn
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
+from tensorpar.collectives import functional as functional
+from tensorpar.collectives import regions as regions
 from tensorpar.collectives.functional import (
     all_gather,
     all_reduce,
@@ -19,6 +23,7 @@ from tensorpar.collectives.regions import (
     split_to_group,
 )
 from tensorpar.comm._comm import CollectiveRecord, CommCounter
+from tensorpar.ddp import reducer as reducer
 from tensorpar.ddp.reducer import BucketedAllReduce
 from tensorpar.errors import (
     CollectiveArgumentError,
@@ -32,6 +37,7 @@ from tensorpar.errors import (
     UnresolvedCollectiveError,
     WireFormatError,
 )
+from tensorpar.hierarchical import topology as topology
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.launch import init_distributed
 from tensorpar.nn.plans.convert import full_state_dict, load_full_state_dict, parallelize
