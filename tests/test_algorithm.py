@@ -37,6 +37,7 @@ def _public_algorithms():
     return out, errors
 
 
+@pytest.mark.slow
 def test_all_reduce_algorithms_agree_and_refuse_what_they_cannot_do():
     for out, errors in run_distributed(_public_algorithms, 4, timeout=120):
         assert all(all(checks) for checks in out.values()), out

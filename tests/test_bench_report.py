@@ -60,6 +60,7 @@ def test_summary_and_markdown() -> None:
     assert "tensorpar / DDP" in text
 
 
+@pytest.mark.slow
 def test_plots_from_json(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     saved = tmp_path / "results.json"
@@ -112,6 +113,7 @@ def test_paired_ratio_cancels_drift() -> None:
     assert paired_ratio(samples, "ours_noisy", "raw") == pytest.approx(1.05)  # one outlier
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_layers_sequence_parallel_row(capsys: pytest.CaptureFixture[str]) -> None:
     """The layers suite's sequence-parallel row at toy sizes, one round: checks, figures, table.
@@ -140,6 +142,7 @@ def test_layers_sequence_parallel_row(capsys: pytest.CaptureFixture[str]) -> Non
     assert "| llama-sp | 2 " in printed and "paired SP/dtensor SP" in printed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_regather_suite_row(capsys: pytest.CaptureFixture[str]) -> None:
     """The regather suite at toy sizes (uneven slices), one round: figures and table.

@@ -163,6 +163,7 @@ def _ddp_tp_run():
     return norms, _replicas(inner)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_clip_with_ddp_over_tp_on_a_2x2_mesh():
     _assert_same_across_ranks(run_distributed(_ddp_tp_run, 4, timeout=180))

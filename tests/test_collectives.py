@@ -134,7 +134,9 @@ def _gradcheck(name, ranks, second_order):
     return "ok"
 
 
-@pytest.mark.parametrize("world_size, ranks", [(1, None), (2, None), (3, None), (4, [0, 1, 3])])
+@pytest.mark.parametrize("world_size, ranks", [(1, None), (2, None), (3, None),
+                                               pytest.param(4, [0, 1, 3],
+                                                            marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(GRADCHECK))
 def test_gradcheck(name, world_size, ranks):
     results = run_distributed(_gradcheck, world_size, name, ranks, False)

@@ -117,7 +117,8 @@ def _compare_collectives(uneven):
 
 
 @pytest.mark.parametrize(("world_size", "uneven"),
-                         [(2, False), (2, True), pytest.param(3, True, marks=pytest.mark.slow)])
+                         [(2, False), pytest.param(2, True, marks=pytest.mark.slow),
+                          pytest.param(3, True, marks=pytest.mark.slow)])
 def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=540)
 
@@ -148,7 +149,7 @@ def _layouts(uneven):
     return rows
 
 
-@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("uneven", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compiled_collectives_return_eager_layout(uneven):
     """A collective along an inner dim returns a contiguous tensor eagerly; compiled, the same
     strides, so code that views the result (``.view``) runs alike (it failed compiled)."""
@@ -214,7 +215,8 @@ def _compare_rooted(uneven):
     _assert_same([_run_rooted(fn, inputs, False), _run_rooted(fn, inputs, True)])
 
 
-@pytest.mark.parametrize(("world_size", "uneven"), [(2, False), (3, True)])
+@pytest.mark.parametrize(("world_size", "uneven"),
+                         [(2, False), pytest.param(3, True, marks=pytest.mark.slow)])
 def test_rooted_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_rooted, world_size, uneven, timeout=540)
 
@@ -537,7 +539,7 @@ def _compare_decoder_layer(dtype_name, backend, tol, sequence=False):
     return breaks
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_llama_decoder_layer_is_one_graph_and_equals_eager(world_size):
     pytest.importorskip("transformers")
     for breaks, reasons in run_distributed(_compare_decoder_layer, world_size, "float64",

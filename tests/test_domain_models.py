@@ -62,6 +62,7 @@ def test_model_two_ranks(name):
     assert max(run_distributed(_run, 2, name, SIZES[name][0], timeout=T)) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_three_ranks(name):
     pytest.importorskip(name.split("_")[0])

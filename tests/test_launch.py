@@ -53,6 +53,7 @@ def _attempt(port, attempt, world=2):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_second_attempt_on_the_same_store_starts_its_own_group():
     port = _free_port()
