@@ -84,7 +84,9 @@ def _reducer_parity(ranks_per_machine, algorithm):
 
 
 @pytest.mark.parametrize("world_size, ranks_per_machine, algorithm",
-                         [(4, 2, "hierarchical"), (2, 1, "hierarchical"), (4, 2, "auto"),
+                         [pytest.param(4, 2, "hierarchical", marks=pytest.mark.slow),
+                          (2, 1, "hierarchical"),
+                          pytest.param(4, 2, "auto", marks=pytest.mark.slow),
                           pytest.param(3, 3, "hierarchical", marks=pytest.mark.slow)])
 def test_reducer_with_the_hierarchical_algorithm_matches_ddp(world_size, ranks_per_machine,
                                                              algorithm):

@@ -149,7 +149,8 @@ def _layouts(uneven):
     return rows
 
 
-@pytest.mark.parametrize("uneven", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("uneven", [False, True])
 def test_compiled_collectives_return_eager_layout(uneven):
     """A collective along an inner dim returns a contiguous tensor eagerly; compiled, the same
     strides, so code that views the result (``.view``) runs alike (it failed compiled)."""
@@ -448,6 +449,7 @@ def _compare_shared_input():
     return shared, model.q.input_share._copy is None
 
 
+@pytest.mark.slow
 def test_shared_input_compiles_fullgraph_and_equals_eager():
     assert run_distributed(_compare_shared_input, 2, timeout=540) == [(1, True), (1, True)]
 

@@ -123,7 +123,8 @@ def _model_vs_dense(arch, tol):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_model_equals_dense(arch, world):
     results = run_distributed(_model_vs_dense, world, arch, 1e-10, timeout=180)
     mine = [m for m, _ in results]

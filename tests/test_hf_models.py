@@ -90,7 +90,8 @@ def _train_and_compare(arch, tol=1e-10):
     return losses, (tied, dense_tied)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_architecture_trains_like_dense(arch, world_size):
     heads = ARCHS[arch][2]

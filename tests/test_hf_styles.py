@@ -212,7 +212,8 @@ def assert_replicas_identical(results):
             assert torch.equal(value, other[name]), f"{name} differs across ranks"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", PER_HEAD_NORMS)
 def test_per_head_norms_train_like_dense(arch, world_size):
     assert_replicas_identical(run_distributed(train_like_dense, world_size, arch, timeout=180))

@@ -53,7 +53,8 @@ def _assert_never_wrong(results, names):
     return {name: verdict for name, verdict, _ in rows}
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_sweep_subset_is_exact_or_refused(world_size):
     names = [n for n, _, _ in architectures() if n in SUBSET]
     verdicts = _assert_never_wrong(run_distributed(sweep, world_size, names, timeout=600), names)

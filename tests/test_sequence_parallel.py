@@ -69,8 +69,11 @@ def _train_like_dense(arch, mode=True):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize(("arch", "world_size"), [
+    # the fast tier: every architecture at 2 ranks, Llama at 3; the rest in the slow tier
+    *((arch, w) if (w == 2 or (w, arch) == (3, "llama")) else
+      pytest.param(arch, w, marks=pytest.mark.slow)
+      for arch in sorted(MODELS) for w in (1, 2, 3, 4))])
 def test_sequence_parallel_trains_like_dense(arch, world_size):
     assert_replicas_identical(run_distributed(_train_like_dense, world_size, arch, timeout=240))
 
