@@ -108,7 +108,10 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     infos = _infos(model, optimizer, fn)
     saved, saved_groups = state["state"], state["param_groups"]
     has_state = state.get("has_state", {})
-    fresh = _initial_states(optimizer, fn)  # typed like the parameters (DTensor under FSDP2)
+    # state to create: typed like the parameters (DTensor under FSDP2); only where it is
+    # saved, so a parameter that stays without state costs no throwaway step
+    fresh = _initial_states(optimizer, fn, {id(p) for p, name in _named(optimizer, infos)
+                                            if int(has_state.get(name, 1))})
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
                          f"optimizer {len(optimizer.param_groups)}; expected the same groups")
@@ -162,15 +165,17 @@ def _value(info: ParamInfo, key: str, value: Any) -> Any:
     return dcp_value(value, info.shard if info.sharded else None, info.dim)
 
 
-def _initial_states(optimizer: torch.optim.Optimizer, fn: str
-                    ) -> dict[int, dict[str, Any]]:
+def _initial_states(optimizer: torch.optim.Optimizer, fn: str,
+                    wanted: set[int] | None = None) -> dict[int, dict[str, Any]]:
     """The state each parameter without one would get, made on copies (``optimizer`` untouched).
 
     A throwaway optimizer of the same class and hyperparameters steps once at learning rate 0
-    over zero-filled twins of those parameters with zero gradients; its state has the keys,
+    over zero-filled twins of those parameters (of the ids in ``wanted``, where given) with
+    zero gradients; its state has the keys,
     shapes and dtypes the real one will have, so ``dcp.load`` has tensors to write into.
     """
-    params = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    params = [p for g in optimizer.param_groups for p in g["params"]
+              if not optimizer.state.get(p) and (wanted is None or id(p) in wanted)]
     if not params:
         return {}
     twins = {id(p): torch.zeros_like(p) for p in params}
@@ -192,3 +197,9 @@ def _initial_states(optimizer: torch.optim.Optimizer, fn: str
         twin.grad = torch.zeros_like(twin)
     shadow.step()
     return {pid: shadow.state[twin] for pid, twin in twins.items()}
+
+
+def _named(optimizer: torch.optim.Optimizer, infos: dict[int, ParamInfo]
+           ) -> list[tuple[torch.Tensor, str]]:
+    """Every parameter of ``optimizer`` with its dense name."""
+    return [(p, infos[id(p)].name) for g in optimizer.param_groups for p in g["params"]]
