@@ -171,8 +171,8 @@ def _initial_states(optimizer: torch.optim.Optimizer, fn: str,
 
     A throwaway optimizer of the same class and hyperparameters steps once at learning rate 0
     over zero-filled twins of those parameters (of the ids in ``wanted``, where given) with
-    zero gradients; its state has the keys,
-    shapes and dtypes the real one will have, so ``dcp.load`` has tensors to write into.
+    zero gradients; its state has the keys, shapes and dtypes the real one will have, so
+    ``dcp.load`` has tensors to write into.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]
               if not optimizer.state.get(p) and (wanted is None or id(p) in wanted)]
