@@ -49,7 +49,7 @@ class GroupPool:
             return
         ranks = [group.global_rank(r) for r in range(group.size)]
         spans_world = group.size == dist.get_world_size()
-        if not spans_world and not _names_agree(group):
+        if not spans_world and not names_agree(group):
             return
         for _ in range(size - 1):
             pg = (dist.new_group(ranks=ranks) if spans_world
@@ -80,7 +80,7 @@ class GroupPool:
         del self.groups[1:]
 
 
-def _names_agree(group: Group) -> bool:
+def names_agree(group: Group) -> bool:
     """Whether every member of ``group`` knows as many groups (so torch names new ones alike)."""
     names = getattr(C10D_WORLD, "pg_names", None)
     counts = [row[0] for row in

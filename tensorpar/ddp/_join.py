@@ -34,12 +34,17 @@ class DDPJoinHook(JoinHook):
     Raises:
         ValueError: ``divide_by_initial_world_size=False`` where the reducer does not
             divide by the group size alone (a comm hook, ``average=False`` or a
-            ``gradient_predivide_factor``).
+            ``gradient_predivide_factor``); the model sums gradients over groups of its
+            own (a domain-parallel model).
     """
 
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool
                  ) -> None:
         reducer = ddp.reducer
+        if reducer.replicas != reducer.group.size:
+            raise ValueError(f"{type(ddp).__name__}.join: not supported for a model that sums "
+                             f"gradients over groups of its own (a domain-parallel model): "
+                             f"every rank of its domain must run each step")
         plain = (reducer._hook is None and reducer._post == 1.0
                  and reducer._pre == float(reducer.group.size))
         if not divide_by_initial_world_size and not plain:

@@ -19,6 +19,7 @@ from tensorpar.comm._switch import VALIDATE
 from tensorpar.ddp._buckets import Bucket, MiB, default_bucket_cap_mb, plan_buckets
 from tensorpar.ddp._checks import describe_change
 from tensorpar.ddp._comm_hook import CommHook
+from tensorpar.ddp._partial_sums import partial_sums_of, product_group
 from tensorpar.ddp._sync import SyncPoint
 from tensorpar.errors import CollectiveMismatchError, ReducerError
 from tensorpar.hierarchical import shutdown_hierarchical
@@ -59,7 +60,10 @@ class BucketedAllReduce(SyncPoint):
 
     Args:
         module: the model; every rank must hold the same parameters (checked here).
-        group: the data-parallel group (``None``: the default group).
+        group: the data-parallel group (``None``: the default group). For a model that sums
+            gradients over groups of its own (converted by ``parallelize_domain``), the
+            replica group beside its domain: each bucket is then all-reduced over both
+            (their product, e.g. the whole 2-D mesh) and divided by the replicas alone.
         bucket_cap_mb: bucket size in MiB: a bucket closes once it holds at least this much
             (so it exceeds the cap by at most its last parameter). ``None`` (default): a
             quarter of all the gradients, between 1 and 25 MiB, so that even a small model's
@@ -123,6 +127,16 @@ class BucketedAllReduce(SyncPoint):
                                 reduce_dtype, compress_dtype)
         self.module = module
         self.group = resolve_group(group, "BucketedAllReduce")
+        self.replicas = self.group.size
+        """The number of replicas averaged over (``group``'s size)."""
+        sums = partial_sums_of(module)
+        if sums is not None:  # e.g. a domain-parallel model: its sums ride on the buckets
+            if algorithm != "flat":
+                raise ValueError(f"BucketedAllReduce: algorithm={algorithm!r} with a model "
+                                 f"that sums gradients over groups of its own (a "
+                                 f"domain-parallel model): only 'flat' is supported")
+            self.group = product_group((self.group, *sums.sum_groups()), "BucketedAllReduce")
+            sums.hand_over()
         if algorithm != "flat":  # checked here, once: the same checks as every call's
             hierarchical_topology("BucketedAllReduce", algorithm, topology,
                                   torch.empty(0), "sum", self.group)
@@ -162,7 +176,7 @@ class BucketedAllReduce(SyncPoint):
                                         torch.float64: compress_dtype})
 
     def _configure_division(self, average: bool, predivide: float | None) -> None:
-        size = self.group.size
+        size = self.replicas
         factor = float(size if predivide is None else predivide)
         if not factor > 0:
             raise ValueError(f"BucketedAllReduce: gradient_predivide_factor={factor} must be > 0")

@@ -58,9 +58,30 @@ class DomainContext:
         self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
         self.finish_queued = False
+        self.handed_over = False  # a data-parallel reducer sums the gradients instead
         self.internal = False  # a conversion's own functional call is running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}
+
+    @property
+    def domain_size(self) -> int:
+        """The number of tiles (the product of the split dims' group sizes)."""
+        size = 1
+        for g in self.groups:
+            size *= g.size
+        return size
+
+    # -- gradient sums (tensorpar.ddp._partial_sums.PartialSums) ----------------------------
+    def sum_groups(self) -> tuple[Group, ...]:
+        """The groups the parameters' partial gradients are summed over."""
+        return self.groups
+
+    def hand_over(self) -> None:
+        """Leave the sums to a data-parallel reducer (see `_hook_parameters`)."""
+        if self.handed_over:
+            raise ValueError("parallelize_domain: the model's gradients are already summed by "
+                             "another data-parallel reducer")
+        self.handed_over = True
 
     # -- entry -----------------------------------------------------------------------------
     def begin(self, x: torch.Tensor) -> None:

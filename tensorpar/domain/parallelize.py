@@ -12,6 +12,7 @@ from torch import nn
 from tensorpar._torch import queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _norms, _resample, _window
 from tensorpar.domain._layout import DomainContext
 
@@ -168,6 +169,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         if any(True for _ in m.parameters(recurse=False)):
             _hook_parameters(m, ctx)
     model.__dict__[_CTX] = ctx
+    register_partial_sums(model, ctx)  # a data-parallel reducer takes the sums over
     model.register_forward_pre_hook(_entry, with_kwargs=True)
     model.register_forward_hook(_exit, always_call=True)
     return model
@@ -210,6 +212,10 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
     partial gradient aside and lets zeros through; the end of the backward adds the sums to
     ``.grad`` (so accumulation over several backward passes stays exact). Gradients asked
     for with ``torch.autograd.grad`` do not include these sums: use ``backward()``.
+
+    Under a data-parallel reducer (`BucketedAllReduce`, `DistributedDataParallel`) the
+    reducer makes the sums in its buckets instead (see ``tensorpar.ddp._partial_sums``):
+    a partial gradient goes to it as it is, a whole one divided by the domain's size.
     """
     key = id(module)
 
@@ -225,7 +231,10 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
 
 def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if not ctx.partial.get(key, False) or all(g.is_single for g in ctx.groups):
+        partial = ctx.partial.get(key, False)
+        if ctx.handed_over:  # the reducer sums over the domain with the replicas' average
+            return grad if partial else grad / ctx.domain_size
+        if not partial or all(g.is_single for g in ctx.groups):
             return grad
         kept = ctx.kept.get(index)
         ctx.kept[index] = grad.detach() if kept is None else kept + grad.detach()

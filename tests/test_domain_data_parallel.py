@@ -1,0 +1,103 @@
+"""A data-parallel axis beside the domain axis: (replicas x tiles) on a 2-D mesh.
+
+Each replica trains on its own batch, split over its domain group; the reducer (the DDP
+wrapper or `BucketedAllReduce` on the replica group) sums the tiles' partial gradients and
+averages the replicas in one all-reduce per bucket. Reference: the dense model's gradient on
+each replica's whole batch, averaged, and the SGD-with-momentum steps it gives.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorpar.testing import run_distributed
+from tests._domain_unet import SmallUNet
+
+pytestmark = pytest.mark.timeout(900)
+T = 600
+TOL = 1e-10
+
+
+class PooledHead(nn.Module):
+    """Convolutions on tiles, then a head on the globally pooled (replicated) features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                                  nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular"))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.body(x)).flatten(1))
+
+
+MODELS = {"unet": (SmallUNet, (2, 1, 16, 12)), "pooled": (PooledHead, (3, 1, 11, 6))}
+
+
+def _train(model_name, wrapper, splits, steps=3):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tensorpar
+    from tensorpar.nn import DistributedDataParallel, parallelize_domain
+
+    build, shape = MODELS[model_name]
+    replicas, tiles = 2, len(splits[0])
+    mesh = init_device_mesh("cpu", (replicas, tiles), mesh_dim_names=("dp", "domain"))
+    r, t = mesh.get_coordinate()
+    torch.manual_seed(0)
+    dense = build().double()
+    par_model = parallelize_domain(copy.deepcopy(dense), dims=-2, group=mesh["domain"])
+    if wrapper == "ddp":
+        par = DistributedDataParallel(par_model, process_group=mesh.get_group("dp"))
+        with pytest.raises(ValueError, match="domain-parallel"):
+            par.join()
+    else:
+        tensorpar.BucketedAllReduce(par_model, group=mesh.get_group("dp"),
+                                    bucket_cap_mb=0.001)  # several buckets
+        par = par_model
+    opt_d = torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(par_model.parameters(), lr=0.1, momentum=0.9)
+    worst = 0.0
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        batches = [torch.randn(*shape, dtype=torch.float64, generator=gen)
+                   for _ in range(replicas)]
+        # dense: every replica's gradient on its whole batch, averaged
+        opt_d.zero_grad()
+        for b in batches:
+            (dense(b).square().mean() / replicas).backward()
+        sizes = splits[r]
+        mine = batches[r].narrow(-2, sum(sizes[:t]), sizes[t])
+        opt_p.zero_grad()
+        out = par(mine)
+        if model_name == "pooled":  # replicated output: every rank computes the whole loss
+            part = out.square().mean()
+        else:  # a mean over the whole field: this tile's share of the sum
+            part = out.square().sum() / batches[r].numel()
+        part.backward()
+        for (name, p), q in zip(par_model.named_parameters(), dense.parameters(), strict=True):
+            assert p.grad is not None, name
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+        opt_d.step()
+        opt_p.step()
+        for p, q in zip(par_model.parameters(), dense.parameters(), strict=True):
+            worst = max(worst, (p - q).abs().max().item())
+    dist.barrier()
+    return worst
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "reducer"])
+def test_unet_two_replicas_of_two_tiles_equal_dense(wrapper):
+    # replica 1 has an empty tile: its gradients arrive in another order
+    assert max(run_distributed(_train, 4, "unet", wrapper, [[9, 7], [16, 0]],
+                               timeout=T)) < TOL
+
+
+def test_pooled_head_two_replicas_of_two_tiles_equal_dense():
+    # the head after global pooling holds the whole gradient on every tile
+    assert max(run_distributed(_train, 4, "pooled", "reducer", [[5, 6], [1, 10]],
+                               timeout=T)) < TOL
