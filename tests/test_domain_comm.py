@@ -94,3 +94,24 @@ def _memory(height):
 def test_saved_activations_per_rank(world):
     for mine, bound, dense in run_distributed(_memory, world, 64, timeout=T):
         assert mine <= bound, (mine, bound, dense)
+
+
+def _bench_rows():
+    from tensorpar.bench import domain as bench
+
+    threads = torch.get_num_threads()
+    try:
+        return [bench.run_rank(name, 16, 1) for name in bench.WORKLOADS]
+    finally:
+        torch.set_num_threads(threads)  # the pool's ranks serve later tests
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_benchmark_suite_runs():
+    rows = run_distributed(_bench_rows, 2, timeout=240)[0]
+    assert [r["workload"] for r in rows] == ["conv8", "unet"]
+    for r in rows:
+        assert r["domain"] > 0 and r["ideal"] > 0 and r["saved_bytes"][0] > 0
+        assert r["shardtensor_step"]  # "ok", or why it did not run
+    assert rows[0]["halo_bytes"] == rows[0]["exact_bytes"]

@@ -15,6 +15,13 @@ Timed side by side on every rank (interleaved rounds, slowest rank, medians):
   computes the halo rows' outputs too, so it does a little more arithmetic than the domain
   step.)
 
+Where PhysicsNeMo's ``ShardTensor`` imports (``physicsnemo.domain_parallel``; it is not in
+the bench extra, as it requires torchvision), it is run on the same model and strips: the
+forward alone is timed side by side (``domain_fwd``, ``shardtensor_fwd``, ``ideal_fwd``,
+under ``no_grad``), and a whole step is tried once (``shardtensor_step``: "ok" or the error
+it raised). Its tile shapes are given explicitly: inferring them allocates pinned memory,
+which needs an accelerator.
+
 Also per rank: the halo bytes one step sends (forward and backward, `tensorpar.CommCounter`)
 against the exact count for the conv stack (each interior boundary: one row of 32 channels
 each way per conv forward, and per conv but the first backward, as the input needs no
@@ -123,6 +130,7 @@ def run_rank(name: str, size: int, rounds: int) -> dict[str, Any]:
     times = time_side_by_side({"domain": lambda: step(model, tile),
                                "ideal": lambda: step(ideal, ideal_in)},
                               rounds=rounds, pairs=(("domain", "ideal"),))
+    times.update(_shardtensor(dense, model, ideal, tile, ideal_in, sizes, rounds))
     figures = torch.tensor([halo, exact or 0, saved], dtype=torch.float64)
     every = [torch.zeros_like(figures) for _ in range(world)]
     dist.all_gather(every, figures)
@@ -130,3 +138,49 @@ def run_rank(name: str, size: int, rounds: int) -> dict[str, Any]:
             "halo_bytes": [int(f[0]) for f in every],
             "exact_bytes": None if exact is None else [int(f[1]) for f in every],
             "saved_bytes": [int(f[2]) for f in every], "saved_dense": saved_dense}
+
+
+def _shardtensor(dense: nn.Module, model: nn.Module, ideal: nn.Module, tile: torch.Tensor,
+                 ideal_in: torch.Tensor, sizes: list[int], rounds: int) -> dict[str, Any]:
+    """PhysicsNeMo's ShardTensor on the same strips, where it imports (see the module doc)."""
+    try:
+        from physicsnemo.domain_parallel import ShardTensor
+        from physicsnemo.domain_parallel.shard_utils import (  # noqa: F401 (registers handlers)
+            conv_patches,
+            normalization_patches,
+            pooling_patches,
+            unpooling_patches,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+    except Exception as exc:  # not installed, or its imports fail against this torch
+        return {"shardtensor_step": f"not run: {type(exc).__name__}: {exc}"[:160]}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shape = tuple(tile.shape)
+    shapes = {0: [(*shape[:2], n, *shape[3:]) for n in sizes]}
+    theirs = copy.deepcopy(dense)
+
+    def sharded() -> Any:
+        return ShardTensor.from_local(tile, mesh, [Shard(2)], sharding_shapes=shapes)
+
+    def forward(m: nn.Module, x: Any) -> None:
+        with torch.no_grad():
+            m(x)
+
+    out: dict[str, Any] = {}
+    try:
+        forward(theirs, sharded())
+    except Exception as exc:
+        return {"shardtensor_step": f"forward fails: {type(exc).__name__}: {exc}"[:160]}
+    try:
+        theirs(sharded()).sum().backward()
+        out["shardtensor_step"] = "ok"
+    except Exception as exc:
+        out["shardtensor_step"] = f"backward fails: {type(exc).__name__}: {exc}"[:160]
+    out.update(time_side_by_side(
+        {"domain_fwd": lambda: forward(model, tile),
+         "shardtensor_fwd": lambda: forward(theirs, sharded()),
+         "ideal_fwd": lambda: forward(ideal, ideal_in)},
+        rounds=rounds, pairs=(("domain_fwd", "ideal_fwd"), ("shardtensor_fwd", "ideal_fwd"),
+                              ("shardtensor_fwd", "domain_fwd"))))
+    return out

@@ -379,9 +379,20 @@ def _domain(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "saved MiB (max rank)", "saved MiB dense", "saved/dense"], rows))
     print("(float32, batch 1, forward+backward, strips along H, one thread per rank; ideal: "
           "the dense model on the rank's rows plus the first layer's halo rows, no "
-          f"communication; {os.cpu_count()} CPU cores. PhysicsNeMo's ShardTensor is not "
-          "run: nvidia-physicsnemo is not installed here, and its DistributedManager "
-          "passes device_id=cpu to init_process_group, which torch 2.13 refuses)")
+          f"communication; {os.cpu_count()} CPU cores)")
+    st = [[r["workload"], r["world_size"], _ms(r["domain_fwd"]), _ms(r["shardtensor_fwd"]),
+           _ms(r["ideal_fwd"]), _x(r["domain_fwd/ideal_fwd"]),
+           _x(r["shardtensor_fwd/ideal_fwd"]), _x(r["shardtensor_fwd/domain_fwd"]),
+           r["shardtensor_step"]] if "domain_fwd" in r else
+          [r["workload"], r["world_size"], *["-"] * 6, r["shardtensor_step"]]
+          for r in results]
+    if any("domain_fwd" in r for r in results):
+        print(format_table(["workload", "ranks", "domain fwd ms", "ShardTensor fwd ms",
+                            "ideal fwd ms", "domain/ideal", "ShardTensor/ideal",
+                            "ShardTensor/domain", "ShardTensor step"], st))
+        print("(forward only, no_grad: PhysicsNeMo's ShardTensor on the same model and strips)")
+    else:
+        print("PhysicsNeMo's ShardTensor: " + results[0]["shardtensor_step"])
     return results
 
 
