@@ -255,7 +255,7 @@ def _add_back(g: torch.Tensor, dim: int, plan: RowPlan, group: Group) -> torch.T
     return out
 
 
-def _validate(t: torch.Tensor, dim: int, plan: RowPlan, group: Group, backward: bool
+def validate_rows(t: torch.Tensor, dim: int, plan: RowPlan, group: Group, backward: bool
               ) -> None:
     """Validation mode: compare this exchange's fingerprint across the ranks.
 
@@ -276,7 +276,7 @@ class _RowGather(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, plan: RowPlan, group: Group,
                 fill: float) -> torch.Tensor:
         ctx.args = (dim, plan, group)
-        _validate(x, dim, plan, group, backward=False)
+        validate_rows(x, dim, plan, group, backward=False)
         return _gather(x, dim, plan, group, fill)
 
     @staticmethod
@@ -291,7 +291,7 @@ class _RowAdd(torch.autograd.Function):
     def forward(ctx: Any, g: torch.Tensor, dim: int, plan: RowPlan, group: Group
                 ) -> torch.Tensor:
         ctx.args = (dim, plan, group)
-        _validate(g, dim, plan, group, backward=True)
+        validate_rows(g, dim, plan, group, backward=True)
         return _add_back(g, dim, plan, group)
 
     @staticmethod

@@ -14,11 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorpar.comm._group import Group
 from tensorpar.domain._layout import DomainContext, anchor_sizes
-from tensorpar.domain._rows import gather_rows, offsets
+from tensorpar.domain._overlap import overlap_applies, overlapped_conv
+from tensorpar.domain._rows import RowPlan, gather_rows, offsets
 
 __all__ = ["EmptyOut", "conv_forward", "fetch_window", "pool_forward", "spatial_index",
-           "window_len"]
+           "window_len", "window_plans"]
 
 Window = tuple[int, int, int, int, bool]
 """One spatial dim of a window: (extent - 1, stride, padding before, padding after, ceil)."""
@@ -48,15 +50,20 @@ def spatial_index(ctx: DomainContext, x: torch.Tensor, k: int, where: str) -> li
     return out
 
 
-def fetch_window(ctx: DomainContext, x: torch.Tensor, k: int, windows: Sequence[Window],
-                 mode: str, fill: float, where: str) -> tuple[torch.Tensor, list[int]]:
-    """Gather the rows of every split dim that this rank's output windows cover.
+Fetch = tuple[int, RowPlan, Group]
+"""One split dim's exchange: (the dim counted from the end, this rank's plan, its group)."""
 
-    Returns the extended tile and this rank's output rows along each split dim.
+
+def window_plans(ctx: DomainContext, x: torch.Tensor, k: int, windows: Sequence[Window],
+                 mode: str, where: str) -> tuple[list[Fetch], list[int]]:
+    """The exchanges that give this rank the input rows its output windows cover.
+
+    Returns one `Fetch` per split dim (applied in order: later dims exchange the rows
+    earlier ones added, which brings the corners) and this rank's output rows per split dim.
     """
     js = spatial_index(ctx, x, k, where)
     splits = [ctx.sizes_of(i, x.shape[d], where, x.device) for i, d in enumerate(ctx.dims)]
-    rows = []
+    fetches, rows = [], []
     for i, (d, j, sizes_in) in enumerate(zip(ctx.dims, js, splits, strict=False)):
         ke, s, pl, pr, ceil = windows[j]
         m = window_len(sum(sizes_in), ke, s, pl, pr, ceil, where)
@@ -70,8 +77,20 @@ def fetch_window(ctx: DomainContext, x: torch.Tensor, k: int, windows: Sequence[
         wants = [((oo[p] * s - pl, (oo[p + 1] - 1) * s - pl + ke + 1) if sizes_out[p]
                   else (oi[p], oi[p])) for p in range(len(sizes_in))]
         g = ctx.groups[i]
-        x = gather_rows(x, x.dim() + d, ctx.plan(sizes_in, wants, g.rank, mode), g, fill)
+        fetches.append((d, ctx.plan(sizes_in, wants, g.rank, mode), g))
         rows.append(sizes_out[g.rank])
+    return fetches, rows
+
+
+def fetch_window(ctx: DomainContext, x: torch.Tensor, k: int, windows: Sequence[Window],
+                 mode: str, fill: float, where: str) -> tuple[torch.Tensor, list[int]]:
+    """Gather the rows of every split dim that this rank's output windows cover.
+
+    Returns the extended tile and this rank's output rows along each split dim.
+    """
+    fetches, rows = window_plans(ctx, x, k, windows, mode, where)
+    for d, plan, g in fetches:
+        x = gather_rows(x, x.dim() + d, plan, g, fill)
     return x, rows
 
 
@@ -115,9 +134,19 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
     ke = [d * (kk - 1) for d, kk in zip(module.dilation, module.kernel_size, strict=False)]
     windows = [(ke[j], module.stride[j], *pads[j], False) for j in range(k)]
     mode = module.padding_mode
-    x, rows = fetch_window(ctx, x, k, windows, mode, 0.0, where)
     js = spatial_index(ctx, x, k, where)
     split = set(js)
+    rest = [(0, 0) if j in split else pads[j] for j in range(k)]
+    fetches, rows = window_plans(ctx, x, k, windows, mode, where)
+    if len(fetches) == 1 and rows[0] and all(a == b for a, b in rest) and \
+            (mode == "zeros" or not any(a for a, _ in rest)):
+        d, plan, g = fetches[0]
+        if overlap_applies(plan, ke[js[0]], module.stride[js[0]]):
+            return overlapped_conv(x, module.weight, module.bias, x.dim() + d, plan, g,
+                                   ke[js[0]], (module.stride, tuple(a for a, _ in rest),
+                                               module.dilation, module.groups))
+    for d, plan, g in fetches:
+        x = gather_rows(x, x.dim() + d, plan, g, 0.0)
     if 0 in rows:
         shape = list(x.shape[:-k])
         shape[-1] = module.out_channels
@@ -128,7 +157,6 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
         out: torch.Tensor = EmptyOut.apply(  # type: ignore[no-untyped-call]
             tuple(shape), x, module.weight, module.bias)
         return out
-    rest = [(0, 0) if j in split else pads[j] for j in range(k)]
     conv = getattr(F, f"conv{k}d")
     if mode == "zeros" and all(a == b for a, b in rest):
         y: torch.Tensor = conv(x, module.weight, module.bias, module.stride,
