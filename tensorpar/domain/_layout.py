@@ -59,6 +59,7 @@ class DomainContext:
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
         self.finish_queued = False
         self.handed_over = False  # a data-parallel reducer sums the gradients instead
+        self.overlap = True  # convolutions on strips compute while their halo travels
         self.internal = False  # a conversion's own functional call is running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}

@@ -12,7 +12,8 @@ gradient back into a fresh tile).
 
 Used by `conv_forward` for strips (one split dim), stride 1 along it, zero padding on the
 other dims, and tiles longer than the kernel's extent on every rank; otherwise the general
-path runs. Not twice differentiable (the general path is).
+path runs. Differentiable once: ``parallelize_domain(..., overlap=False)`` keeps the general
+path, which double backward goes through.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from tensorpar.comm._comm import all_to_all
 from tensorpar.comm._group import Group
@@ -119,49 +119,57 @@ class _HaloConv(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w, below, above = ctx.saved_tensors
-        dim, plan, group, ke, conv, has_bias = ctx.args
-        top, bottom = _bands(x, below, above, dim, ke)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        n, lo, hi = x.shape[dim], len(plan.lower), len(plan.upper)
-        gy = gy.contiguous()
-        g_top, g_mid, g_bottom = gy.split([lo, n - ke, hi], dim)
-        mask = [need_x, need_w, need_b and has_bias]
-        bands = [(g_top, top), (g_bottom, bottom)]
-        band_grads: list[tuple[Any, Any, Any]] = [
-            _conv_backward(g.contiguous(), t, w, has_bias, conv, mask) if t is not None
-            else (None, None, None) for g, t in bands]
-        work = None
-        if need_x:
-            validate_rows(gy, dim, plan, group, backward=True)
-            n_recv, n_self = sum(plan.recv_counts), len(plan.self_idx)
-            shape = list(x.shape)
-            shape[dim] = n_recv + n_self + int(plan.fill)
-            pool = x.new_zeros(shape)  # the halo rows' gradients, by where they came from
-            g_top_in, g_bottom_in = band_grads[0][0], band_grads[1][0]
-            if lo:
-                pool.index_add_(dim, _index(plan.lower, x), g_top_in.narrow(dim, 0, lo))
-            if hi:
-                pool.index_add_(dim, _index(plan.upper, x), g_bottom_in.narrow(dim, ke, hi))
-            if plan.exchange:
-                back, work = _start_exchange(pool.narrow(dim, 0, n_recv), dim,
-                                             plan.recv_counts, plan.send_counts, group)
-        gx, gw, gb = _conv_backward(g_mid.contiguous(), x, w, has_bias, conv, mask)
-        for gw_band, gb_band in ((bg[1], bg[2]) for bg in band_grads):
-            if gw_band is not None:
-                gw = gw + gw_band
-            if gb_band is not None:
-                gb = gb + gb_band
-        if need_x:
-            if lo:
-                gx.narrow(dim, 0, ke).add_(g_top_in.narrow(dim, lo, ke))
-            if hi:
-                gx.narrow(dim, n - ke, ke).add_(g_bottom_in.narrow(dim, 0, ke))
-            if n_self:
-                gx.index_add_(dim, _index(plan.self_idx, x), pool.narrow(dim, n_recv, n_self))
-            if work is not None:
-                work.wait()
-                gx.index_add_(dim, _index(plan.send_idx, x), back.movedim(0, dim))
-        return gx, gw, gb, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative will be asked for
+            raise RuntimeError(
+                "a domain-parallel convolution computed while its halo travelled is "
+                "differentiable once; for double backward convert the model with "
+                "parallelize_domain(..., overlap=False)")
+        return _backward(ctx, gy)
+
+
+def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, w, below, above = ctx.saved_tensors
+    dim, plan, group, ke, conv, has_bias = ctx.args
+    top, bottom = _bands(x, below, above, dim, ke)
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    n, lo, hi = x.shape[dim], len(plan.lower), len(plan.upper)
+    gy = gy.contiguous()
+    g_top, g_mid, g_bottom = gy.split([lo, n - ke, hi], dim)
+    mask = [need_x, need_w, need_b and has_bias]
+    bands = [(g_top, top), (g_bottom, bottom)]
+    band_grads: list[tuple[Any, Any, Any]] = [
+        _conv_backward(g.contiguous(), t, w, has_bias, conv, mask) if t is not None
+        else (None, None, None) for g, t in bands]
+    work = None
+    if need_x:
+        validate_rows(gy, dim, plan, group, backward=True)
+        n_recv, n_self = sum(plan.recv_counts), len(plan.self_idx)
+        shape = list(x.shape)
+        shape[dim] = n_recv + n_self + int(plan.fill)
+        pool = x.new_zeros(shape)  # the halo rows' gradients, by where they came from
+        g_top_in, g_bottom_in = band_grads[0][0], band_grads[1][0]
+        if lo:
+            pool.index_add_(dim, _index(plan.lower, x), g_top_in.narrow(dim, 0, lo))
+        if hi:
+            pool.index_add_(dim, _index(plan.upper, x), g_bottom_in.narrow(dim, ke, hi))
+        if plan.exchange:
+            back, work = _start_exchange(pool.narrow(dim, 0, n_recv), dim,
+                                         plan.recv_counts, plan.send_counts, group)
+    gx, gw, gb = _conv_backward(g_mid.contiguous(), x, w, has_bias, conv, mask)
+    for gw_band, gb_band in ((bg[1], bg[2]) for bg in band_grads):
+        if gw_band is not None:
+            gw = gw + gw_band
+        if gb_band is not None:
+            gb = gb + gb_band
+    if need_x:
+        if lo:
+            gx.narrow(dim, 0, ke).add_(g_top_in.narrow(dim, lo, ke))
+        if hi:
+            gx.narrow(dim, n - ke, ke).add_(g_bottom_in.narrow(dim, 0, ke))
+        if n_self:
+            gx.index_add_(dim, _index(plan.self_idx, x), pool.narrow(dim, n_recv, n_self))
+        if work is not None:
+            work.wait()
+            gx.index_add_(dim, _index(plan.send_idx, x), back.movedim(0, dim))
+    return gx, gw, gb, None, None, None, None, None

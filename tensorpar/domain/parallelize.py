@@ -95,7 +95,8 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str]) -> str | 
 
 
 def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
-                       group: GroupLike = None, pointwise: Sequence[type | str] = ()
+                       group: GroupLike = None, pointwise: Sequence[type | str] = (),
+                       overlap: bool = True
                        ) -> nn.Module:
     """Make a dense convolutional model domain-parallel, in place.
 
@@ -132,6 +133,11 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             activations, dropout, ``Linear``, ``Embedding``, ``Flatten`` and diffusers'
             ``Timesteps``.
 
+        overlap: compute a stride-1 convolution's interior while its halo rows travel
+            (strips only; see the guide). Such a convolution is differentiable once:
+            pass ``False`` for double backward (a gradient penalty, a physics-informed
+            loss on input derivatives), which the general path supports.
+
     Returns:
         ``model`` itself.
 
@@ -162,6 +168,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
                          + "\n  ".join(problems))
     ctx = DomainContext(dims_t, groups)
+    ctx.overlap = bool(overlap)
     for m in model.modules():
         fwd = _forward_for(m)
         if fwd is not None:
