@@ -1,24 +1,83 @@
-"""``distributed_fft2``: a 2-D FFT of a field split along one of its two dims.
+"""Distributed 2-D FFTs of a field split along one of its two dims.
 
 The transform along the split dim needs every rank's rows, so the data is transposed with
 an all-to-all (split the other dim, gather the split one), transformed, and transposed
 back. `tensorpar.all_to_all` carries uneven tiles (it exchanges the shapes) and its
 backward is the all-to-all with the dims swapped; ``torch.fft`` is differentiable; so the
 whole is autograd-safe with the mirrored communication in the backward.
+
+- `distributed_fft2`: ``fft2`` / ``ifft2``, the result split like the input.
+- `distributed_rfft2_apply`: a real field through ``rfft2``, a function of the spectrum
+  (applied in the transposed layout, between the two all-to-alls) and ``irfft2``: the
+  spectral convolution of a Fourier neural operator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 
 from tensorpar.collectives.functional import all_gather, all_to_all
-from tensorpar.comm._group import GroupLike, resolve_group
+from tensorpar.comm._group import Group, GroupLike, resolve_group
 
-__all__ = ["distributed_fft2"]
+__all__ = ["distributed_fft2", "distributed_rfft2_apply"]
 
 Norm = Literal["backward", "ortho", "forward"] | None
+
+SpectrumFn = Callable[[torch.Tensor, int], torch.Tensor]
+"""``fn(spectrum, start)``: the spectrum's columns start at kept column ``start``."""
+
+
+def _fft(t: torch.Tensor, dim: int, norm: Norm, inverse: bool) -> torch.Tensor:
+    if t.numel() == 0:  # a rank with no rows (the FFT libraries refuse empty batches)
+        return t.to(torch.promote_types(t.dtype, torch.complex64)) * 1
+    out: torch.Tensor = (torch.fft.ifft if inverse else torch.fft.fft)(t, dim=dim, norm=norm)
+    return out
+
+
+def _dims(fn: str, x: torch.Tensor, split_dim: int, other_dim: int) -> tuple[int, int]:
+    s, o = split_dim % x.ndim, other_dim % x.ndim
+    if s == o:
+        raise ValueError(f"{fn}: split_dim={split_dim} and other_dim={other_dim} are the same "
+                         f"dim of a {x.ndim}-D tensor; expected two dims")
+    return s, o
+
+
+def _rows(fn: str, x: torch.Tensor, s: int, g: Group, sizes: Sequence[int] | None
+          ) -> list[int]:
+    """Every rank's rows along ``s`` (one small all-gather unless ``sizes`` is given)."""
+    if sizes is None:
+        return all_gather(torch.tensor([x.shape[s]], device=g.comm_device(x.device)), group=g,
+                          sizes=[1] * g.size).tolist()
+    rows = [int(n) for n in sizes]
+    if len(rows) != g.size or rows[g.rank] != x.shape[s]:
+        raise ValueError(f"{fn}: sizes={list(sizes)} must give every rank's rows ({g.size} "
+                         f"entries) and this rank's {x.shape[s]} at index {g.rank}")
+    return rows
+
+
+def _to_columns(y: torch.Tensor, s: int, o: int, g: Group) -> torch.Tensor:
+    """``(.., N_r, .., M)`` -> ``(.., N, .., M'/W)``: rows gathered, columns split.
+
+    The columns are cut in equal tiles (``M'``: ``M`` zero-padded to a multiple of ``W``),
+    so every rank's block has one shape; rank ``r`` gets columns ``[r M'/W, (r+1) M'/W)``.
+    """
+    width = y.shape[o]
+    padded = -(-width // g.size) * g.size
+    if padded != width:
+        pad = list(y.shape)
+        pad[o] = padded - width
+        y = torch.cat([y, y.new_zeros(pad)], dim=o)
+    return all_to_all(y, split_dim=o, concat_dim=s, group=g)
+
+
+def _to_rows(y: torch.Tensor, s: int, o: int, g: Group, rows: Sequence[int], width: int
+             ) -> torch.Tensor:
+    """The inverse of `_to_columns`: each rank's own rows back, ``width`` columns."""
+    y = all_to_all(y, split_dim=s, concat_dim=o, group=g, sizes=rows)
+    return y.narrow(o, 0, width)
 
 
 def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: GroupLike = None,
@@ -59,30 +118,101 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
         True
     """
     g = resolve_group(group, "distributed_fft2")
-    s, o = split_dim % x.ndim, other_dim % x.ndim
-    if s == o:
-        raise ValueError(f"distributed_fft2: split_dim={split_dim} and other_dim={other_dim} "
-                         f"are the same dim of a {x.ndim}-D tensor; expected two dims")
-    transform = torch.fft.ifft if inverse else torch.fft.fft
-
-    def fft(t: torch.Tensor, dim: int, norm: Norm) -> torch.Tensor:
-        if t.numel() == 0:  # a rank with no rows (the FFT libraries refuse empty batches)
-            return t.to(torch.promote_types(t.dtype, torch.complex64)) * 1
-        out: torch.Tensor = transform(t, dim=dim, norm=norm)
-        return out
-    y = fft(x, dim=o, norm=norm)  # (.., N_r, .., M)
+    s, o = _dims("distributed_fft2", x, split_dim, other_dim)
+    y = _fft(x, o, norm, inverse)  # (.., N_r, .., M)
     if g.is_single:
-        return fft(y, dim=s, norm=norm)
-    # every rank's rows, to hand each its own tile back
-    rows = all_gather(torch.tensor([x.shape[s]], device=g.comm_device(x.device)), group=g,
-                      sizes=[1] * g.size).tolist()
+        return _fft(y, s, norm, inverse)
+    rows = _rows("distributed_fft2", x, s, g, None)
     width = y.shape[o]
-    padded = -(-width // g.size) * g.size  # equal column tiles: one shape on every rank
-    if padded != width:
-        pad = list(y.shape)
-        pad[o] = padded - width
-        y = torch.cat([y, y.new_zeros(pad)], dim=o)
-    y = all_to_all(y, split_dim=o, concat_dim=s, group=g)  # (.., N, .., M'/W)
-    y = fft(y, dim=s, norm=norm)
-    y = all_to_all(y, split_dim=s, concat_dim=o, group=g, sizes=rows)  # (.., N_r, .., M')
-    return y.narrow(o, 0, width)
+    y = _to_columns(y, s, o, g)  # (.., N, .., M'/W)
+    y = _fft(y, s, norm, inverse)
+    return _to_rows(y, s, o, g, rows, width)  # (.., N_r, .., M)
+
+
+def _rfft(t: torch.Tensor, dim: int, norm: Norm, keep: int) -> torch.Tensor:
+    """The first ``keep`` columns of ``torch.fft.rfft`` along ``dim``."""
+    if t.numel() == 0:  # an empty tile: same shape as rfft's, still in the graph
+        return t.to(torch.promote_types(t.dtype, torch.complex64)).narrow(dim, 0, keep)
+    out: torch.Tensor = torch.fft.rfft(t, dim=dim, norm=norm)
+    return out.narrow(dim, 0, keep)
+
+
+def _irfft(t: torch.Tensor, dim: int, n: int, norm: Norm) -> torch.Tensor:
+    """``torch.fft.irfft`` to ``n`` points (columns past ``t``'s are zeros)."""
+    if t.numel() == 0:
+        real = t.real
+        pad = list(real.shape)
+        pad[dim] = n - real.shape[dim]
+        return torch.cat([real, real.new_zeros(pad)], dim=dim)
+    out: torch.Tensor = torch.fft.irfft(t, n=n, dim=dim, norm=norm)
+    return out
+
+
+def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, other_dim: int,
+                            columns: int | None = None, sizes: Sequence[int] | None = None,
+                            group: GroupLike = None, norm: Norm = None) -> torch.Tensor:
+    """``irfft2(fn(rfft2(x)[:columns]))`` of a real tensor split along ``split_dim``.
+
+    ``rfft2`` runs over ``(split_dim, other_dim)`` (the halved, real-to-complex transform
+    along ``other_dim``), only its first ``columns`` columns are kept, ``fn`` maps them, and
+    ``irfft2`` returns to ``other_dim``'s length (the columns past ``columns`` are zeros).
+    Each rank holds a contiguous tile of rows along ``split_dim``, in rank order, of any
+    length (0 included); the result is split the same way.
+
+    ``fn`` sees the spectrum *transposed*: all ``N`` frequencies of ``split_dim`` (torch's
+    order) and a block of the kept columns, and it is called as ``fn(spectrum, start)``
+    with ``start`` the block's first kept column. Rank ``r``'s block is columns
+    ``[r c, (r + 1) c)`` with ``c = ceil(columns / W)``; columns at or past ``columns`` are
+    zero padding and their result is dropped. ``fn`` must keep the ``split_dim`` and
+    ``other_dim`` lengths (other dims, channels, may change) and keep its output in the
+    autograd graph of its input (every rank's backward runs the transposes).
+
+    Forward: all-to-all to the transposed layout (only the kept columns travel), then back.
+    Backward: the same two all-to-alls with the dims swapped, in reverse order.
+
+    Args:
+        x: this rank's tile (real).
+        fn: the map of the spectrum, applied in the transposed layout.
+        split_dim: the dim the tiles split.
+        other_dim: the real-to-complex dim (whole on every rank).
+        columns: kept columns of the ``other_dim`` spectrum (default: all, ``M // 2 + 1``).
+        sizes: every rank's rows along ``split_dim`` if known (saves one small all-gather).
+        group: the process group (``None``: the default group, resolved at call time).
+        norm: as in ``torch.fft.rfft2`` (and the inverse).
+
+    Returns:
+        This rank's tile of the (real) result.
+
+    Raises:
+        ValueError: ``split_dim`` equals ``other_dim``, ``columns`` is out of range, or
+            ``sizes`` disagrees with this rank's tile.
+
+    Shape:
+        ``x``: ``(*, N_r, *, M, *)``; ``fn`` gets ``(*, N, *, c, *)``; output:
+        ``(*, N_r, *, M, *)`` (other dims as ``fn`` leaves them).
+
+    Example:
+        >>> import torch
+        >>> from tensorpar.nn import distributed_rfft2_apply
+        >>> x = torch.randn(4, 6)
+        >>> y = distributed_rfft2_apply(x, lambda s, start: 2 * s, split_dim=0, other_dim=1)
+        >>> torch.allclose(y, 2 * x, atol=1e-6)  # one rank: irfft2(2 rfft2(x))
+        True
+    """
+    name = "distributed_rfft2_apply"
+    g = resolve_group(group, name)
+    s, o = _dims(name, x, split_dim, other_dim)
+    width, half = x.shape[o], x.shape[o] // 2 + 1
+    keep = half if columns is None else columns
+    if not 1 <= keep <= half:
+        raise ValueError(f"{name}: columns={columns}, expected 1 to {half} (the rfft of "
+                         f"{width} points along dim {other_dim})")
+    y = _rfft(x, o, norm, keep)  # (.., N_r, .., K)
+    if g.is_single:
+        y = fn(_fft(y, s, norm, False), 0)
+        return _irfft(_fft(y, s, norm, True), o, width, norm)
+    rows = _rows(name, x, s, g, sizes)
+    y = _to_columns(y, s, o, g)  # (.., N, .., K'/W)
+    y = fn(_fft(y, s, norm, False), g.rank * y.shape[o])
+    y = _to_rows(_fft(y, s, norm, True), s, o, g, rows, keep)  # (.., N_r, .., K)
+    return _irfft(y, o, width, norm)

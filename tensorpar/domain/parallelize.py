@@ -13,7 +13,7 @@ from tensorpar._torch import queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
-from tensorpar.domain import _norms, _resample, _window
+from tensorpar.domain import _neuralop, _norms, _resample, _window
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
@@ -49,6 +49,7 @@ _POINTWISE: tuple[type, ...] = (
 
 _KNOWN_POINTWISE = frozenset({
     "diffusers.models.embeddings.Timesteps",  # sinusoidal embedding of the timestep
+    "neuralop.layers.skip_connections.SoftGating",  # a per-channel weight (and bias)
 })
 """Leaf layers of other libraries, by qualified class name, that never see the image."""
 
@@ -57,18 +58,29 @@ def _qualname(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__name__}"
 
 
-def _forward_for(module: nn.Module) -> Forward | None:
+def _forward_for(module: nn.Module) -> tuple[Forward, tuple[str, ...]] | None:
+    """The layer's domain-parallel forward and the keywords it accepts when ``None``."""
     for types_, fwd in _CONVERT:
         if isinstance(module, types_):
             base: Any = next(t for t in type(module).__mro__ if t in types_)
             if type(module).forward is base.forward:
-                return fwd
-    return None
+                return fwd, ()
+    return _neuralop.CONVERT.get(_qualname(module))
 
 
-def _refusal(name: str, module: nn.Module, keep: Sequence[type | str]) -> str | None:
+def _inside_converted(model: nn.Module) -> set[int]:
+    """The modules inside a converted layer: they run as part of its forward."""
+    return {id(d) for m in model.modules() if _forward_for(m) is not None
+            for d in m.modules() if d is not m}
+
+
+def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
+             dims: tuple[int, ...]) -> str | None:
     """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
     label = f"{name or '<model>'} ({type(module).__name__})"
+    why = _neuralop.refusal(module, _qualname(module), dims)
+    if why is not None:
+        return f"{label}: {why}"
     fwd = _forward_for(module)
     if fwd is None:
         if isinstance(module, _POINTWISE) or next(module.children(), None) is not None \
@@ -112,8 +124,11 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     ``"same"``, ``"valid"``; padding modes zeros, circular, reflect, replicate),
     ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool`` to
     size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``BatchNorm``, ``GroupNorm``,
-    ``InstanceNorm``, ``LayerNorm``. Pointwise layers run as they are. Any other leaf layer
-    is refused, on every rank, before anything changes. ``F.interpolate`` called inside a
+    ``InstanceNorm``, ``LayerNorm``; neuraloperator's 2-D ``SpectralConv`` split along H
+    (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings. Pointwise
+    layers run as they are. Any other leaf layer, and the neuraloperator options that
+    cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
+    on every rank, before anything changes. ``F.interpolate`` called inside a
     forward is converted while the model runs; other functional calls are not (see the
     domain parallelism guide).
 
@@ -130,9 +145,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             tiles: mesh dim ``i`` splits ``dims[i]``).
         pointwise: more leaf layers to run as they are (types, class names or module
             names): layers that act on each point or never see the image. Built in: torch's
-            activations, dropout, ``Linear``, ``Embedding``, ``Flatten`` and diffusers'
-            ``Timesteps``.
-
+            activations, dropout, ``Linear``, ``Embedding``, ``Flatten``, diffusers'
+            ``Timesteps`` and neuraloperator's ``SoftGating``.
         overlap: compute a stride-1 convolution's interior while its halo rows travel
             (strips only; see the guide). Such a convolution is differentiable once:
             pass ``False`` for double backward (a gradient penalty, a physics-informed
@@ -163,18 +177,23 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     groups = _groups(fn, dims_t, group)
     if getattr(model, _CTX, None) is not None:
         raise ValueError(f"{fn}: the model is already domain-parallel")
-    problems = [p for name, m in model.named_modules() if (p := _refusal(name, m, pointwise))]
+    inside = _inside_converted(model)
+    problems = [p for name, m in model.named_modules()
+                if id(m) not in inside and (p := _refusal(name, m, pointwise, dims_t))]
     if problems:
         raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
                          + "\n  ".join(problems))
     ctx = DomainContext(dims_t, groups)
     ctx.overlap = bool(overlap)
     for m in model.modules():
-        fwd = _forward_for(m)
-        if fwd is not None:
-            _override(m, fwd, ctx)
-        if any(True for _ in m.parameters(recurse=False)):
-            _hook_parameters(m, ctx)
+        if id(m) in inside:
+            continue
+        conv = _forward_for(m)
+        if conv is not None:
+            _override(m, *conv, ctx)
+        # a converted layer's parameters include its children's (tltorch's spectral weight)
+        if any(True for _ in m.parameters(recurse=conv is not None)):
+            _hook_parameters(m, ctx, recurse=conv is not None)
     model.__dict__[_CTX] = ctx
     register_partial_sums(model, ctx)  # a data-parallel reducer takes the sums over
     model.register_forward_pre_hook(_entry, with_kwargs=True)
@@ -195,17 +214,20 @@ def _groups(fn: str, dims: tuple[int, ...], group: GroupLike) -> list[Group]:
     return [resolve_group(group, fn)]
 
 
-def _override(module: nn.Module, fwd: Forward, ctx: DomainContext) -> None:
+def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
+              ctx: DomainContext) -> None:
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs:
+        extra = [k for k, v in kwargs.items() if k not in optional or v is not None]
+        if args or extra:
             raise TypeError(f"{type(self).__name__} (domain-parallel): extra forward "
-                            f"arguments are not supported (got {len(args) + len(kwargs)})")
+                            f"arguments are not supported (got {len(args)} positional, "
+                            f"keywords {extra})")
         return fwd(self, self.__dict__[_CTX], x)
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)
 
 
-def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
+def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = False) -> None:
     """Sum the module's parameter gradients over the domain when it ran on tiles.
 
     A module that ran before any global pooling sees only this rank's points: its gradient
@@ -213,12 +235,13 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
     the pooled, replicated features) already has the whole gradient on every rank.
 
     The sums are made once, at the end of the backward pass, for every such parameter in
-    the model's order, as one all-reduce per split dim: a rank whose tile is empty computes
-    its (zero) gradients in another order than its peers, so summing each gradient as it
-    arrives could pair different parameters' all-reduces. Each gradient hook keeps the
-    partial gradient aside and lets zeros through; the end of the backward adds the sums to
-    ``.grad`` (so accumulation over several backward passes stays exact). Gradients asked
-    for with ``torch.autograd.grad`` do not include these sums: use ``backward()``.
+    the model's order, as one all-reduce per split dim and dtype: a rank whose tile is
+    empty computes its (zero) gradients in another order than its peers, so summing each
+    gradient as it arrives could pair different parameters' all-reduces. Each gradient
+    hook keeps the partial gradient aside and lets zeros through; the end of the backward
+    adds the sums to ``.grad`` (so accumulation over several backward passes stays exact).
+    Gradients asked for with ``torch.autograd.grad`` do not include these sums: use
+    ``backward()``.
 
     Under a data-parallel reducer (`BucketedAllReduce`, `DistributedDataParallel`) the
     reducer makes the sums in its buckets instead (see ``tensorpar.ddp._partial_sums``):
@@ -230,7 +253,7 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext) -> None:
         ctx.partial[key] = ctx.active and not ctx.reduced
 
     module.register_forward_pre_hook(record)
-    for p in module.parameters(recurse=False):
+    for p in module.parameters(recurse=recurse):
         if p.requires_grad:
             ctx.params.append((key, p))
             p.register_hook(_keeper(ctx, key, len(ctx.params) - 1))
@@ -259,20 +282,25 @@ def _finish(ctx: DomainContext) -> None:
     params = [(i, p) for i, (key, p) in enumerate(ctx.params) if ctx.partial.get(key, False)]
     if not params:
         return
-    like = next(iter(kept.values())) if kept else params[0][1].detach()
-    flat = torch.cat([kept[i].reshape(-1).to(like.dtype) if i in kept else
-                      like.new_zeros(p.numel()) for i, p in params])
+    # one flat buffer per parameter dtype (a spectral weight is complex), in the model's
+    # order: the same buffers on every rank, whatever each rank kept
+    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    for i, p in params:
+        by_dtype.setdefault(p.dtype, []).append((i, p))
     with torch.no_grad():
-        for g in ctx.groups:
-            if not g.is_single:
-                flat = all_reduce(flat, backward="identity", group=g)
-        for (_, p), part in zip(params, flat.split([p.numel() for _, p in params]),
-                                strict=True):
-            total = part.view_as(p).to(p.dtype)
-            if p.grad is None:
-                p.grad = total.clone()
-            else:
-                p.grad.add_(total)
+        for dtype, some in by_dtype.items():
+            flat = torch.cat([kept[i].reshape(-1).to(dtype) if i in kept else
+                              p.new_zeros(p.numel()) for i, p in some])
+            for g in ctx.groups:
+                if not g.is_single:
+                    flat = all_reduce(flat, backward="identity", group=g)
+            for (_, p), part in zip(some, flat.split([p.numel() for _, p in some]),
+                                    strict=True):
+                total = part.view_as(p)
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.add_(total)
 
 
 def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

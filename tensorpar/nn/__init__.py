@@ -5,6 +5,7 @@
 from tensorpar.context import (
     context_parallel,
     distributed_fft2,
+    distributed_rfft2_apply,
     ring_attention,
     ulysses_attention,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "clip_grad_norm_",
     "context_parallel",
     "distributed_fft2",
+    "distributed_rfft2_apply",
     "domain_layout",
     "domain_mean",
     "halo_exchange",
