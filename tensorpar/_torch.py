@@ -104,6 +104,11 @@ def store_of(group: dist.ProcessGroup) -> Any:
     return entry[1] if entry is not None else None
 
 
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) manages ``module``."""
+    return callable(getattr(module, "_get_fsdp_state", None))
+
+
 def fsdp_managed_params(module: nn.Module) -> list[tuple[torch.Tensor, nn.Module, str]]:
     """``(sharded parameter, owner, attribute name)`` of every parameter FSDP2 manages here.
 
@@ -114,9 +119,9 @@ def fsdp_managed_params(module: nn.Module) -> list[tuple[torch.Tensor, nn.Module
             torch's tensorpar cannot read (tensorpar would otherwise save and clip FSDP2
             models wrongly).
     """
-    state_of = getattr(module, "_get_fsdp_state", None)
-    if not callable(state_of):
+    if not is_fsdp_module(module):
         return []
+    state_of: Any = getattr(module, "_get_fsdp_state")  # noqa: B009 (an nn.Module attribute)
     try:
         state = state_of()
         groups = getattr(state, "_fsdp_param_groups", None)

@@ -2,8 +2,10 @@
 
 Each replica trains on its own batch, split over its domain group; the reducer (the DDP
 wrapper or `BucketedAllReduce` on the replica group) sums the tiles' partial gradients and
-averages the replicas in one all-reduce per bucket. Reference: the dense model's gradient on
-each replica's whole batch, averaged, and the SGD-with-momentum steps it gives.
+averages the replicas in one all-reduce per bucket; or FSDP2 (`fully_shard_domain`) shards
+the parameters over the replicas and sums over the domain in its hybrid reduction.
+Reference: the dense model's gradient on each replica's whole batch, averaged, and the
+SGD-with-momentum steps it gives.
 """
 
 import copy
@@ -46,12 +48,31 @@ def _train(model_name, wrapper, splits, steps=3):
 
     build, shape = MODELS[model_name]
     replicas, tiles = 2, len(splits[0])
-    mesh = init_device_mesh("cpu", (replicas, tiles), mesh_dim_names=("dp", "domain"))
-    r, t = mesh.get_coordinate()
+    if wrapper.startswith("fsdp"):  # FSDP2's hybrid mesh: the domain first, then replicas
+        mesh = init_device_mesh("cpu", (tiles, replicas), mesh_dim_names=("domain", "dp"))
+        t, r = mesh.get_coordinate()
+    else:
+        mesh = init_device_mesh("cpu", (replicas, tiles), mesh_dim_names=("dp", "domain"))
+        r, t = mesh.get_coordinate()
     torch.manual_seed(0)
     dense = build().double()
     par_model = parallelize_domain(copy.deepcopy(dense), dims=-2, group=mesh["domain"])
-    if wrapper == "ddp":
+    if wrapper == "fsdp_plain":  # FSDP2 on the replicas alone would never sum the tiles
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(par_model, mesh=mesh["dp"])
+        with pytest.raises(ValueError, match="fully_shard_domain"):
+            par_model(batch_tile(shape, splits, r, t))
+        return 0.0
+    if wrapper == "fsdp":
+        from tensorpar.nn import fully_shard_domain
+
+        par = fully_shard_domain(par_model, mesh=mesh)
+        if model_name == "pooled":  # a head after global pooling: refused at the forward
+            with pytest.raises(ValueError, match="global pooling"):
+                par(batch_tile(shape, splits, r, t))
+            return 0.0
+    elif wrapper == "ddp":
         par = DistributedDataParallel(par_model, process_group=mesh.get_group("dp"))
         with pytest.raises(ValueError, match="domain-parallel"):
             par.join()
@@ -81,16 +102,26 @@ def _train(model_name, wrapper, splits, steps=3):
         part.backward()
         for (name, p), q in zip(par_model.named_parameters(), dense.parameters(), strict=True):
             assert p.grad is not None, name
-            worst = max(worst, (p.grad - q.grad).abs().max().item())
+            worst = max(worst, (_full(p.grad) - q.grad).abs().max().item())
         opt_d.step()
         opt_p.step()
         for p, q in zip(par_model.parameters(), dense.parameters(), strict=True):
-            worst = max(worst, (p - q).abs().max().item())
+            worst = max(worst, (_full(p.detach()) - q).abs().max().item())
     dist.barrier()
     return worst
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "reducer"])
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2: a sharded DTensor
+
+
+def batch_tile(shape, splits, r, t):
+    sizes = splits[r]
+    x = torch.randn(*shape, dtype=torch.float64)
+    return x.narrow(-2, sum(sizes[:t]), sizes[t])
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "reducer", "fsdp"])
 def test_unet_two_replicas_of_two_tiles_equal_dense(wrapper):
     # replica 1 has an empty tile: its gradients arrive in another order
     assert max(run_distributed(_train, 4, "unet", wrapper, [[9, 7], [16, 0]],
@@ -101,3 +132,8 @@ def test_pooled_head_two_replicas_of_two_tiles_equal_dense():
     # the head after global pooling holds the whole gradient on every tile
     assert max(run_distributed(_train, 4, "pooled", "reducer", [[5, 6], [1, 10]],
                                timeout=T)) < TOL
+
+
+def test_fsdp_beside_the_domain_refuses_what_it_would_get_wrong():
+    run_distributed(_train, 4, "unet", "fsdp_plain", [[9, 7], [16, 0]], timeout=T)
+    run_distributed(_train, 4, "pooled", "fsdp", [[5, 6], [1, 10]], timeout=T)

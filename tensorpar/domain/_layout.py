@@ -60,6 +60,7 @@ class DomainContext:
         self.finish_queued = False
         self.handed_over = False  # a data-parallel reducer sums the gradients instead
         self.overlap = True  # convolutions on strips compute while their halo travels
+        self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
         self.internal = False  # a conversion's own functional call is running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}

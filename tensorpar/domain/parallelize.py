@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorpar._torch import queue_engine_callback
+from tensorpar._torch import is_fsdp_module, queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
@@ -251,6 +251,13 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
 
     def record(mod: nn.Module, args: object) -> None:
         ctx.partial[key] = ctx.active and not ctx.reduced
+        if ctx.fsdp and ctx.active and ctx.reduced:
+            raise ValueError(f"{type(mod).__name__} (domain-parallel under fully_shard_domain) "
+                             f"runs after a global pooling: its gradient is whole on every "
+                             f"tile, which FSDP2's sum over the domain would count once per "
+                             f"tile; use the DDP wrapper for the replicas instead")
+        if not ctx.fsdp and is_fsdp_module(mod):
+            raise ValueError(_PLAIN_FSDP)
 
     module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=recurse):
@@ -303,8 +310,16 @@ def _finish(ctx: DomainContext) -> None:
                     p.grad.add_(total)
 
 
+_PLAIN_FSDP = ("a domain-parallel model under fully_shard: FSDP2 on the replica group alone "
+               "would never sum the tiles' partial gradients; use "
+               "tensorpar.nn.fully_shard_domain(model, mesh=mesh) with a 2-D (domain, "
+               "replicas) mesh")
+
+
 def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
+    if not ctx.fsdp and is_fsdp_module(model):
+        raise ValueError(_PLAIN_FSDP)
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None:
         raise TypeError("parallelize_domain: the model's forward got no tensor argument "

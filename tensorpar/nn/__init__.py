@@ -11,7 +11,13 @@ from tensorpar.context import (
 )
 from tensorpar.ddp import data_parallel as data_parallel
 from tensorpar.ddp.data_parallel import DistributedDataParallel
-from tensorpar.domain import domain_layout, domain_mean, halo_exchange, parallelize_domain
+from tensorpar.domain import (
+    domain_layout,
+    domain_mean,
+    fully_shard_domain,
+    halo_exchange,
+    parallelize_domain,
+)
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
 from tensorpar.nn.hf import checks as hf_checks  # noqa: F401
 from tensorpar.nn.hf import experts as hf_experts  # noqa: F401
@@ -99,6 +105,7 @@ __all__ = [
     "distributed_rfft2_apply",
     "domain_layout",
     "domain_mean",
+    "fully_shard_domain",
     "halo_exchange",
     "parallelize_domain",
     "grad_norm",
