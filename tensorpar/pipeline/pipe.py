@@ -18,10 +18,12 @@ from tensorpar.pipeline.stages import (
     Decoder,
     StageSpec,
     decoder_of,
+    has_blocks,
     is_transformers,
     prune,
     run_stage,
     stage_specs,
+    tied_parameters,
 )
 from tensorpar.placeholder import TensorPlaceholder
 
@@ -60,11 +62,11 @@ class Pipeline(nn.Module):
         if schedule not in SCHEDULES:
             raise CollectiveArgumentError(
                 f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
-        hf = is_transformers(model)
+        hf = is_transformers(model) and not has_blocks(model)
         if loss_fn is None and not hf:
             raise CollectiveArgumentError(
-                f"{fn}: an nn.Sequential needs loss_fn=(output, target) -> loss; only a "
-                f"transformers causal LM brings its own loss")
+                f"{fn}: {type(model).__name__} needs loss_fn=(output, target) -> loss; only "
+                f"a transformers causal LM brings its own loss")
         specs = stage_specs(model, g.size * virtual_stages, split)
         mine = [s for s in specs if s.index % g.size == g.rank]
         rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
@@ -77,18 +79,26 @@ class Pipeline(nn.Module):
                 f"divisible by {g.size}")
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
-        hf_model: Any = model
-        tied = hf and g.size > 1 and hf_model.get_output_embeddings().weight is \
-            hf_model.get_input_embeddings().weight
-        prune(model, mine, self._decoder)
+        # a parameter on two ranks' stages (an embedding tied to the LM head): the two
+        # halves of its gradient are summed after each step
+        self._tied: list[tuple[str, int, int]] = []  # (name here, peer, which pair)
+        for pair, where in enumerate(tied_parameters(model, specs, g.size).values()):
+            for r, name in where:
+                if r == g.rank:
+                    self._tied.append((name, next(o for o, _ in where if o != r), pair))
+        prune(model, mine, specs)
         for name, child in model._modules.items():
             if child is not None:
                 self.add_module(name, child)
+        for name, param in model._parameters.items():  # a model's own (positions, ...)
+            if param is not None:
+                self.register_parameter(name, param)
+        for name, buf in model._buffers.items():
+            if buf is not None:
+                self.register_buffer(name, buf, persistent=name not in
+                                     model._non_persistent_buffers_set)
         self._group = g
         self.loss_fn = loss_fn
-        # the embedding tied to the LM head lives on the first and the last rank: the two
-        # halves of its gradient are summed after each step
-        self._tied = tied
         self.stages: tuple[StageSpec, ...] = tuple(mine)
         self.num_stages = len(specs)
         self.microbatches = microbatches
@@ -196,7 +206,7 @@ class Pipeline(nn.Module):
         for work, _ in pending:
             work.wait()
         if self._tied:
-            self._sum_tied_gradient()
+            self._sum_tied_gradients()
         self.last_busy = busy - waited[0]
         if self.is_last:
             assert total is not None
@@ -206,22 +216,31 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
-    def _sum_tied_gradient(self) -> None:
-        """Add the last rank's gradient of the tied embedding to the first's, and back."""
-        if not (self.is_first or self.is_last):
-            return
-        assert self._decoder is not None
-        name = f"{self._decoder.prefix}.embed_tokens" if self.is_first else self._decoder.head
-        weight: Any = self.get_submodule(name).weight
-        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        peer = (self.num_stages - 1) % self._group.size if self.is_first else 0
-        tag = 2 * self.microbatches * self.num_stages  # after every activation's tags
-        link = Link(self._group, peer, tag, tag, [])
-        link.post_send(grad.detach().clone())
-        other = link.receive(torch.empty_like(grad))
-        for work, _ in link.pending or []:
-            work.wait()
-        weight.grad = grad + other if self.is_first else other + grad  # same order on both
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another stage holds too (a tied LM head on the last).
+
+        After `step` both holders have the same gradient; a norm over the whole pipeline
+        (`tensorpar.nn.grad_norm`) counts it on the lower rank only, so these are the
+        higher rank's copies.
+        """
+        return [self.get_parameter(name) for name, peer, _ in self._tied
+                if peer < self._group.rank]
+
+    def _sum_tied_gradients(self) -> None:
+        """Add the two holders' gradients of each tied parameter, in the same order on both."""
+        base = 2 * self.microbatches * self.num_stages  # after every activation's tags
+        sums = []
+        for name, peer, pair in self._tied:
+            weight = self.get_parameter(name)
+            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+            link = Link(self._group, peer, base + pair, base + pair, [])
+            link.post_send(grad.detach().clone())
+            other = link.receive(torch.empty_like(grad))
+            for work, _ in link.pending or []:
+                work.wait()
+            sums.append((weight, grad + other if self._group.rank < peer else other + grad))
+        for weight, total in sums:
+            weight.grad = total
 
     def _check(self, inputs: Any, target: Any) -> str:
         if self.is_first:
