@@ -328,9 +328,16 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     ``nn.Sequential``'s blocks, or a transformers causal LM's decoder layers (the
     embedding joins the first stage, the final norm and the LM head the last). Uneven
     counts are balanced like ``torch.tensor_split`` (7 blocks on 3 stages: 3, 2, 2).
+    Any other model may list its own blocks: a method ``pipeline_blocks()`` returning, in
+    order, pairs ``(names, fn)``: the dense names of the modules and parameters the block
+    holds, and the function that runs it (``x = fn(x)``); the first block takes the batch,
+    the last gives ``loss_fn``'s input. A parameter that blocks on two ranks hold (a tied
+    embedding) has its two gradients summed after each step.
 
     Args:
-        model: an ``nn.Sequential`` or a transformers causal LM (Llama family).
+        model: an ``nn.Sequential``, a transformers causal LM (Llama family) or a model
+            with ``pipeline_blocks()`` (parallelize such a model before this call: its
+            functions are taken now).
         group: the pipeline's process group (``None``: the default group, resolved at
             call time); group rank 0 runs the first stage.
         microbatches: microbatches per step (the batch is split like ``tensor_split``:
@@ -347,7 +354,8 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     Raises:
         CollectiveArgumentError: bad counts, an unknown schedule, a split that does not add
             up, or an ``nn.Sequential`` without ``loss_fn``.
-        CollectiveTypeError: a model that is neither kind.
+        CollectiveTypeError: a model of none of these kinds, or ``pipeline_blocks()``
+            items that are not ``(names, fn)`` with names of the model's.
 
     Shape:
         ``inputs``: ``(B, *)`` on the first stage; ``target``: ``(B, *)`` on the last;
