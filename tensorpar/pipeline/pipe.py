@@ -12,7 +12,7 @@ from torch import nn
 
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.pipeline.p2p import Link, recv_activation, send_activation
+from tensorpar.pipeline.p2p import Inbox, Link, recv_activation, send_activation
 from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
 from tensorpar.pipeline.stages import (
     Decoder,
@@ -105,6 +105,8 @@ class Pipeline(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self._actions: list[Action] = rows[g.rank]
+        # gloo pairs transfers by tag: receives may be posted ahead of the schedule's order
+        self._eager = g.size > 1 and "gloo" in _backend(g)
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
 
     # -- where things are -------------------------------------------------------------
@@ -138,7 +140,7 @@ class Pipeline(nn.Module):
         src = stage if outgoing else stage - 1
         peer = (src + 1) % self._group.size if outgoing else src % self._group.size
         tag = 2 * (microbatch * self.num_stages + src)
-        return Link(self._group, peer, tag, tag + 1, pending, waited)
+        return Link(self._group, peer, tag, tag + 1, pending, waited, self._eager)
 
     # -- the step -------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | TensorPlaceholder | None = None,
@@ -176,6 +178,11 @@ class Pipeline(nn.Module):
         device = self._device()
         waited = [0.0]
         busy = 0.0
+        # every activation this step receives: headers posted now, data as they arrive
+        inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
+                                                           pending, waited)
+                       for a in self._actions if a.kind == "F" and a.stage > 0},
+                      device) if self._eager else None
         for action in self._actions:
             k, i = action.stage, action.microbatch
             spec = self.stages[k // self._group.size]
@@ -185,6 +192,8 @@ class Pipeline(nn.Module):
                     x = batch[i]
                 elif single:
                     x = held.pop((i, k - 1))
+                elif inbox is not None:
+                    x = inbox.take((i, k))
                 else:
                     x = recv_activation(None, self._link(k, i, False, pending, waited), device)
                 y = run_stage(self, spec, x, self._decoder)
@@ -201,6 +210,8 @@ class Pipeline(nn.Module):
                 if done.requires_grad:  # a stage whose output needs no gradient: none comes
                     done.backward()
             busy += time.perf_counter() - start
+            if inbox is not None:
+                inbox.poll()
             # let go of sends that are done: their tensors would otherwise live to the end
             pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
         for work, _ in pending:
