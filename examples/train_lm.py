@@ -1,8 +1,13 @@
-"""Train a small GPT-style language model with tensor x data parallelism.
+"""Train a small GPT-style language model with tensor x pipeline x data parallelism.
 
 On CPU, 4 processes = 2 data-parallel replicas x 2 tensor-parallel ranks:
 
     torchrun --nproc-per-node 4 examples/train_lm.py
+
+or 2 pipeline stages (x 2 tensor-parallel ranks):
+
+    torchrun --nproc-per-node 2 examples/train_lm.py --pp 2 --tp 1
+    torchrun --nproc-per-node 4 examples/train_lm.py --pp 2 --tp 2
 
 On GPUs the same script picks NCCL and cuda:LOCAL_RANK (e.g. --nproc-per-node 8 --tp 4).
 
@@ -10,9 +15,12 @@ The corpus is the Python standard library's own source, read as bytes (vocabular
 nothing is downloaded. The model is parallelised from its dense weights by a plan: attention
 heads, MLP and the (tied) embedding / LM head are split across the tensor-parallel group, and
 BucketedAllReduce averages gradients across the data-parallel group; gradients are clipped to
-the dense model's norm (tensorpar.nn.clip_grad_norm_). At the end rank 0 checks that the loss
-fell and that a single process training the dense model on the same batches gives the same
-losses.
+the dense model's norm (tensorpar.nn.clip_grad_norm_). With --pp, tensorpar.nn.pipeline cuts
+the model into stages by the blocks GPT.pipeline_blocks() lists (the embedding, each
+transformer block, the norm and head) and runs each step over --microbatches microbatches;
+tensorpar.pipeline.average_gradients then averages the gradients across the replicas. At the
+end rank 0 checks that the loss fell and that a single process training the dense model on the
+same batches gives the same losses.
 
 Checkpoints (model and optimizer state sharded with torch.distributed.checkpoint, plus the
 step, the losses so far and the RNG state; the data position is the step) go to
@@ -95,10 +103,22 @@ class GPT(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)        # it is the LM head too
 
     def forward(self, ids):                                # (B, T) -> (B, T, V / tp)
-        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        x = self.embed_positions(ids)
         for block in self.blocks:
             x = block(x)
+        return self.logits(x)
+
+    def embed_positions(self, ids):                        # (B, T) -> (B, T, DIM)
+        return self.embed(ids) + self.pos[: ids.shape[1]]
+
+    def logits(self, x):                                   # (B, T, DIM) -> (B, T, V / tp)
         return self.head(self.norm(x))
+
+    def pipeline_blocks(self):
+        """The model as tensorpar.nn.pipeline cuts it: (dense names held, function), in order."""
+        return [(("embed", "pos"), self.embed_positions),
+                *(((f"blocks.{i}",), block) for i, block in enumerate(self.blocks)),
+                (("norm", "head"), self.logits)]
 
 
 def corpus(nbytes):
@@ -140,6 +160,11 @@ def dense_losses(data, args, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="microbatches per step with --pp (at most --batch)")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                        help="pipeline schedule with --pp")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -163,16 +188,26 @@ def main():
 
     device = tensorpar.init_distributed()  # survives torchrun --max-restarts
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.tp:
-        raise SystemExit(f"--tp {args.tp} does not divide the {world} processes")
-    args.dp = world // args.tp
-    mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    if world % (args.tp * args.pp):
+        raise SystemExit(f"tp({args.tp}) * pp({args.pp}) does not divide the {world} processes")
+    args.dp = world // (args.tp * args.pp)
+    mesh = init_device_mesh(device.type, (args.dp, args.pp, args.tp),
+                            mesh_dim_names=("dp", "pp", "tp"))
     data = corpus(2_000_000)
 
     torch.manual_seed(0)                                    # the same dense weights everywhere
     model = GPT().to(device, args.dtype)
     tensorpar.parallelize(model, PLAN, group=mesh["tp"])
-    reducer = tensorpar.BucketedAllReduce(model, group=mesh["dp"])
+    reducer = pipe = None
+    if args.pp > 1:  # this rank's stage of the model, under the dense names
+        def loss_fn(local_logits, y):                     # a microbatch's mean over tokens
+            return vocab_parallel_cross_entropy(local_logits.flatten(0, 1), y.flatten(),
+                                                group=mesh["tp"])
+        model = pipe = tensorpar.nn.pipeline(model, group=mesh["pp"], loss_fn=loss_fn,
+                                             microbatches=args.microbatches,
+                                             schedule=args.schedule)
+    else:
+        reducer = tensorpar.BucketedAllReduce(model, group=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out = pathlib.Path(args.out)
     first, losses = 0, []
@@ -193,10 +228,17 @@ def main():
         x, y = global_batch(data, step, args.batch * args.dp)
         mine = slice(mesh["dp"].get_local_rank() * args.batch,
                      (mesh["dp"].get_local_rank() + 1) * args.batch)
-        local_logits = model(x[mine].to(device))            # (B, T, V / tp)
-        loss = vocab_parallel_cross_entropy(local_logits.flatten(0, 1),
-                                            y[mine].to(device).flatten(), group=mesh["tp"])
-        loss.backward()                                     # gradients averaged over dp here
+        x, y = x[mine].to(device), y[mine].to(device)
+        if pipe is not None:  # every microbatch's forward and backward, in the schedule's order
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            tensorpar.pipeline.average_gradients(pipe, group=mesh["dp"])
+            # the loss lives on the last stage: a placeholder elsewhere
+            loss = tensorpar.broadcast(loss, src=args.pp - 1, group=mesh["pp"])
+        else:
+            local_logits = model(x)                         # (B, T, V / tp)
+            loss = vocab_parallel_cross_entropy(local_logits.flatten(0, 1), y.flatten(),
+                                                group=mesh["tp"])
+            loss.backward()                                 # gradients averaged over dp here
         tensorpar.nn.clip_grad_norm_(model, args.clip)      # the dense model's norm
         opt.step()
         opt.zero_grad()
@@ -212,8 +254,13 @@ def main():
     save_checkpoint(out / "checkpoints", last, model, opt, losses, args)
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
-        print(f"{reducer.iterations} steps; waited {reducer.sync_wait_seconds:.2f} s at the "
-              f"gradient sync; checkpoint in {out / 'checkpoints'}")
+        if reducer is not None:
+            print(f"{reducer.iterations} steps; waited {reducer.sync_wait_seconds:.2f} s at "
+                  f"the gradient sync; checkpoint in {out / 'checkpoints'}")
+        else:
+            print(f"{last - first} steps at dp {args.dp} x pp {args.pp} x tp {args.tp} "
+                  f"({args.schedule}, {args.microbatches} microbatches); checkpoint in "
+                  f"{out / 'checkpoints'}")
     if last < args.steps:  # stopped early, as if interrupted: nothing to check yet
         if rank == 0:
             print(f"stopped at step {last}: OK", flush=True)
@@ -304,7 +351,7 @@ def plot(losses, reference, path):
         print("matplotlib is not installed: no loss plot (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(losses, label="tensor x data parallel")
+    ax.plot(losses, label="parallel")
     ax.plot(reference, "--", label="one process, dense")
     ax.set(xlabel="step", ylabel="loss (nats per byte)", title="train_lm.py")
     ax.legend()

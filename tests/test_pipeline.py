@@ -158,7 +158,7 @@ def test_errors_on_every_rank_before_communicating():
         tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss, split=[3, 3])
     with pytest.raises(ValueError, match=r"7 blocks of the nn.Sequential cannot fill 8"):
         tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss, virtual_stages=8)
-    with pytest.raises(TypeError, match=r"nn.Sequential or a transformers"):
+    with pytest.raises(TypeError, match=r"causal LM or a model with pipeline_blocks\(\)"):
         tp.nn.pipeline(nn.Linear(2, 2), microbatches=2, loss_fn=F.mse_loss)
     pipe = tp.nn.pipeline(sequential(), microbatches=4, loss_fn=F.mse_loss)
     with pytest.raises(ValueError, match="microbatches=4"):

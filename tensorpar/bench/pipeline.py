@@ -10,9 +10,13 @@ rounds:
 - torch: ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` over
   ``PipelineStage``\\ s of the same blocks.
 
-The step time is the slowest rank's. The measured bubble is the share of a step a rank
-does not compute (its forwards and backwards, less the time its receives wait), averaged
-over the ranks, next to theory's ``(P - 1) / (V * m + P - 1)``.
+The step time is the slowest rank's. The measured bubble is ``1 - compute / step``,
+averaged over the ranks: ``compute`` is the time this rank takes for the same forwards and
+backwards of its stage(s) on the same microbatches with no communication and no schedule
+(timed in the same round, while the other ranks do the same), ``step`` the step time. All
+that is not this rank's own arithmetic counts as bubble: idle waits, transfers, headers,
+Python overhead. It is given for both libraries, next to theory's
+``(P - 1) / (V * m + P - 1)``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,32 @@ def _mean(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
+
+
+def _compute_only(stages: list[nn.Module], first: bool, last: bool, xs: list[torch.Tensor],
+                  ys: list[torch.Tensor]) -> Callable[[], float]:
+    """This rank's forwards and backwards of every microbatch, no communication: seconds."""
+    total = sum(x.shape[0] for x in xs)
+    grads = [torch.randn_like(x) for x in xs]  # d loss / d output of a stage that is not last
+
+    def run() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for k, stage in enumerate(stages):
+            for i, x in enumerate(xs):
+                # a received activation is a leaf whose gradient goes back; the batch is not
+                h = x if first and k == 0 else x.detach().requires_grad_()
+                out = stage(h)
+                if last and k == len(stages) - 1:
+                    (F.mse_loss(out, ys[i]) * (x.shape[0] / total)).backward()
+                else:
+                    out.backward(grads[i])
+        elapsed = time.perf_counter() - start
+        for stage in stages:
+            stage.zero_grad()
+        return elapsed
+
+    return run
 
 
 def _timed(step: Callable[[], object]) -> float:
@@ -107,22 +137,33 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
                 theirs.step()  # noqa: B023
             dense.zero_grad()  # noqa: B023
 
+        alone = _model(width, blocks)  # the same blocks, for the compute-only pass
+        compute = _compute_only(
+            [nn.Sequential(*[alone[i] for i in range(k * per, (k + 1) * per)])
+             for k in range(rank, stages, ranks)], first, last,
+            list(torch.tensor_split(x, microbatches)), list(torch.tensor_split(y, microbatches)))
         for _ in range(2):  # warm-up (torch's stages infer their shapes on the first step)
             ours_step()
             theirs_step()
-        times: dict[str, list[float]] = {"ours": [], "theirs": [], "bubble": []}
+            compute()
+        times: dict[str, list[float]] = {"ours": [], "theirs": [], "compute": [],
+                                         "bubble": [], "torch_bubble": []}
         for r in range(rounds):
-            pair = [("ours", ours_step), ("theirs", theirs_step)]
-            for key, step in pair if r % 2 == 0 else pair[::-1]:
-                elapsed = _timed(step)
-                times[key].append(elapsed)
-                if key == "ours":
-                    times["bubble"].append(_mean(1.0 - ours.last_busy / elapsed))
+            # the three in a rotating order, so that none always follows the same one
+            order = [("ours", ours_step), ("theirs", theirs_step), ("compute", None)]
+            order = order[r % 3:] + order[:r % 3]
+            for key, step in order:
+                times[key].append(compute() if step is None else _timed(step))
+            busy = times["compute"][-1]  # this rank's; the step time is the slowest rank's
+            times["bubble"].append(_mean(1.0 - busy / times["ours"][-1]))
+            times["torch_bubble"].append(_mean(1.0 - busy / times["theirs"][-1]))
         ratios = [a / b for a, b in zip(times["ours"], times["theirs"], strict=True)]
         out.append({"case": name, "ranks": ranks, "microbatches": microbatches,
                     "virtual_stages": virtual, "tensorpar": statistics.median(times["ours"]),
                     "torch": statistics.median(times["theirs"]),
                     "paired_ratio": statistics.median(ratios),
+                    "compute": _max(statistics.median(times["compute"])),
                     "bubble": statistics.median(times["bubble"]),
+                    "torch_bubble": statistics.median(times["torch_bubble"]),
                     "bubble_theory": bubble_fraction(ranks, microbatches, virtual)})
     return out

@@ -1,9 +1,10 @@
 """Pipeline parallelism: stages of a dense model on a group of ranks, run over microbatches.
 
-`pipeline` cuts an ``nn.Sequential`` or a transformers causal LM into contiguous stages,
-keeps this rank's, and returns a `Pipeline` whose ``step`` runs a schedule (GPipe, 1F1B,
-interleaved 1F1B). Stages hand activations over with `send` / `recv`, point-to-point
-autograd Functions whose backward is their mirror.
+`pipeline` cuts an ``nn.Sequential``, a transformers causal LM or a model that lists its
+own blocks (``pipeline_blocks()``) into contiguous stages, keeps this rank's, and returns a
+`Pipeline` whose ``step`` runs a schedule (GPipe, 1F1B, interleaved 1F1B). Stages hand
+activations over with `send` / `recv`, point-to-point autograd Functions whose backward is
+their mirror.
 """
 
 from tensorpar.pipeline.p2p import recv, send

@@ -13,12 +13,18 @@ every call works. Gradients travel without a header: both sides know their shape
 
 ``dst``/``src`` are ranks **within** ``group``; the conversion to global ranks happens here.
 Sends are posted with ``isend``; ``pending`` lets a schedule collect the handles and wait
-for them once (the public functions wait before returning).
+for them once (the public functions wait before returning). On a link that may post ahead
+(``eager``: a backend that pairs transfers by tag, gloo), receives are posted before they
+are needed: the gradient's as soon as the activation is sent, and a schedule's activations
+through an `Inbox`. gloo moves a message only once both sides have posted it, so a receive
+posted late waits for the sender's progress thread; posted early, the data is there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -60,10 +66,18 @@ class Link:
     back_tag: int
     pending: list[tuple[Any, tuple[torch.Tensor, ...]]] | None = field(default=None)
     waited: list[float] | None = field(default=None)  # seconds spent in receives, added up
+    eager: bool = False  # receives may be posted ahead (the backend pairs them by tag)
 
     def reverse(self) -> Link:
         """The link the gradient of this transfer travels on (the other way)."""
-        return Link(self.group, self.peer, self.back_tag, self.tag, self.pending, self.waited)
+        return Link(self.group, self.peer, self.back_tag, self.tag, self.pending, self.waited,
+                    self.eager)
+
+    def post_receive(self, buffer: torch.Tensor) -> Posted:
+        """Post a receive into ``buffer`` (``irecv``); `Posted.wait` returns it."""
+        work = dist.irecv(buffer, src=self.group.global_rank(self.peer),
+                          group=self.group.handle, tag=self.tag)
+        return Posted(work, buffer, self.waited)
 
     def post_send(self, *tensors: torch.Tensor) -> None:
         """Post a send of each tensor (``isend``); wait at once when there is no ``pending``."""
@@ -88,6 +102,29 @@ class Link:
         return buffer
 
 
+@dataclass(eq=False)
+class Posted:
+    """A receive posted ahead: ``wait()`` returns the filled buffer."""
+
+    work: Any
+    buffer: torch.Tensor
+    waited: list[float] | None = None
+
+    def done(self) -> bool:
+        """The data has arrived (never blocks)."""
+        return self.work is None or bool(self.work.is_completed())
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the data (counted in ``waited``) and return the buffer."""
+        if self.work is not None:
+            start = time.perf_counter()
+            self.work.wait()
+            self.work = None
+            if self.waited is not None:
+                self.waited[0] += time.perf_counter() - start
+        return self.buffer
+
+
 def _header_of(x: torch.Tensor, link: Link, requires_grad: bool) -> torch.Tensor:
     header = encode_header(KIND_TENSOR, x.shape, x.dtype, requires_grad, x.device.type)
     return header.to(link.group.comm_device(x.device))
@@ -99,14 +136,20 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, link: Link) -> torch.Tensor:
         data = x.detach().contiguous()
-        link.post_send(data)
         ctx.link = link
         ctx.meta = Meta(x.shape, x.dtype, x.device)
+        # the gradient's receive, posted now: it is ready whenever the peer sends it
+        ctx.posted = link.reverse().post_receive(torch.empty_like(data)) \
+            if link.eager else None
+        link.post_send(data)
         return x.new_empty(0)  # the anchor of the send in this rank's graph
 
     @staticmethod
     def backward(ctx: Any, anchor_grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad: torch.Tensor = _Recv.apply(anchor_grad, ctx.link.reverse(), ctx.meta)
+        posted, meta, link = ctx.posted, ctx.meta, ctx.link.reverse()
+        source = posted.wait if posted is not None else \
+            (lambda: link.receive(torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)))
+        grad: torch.Tensor = _Recv.apply(anchor_grad, link, source)
         return grad, None
 
 
@@ -115,14 +158,16 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, link: Link,
-                meta: Meta) -> torch.Tensor:
+                source: Callable[[], torch.Tensor]) -> torch.Tensor:
         ctx.link = link
         ctx.anchor_shape = anchor.shape
-        return link.receive(torch.empty(meta.shape, dtype=meta.dtype, device=meta.device))
+        return source()  # the received tensor (a receive, or one posted ahead)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        anchor_grad: torch.Tensor = _Send.apply(grad, ctx.link.reverse())
+        # not eager: a double backward's receive would share its tag with the activations'
+        back = dataclasses.replace(ctx.link.reverse(), eager=False)
+        anchor_grad: torch.Tensor = _Send.apply(grad, back)
         return anchor_grad.reshape(ctx.anchor_shape), None, None
 
 
@@ -152,12 +197,54 @@ def recv_activation(like: TensorPlaceholder | None, link: Link,
             f"recv: the placeholder describes {like.dtype}{list(like.shape)}, but rank "
             f"{link.peer} sent {header.describe()}")
     where = device if device is not None else like.device if like is not None else comm
-    meta = Meta(header.shape, dtype, where)
-    if header.requires_grad and torch.is_grad_enabled():
-        anchor = torch.empty(0, dtype=dtype, device=where, requires_grad=True)
-        out: torch.Tensor = _Recv.apply(anchor, link, meta)
+    buffer = torch.empty(header.shape, dtype=dtype, device=where)
+    return _in_graph(header.requires_grad, link, buffer, lambda: link.receive(buffer))
+
+
+def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
+              source: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The received tensor, in this rank's graph (its backward sends the gradient) if needed."""
+    if requires_grad and torch.is_grad_enabled():
+        anchor = torch.empty(0, dtype=buffer.dtype, device=buffer.device, requires_grad=True)
+        out: torch.Tensor = _Recv.apply(anchor, link, source)
         return out
-    return link.receive(torch.empty(meta.shape, dtype=dtype, device=where))
+    return source()
+
+
+class Inbox:
+    """The activations a rank receives in one step, their headers' receives posted up front.
+
+    `poll` posts the data's receive of every header that has arrived, so that the data
+    moves while this rank computes; `take` waits for what is still missing. Only for a
+    backend that pairs transfers by tag (the receives are posted out of the senders' order).
+    """
+
+    def __init__(self, links: dict[Hashable, Link], device: torch.device) -> None:
+        self._device = device
+        self._waiting: dict[Hashable, tuple[Link, Posted]] = {}
+        self._ready: dict[Hashable, tuple[Link, Any, Posted]] = {}
+        for key, link in links.items():
+            comm = link.group.comm_device(device)
+            self._waiting[key] = (link, link.post_receive(
+                torch.empty(HEADER_LEN, dtype=torch.int64, device=comm)))
+
+    def poll(self) -> None:
+        """Post the data receive of every activation whose header has arrived."""
+        for key in [k for k, (_, h) in self._waiting.items() if h.done()]:
+            self._post_data(key)
+
+    def _post_data(self, key: Hashable) -> None:
+        link, posted = self._waiting.pop(key)
+        header = decode_header(posted.wait().cpu())
+        buffer = torch.empty(header.shape, dtype=header.tensor_dtype, device=self._device)
+        self._ready[key] = (link, header, link.post_receive(buffer))
+
+    def take(self, key: Hashable) -> torch.Tensor:
+        """The activation ``key`` (waiting for it), in the graph when the sender's was."""
+        if key in self._waiting:
+            self._post_data(key)
+        link, header, posted = self._ready.pop(key)
+        return _in_graph(header.requires_grad, link, posted.buffer, posted.wait)
 
 
 def _link(fn: str, group: GroupLike, peer: object, name: str, tag: object) -> Link:

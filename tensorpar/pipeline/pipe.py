@@ -12,16 +12,18 @@ from torch import nn
 
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.pipeline.p2p import Link, recv_activation, send_activation
+from tensorpar.pipeline.p2p import Inbox, Link, recv_activation, send_activation
 from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
 from tensorpar.pipeline.stages import (
     Decoder,
     StageSpec,
     decoder_of,
+    has_blocks,
     is_transformers,
     prune,
     run_stage,
     stage_specs,
+    tied_parameters,
 )
 from tensorpar.placeholder import TensorPlaceholder
 
@@ -60,11 +62,11 @@ class Pipeline(nn.Module):
         if schedule not in SCHEDULES:
             raise CollectiveArgumentError(
                 f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
-        hf = is_transformers(model)
+        hf = is_transformers(model) and not has_blocks(model)
         if loss_fn is None and not hf:
             raise CollectiveArgumentError(
-                f"{fn}: an nn.Sequential needs loss_fn=(output, target) -> loss; only a "
-                f"transformers causal LM brings its own loss")
+                f"{fn}: {type(model).__name__} needs loss_fn=(output, target) -> loss; only "
+                f"a transformers causal LM brings its own loss")
         specs = stage_specs(model, g.size * virtual_stages, split)
         mine = [s for s in specs if s.index % g.size == g.rank]
         rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
@@ -77,24 +79,34 @@ class Pipeline(nn.Module):
                 f"divisible by {g.size}")
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
-        hf_model: Any = model
-        tied = hf and g.size > 1 and hf_model.get_output_embeddings().weight is \
-            hf_model.get_input_embeddings().weight
-        prune(model, mine, self._decoder)
+        # a parameter on two ranks' stages (an embedding tied to the LM head): the two
+        # halves of its gradient are summed after each step
+        self._tied: list[tuple[str, int, int]] = []  # (name here, peer, which pair)
+        for pair, where in enumerate(tied_parameters(model, specs, g.size).values()):
+            for r, name in where:
+                if r == g.rank:
+                    self._tied.append((name, next(o for o, _ in where if o != r), pair))
+        prune(model, mine, specs)
         for name, child in model._modules.items():
             if child is not None:
                 self.add_module(name, child)
+        for name, param in model._parameters.items():  # a model's own (positions, ...)
+            if param is not None:
+                self.register_parameter(name, param)
+        for name, buf in model._buffers.items():
+            if buf is not None:
+                self.register_buffer(name, buf, persistent=name not in
+                                     model._non_persistent_buffers_set)
         self._group = g
         self.loss_fn = loss_fn
-        # the embedding tied to the LM head lives on the first and the last rank: the two
-        # halves of its gradient are summed after each step
-        self._tied = tied
         self.stages: tuple[StageSpec, ...] = tuple(mine)
         self.num_stages = len(specs)
         self.microbatches = microbatches
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self._actions: list[Action] = rows[g.rank]
+        # gloo pairs transfers by tag: receives may be posted ahead of the schedule's order
+        self._eager = g.size > 1 and "gloo" in _backend(g)
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
 
     # -- where things are -------------------------------------------------------------
@@ -128,7 +140,7 @@ class Pipeline(nn.Module):
         src = stage if outgoing else stage - 1
         peer = (src + 1) % self._group.size if outgoing else src % self._group.size
         tag = 2 * (microbatch * self.num_stages + src)
-        return Link(self._group, peer, tag, tag + 1, pending, waited)
+        return Link(self._group, peer, tag, tag + 1, pending, waited, self._eager)
 
     # -- the step -------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | TensorPlaceholder | None = None,
@@ -166,6 +178,11 @@ class Pipeline(nn.Module):
         device = self._device()
         waited = [0.0]
         busy = 0.0
+        # every activation this step receives: headers posted now, data as they arrive
+        inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
+                                                           pending, waited)
+                       for a in self._actions if a.kind == "F" and a.stage > 0},
+                      device) if self._eager else None
         for action in self._actions:
             k, i = action.stage, action.microbatch
             spec = self.stages[k // self._group.size]
@@ -175,6 +192,8 @@ class Pipeline(nn.Module):
                     x = batch[i]
                 elif single:
                     x = held.pop((i, k - 1))
+                elif inbox is not None:
+                    x = inbox.take((i, k))
                 else:
                     x = recv_activation(None, self._link(k, i, False, pending, waited), device)
                 y = run_stage(self, spec, x, self._decoder)
@@ -191,12 +210,14 @@ class Pipeline(nn.Module):
                 if done.requires_grad:  # a stage whose output needs no gradient: none comes
                     done.backward()
             busy += time.perf_counter() - start
+            if inbox is not None:
+                inbox.poll()
             # let go of sends that are done: their tensors would otherwise live to the end
             pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
         for work, _ in pending:
             work.wait()
         if self._tied:
-            self._sum_tied_gradient()
+            self._sum_tied_gradients()
         self.last_busy = busy - waited[0]
         if self.is_last:
             assert total is not None
@@ -206,22 +227,31 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
-    def _sum_tied_gradient(self) -> None:
-        """Add the last rank's gradient of the tied embedding to the first's, and back."""
-        if not (self.is_first or self.is_last):
-            return
-        assert self._decoder is not None
-        name = f"{self._decoder.prefix}.embed_tokens" if self.is_first else self._decoder.head
-        weight: Any = self.get_submodule(name).weight
-        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        peer = (self.num_stages - 1) % self._group.size if self.is_first else 0
-        tag = 2 * self.microbatches * self.num_stages  # after every activation's tags
-        link = Link(self._group, peer, tag, tag, [])
-        link.post_send(grad.detach().clone())
-        other = link.receive(torch.empty_like(grad))
-        for work, _ in link.pending or []:
-            work.wait()
-        weight.grad = grad + other if self.is_first else other + grad  # same order on both
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters whose gradient another stage holds too (a tied LM head on the last).
+
+        After `step` both holders have the same gradient; a norm over the whole pipeline
+        (`tensorpar.nn.grad_norm`) counts it on the lower rank only, so these are the
+        higher rank's copies.
+        """
+        return [self.get_parameter(name) for name, peer, _ in self._tied
+                if peer < self._group.rank]
+
+    def _sum_tied_gradients(self) -> None:
+        """Add the two holders' gradients of each tied parameter, in the same order on both."""
+        base = 2 * self.microbatches * self.num_stages  # after every activation's tags
+        sums = []
+        for name, peer, pair in self._tied:
+            weight = self.get_parameter(name)
+            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+            link = Link(self._group, peer, base + pair, base + pair, [])
+            link.post_send(grad.detach().clone())
+            other = link.receive(torch.empty_like(grad))
+            for work, _ in link.pending or []:
+                work.wait()
+            sums.append((weight, grad + other if self._group.rank < peer else other + grad))
+        for weight, total in sums:
+            weight.grad = total
 
     def _check(self, inputs: Any, target: Any) -> str:
         if self.is_first:
@@ -309,9 +339,16 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     ``nn.Sequential``'s blocks, or a transformers causal LM's decoder layers (the
     embedding joins the first stage, the final norm and the LM head the last). Uneven
     counts are balanced like ``torch.tensor_split`` (7 blocks on 3 stages: 3, 2, 2).
+    Any other model may list its own blocks: a method ``pipeline_blocks()`` returning, in
+    order, pairs ``(names, fn)``: the dense names of the modules and parameters the block
+    holds, and the function that runs it (``x = fn(x)``); the first block takes the batch,
+    the last gives ``loss_fn``'s input. A parameter that blocks on two ranks hold (a tied
+    embedding) has its two gradients summed after each step.
 
     Args:
-        model: an ``nn.Sequential`` or a transformers causal LM (Llama family).
+        model: an ``nn.Sequential``, a transformers causal LM (Llama family) or a model
+            with ``pipeline_blocks()`` (parallelize such a model before this call: its
+            functions are taken now).
         group: the pipeline's process group (``None``: the default group, resolved at
             call time); group rank 0 runs the first stage.
         microbatches: microbatches per step (the batch is split like ``tensor_split``:
@@ -328,7 +365,8 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     Raises:
         CollectiveArgumentError: bad counts, an unknown schedule, a split that does not add
             up, or an ``nn.Sequential`` without ``loss_fn``.
-        CollectiveTypeError: a model that is neither kind.
+        CollectiveTypeError: a model of none of these kinds, or ``pipeline_blocks()``
+            items that are not ``(names, fn)`` with names of the model's.
 
     Shape:
         ``inputs``: ``(B, *)`` on the first stage; ``target``: ``(B, *)`` on the last;

@@ -1,11 +1,15 @@
 """Cutting a dense model into contiguous stages, and running one stage.
 
-Two kinds of model are understood:
+Three kinds of model are understood:
 
 - an ``nn.Sequential``: stage ``k`` runs a contiguous run of its blocks;
 - a transformers causal LM of the Llama family: stage ``k`` runs a contiguous run of the
   decoder layers; the first stage also embeds the tokens, the last one also applies the
-  final norm and the LM head.
+  final norm and the LM head;
+- a model that lists its own blocks (`has_blocks`): ``model.pipeline_blocks()`` returns
+  them in order, each a pair ``(names, fn)``: the dense names of the modules and
+  parameters the block holds, and the function that runs it (``x = fn(x)``). The first
+  block takes the batch (an embedding), the last gives the output ``loss_fn`` takes.
 
 Every rank builds the same dense model; `prune` deletes the modules of the stages other
 ranks run, so that the model keeps its dense names (``"3.weight"``,
@@ -15,8 +19,8 @@ ranks run, so that the model keeps its dense names (``"3.weight"``,
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -24,8 +28,8 @@ from torch import nn
 
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 
-__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "prune", "run_stage",
-           "stage_specs"]
+__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "has_blocks",
+           "prune", "run_stage", "stage_specs", "tied_parameters"]
 
 HF_MODEL_TYPES = ("llama",)
 """transformers ``model_type``\\ s whose decoder this module runs stage by stage."""
@@ -48,12 +52,19 @@ class StageSpec:
         blocks: the dense module names it runs in order (``"3"``, ``"model.layers.5"``).
         first: it embeds the tokens (transformers) / takes the batch.
         last: it applies the head (transformers) and the loss.
+        holds: every dense name (module or parameter) that lives with this stage: its
+            blocks, and the embedding / norm and head of a transformers model.
+        calls: the functions it runs in order, for a model that lists its own blocks
+            (``None``: the blocks are looked up by name).
     """
 
     index: int
     blocks: tuple[str, ...]
     first: bool
     last: bool
+    holds: tuple[str, ...] = ()
+    calls: tuple[Callable[[torch.Tensor], torch.Tensor], ...] | None = field(
+        default=None, compare=False, repr=False)
 
 
 def balanced(total: int, parts: int) -> list[int]:
@@ -69,6 +80,31 @@ def balanced(total: int, parts: int) -> list[int]:
 def is_transformers(model: nn.Module) -> bool:
     """A transformers ``PreTrainedModel`` (checked without importing transformers)."""
     return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def has_blocks(model: nn.Module) -> bool:
+    """``model`` lists its own pipeline blocks (a ``pipeline_blocks`` method)."""
+    return callable(getattr(model, "pipeline_blocks", None))
+
+
+def _own_blocks(model: nn.Module) -> list[tuple[tuple[str, ...], Callable[..., Any]]]:
+    """``model.pipeline_blocks()``, checked: ``(names, fn)`` pairs, names that exist."""
+    blocks = list(model.pipeline_blocks())  # type: ignore[operator]
+    known = {n for n, _ in model.named_modules(remove_duplicate=False)} | \
+        {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    out = []
+    for i, block in enumerate(blocks):
+        ok = isinstance(block, tuple) and len(block) == 2 and callable(block[1])
+        names = (block[0],) if ok and isinstance(block[0], str) else block[0] if ok else None
+        if not ok or not isinstance(names, (tuple, list)) or not all(
+                isinstance(n, str) and n in known for n in names):
+            raise CollectiveTypeError(
+                f"pipeline: {type(model).__name__}.pipeline_blocks() item {i} is {block!r}; "
+                f"expected (names, fn): names of the model's modules or parameters, and a "
+                f"function of the block's input")
+        out.append((tuple(names), block[1]))
+    return out
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -90,9 +126,15 @@ def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> l
         CollectiveArgumentError: ``split`` has the wrong length or total, or a stage would
             get no block.
     """
+    own = None
     if isinstance(model, nn.Sequential):
         names = list(model._modules)
         what = "blocks of the nn.Sequential"
+        prefix = ""
+    elif has_blocks(model):
+        own = _own_blocks(model)
+        names = [str(i) for i in range(len(own))]
+        what = f"blocks of {type(model).__name__}.pipeline_blocks()"
         prefix = ""
     elif is_transformers(model):
         model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -106,8 +148,8 @@ def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> l
         prefix = f"{model.base_model_prefix}.layers."
     else:
         raise CollectiveTypeError(
-            f"pipeline: model must be an nn.Sequential or a transformers causal LM, got "
-            f"{type(model).__name__}")
+            f"pipeline: model must be an nn.Sequential, a transformers causal LM or a model "
+            f"with pipeline_blocks(), got {type(model).__name__}")
     if split is None:
         if len(names) < stages:
             raise CollectiveArgumentError(
@@ -123,8 +165,19 @@ def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> l
                 f"to the {len(names)} {what}")
     specs, start = [], 0
     for k, n in enumerate(sizes):
-        specs.append(StageSpec(k, tuple(prefix + name for name in names[start:start + n]),
-                               k == 0, k == stages - 1))
+        first, last = k == 0, k == stages - 1
+        if own is not None:
+            mine = own[start:start + n]
+            held = tuple(name for block_names, _ in mine for name in block_names)
+            specs.append(StageSpec(k, held, first, last, held, tuple(fn for _, fn in mine)))
+        else:
+            blocks = tuple(prefix + name for name in names[start:start + n])
+            extra: tuple[str, ...] = ()
+            if prefix:  # transformers: the embedding, the final norm and the LM head
+                base = model.base_model_prefix
+                extra = ((f"{base}.embed_tokens",) if first else ()) + (
+                    (f"{base}.norm", decoder_of(model).head) if last else ())
+            specs.append(StageSpec(k, blocks, first, last, blocks + extra))
         start += n
     return specs
 
@@ -139,24 +192,44 @@ def decoder_of(model: nn.Module) -> Decoder:
     return Decoder(model.config, str(model.base_model_prefix), name)
 
 
-def prune(model: nn.Module, kept: Sequence[StageSpec], decoder: Decoder | None) -> None:
-    """Delete, in place, the blocks (and head/embedding) of the stages not in ``kept``."""
-    keep = {name for spec in kept for name in spec.blocks}
-    if decoder is None:
-        for name in list(model._modules):
-            if name not in keep:
-                del model._modules[name]
-        return
-    inner: Any = _decoder(model)
-    prefix = f"{model.base_model_prefix}.layers."
-    for name in list(inner.layers._modules):
-        if prefix + name not in keep:
-            del inner.layers._modules[name]
-    if not any(s.first for s in kept):
-        del inner._modules["embed_tokens"]
-    if not any(s.last for s in kept):
-        del inner._modules["norm"]
-        del model._modules[decoder.head]
+def prune(model: nn.Module, kept: Sequence[StageSpec], specs: Sequence[StageSpec]) -> None:
+    """Delete, in place, what the stages not in ``kept`` hold (and no kept stage holds)."""
+    keep = {name for spec in kept for name in spec.holds}
+    for name in dict.fromkeys(n for spec in specs for n in spec.holds):
+        if name in keep:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        try:
+            owner = model.get_submodule(parent)
+        except AttributeError:  # inside something deleted already
+            continue
+        for table in (owner._modules, owner._parameters, owner._buffers):
+            table.pop(leaf, None)
+
+
+def tied_parameters(model: nn.Module, specs: Sequence[StageSpec], ranks: int
+                    ) -> dict[int, list[tuple[int, str]]]:
+    """Parameters held by stages on different ranks (a tied embedding and LM head).
+
+    Returns, for each such parameter (by ``id``), the ``(rank, dense name)`` of each
+    holder, lowest rank first.
+
+    Raises:
+        CollectiveArgumentError: a parameter shared by stages on more than two ranks.
+    """
+    holders: dict[int, dict[int, str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        spec = next((s for s in specs for h in s.holds
+                     if name == h or name.startswith(h + ".")), None)
+        if spec is not None:
+            holders.setdefault(id(p), {}).setdefault(spec.index % ranks, name)
+    tied = {key: sorted(where.items()) for key, where in holders.items() if len(where) > 1}
+    for where in tied.values():
+        if len(where) > 2:
+            raise CollectiveArgumentError(
+                f"pipeline: the parameter {where[0][1]!r} is shared by stages on ranks "
+                f"{[r for r, _ in where]}; sharing between two ranks is supported")
+    return tied
 
 
 def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
@@ -179,9 +252,14 @@ def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decode
     """Stage ``spec``'s forward on ``x``, looking its modules up in ``root`` by dense name.
 
     Looked up at every call, so modules that `tensorpar.parallelize` replaced after the
-    pipeline was built are the ones that run. ``decoder`` is ``None`` for an
-    ``nn.Sequential``. The last transformers stage returns the logits.
+    pipeline was built are the ones that run (a model that lists its own blocks runs the
+    functions it gave). ``decoder`` is ``None`` for an ``nn.Sequential``. The last
+    transformers stage returns the logits.
     """
+    if spec.calls is not None:
+        for fn in spec.calls:
+            x = fn(x)
+        return x
     if decoder is None:
         for name in spec.blocks:
             block: Any = root.get_submodule(name)

@@ -168,7 +168,12 @@ def _entries(model_or_parameters: Parameters) -> list[tuple[torch.Tensor, Any, l
         infos = parameter_infos(model_or_parameters)
         if any(tag_of(info.param) is None for info in infos):
             retag(model_or_parameters)  # fully_shard applied after the first forward
-        pairs = [(info.param, info.shard.group if info.sharded else None) for info in infos]
+        # a pipeline's tied copy (the LM head tied to the embedding of another stage) is
+        # counted on the stage that holds the original
+        copies = getattr(model_or_parameters, "tied_copies", None)
+        skip = {id(p) for p in copies()} if callable(copies) else set()
+        pairs = [(info.param, info.shard.group if info.sharded else None) for info in infos
+                 if id(info.param) not in skip]
     else:
         pairs = []
         for param in _parameter_list(model_or_parameters):
