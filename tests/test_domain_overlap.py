@@ -1,7 +1,7 @@
 """Convolutions on strips computed while the halo travels, and the general path beside it.
 
 A gradient penalty (double backward) goes through the general path
-(``overlap=False``), equal to dense; the overlapped path refuses it with a clear error.
+(``double_backward=True``), equal to dense; the fast paths refuse it with a clear error.
 """
 
 import copy
@@ -24,12 +24,13 @@ def _net():
                          nn.Conv2d(3, 1, 5, padding=2, padding_mode="circular")).double()
 
 
-def _penalty(overlap, sizes):
+def _penalty(double_backward, sizes):
     rank = dist.get_rank()
     dense = _net()
     x = torch.randn(2, 2, sum(sizes), 7, dtype=torch.float64, generator=torch.Generator()
                     .manual_seed(1))
-    par = parallelize_domain(copy.deepcopy(dense), dims=-2, overlap=overlap)
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2,
+                             double_backward=double_backward)
     xd = x.clone().requires_grad_()
     (gd,) = torch.autograd.grad(dense(xd).square().sum(), xd, create_graph=True)
     gd.square().sum().backward()
@@ -46,10 +47,10 @@ def _penalty(overlap, sizes):
 
 
 def test_double_backward_through_the_general_path_equals_dense():
-    assert max(run_distributed(_penalty, 2, False, [9, 8], timeout=T)) < 1e-10
-    assert max(run_distributed(_penalty, 3, False, [1, 9, 6], timeout=T)) < 1e-10
+    assert max(run_distributed(_penalty, 2, True, [9, 8], timeout=T)) < 1e-10
+    assert max(run_distributed(_penalty, 3, True, [1, 9, 6], timeout=T)) < 1e-10
 
 
 def test_double_backward_through_overlapped_convolutions_is_refused_clearly():
-    for message in run_distributed(_penalty, 2, True, [9, 8], timeout=T):
-        assert "overlap=False" in message
+    for message in run_distributed(_penalty, 2, False, [9, 8], timeout=T):
+        assert "double_backward=True" in message

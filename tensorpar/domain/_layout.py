@@ -59,7 +59,7 @@ class DomainContext:
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
         self.finish_queued = False
         self.handed_over = False  # a data-parallel reducer sums the gradients instead
-        self.overlap = True  # convolutions on strips compute while their halo travels
+        self.fast = True  # once-differentiable fast paths (overlapped convs, fused norms)
         self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
         self.internal = False  # a conversion's own functional call is running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tensorpar.collectives.functional import all_reduce
+from tensorpar.domain._fused_norm import fused_norm
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["batch_norm_forward", "group_norm_forward", "instance_norm_forward",
@@ -62,6 +63,12 @@ def _channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.view(1, -1, *([1] * (x.dim() - 2)))
 
 
+def _affine(module: Any, y: torch.Tensor) -> torch.Tensor:
+    if not module.affine:
+        return y
+    return torch.addcmul(_channel(module.bias, y), y, _channel(module.weight, y))
+
+
 def _split_dims_in(ctx: DomainContext, x: torch.Tensor, dims: list[int]) -> bool:
     return any(x.dim() + d in dims for d in ctx.dims)
 
@@ -73,7 +80,22 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     dims = [0, *range(2, x.dim())]
+    if ctx.fast:  # one exchange each way, torch's kernel (see _fused_norm)
+        count = _global_count(ctx, x, dims, where)
+        y, mean, var = fused_norm(ctx, x.reshape(x.shape[0], x.shape[1], -1), module.weight,
+                                  module.bias, module.eps, count)
+        _update_running(module, mean, var, count)
+        return y.view(x.shape)
     centred, mean, var, count = moments(ctx, x, dims, where)
+    _update_running(module, mean, var, count)
+    y = _normalize(centred, var, module.eps)
+    if module.affine:
+        y = y * _channel(module.weight, x) + _channel(module.bias, x)
+    return y
+
+
+def _update_running(module: Any, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+    """BatchNorm's running statistics, once per forward, as dense."""
     if module.training and module.track_running_stats:
         with torch.no_grad():
             module.num_batches_tracked.add_(1)
@@ -83,10 +105,6 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
             module.running_mean.mul_(1 - f).add_(mean.flatten().to(module.running_mean), alpha=f)
             module.running_var.mul_(1 - f).add_(unbiased.flatten().to(module.running_var),
                                                 alpha=f)
-    y = _normalize(centred, var, module.eps)
-    if module.affine:
-        y = y * _channel(module.weight, x) + _channel(module.bias, x)
-    return y
 
 
 def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +115,10 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     n, c = x.shape[0], x.shape[1]
     g = module.num_groups
     xg = x.reshape(n, g, c // g, *x.shape[2:])
+    if ctx.fast:
+        count = _global_count(ctx, xg, list(range(2, xg.dim())), where)
+        y, _, _ = fused_norm(ctx, x.reshape(1, n * g, -1), None, None, module.eps, count)
+        return _affine(module, y.view(x.shape))
     # split dims keep their (negative) position in the grouped view
     centred, _, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
     y = _normalize(centred, var, module.eps).reshape(x.shape)
@@ -110,6 +132,11 @@ def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> t
     if ctx.reduced:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
+    if ctx.fast:
+        count = _global_count(ctx, x, list(range(2, x.dim())), where)
+        y, _, _ = fused_norm(ctx, x.reshape(1, x.shape[0] * x.shape[1], -1), None, None,
+                             module.eps, count)
+        return _affine(module, y.view(x.shape))
     centred, _, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
     y = _normalize(centred, var, module.eps)
     if module.affine:

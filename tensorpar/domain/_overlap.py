@@ -12,8 +12,8 @@ gradient back into a fresh tile).
 
 Used by `conv_forward` for strips (one split dim), stride 1 along it, zero padding on the
 other dims, and tiles longer than the kernel's extent on every rank; otherwise the general
-path runs. Differentiable once: ``parallelize_domain(..., overlap=False)`` keeps the general
-path, which double backward goes through.
+path runs. Differentiable once: ``parallelize_domain(..., double_backward=True)`` keeps the
+general path, which double backward goes through.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class _HaloConv(torch.autograd.Function):
             raise RuntimeError(
                 "a domain-parallel convolution computed while its halo travelled is "
                 "differentiable once; for double backward convert the model with "
-                "parallelize_domain(..., overlap=False)")
+                "parallelize_domain(..., double_backward=True)")
         return _backward(ctx, gy)
 
 

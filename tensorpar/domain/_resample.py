@@ -58,6 +58,14 @@ def _sources(ctx: DomainContext, n: int, size: int | None, scale: float | None, 
     return i0, (i0 + 1).clamp(max=max(n - 1, 0)), lam
 
 
+def _power_of_two_ratio(out: int, n: int) -> int:
+    """``out / n`` where it is a power of two (1, 2, 4, ...), else 0."""
+    if n <= 0 or out % n:
+        return 0
+    r = out // n
+    return r if r & (r - 1) == 0 else 0
+
+
 def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_factor: Any = None,
                 mode: str = "nearest", align_corners: bool | None = None,
                 recompute_scale_factor: bool | None = None) -> torch.Tensor:
@@ -75,6 +83,10 @@ def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_fac
         n = sum(splits[js.index(j)]) if j in js else x.shape[2 + j]
         picks.append(_sources(ctx, n, sizes[j], scales[j], mode, align_corners,
                               recompute_scale_factor))
+    ratios = [_power_of_two_ratio(picks[j][0].numel(), sum(splits[js.index(j)]) if j in js
+                                  else x.shape[2 + j]) for j in range(k)]
+    whole = mode != "nearest-exact" and not align_corners and all(ratios)
+    crops = []
     for i, (d, j) in enumerate(zip(ctx.dims, js, strict=False)):
         i0, i1, lam = picks[j]
         sizes_in = splits[i]
@@ -93,6 +105,21 @@ def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_fac
         a, b = oo[g.rank], oo[g.rank + 1]
         first = wants[g.rank][0]
         picks[j] = (i0[a:b] - first, i1[a:b] - first, None if lam is None else lam[a:b])
+        crops.append((x.dim() + d, a - ratios[j] * first, b - a))
+    if whole and all(x.shape[dim] for dim, _, _ in crops):
+        # A power-of-two scale maps the window's rows exactly as the domain's (the source
+        # position of output o is (o + 0.5) / s - 0.5 in both, shifted by the window's first
+        # row, and the window holds every source row the kept outputs read): torch's own
+        # kernel on the window, then the rows this rank owns.
+        ctx.internal = True
+        try:
+            y = F.interpolate(x, scale_factor=[float(r) for r in ratios], mode=mode,
+                              align_corners=align_corners)
+        finally:
+            ctx.internal = False
+        for dim, start, rows in crops:
+            y = y.narrow(dim, start, rows)
+        return y
     for j, (i0, i1, lam) in enumerate(picks):
         dim = 2 + j
         lo = x.index_select(dim, i0.to(x.device))

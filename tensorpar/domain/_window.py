@@ -138,7 +138,7 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
     split = set(js)
     rest = [(0, 0) if j in split else pads[j] for j in range(k)]
     fetches, rows = window_plans(ctx, x, k, windows, mode, where)
-    if ctx.overlap and len(fetches) == 1 and rows[0] and all(a == b for a, b in rest) and \
+    if ctx.fast and len(fetches) == 1 and rows[0] and all(a == b for a, b in rest) and \
             (mode == "zeros" or not any(a for a, _ in rest)):
         d, plan, g = fetches[0]
         if overlap_applies(plan, ke[js[0]], module.stride[js[0]]):

@@ -108,7 +108,7 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
 
 def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
                        group: GroupLike = None, pointwise: Sequence[type | str] = (),
-                       overlap: bool = True
+                       double_backward: bool = False
                        ) -> nn.Module:
     """Make a dense convolutional model domain-parallel, in place.
 
@@ -147,10 +147,10 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             names): layers that act on each point or never see the image. Built in: torch's
             activations, dropout, ``Linear``, ``Embedding``, ``Flatten``, diffusers'
             ``Timesteps`` and neuraloperator's ``SoftGating``.
-        overlap: compute a stride-1 convolution's interior while its halo rows travel
-            (strips only; see the guide). Such a convolution is differentiable once:
-            pass ``False`` for double backward (a gradient penalty, a physics-informed
-            loss on input derivatives), which the general path supports.
+        double_backward: keep every layer differentiable any number of times (a gradient
+            penalty, a physics-informed loss on input derivatives). Default ``False``:
+            convolutions on strips compute while their halo travels and the norms run
+            torch's kernel with one exchange each way; those are differentiable once.
 
     Returns:
         ``model`` itself.
@@ -184,7 +184,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
                          + "\n  ".join(problems))
     ctx = DomainContext(dims_t, groups)
-    ctx.overlap = bool(overlap)
+    ctx.fast = not double_backward
     for m in model.modules():
         if id(m) in inside:
             continue
