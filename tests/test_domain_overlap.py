@@ -54,3 +54,46 @@ def test_double_backward_through_the_general_path_equals_dense():
 def test_double_backward_through_overlapped_convolutions_is_refused_clearly():
     for message in run_distributed(_penalty, 2, False, [9, 8], timeout=T):
         assert "double_backward=True" in message
+
+
+def _float32_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
+                         nn.MaxPool2d(2), nn.Upsample(scale_factor=2, mode="bilinear"),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True),
+                         nn.SiLU(), nn.Conv2d(4, 1, 1))
+
+
+def _float32(sizes):
+    rank = dist.get_rank()
+    dense = _float32_net()
+    x = torch.randn(2, 2, sum(sizes), 10, generator=torch.Generator().manual_seed(2)) * 3 + 1
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    start = sum(sizes[:rank])
+    xd = x.clone().requires_grad_()
+    out_d = dense(xd)
+    (out_d.square().sum() / x.numel()).backward()
+    tile = x.narrow(2, start, sizes[rank]).clone().requires_grad_()
+    out = par(tile)
+    (out.square().sum() / x.numel()).backward()
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+    worst = max(rel(out, out_d.narrow(2, start, sizes[rank])),
+                rel(tile.grad, xd.grad.narrow(2, start, sizes[rank])))
+    # against the largest gradient: a bias before a norm has a gradient that is zero in
+    # exact arithmetic, so only rounding noise to compare with itself
+    scale = max(q.grad.abs().max().item() for q in dense.parameters())
+    for p, q in zip(par.parameters(), dense.parameters(), strict=True):
+        worst = max(worst, (p.grad - q.grad).abs().max().item() / scale)
+    for b, c in zip(par.buffers(), dense.buffers(), strict=True):
+        worst = max(worst, rel(b.float(), c.float()))
+    return worst
+
+
+def test_fast_norms_and_upsampling_in_float32_match_dense():
+    # float32 takes the batch-norm statistics kernel (float64 takes var_mean)
+    assert max(run_distributed(_float32, 2, [9, 7], timeout=T)) < 5e-6
+    assert max(run_distributed(_float32, 3, [6, 4, 6], timeout=T)) < 5e-6
