@@ -45,8 +45,8 @@ def register_partial_sums(module: nn.Module, sums: PartialSums) -> None:
 
 def partial_sums_of(module: nn.Module) -> PartialSums | None:
     """The `PartialSums` registered on ``module``, or ``None``."""
-    sums = module.__dict__.get(_ATTR)
-    return sums if sums is not None else None
+    sums: PartialSums | None = module.__dict__.get(_ATTR)
+    return sums
 
 
 def product_group(groups: tuple[Group, ...], fn: str) -> Group:
