@@ -31,13 +31,12 @@ needs the GIL during finalization is killed, which aborts the process.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from tensorpar.errors import TensorparError
 from tensorpar.hierarchical._engine import engines
+from tensorpar.hierarchical._work import HierarchicalWork
 from tensorpar.hierarchical.topology import Topology
 
 __all__ = ["DEFAULT_SLICE_BYTES", "HierarchicalWork", "hierarchical_all_reduce",
@@ -155,41 +154,3 @@ def shutdown_hierarchical(topology: Topology | None = None, *,
         raise TypeError(f"shutdown_hierarchical: topology must be a tensorpar.Topology "
                         f"or None, got {type(topology).__name__}")
     return engines.close(topology, timeout)
-
-
-class HierarchicalWork:
-    """Handle of an asynchronous `hierarchical_all_reduce`: the result is ready after `wait`.
-
-    Waiting on CPU (gloo) blocks until the data is in place; on CUDA (NCCL) it makes the
-    caller's current stream wait for it, as ``torch.distributed`` works do. A handle dropped
-    without waiting still completes, in order with the topology's later calls.
-    """
-
-    def __init__(self) -> None:
-        self._issued = threading.Event()
-        self._final: list[Any] = []
-        self._error: BaseException | None = None
-        self._event: Any = None  # the caller's stream position, on accelerators
-        self._tasks_left = 0
-
-    def wait(self) -> bool:
-        """Wait for the all-reduce (idempotent).
-
-        Returns:
-            ``True``.
-
-        Raises:
-            TensorparError: a collective of the pipeline failed; the topology's subgroups
-                are then out of step and the topology must not be used again.
-        """
-        self._issued.wait()
-        if self._error is not None:
-            raise TensorparError(f"hierarchical_all_reduce: a collective of the pipeline "
-                                 f"failed: {self._error}") from self._error
-        for work in self._final:
-            work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        """True once every collective of the call has completed (never blocks)."""
-        return self._issued.is_set() and all(w.is_completed() for w in self._final)

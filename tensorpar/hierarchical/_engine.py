@@ -12,17 +12,15 @@ import queue
 import threading
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group, resolve_group
+from tensorpar.hierarchical._work import HierarchicalWork
 from tensorpar.hierarchical.topology import Topology
-
-if TYPE_CHECKING:
-    from tensorpar.hierarchical import HierarchicalWork
 
 __all__ = ["THREAD_NAME", "engines"]
 
