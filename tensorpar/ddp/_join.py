@@ -11,16 +11,27 @@ join broadcasts its model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import torch
+from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from tensorpar.collectives._buffers import broadcast_coalesced, common_rank, sum_flags
-
-if TYPE_CHECKING:
-    from tensorpar.ddp.data_parallel import DistributedDataParallel
+from tensorpar.ddp.reducer import BucketedAllReduce
 
 __all__ = ["DDPJoinHook"]
+
+
+class DistributedDataParallel(Protocol):
+    """What the hook uses of tensorpar's ``DistributedDataParallel`` (which builds it)."""
+
+    module: nn.Module
+    reducer: BucketedAllReduce
+    _divide_by_live_ranks: bool
+
+    @property
+    def join_device(self) -> torch.device: ...
 
 
 class DDPJoinHook(JoinHook):
