@@ -23,9 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar.comm._comm import all_to_all
 from tensorpar.comm._group import Group
-from tensorpar.domain._rows import RowPlan, validate_rows
+from tensorpar.domain._rows import RowPlan, row_index, start_exchange, validate_rows
 
 __all__ = ["overlapped_conv", "overlap_applies"]
 
@@ -49,21 +48,6 @@ def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     out: torch.Tensor = _HaloConv.apply(x, weight, bias, dim, plan, group, ke,  # type: ignore[no-untyped-call]
                                         conv)
     return out
-
-
-def _index(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=like.device)
-
-
-def _start_exchange(rows: torch.Tensor, dim: int, send: tuple[int, ...],
-                    recv: tuple[int, ...], group: Group) -> tuple[torch.Tensor, Any]:
-    """Post an uneven exchange of ``rows`` along ``dim``; (arriving rows, the pending work)."""
-    flat = rows.movedim(dim, 0).contiguous()
-    per = flat[0].numel() if flat.shape[0] else flat.new_empty(flat.shape[1:]).numel()
-    out = flat.new_empty((sum(recv), *flat.shape[1:]))
-    work = all_to_all(out.view(-1), flat.view(-1), [c * per for c in recv],
-                      [c * per for c in send], group, async_op=True)
-    return out, work
 
 
 def _conv_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, has_bias: bool,
@@ -92,8 +76,8 @@ class _HaloConv(torch.autograd.Function):
         lo = len(plan.lower)
         work = None
         if plan.exchange:
-            sent = x.index_select(dim, _index(plan.send_idx, x))
-            arrived, work = _start_exchange(sent, dim, plan.send_counts, plan.recv_counts,
+            sent = x.index_select(dim, row_index(plan.send_idx, x))
+            arrived, work = start_exchange(sent, dim, plan.send_counts, plan.recv_counts,
                                             group)
         fconv = getattr(F, f"conv{w.dim() - 2}d")
         y_mid = fconv(x, w, b, *conv)  # the interior, while the halo rows travel
@@ -102,14 +86,14 @@ class _HaloConv(torch.autograd.Function):
             work.wait()
             pieces.append(arrived.movedim(0, dim))
         if plan.self_idx:
-            pieces.append(x.index_select(dim, _index(plan.self_idx, x)))
+            pieces.append(x.index_select(dim, row_index(plan.self_idx, x)))
         if plan.fill:
             shape = list(x.shape)
             shape[dim] = 1
             pieces.append(x.new_zeros(shape))
         pool = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0] if pieces else x
-        below = pool.index_select(dim, _index(plan.lower, x)) if lo else None
-        above = pool.index_select(dim, _index(plan.upper, x)) if plan.upper else None
+        below = pool.index_select(dim, row_index(plan.lower, x)) if lo else None
+        above = pool.index_select(dim, row_index(plan.upper, x)) if plan.upper else None
         top, bottom = _bands(x, below, above, dim, ke)
         y_top = [fconv(top, w, b, *conv)] if top is not None else []
         y_bottom = [fconv(bottom, w, b, *conv)] if bottom is not None else []
@@ -150,11 +134,11 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         pool = x.new_zeros(shape)  # the halo rows' gradients, by where they came from
         g_top_in, g_bottom_in = band_grads[0][0], band_grads[1][0]
         if lo:
-            pool.index_add_(dim, _index(plan.lower, x), g_top_in.narrow(dim, 0, lo))
+            pool.index_add_(dim, row_index(plan.lower, x), g_top_in.narrow(dim, 0, lo))
         if hi:
-            pool.index_add_(dim, _index(plan.upper, x), g_bottom_in.narrow(dim, ke, hi))
+            pool.index_add_(dim, row_index(plan.upper, x), g_bottom_in.narrow(dim, ke, hi))
         if plan.exchange:
-            back, work = _start_exchange(pool.narrow(dim, 0, n_recv), dim,
+            back, work = start_exchange(pool.narrow(dim, 0, n_recv), dim,
                                          plan.recv_counts, plan.send_counts, group)
     gx, gw, gb = _conv_backward(g_mid.contiguous(), x, w, has_bias, conv, mask)
     for gw_band, gb_band in ((bg[1], bg[2]) for bg in band_grads):
@@ -168,8 +152,8 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if hi:
             gx.narrow(dim, n - ke, ke).add_(g_bottom_in.narrow(dim, 0, ke))
         if n_self:
-            gx.index_add_(dim, _index(plan.self_idx, x), pool.narrow(dim, n_recv, n_self))
+            gx.index_add_(dim, row_index(plan.self_idx, x), pool.narrow(dim, n_recv, n_self))
         if work is not None:
             work.wait()
-            gx.index_add_(dim, _index(plan.send_idx, x), back.movedim(0, dim))
+            gx.index_add_(dim, row_index(plan.send_idx, x), back.movedim(0, dim))
     return gx, gw, gb, None, None, None, None, None

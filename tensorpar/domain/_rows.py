@@ -31,7 +31,8 @@ from tensorpar.comm._comm import all_to_all as _all_to_all
 from tensorpar.comm._group import Group
 from tensorpar.validation import check, validation_enabled
 
-__all__ = ["RowPlan", "gather_rows", "map_row", "offsets", "plan_rows"]
+__all__ = ["RowPlan", "gather_rows", "map_row", "offsets", "plan_rows", "row_index",
+           "start_exchange", "validate_rows"]
 
 MODES = ("zeros", "circular", "reflect", "replicate")
 
@@ -181,18 +182,31 @@ def plan_rows(sizes: Sequence[int], wants: Sequence[tuple[int, int]], rank: int,
     )
 
 
-def _index(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+def row_index(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """``values`` as an index tensor on ``like``'s device."""
     return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def start_exchange(rows: torch.Tensor, dim: int, send: Sequence[int], recv: Sequence[int],
+                   group: Group) -> tuple[torch.Tensor, Any]:
+    """Post the exchange of ``rows`` (grouped by destination along ``dim``).
+
+    Returns what will arrive, by source, with the exchanged dim first, and the pending
+    work (wait on it before reading).
+    """
+    flat = rows.movedim(dim, 0).contiguous()  # (rows, ...)
+    per = _row_numel(flat)
+    out = flat.new_empty((sum(recv), *flat.shape[1:]))
+    work = _all_to_all(out.view(-1), flat.view(-1), [c * per for c in recv],
+                       [c * per for c in send], group, async_op=True)
+    return out, work
 
 
 def _exchange(rows: torch.Tensor, dim: int, send: Sequence[int], recv: Sequence[int],
               group: Group) -> torch.Tensor:
     """Send ``rows`` (grouped by destination along ``dim``); return what arrives, by source."""
-    flat = rows.movedim(dim, 0).contiguous()  # (rows, ...)
-    per = _row_numel(flat)
-    out = flat.new_empty((sum(recv), *flat.shape[1:]))
-    _all_to_all(out.view(-1), flat.view(-1), [c * per for c in recv], [c * per for c in send],
-                group)
+    out, work = start_exchange(rows, dim, send, recv, group)
+    work.wait()
     return out.movedim(0, dim)
 
 
@@ -213,24 +227,24 @@ def _gather(x: torch.Tensor, dim: int, plan: RowPlan, group: Group, fill: float
             ) -> torch.Tensor:
     pieces = []
     if plan.exchange:
-        sent = x.index_select(dim, _index(plan.send_idx, x))
+        sent = x.index_select(dim, row_index(plan.send_idx, x))
         pieces.append(_exchange(sent, dim, plan.send_counts, plan.recv_counts, group))
     if plan.lower or plan.upper:
         if plan.self_idx:
-            pieces.append(x.index_select(dim, _index(plan.self_idx, x)))
+            pieces.append(x.index_select(dim, row_index(plan.self_idx, x)))
         if plan.fill:
             pieces.append(x.new_full(_with_rows(x, dim, 1), fill))
     parts = []
     pool = torch.cat(pieces, dim) if len(pieces) > 1 else (pieces[0] if pieces else None)
     if plan.lower:
         assert pool is not None
-        parts.append(pool.index_select(dim, _index(plan.lower, x)))
+        parts.append(pool.index_select(dim, row_index(plan.lower, x)))
     a, b = plan.run
     if b > a or not parts:
         parts.append(x.narrow(dim, a, b - a))
     if plan.upper:
         assert pool is not None
-        parts.append(pool.index_select(dim, _index(plan.upper, x)))
+        parts.append(pool.index_select(dim, row_index(plan.upper, x)))
     return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
 
 
@@ -243,15 +257,16 @@ def _add_back(g: torch.Tensor, dim: int, plan: RowPlan, group: Group) -> torch.T
     if n_lower or n_upper or plan.exchange:
         pool = g.new_zeros(_with_rows(g, dim, n_recv + n_self + int(plan.fill)))
         if n_lower:
-            pool.index_add_(dim, _index(plan.lower, g), g.narrow(dim, 0, n_lower))
+            pool.index_add_(dim, row_index(plan.lower, g), g.narrow(dim, 0, n_lower))
         if n_upper:
-            pool.index_add_(dim, _index(plan.upper, g), g.narrow(dim, n_lower + b - a, n_upper))
+            pool.index_add_(dim, row_index(plan.upper, g),
+                            g.narrow(dim, n_lower + b - a, n_upper))
         if plan.exchange:
             back = _exchange(pool.narrow(dim, 0, n_recv), dim, plan.recv_counts,
                              plan.send_counts, group)
-            out.index_add_(dim, _index(plan.send_idx, g), back)
+            out.index_add_(dim, row_index(plan.send_idx, g), back)
         if n_self:
-            out.index_add_(dim, _index(plan.self_idx, g), pool.narrow(dim, n_recv, n_self))
+            out.index_add_(dim, row_index(plan.self_idx, g), pool.narrow(dim, n_recv, n_self))
     return out
 
 
