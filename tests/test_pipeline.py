@@ -94,6 +94,42 @@ def test_uneven_split(world_size):
     assert [len(r) for r in results] == split
 
 
+def _sizes_change_between_steps(virtual, sizes, post_ahead):
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), microbatches=4, schedule="1f1b", loss_fn=F.mse_loss,
+                          virtual_stages=virtual)
+    pipe._eager = post_ahead  # False: receive in the schedule's order, as on NCCL
+    for step, n in enumerate(sizes):
+        x, y = batch(n, step)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        dense_loss = F.mse_loss(dense(x), y)
+        dense_loss.backward()
+        _compare(pipe, dense, loss, dense_loss, f"step {step}, batch {n}")
+        pipe.zero_grad(), dense.zero_grad()
+    return sorted(pipe._rooms_in.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,virtual,post_ahead",  # not ahead: in order, as NCCL
+                         [(2, 1, True), (3, 1, True), (2, 2, True), (2, 1, False), (3, 1, False)])
+def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead):
+    # an activation travels inside its header's message when it fits the room the same
+    # transfer had in the last step: first step (no room), growing (a second message),
+    # shrinking (fits, with room to spare) and repeating (fits exactly)
+    sizes = (10, 7, 13, 13, 4)
+    rooms = run_distributed(_sizes_change_between_steps, world_size, virtual, sizes,
+                            post_ahead, timeout=100)
+    # what each receiving rank's frames have room for next: the last step's bytes
+    assert sorted(r for rank in rooms for r in rank) == sorted(
+        8 * WIDTHS[b] for b in _boundaries(world_size * virtual) for _ in range(4))
+
+
+def _boundaries(stages):
+    """The block index after which each stage boundary falls (7 blocks, tensor_split)."""
+    ends = [len(part) for part in torch.tensor_split(torch.arange(7), stages)]
+    return list(itertools.accumulate(ends))[:-1]
+
+
 def test_single_process_pipeline_equals_dense():
     assert _sequential_matches_dense("1f1b", 3, 13, 5, None, 2) == [str(i) for i in range(7)]
 

@@ -10,13 +10,16 @@ rounds:
 - torch: ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` over
   ``PipelineStage``\\ s of the same blocks.
 
-The step time is the slowest rank's. The measured bubble is ``1 - compute / step``,
-averaged over the ranks: ``compute`` is the time this rank takes for the same forwards and
-backwards of its stage(s) on the same microbatches with no communication and no schedule
-(timed in the same round, while the other ranks do the same), ``step`` the step time. All
-that is not this rank's own arithmetic counts as bubble: idle waits, transfers, headers,
-Python overhead. It is given for both libraries, next to theory's
-``(P - 1) / (V * m + P - 1)``.
+The step time is the slowest rank's. ``compute`` is the time a rank takes for the same
+forwards and backwards of its stage(s) on the same microbatches with no communication and
+no schedule (timed in the same round, while the other ranks do the same). The measured
+bubble is ``1 - compute / step`` of the rank with the most compute, the stage that sets the
+pace: all of its step that is not its own arithmetic counts (idle waits, transfers,
+headers, Python overhead). Theory's ``(P - 1) / (V * m + P - 1)`` assumes equal stages;
+these are not quite equal (the first stage computes no gradient for the batch, the last
+computes the loss), so a faster stage also waits for the slower one: the mean over the
+ranks of ``1 - compute / step`` (``idle``) counts that too. Both are given for both
+libraries.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
             theirs_step()
             compute()
         times: dict[str, list[float]] = {"ours": [], "theirs": [], "compute": [],
-                                         "bubble": [], "torch_bubble": []}
+                                         "bubble": [], "torch_bubble": [], "idle": [],
+                                         "torch_idle": []}
         for r in range(rounds):
             # the three in a rotating order, so that none always follows the same one
             order = [("ours", ours_step), ("theirs", theirs_step), ("compute", None)]
@@ -155,8 +159,10 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
             for key, step in order:
                 times[key].append(compute() if step is None else _timed(step))
             busy = times["compute"][-1]  # this rank's; the step time is the slowest rank's
-            times["bubble"].append(_mean(1.0 - busy / times["ours"][-1]))
-            times["torch_bubble"].append(_mean(1.0 - busy / times["theirs"][-1]))
+            slowest = _max(busy)
+            for key, step_key in (("", "ours"), ("torch_", "theirs")):
+                times[f"{key}bubble"].append(1.0 - slowest / times[step_key][-1])
+                times[f"{key}idle"].append(_mean(1.0 - busy / times[step_key][-1]))
         ratios = [a / b for a, b in zip(times["ours"], times["theirs"], strict=True)]
         out.append({"case": name, "ranks": ranks, "microbatches": microbatches,
                     "virtual_stages": virtual, "tensorpar": statistics.median(times["ours"]),
@@ -165,5 +171,7 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
                     "compute": _max(statistics.median(times["compute"])),
                     "bubble": statistics.median(times["bubble"]),
                     "torch_bubble": statistics.median(times["torch_bubble"]),
+                    "idle": statistics.median(times["idle"]),
+                    "torch_idle": statistics.median(times["torch_idle"]),
                     "bubble_theory": bubble_fraction(ranks, microbatches, virtual)})
     return out

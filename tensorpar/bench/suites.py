@@ -343,19 +343,23 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
                             world, m, args.rounds)[0]
     print(format_table(
         ["schedule", "ranks", "microbatches", "tensorpar ms", "torch ms", "paired tp/torch",
-         "compute ms", "bubble", "torch bubble", "theory", "bubble - theory"],
+         "compute ms", "bubble", "torch bubble", "theory", "bubble - theory", "idle",
+         "torch idle"],
         [[r["case"], r["ranks"], r["microbatches"], _ms(r["tensorpar"]), _ms(r["torch"]),
           _x(r["paired_ratio"]), _ms(r["compute"]), f"{r['bubble']:.3f}",
           f"{r['torch_bubble']:.3f}", f"{r['bubble_theory']:.3f}",
-          f"{r['bubble'] - r['bubble_theory']:+.3f}"] for r in results]))
+          f"{r['bubble'] - r['bubble_theory']:+.3f}", f"{r['idle']:.3f}",
+          f"{r['torch_idle']:.3f}"] for r in results]))
     print("(one training step of an nn.Sequential of Linear+GELU blocks, float32, sizes in "
           "tensorpar.bench.pipeline.SHAPE; torch: torch.distributed.pipelining's ScheduleGPipe "
           "/ Schedule1F1B / ScheduleInterleaved1F1B (2 virtual stages) on the same blocks; "
           "step: the slowest rank's, median over rounds; paired: median over rounds of the "
           "ratio within a round; compute: a rank's forwards and backwards of the same "
           "microbatches alone (no communication), slowest rank; bubble: 1 - compute / step "
-          "per rank in the same round, mean over ranks, median over rounds (tensorpar's "
-          "step, and torch's); theory: (P - 1) / (V m + P - 1))")
+          "of the rank with the most compute, in the same round, median over rounds "
+          "(tensorpar's step, and torch's); theory: (P - 1) / (V m + P - 1), for equal "
+          "stages; idle: 1 - compute / step per rank, mean over ranks (adds the faster "
+          "stages' waits for the slower))")
     return results
 
 

@@ -7,9 +7,14 @@ stay in one autograd graph each: `send` returns a `TensorPlaceholder` (the activ
 lives on ``dst``) whose ``.backward()`` waits for that gradient and pushes it into the
 sender's graph.
 
-The activation's metadata travels first, as a small int64 header (shape, dtype,
+The activation's metadata travels with it, as a small int64 header (shape, dtype,
 ``requires_grad``; never pickle), so the receiver needs no shape inference and a new shape
-every call works. Gradients travel without a header: both sides know their shape.
+every call works. The first message of an activation is a *frame*: the header, then room
+for ``room`` bytes of data that both sides agree on before the transfer (a pipeline uses
+what the same transfer carried in its previous step; the public functions use 0). When
+the activation fits, it travels inside the frame: one message. Otherwise the data follows
+in a second message; the receiver learns which from the header. Gradients travel without a
+header: both sides know their shape.
 
 ``dst``/``src`` are ranks **within** ``group``; the conversion to global ranks happens here.
 Sends are posted with ``isend``; ``pending`` lets a schedule collect the handles and wait
@@ -23,6 +28,7 @@ posted late waits for the sender's progress thread; posted early, the data is th
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -36,6 +42,7 @@ from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
     HEADER_LEN,
     KIND_TENSOR,
+    Header,
     TensorPlaceholder,
     decode_header,
     encode_header,
@@ -125,32 +132,71 @@ class Posted:
         return self.buffer
 
 
-def _header_of(x: torch.Tensor, link: Link, requires_grad: bool) -> torch.Tensor:
+HEAD_BYTES = -(-HEADER_LEN * 8 // 64) * 64
+"""Bytes at the front of a frame that hold the header (aligned for any dtype after it)."""
+
+
+def nbytes(x: torch.Tensor) -> int:
+    """The bytes of ``x``'s data: what a frame needs room for to carry it."""
+    return x.numel() * x.element_size()
+
+
+def _frame(x: torch.Tensor, link: Link, requires_grad: bool, room: int
+           ) -> tuple[torch.Tensor, ...]:
+    """The messages that carry ``x``: its frame, then its data when it did not fit."""
+    data = x.detach().contiguous()
     header = encode_header(KIND_TENSOR, x.shape, x.dtype, requires_grad, x.device.type)
-    return header.to(link.group.comm_device(x.device))
+    frame = torch.empty(HEAD_BYTES + room, dtype=torch.uint8,
+                        device=link.group.comm_device(x.device))
+    frame[:HEADER_LEN * 8].view(torch.int64).copy_(header)
+    size = nbytes(data)
+    fits = size <= room
+    frame[HEADER_LEN * 8:HEAD_BYTES].zero_()
+    frame[HEAD_BYTES + (size if fits else 0):].zero_()  # no stale bytes on the wire
+    if not fits:
+        return frame, data
+    frame[HEAD_BYTES:HEAD_BYTES + size].view(x.dtype).copy_(data.reshape(-1))
+    return (frame,)
+
+
+def _unframe(frame: torch.Tensor, room: int, device: torch.device
+             ) -> tuple[Header, torch.Tensor | None]:
+    """The header in ``frame`` and the data it carries (``None``: a second message has it)."""
+    header = decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu())
+    dtype = header.tensor_dtype
+    size = math.prod(header.shape) * dtype.itemsize
+    if size > room:
+        return header, None
+    data = frame[HEAD_BYTES:HEAD_BYTES + size].view(dtype).view(header.shape)
+    return header, data.to(device)
+
+
+def _frame_buffer(link: Link, room: int, device: torch.device | None) -> torch.Tensor:
+    return torch.empty(HEAD_BYTES + room, dtype=torch.uint8,
+                       device=link.group.comm_device(device))
 
 
 class _Send(torch.autograd.Function):
     """Forward: send ``x`` to the peer. Backward: receive its gradient from the peer."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, link: Link) -> torch.Tensor:
-        data = x.detach().contiguous()
+    def forward(ctx: Any, x: torch.Tensor, link: Link,
+                messages: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         ctx.link = link
         ctx.meta = Meta(x.shape, x.dtype, x.device)
         # the gradient's receive, posted now: it is ready whenever the peer sends it
-        ctx.posted = link.reverse().post_receive(torch.empty_like(data)) \
-            if link.eager else None
-        link.post_send(data)
+        ctx.posted = link.reverse().post_receive(
+            torch.empty(x.shape, dtype=x.dtype, device=x.device)) if link.eager else None
+        link.post_send(*(messages if messages is not None else (x.detach().contiguous(),)))
         return x.new_empty(0)  # the anchor of the send in this rank's graph
 
     @staticmethod
-    def backward(ctx: Any, anchor_grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, anchor_grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         posted, meta, link = ctx.posted, ctx.meta, ctx.link.reverse()
         source = posted.wait if posted is not None else \
             (lambda: link.receive(torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)))
         grad: torch.Tensor = _Recv.apply(anchor_grad, link, source)
-        return grad, None
+        return grad, None, None
 
 
 class _Recv(torch.autograd.Function):
@@ -171,34 +217,44 @@ class _Recv(torch.autograd.Function):
         return anchor_grad.reshape(ctx.anchor_shape), None, None
 
 
-def send_activation(x: torch.Tensor, link: Link) -> TensorPlaceholder:
-    """Send the header and ``x`` over ``link``; a placeholder of ``x`` owned by the peer."""
+def send_activation(x: torch.Tensor, link: Link, room: int = 0) -> TensorPlaceholder:
+    """Send ``x`` and its header over ``link``; a placeholder of ``x`` owned by the peer.
+
+    ``room``: the bytes of data the receiver's frame has room for (agreed by both sides).
+    """
     graph = x.requires_grad and torch.is_grad_enabled()
-    link.post_send(_header_of(x, link, graph))
+    messages = _frame(x, link, graph, room)
     if graph:
-        anchor = _Send.apply(x, link)
+        anchor = _Send.apply(x, link, messages)
         return TensorPlaceholder(x.shape, x.dtype, device=x.device, requires_grad=True,
                                  owner=link.peer, group=link.group.handle, _anchor=anchor)
-    link.post_send(x.detach().contiguous())
+    link.post_send(*messages)
     return TensorPlaceholder(x.shape, x.dtype, device=x.device, requires_grad=False,
                              owner=link.peer, group=link.group.handle)
 
 
 def recv_activation(like: TensorPlaceholder | None, link: Link,
-                    device: torch.device | None = None) -> torch.Tensor:
-    """Receive the header, check it against ``like``, then the data (in the graph if needed)."""
-    comm = link.group.comm_device(device if device is not None else
-                                  like.device if like is not None else None)
-    header = decode_header(link.receive(torch.empty(HEADER_LEN, dtype=torch.int64,
-                                                    device=comm)).cpu())
+                    device: torch.device | None = None, room: int = 0
+                    ) -> tuple[torch.Tensor, int]:
+    """Receive the frame, check its header against ``like``, then the data if it follows.
+
+    Returns the tensor (in the graph if the sender's was) and its bytes (the room the
+    next frame of this transfer will have).
+    """
+    hint = device if device is not None else like.device if like is not None else None
+    comm = link.group.comm_device(hint)
+    where = hint if hint is not None else comm
+    header, data = _unframe(link.receive(_frame_buffer(link, room, hint)), room, where)
     dtype = header.tensor_dtype
     if like is not None and (like.shape, like.dtype) != (header.shape, dtype):
         raise CollectiveArgumentError(
             f"recv: the placeholder describes {like.dtype}{list(like.shape)}, but rank "
             f"{link.peer} sent {header.describe()}")
-    where = device if device is not None else like.device if like is not None else comm
+    if data is not None:
+        return _in_graph(header.requires_grad, link, data, lambda: data), nbytes(data)
     buffer = torch.empty(header.shape, dtype=dtype, device=where)
-    return _in_graph(header.requires_grad, link, buffer, lambda: link.receive(buffer))
+    return (_in_graph(header.requires_grad, link, buffer, lambda: link.receive(buffer)),
+            nbytes(buffer))
 
 
 def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
@@ -212,32 +268,40 @@ def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
 
 
 class Inbox:
-    """The activations a rank receives in one step, their headers' receives posted up front.
+    """The activations a rank receives in one step, their frames' receives posted up front.
 
-    `poll` posts the data's receive of every header that has arrived, so that the data
+    ``rooms`` holds the room of each key's frame (missing: 0); each arrival updates it to
+    the bytes that came, the room of the same transfer in the next step. `poll` posts the
+    data's receive of every frame that has arrived without its data, so that the data
     moves while this rank computes; `take` waits for what is still missing. Only for a
     backend that pairs transfers by tag (the receives are posted out of the senders' order).
     """
 
-    def __init__(self, links: dict[Hashable, Link], device: torch.device) -> None:
+    def __init__(self, links: dict[Hashable, Link], device: torch.device,
+                 rooms: dict[Hashable, int]) -> None:
         self._device = device
+        self._rooms = rooms
         self._waiting: dict[Hashable, tuple[Link, Posted]] = {}
         self._ready: dict[Hashable, tuple[Link, Any, Posted]] = {}
         for key, link in links.items():
-            comm = link.group.comm_device(device)
-            self._waiting[key] = (link, link.post_receive(
-                torch.empty(HEADER_LEN, dtype=torch.int64, device=comm)))
+            room = rooms.get(key, 0)
+            self._waiting[key] = (link, link.post_receive(_frame_buffer(link, room, device)))
 
     def poll(self) -> None:
-        """Post the data receive of every activation whose header has arrived."""
+        """Post the data receive of every activation whose frame has arrived."""
         for key in [k for k, (_, h) in self._waiting.items() if h.done()]:
             self._post_data(key)
 
     def _post_data(self, key: Hashable) -> None:
         link, posted = self._waiting.pop(key)
-        header = decode_header(posted.wait().cpu())
+        header, data = _unframe(posted.wait(), self._rooms.get(key, 0), self._device)
+        if data is not None:
+            self._ready[key] = (link, header, Posted(None, data))
+            self._rooms[key] = nbytes(data)
+            return
         buffer = torch.empty(header.shape, dtype=header.tensor_dtype, device=self._device)
         self._ready[key] = (link, header, link.post_receive(buffer))
+        self._rooms[key] = nbytes(buffer)
 
     def take(self, key: Hashable) -> torch.Tensor:
         """The activation ``key`` (waiting for it), in the graph when the sender's was."""
@@ -319,4 +383,4 @@ def recv(like: TensorPlaceholder | None = None, *, src: int, group: GroupLike = 
         raise CollectiveTypeError(f"recv: like must be a TensorPlaceholder or None, got "
                                   f"{type(like).__name__}")
     link = _link("recv", group, src, "src", tag)
-    return recv_activation(like, link, None if device is None else torch.device(device))
+    return recv_activation(like, link, None if device is None else torch.device(device))[0]

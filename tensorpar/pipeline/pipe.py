@@ -12,7 +12,7 @@ from torch import nn
 
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.pipeline.p2p import Inbox, Link, recv_activation, send_activation
+from tensorpar.pipeline.p2p import Inbox, Link, nbytes, recv_activation, send_activation
 from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
 from tensorpar.pipeline.stages import (
     Decoder,
@@ -48,6 +48,8 @@ class Pipeline(nn.Module):
         last_busy: seconds the last `step` spent computing on this rank (its forwards and
             backwards, less the time their receives waited): ``1 - last_busy / step time``
             is this rank's bubble.
+        last_timeline: the last `step`'s actions on this rank with their start and end,
+            in seconds from the start of the step (receives included).
     """
 
     def __init__(self, model: nn.Module, *, group: GroupLike, microbatches: int,
@@ -108,6 +110,13 @@ class Pipeline(nn.Module):
         # gloo pairs transfers by tag: receives may be posted ahead of the schedule's order
         self._eager = g.size > 1 and "gloo" in _backend(g)
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
+        self.last_timeline: list[tuple[Action, float, float]] = []
+        # the bytes each activation transfer carried in the last step, keyed (microbatch,
+        # sending stage) here and (microbatch, receiving stage) on the receiver: the room
+        # of its frame in the next step, so that an activation whose size repeats travels
+        # in one message with its header
+        self._rooms_out: dict[tuple[int, int], int] = {}
+        self._rooms_in: dict[Any, int] = {}
 
     # -- where things are -------------------------------------------------------------
     @property
@@ -178,11 +187,13 @@ class Pipeline(nn.Module):
         device = self._device()
         waited = [0.0]
         busy = 0.0
+        origin = time.perf_counter()
+        self.last_timeline = []
         # every activation this step receives: headers posted now, data as they arrive
         inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
                                                            pending, waited)
                        for a in self._actions if a.kind == "F" and a.stage > 0},
-                      device) if self._eager else None
+                      device, self._rooms_in) if self._eager else None
         for action in self._actions:
             k, i = action.stage, action.microbatch
             spec = self.stages[k // self._group.size]
@@ -195,7 +206,9 @@ class Pipeline(nn.Module):
                 elif inbox is not None:
                     x = inbox.take((i, k))
                 else:
-                    x = recv_activation(None, self._link(k, i, False, pending, waited), device)
+                    x, self._rooms_in[(i, k)] = recv_activation(
+                        None, self._link(k, i, False, pending, waited), device,
+                        self._rooms_in.get((i, k), 0))
                 y = run_stage(self, spec, x, self._decoder)
                 if spec.last:
                     loss = self._loss(y, targets[i], weights[i])
@@ -204,12 +217,16 @@ class Pipeline(nn.Module):
                 elif single:
                     held[(i, k)] = y
                 else:
-                    held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited))
+                    held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited),
+                                                   self._rooms_out.get((i, k), 0))
+                    self._rooms_out[(i, k)] = nbytes(y)
             elif spec.last or not single:  # the loss, or the send's placeholder
                 done = held.pop((i, k))
                 if done.requires_grad:  # a stage whose output needs no gradient: none comes
                     done.backward()
-            busy += time.perf_counter() - start
+            end = time.perf_counter()
+            busy += end - start
+            self.last_timeline.append((action, start - origin, end - origin))
             if inbox is not None:
                 inbox.poll()
             # let go of sends that are done: their tensors would otherwise live to the end
