@@ -106,6 +106,12 @@ def _sizes_change_between_steps(virtual, sizes, post_ahead):
         dense_loss.backward()
         _compare(pipe, dense, loss, dense_loss, f"step {step}, batch {n}")
         pipe.zero_grad(), dense.zero_grad()
+        # the step's actions, each forward and backward of every microbatch once, in order
+        timeline = pipe.last_timeline
+        assert sorted((a.kind, a.microbatch) for a, _, _ in timeline) == sorted(
+            (kind, i) for kind in "FB" for i in range(4) for _ in range(virtual))
+        assert all(0 <= s <= e for _, s, e in timeline)
+        assert all(e <= s for (_, _, e), (_, s, _) in itertools.pairwise(timeline))
     return sorted(pipe._rooms_in.values())
 
 
