@@ -183,6 +183,82 @@ def test_data_parallel_pipeline_replicas_equal_dense():
     run_distributed(_dp_x_pp_matches_dense, 4, timeout=100)
 
 
+def _fsdp_x_pp_matches_dense(virtual):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), group=mesh.get_group("pp"), microbatches=4,
+                          loss_fn=F.mse_loss, virtual_stages=virtual)
+    for block in pipe.children():  # FSDP2 over the replicas, block by block
+        fully_shard(block, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
+    reduce_scatters = []
+    # FSDP2 calls one of these, by the torch version (looked up on the module at each call)
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def counted(*args, **kwargs):
+            reduce_scatters.append(name)
+            return originals[name](*args, **kwargs)
+        return counted
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        for step in range(2):
+            x, y = batch(12, step)  # each replica takes its half of the batch
+            mine = slice(6 * replica, 6 * replica + 6)
+            pipe.step(x[mine] if pipe.is_first else None, y[mine] if pipe.is_last else None)
+            F.mse_loss(dense(x), y).backward()
+            grads = dict(dense.named_parameters())
+            for name, p in pipe.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=TOL,
+                                           atol=TOL, msg=name)
+            torch.testing.assert_close(tp.nn.grad_norm(pipe), torch.nn.utils.get_total_norm(
+                [p.grad for p in dense.parameters()]), rtol=TOL, atol=TOL)
+            opt.step(), dense_opt.step(), opt.zero_grad(), dense_opt.zero_grad()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    params = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), params[name], rtol=TOL, atol=TOL, msg=name)
+    return len(reduce_scatters), len(list(pipe.children()))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_fsdp2_across_pipeline_replicas_equals_dense(virtual):
+    # 4 ranks: 2 replicas x 2 stages; each block reduce-scatters once per step (in its
+    # stage's last backward), not once per microbatch
+    for calls, blocks in run_distributed(_fsdp_x_pp_matches_dense, 4, virtual, timeout=100):
+        assert calls == 2 * blocks
+
+
+def _fsdp_on_the_pipeline_itself_raises():
+    from torch.distributed.fsdp import fully_shard
+
+    pipe = tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss)
+    fully_shard(pipe)
+    x, y = batch(4, 0)
+    try:
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_on_the_pipeline_itself_raises_on_every_rank():
+    for message in run_distributed(_fsdp_on_the_pipeline_itself_raises, 2, timeout=50):
+        assert "apply it to the blocks of its stages" in message
+
+
 def _own_loss_on_vocab_parallel_head_raises():
     pp_group, tp_group = mesh_groups(2, 2)
     model = tp.parallelize(llama(), plan_from_transformers(llama()), group=tp_group)

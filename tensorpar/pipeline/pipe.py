@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tensorpar._torch import is_fsdp_module
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.pipeline.p2p import Inbox, Link, nbytes, recv_activation, send_activation
@@ -107,6 +108,7 @@ class Pipeline(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self._actions: list[Action] = rows[g.rank]
+        self._fsdp_modules: list[Any] = []  # filled at the first step (fully_shard comes after)
         # gloo pairs transfers by tag: receives may be posted ahead of the schedule's order
         self._eager = g.size > 1 and "gloo" in _backend(g)
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
@@ -177,6 +179,7 @@ class Pipeline(nn.Module):
         """
         problem = self._check(inputs, target)
         self._agree(problem, inputs, target)
+        self._fsdp_modules = [m for m in self.modules() if is_fsdp_module(m)]
         pending: list[Any] = []
         batch = list(torch.tensor_split(inputs, self.microbatches)) \
             if self.is_first and isinstance(inputs, torch.Tensor) else []
@@ -189,6 +192,7 @@ class Pipeline(nn.Module):
         busy = 0.0
         origin = time.perf_counter()
         self.last_timeline = []
+        final_backward = {a.stage: a.microbatch for a in self._actions if a.kind == "B"}
         # every activation this step receives: headers posted now, data as they arrive
         inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
                                                            pending, waited)
@@ -221,6 +225,7 @@ class Pipeline(nn.Module):
                                                    self._rooms_out.get((i, k), 0))
                     self._rooms_out[(i, k)] = nbytes(y)
             elif spec.last or not single:  # the loss, or the send's placeholder
+                self._gradient_sync(final_backward[k] == i)
                 done = held.pop((i, k))
                 if done.requires_grad:  # a stage whose output needs no gradient: none comes
                     done.backward()
@@ -243,6 +248,16 @@ class Pipeline(nn.Module):
                                            if p.is_floating_point()), torch.float32),
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
+
+    def _gradient_sync(self, final: bool) -> None:
+        """FSDP2 across replicas reduces a stage's gradients in its last backward only.
+
+        Earlier microbatches accumulate unsharded gradients (FSDP2's gradient accumulation),
+        so each stage reduce-scatters once per step instead of once per microbatch. Only
+        the modules of the stage whose backward runs next read the flag.
+        """
+        for module in self._fsdp_modules:
+            module.set_requires_gradient_sync(final, recurse=False)
 
     def tied_copies(self) -> list[nn.Parameter]:
         """Parameters whose gradient another stage holds too (a tied LM head on the last).
@@ -271,6 +286,14 @@ class Pipeline(nn.Module):
             weight.grad = total
 
     def _check(self, inputs: Any, target: Any) -> str:
+        if is_fsdp_module(self):
+            return ("Pipeline.step: fully_shard was applied to the pipeline itself, whose "
+                    "forward the step never calls; apply it to the blocks of its stages "
+                    "(each child module) instead")
+        if self._tied and any(is_fsdp_module(m) for m in self.modules()):
+            return ("Pipeline.step: a parameter tied across stages (a tied embedding and LM "
+                    "head) under fully_shard is not supported; untie it or shard the "
+                    "replicas with tensorpar.pipeline.average_gradients")
         if self.is_first:
             if not isinstance(inputs, torch.Tensor):
                 return (f"Pipeline.step: the first stage (rank {self._group.rank}) needs the "
