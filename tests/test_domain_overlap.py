@@ -94,6 +94,6 @@ def _float32(sizes):
 
 
 def test_fast_norms_and_upsampling_in_float32_match_dense():
-    # float32 takes the batch-norm statistics kernel (float64 takes var_mean)
+    # float32 takes the group-norm statistics kernel (float64 takes var_mean)
     assert max(run_distributed(_float32, 2, [9, 7], timeout=T)) < 5e-6
     assert max(run_distributed(_float32, 3, [6, 4, 6], timeout=T)) < 5e-6

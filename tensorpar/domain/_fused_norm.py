@@ -4,17 +4,19 @@ The general path (`tensorpar.domain._norms`) builds the statistics from autograd
 all-reduces forward (the mean, then the squared deviations), two backward, and a handful
 of passes over the tile each way. This Function does what a fused kernel does:
 
-- forward: each rank's mean and squared deviations per channel (torch's batch-norm
-  statistics kernel; ``var_mean`` in float64), merged over the domain in one all-gather
-  (Chan's pairwise formula: no cancellation), then torch's own ``batch_norm`` kernel with
-  those statistics;
+- forward: each rank's mean and squared deviations per statistics channel (torch's
+  group-norm kernel, which computes them in one pass; ``var_mean`` in float64), merged
+  over the domain in one all-gather (Chan's pairwise formula: no cancellation), then one
+  pass of torch's ``batch_norm`` kernel that normalises and applies the affine at once;
 - backward: torch's ``batch_norm`` backward with fixed statistics (the gradient as if the
   statistics were constants) and the per-channel sums of the gradient, which one
   all-reduce turns into the domain's; the statistics' share of the input gradient is
-  affine in the centred input (two more passes).
+  affine in the input (two more passes).
 
-The tensor is viewed as ``(A, K, B)``: statistics per ``K`` over ``A`` and ``B`` (batch
-norm: ``(N, C, points)``; group norm: ``(1, N * groups, rest)``). Differentiable once
+The tensor comes *fine*, ``(A, K * r, B)``: each fine channel has its own affine weight,
+and ``r`` consecutive fine channels share statistics, taken over ``A``, the ``r`` channels
+and ``B`` (batch norm: ``(N, C, points)``, ``r = 1``; group norm: ``(1, N * C, points)``,
+``r = C / groups``, its weight repeated per sample). Differentiable once
 (``parallelize_domain(..., double_backward=True)`` keeps the general path).
 """
 
@@ -35,16 +37,17 @@ __all__ = ["fused_norm"]
 _SUM: Any = dist.ReduceOp.SUM if dist.is_available() else None
 
 
-def fused_norm(ctx: DomainContext, xv: torch.Tensor, weight: torch.Tensor | None,
-               bias: torch.Tensor | None, eps: float, count: int
+def fused_norm(ctx: DomainContext, xf: torch.Tensor, weight: torch.Tensor | None,
+               bias: torch.Tensor | None, eps: float, count: int, r: int = 1
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, mean, biased var)`` of ``xv`` ``(A, K, B)`` normalised per ``K``.
+    """``(y, mean, biased var)`` of the fine view ``xf`` ``(A, K * r, B)``.
 
-    ``count``: the domain's points per ``K``. ``weight`` and ``bias`` (``K`` entries) are
-    applied inside (batch norm's affine).
+    Statistics per ``K`` (``r`` consecutive fine channels each); ``count``: the domain's
+    points per ``K``. ``weight`` and ``bias`` (one entry per fine channel) are applied in
+    the same pass.
     """
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _DomainNorm.apply(  # type: ignore[no-untyped-call]
-        xv, weight, bias, ctx, eps, count)
+        xf.contiguous(), weight, bias, ctx, eps, count, r)
     return out
 
 
@@ -52,8 +55,12 @@ def _merge(stats: torch.Tensor, group: Group) -> torch.Tensor:
     """Merge ``[count, mean (K), M2 (K)]`` over ``group`` (pairwise update, float64)."""
     every = stats.new_empty(group.size * stats.numel())
     all_gather_into(every, stats, group)
-    rows = every.view(group.size, -1)
-    k = (stats.numel() - 1) // 2
+    return _combine(every.view(group.size, -1))
+
+
+def _combine(rows: torch.Tensor) -> torch.Tensor:
+    """Merge rows of ``[count, mean (K), M2 (K)]`` into one (Chan's pairwise update)."""
+    k = (rows.shape[1] - 1) // 2
     n, means, m2 = rows[:, :1], rows[:, 1:1 + k], rows[:, 1 + k:]
     total = n.sum()
     mean = (n * means).sum(0) / total.clamp(min=1)
@@ -61,39 +68,42 @@ def _merge(stats: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat([total.view(1), mean, spread])
 
 
-def _local_moments(xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This tile's biased variance (float64) and mean per channel of ``(A, K, B)``."""
+def _local_stats(xv: torch.Tensor) -> torch.Tensor:
+    """``[count, mean (K), M2 (K)]`` (float64) of this tile's ``(A, K, B)`` per ``K``."""
+    a, k, b = xv.shape
     if xv.dtype == torch.float64:  # exact: the tests hold float64 to 1e-10 of dense
         var, mean = torch.var_mean(xv, dim=(0, 2), correction=0)
-        return var.double(), mean
-    # torch's batch-norm statistics kernel, several times faster than var_mean on a CPU;
-    # with eps 0 the variance is 1 / invstd**2 (0 where the tile is constant), a rounding
-    # well below the input's own in low precision
-    _, mean, invstd = torch.ops.aten.native_batch_norm(xv, None, None, None, None, True,
-                                                       0.0, 0.0)
-    return torch.where(torch.isinf(invstd), 0.0, invstd.double().pow(-2)), mean
+        return torch.cat([var.new_full((1,), float(a * b)), mean, var * (a * b)])
+    # torch's group-norm kernel: mean and 1 / std of each (a, k) row in one pass, several
+    # times faster than var_mean on a CPU; with eps 0 the variance is 1 / rstd**2 (0 where
+    # a row is constant), a rounding well below the input's own in low precision
+    _, mean, rstd = torch.ops.aten.native_group_norm(xv, None, None, a, k, b, k, 0.0)
+    var = torch.where(torch.isinf(rstd), 0.0, rstd.double().pow(-2)).view(a, k)
+    rows = torch.cat([var.new_full((a, 1), float(b)), mean.double().view(a, k), var * b], 1)
+    return rows[0] if a == 1 else _combine(rows)
 
 
 class _DomainNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, xv: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
-                dctx: DomainContext, eps: float, count: int) -> tuple[torch.Tensor, ...]:
-        k = xv.shape[1]
-        n_local = xv.shape[0] * xv.shape[2]
-        if n_local:
-            var, mean = _local_moments(xv)
-            stats = torch.cat([mean.new_full((1,), float(n_local), dtype=torch.float64),
-                               mean.double(), var * n_local])
+    def forward(ctx: Any, xf: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+                dctx: DomainContext, eps: float, count: int, r: int
+                ) -> tuple[torch.Tensor, ...]:
+        a, kr, bf = xf.shape
+        k = kr // r
+        if xf.numel():
+            stats = _local_stats(xf.view(a, k, r * bf))
         else:  # an empty tile: nothing to add
-            stats = xv.new_zeros(1 + 2 * k, dtype=torch.float64)
+            stats = xf.new_zeros(1 + 2 * k, dtype=torch.float64)
         for g in dctx.groups:
             if not g.is_single:
-                stats = _merge(stats.to(g.comm_device(xv.device)), g).to(xv.device)
-        mean = stats[1:1 + k].to(xv.dtype)
-        var = (stats[1 + k:] / max(count, 1)).to(xv.dtype)
-        y = F.batch_norm(xv, mean, var, w, b, False, 0.0, eps) if n_local else xv.clone()
-        ctx.save_for_backward(xv, w, mean, var)
-        ctx.args = (dctx, eps, count, b is not None)
+                stats = _merge(stats.to(g.comm_device(xf.device)), g).to(xf.device)
+        mean = stats[1:1 + k].to(xf.dtype)
+        var = (stats[1 + k:] / max(count, 1)).to(xf.dtype)
+        fine_mean, fine_var = mean.repeat_interleave(r), var.repeat_interleave(r)
+        y = F.batch_norm(xf, fine_mean, fine_var, w, b, False, 0.0, eps) if xf.numel() \
+            else xf.clone()
+        ctx.save_for_backward(xf, w, fine_mean, fine_var)
+        ctx.args = (dctx, eps, count, r, b is not None)
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
@@ -103,26 +113,29 @@ class _DomainNorm(torch.autograd.Function):
             raise RuntimeError("a fused domain-parallel norm is differentiable once; for double "
                                "backward convert with parallelize_domain(..., "
                                "double_backward=True)")
-        xv, w, mean, var = ctx.saved_tensors
-        dctx, eps, count, has_bias = ctx.args
-        k = xv.shape[1]
-        if xv.numel():
+        xf, w, fine_mean, fine_var = ctx.saved_tensors
+        dctx, eps, count, r, has_bias = ctx.args
+        kr = xf.shape[1]
+        if xf.numel():
             gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                gy.contiguous(), xv, w, mean, var, None, None, False, eps, [True, True, True])
+                gy.contiguous(), xf, w, fine_mean, fine_var, None, None, False, eps,
+                [True, True, True])
         else:
-            gx, gw, gb = torch.zeros_like(xv), xv.new_zeros(k), xv.new_zeros(k)
-        # gw = sum(gy * xhat), gb = sum(gy) on this tile (weight or not); over the domain:
-        sums = torch.stack([gb, gw])
+            gx, gw, gb = torch.zeros_like(xf), xf.new_zeros(kr), xf.new_zeros(kr)
+        # per fine channel on this tile: gb = sum(gy), gw = sum(gy * xhat); the statistics'
+        # share needs, per K over the domain, the sums of gy * weight and gy * weight * xhat
+        scale_w = w if w is not None else torch.ones_like(fine_mean)
+        sums = torch.stack([gb * scale_w, gw * scale_w]).view(2, -1, r).sum(2)
         for g in dctx.groups:
             if not g.is_single:
                 all_reduce(sums, _SUM, g)
-        rstd = torch.rsqrt(var + eps)
-        scale = (w if w is not None else torch.ones_like(rstd)) * rstd / max(count, 1)
-        if xv.numel():  # minus scale * (sum(gy) + xhat * sum(gy * xhat)), xhat from x - mean
-            centred = xv - mean.view(1, k, 1)
-            gx.addcmul_(centred, (-scale * rstd * sums[1]).view(1, k, 1))
-            gx.sub_((scale * sums[0]).view(1, k, 1))
+        if xf.numel():  # minus rstd / count * (S0 + xhat S1), xhat = (x - mean) rstd
+            rstd = torch.rsqrt(fine_var + eps)
+            s0, s1 = sums[0].repeat_interleave(r), sums[1].repeat_interleave(r)
+            coef = rstd / max(count, 1)
+            slope = coef * rstd * s1
+            gx.addcmul_(xf, (-slope).view(1, kr, 1))
+            gx.sub_((coef * s0 - slope * fine_mean).view(1, kr, 1))
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         return (gx if need_x else None, gw if need_w else None,
-                gb if need_b and has_bias else None, None, None, None)
-
+                gb if need_b and has_bias else None, None, None, None, None)

@@ -63,12 +63,6 @@ def _channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.view(1, -1, *([1] * (x.dim() - 2)))
 
 
-def _affine(module: Any, y: torch.Tensor) -> torch.Tensor:
-    if not module.affine:
-        return y
-    return torch.addcmul(_channel(module.bias, y), y, _channel(module.weight, y))
-
-
 def _split_dims_in(ctx: DomainContext, x: torch.Tensor, dims: list[int]) -> bool:
     return any(x.dim() + d in dims for d in ctx.dims)
 
@@ -117,8 +111,10 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     xg = x.reshape(n, g, c // g, *x.shape[2:])
     if ctx.fast:
         count = _global_count(ctx, xg, list(range(2, xg.dim())), where)
-        y, _, _ = fused_norm(ctx, x.reshape(1, n * g, -1), None, None, module.eps, count)
-        return _affine(module, y.view(x.shape))
+        w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
+            else (None, None)
+        y, _, _ = fused_norm(ctx, x.reshape(1, n * c, -1), w, b, module.eps, count, c // g)
+        return y.view(x.shape)
     # split dims keep their (negative) position in the grouped view
     centred, _, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
     y = _normalize(centred, var, module.eps).reshape(x.shape)
@@ -134,9 +130,11 @@ def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> t
     where = f"{type(module).__name__} (domain-parallel)"
     if ctx.fast:
         count = _global_count(ctx, x, list(range(2, x.dim())), where)
-        y, _, _ = fused_norm(ctx, x.reshape(1, x.shape[0] * x.shape[1], -1), None, None,
-                             module.eps, count)
-        return _affine(module, y.view(x.shape))
+        n = x.shape[0]
+        w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
+            else (None, None)
+        y, _, _ = fused_norm(ctx, x.reshape(1, n * x.shape[1], -1), w, b, module.eps, count)
+        return y.view(x.shape)
     centred, _, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
     y = _normalize(centred, var, module.eps)
     if module.affine:
