@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 
 from tensorpar.collectives._split import balanced_sizes
+from tensorpar.collectives.functional import gather, scatter
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.placeholder import TensorPlaceholder
 
-__all__ = ["AnyShard", "PackedShard", "Piece", "Shard", "packed_shard_of", "shard_of"]
+__all__ = ["AnyShard", "PackedShard", "Piece", "Shard", "gather_shards", "packed_shard_of",
+           "scatter_shards", "shard_of"]
 
 Piece: TypeAlias = tuple[int, int, int]
 """``(dense start, local start, length)``: one contiguous piece of a rank's shard."""
@@ -150,3 +153,17 @@ def packed_shard_of(fn: str, blocks: Sequence[int], group: GroupLike,
     g = resolve_group(group, fn)
     return PackedShard(g, tuple(shard_of(fn, n, g, unit) for n, unit in zip(blocks, units,
                                                                              strict=True)))
+
+
+def gather_shards(local: torch.Tensor, shard: AnyShard, dim: int, dst: int
+                  ) -> torch.Tensor | TensorPlaceholder:
+    """Every rank's shard gathered on ``dst``, in the dense order (blocks unpermuted)."""
+    out = gather(local, dim=dim, dst=dst, group=shard.group, sizes=shard.sizes)
+    return shard.unpack(out, dim) if isinstance(out, torch.Tensor) else out
+
+
+def scatter_shards(dense: Any, shard: AnyShard, dim: int, src: int) -> torch.Tensor:
+    """This rank's shard of the dense tensor on ``src`` (``None``/a placeholder elsewhere)."""
+    if isinstance(dense, torch.Tensor) and shard.group.rank == src:
+        dense = shard.pack(dense, dim)
+    return scatter(dense, dim=dim, src=src, group=shard.group, sizes=shard.sizes)

@@ -20,6 +20,7 @@ from tensorpar.nn.layers._shard import AnyShard, Shard, shard_of
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.layers.linear import ShardedLayer, column_shard, row_output
 from tensorpar.nn.state._local_shard import mark_shards
+from tensorpar.nn.state.replica_check import install_step_hook
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D"]
 
@@ -80,6 +81,7 @@ class ColumnParallelConv1D(ShardedLayer):
         with torch.no_grad():
             self.weight.normal_(0.0, 0.02)  # Conv1D's own initialisation
         if not self.shard.group.is_single:
+            install_step_hook()  # the shards' optimizer state: refused by DCP
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +158,7 @@ class RowParallelConv1D(ShardedLayer):
             self.weight.normal_(0.0, 0.02)
         self._specs = SpecCache("RowParallelConv1D", self.shard)
         if not self.shard.group.is_single:
+            install_step_hook()  # the shards' optimizer state: refused by DCP
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

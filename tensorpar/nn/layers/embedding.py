@@ -15,6 +15,7 @@ from tensorpar.comm._group import GroupLike
 from tensorpar.nn.layers._shard import Shard, shard_of
 from tensorpar.nn.sequence import SequenceShards
 from tensorpar.nn.state._local_shard import mark_shards
+from tensorpar.nn.state.replica_check import install_step_hook
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ParallelEmbedding", "VocabParallelEmbedding"]
@@ -127,6 +128,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
         """Set (by `tensorpar.parallelize`) for ``Vocab(sequence_parallel=True)``: the output
         is reduce-scattered along the sequence instead of all-reduced."""
         if not self.shard.group.is_single:
+            install_step_hook()  # the shards' optimizer state: refused by DCP
             mark_shards(self, self.sharded_dims)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -178,6 +180,7 @@ class ParallelEmbedding(_ShardedEmbedding):
             if self.padding_idx is not None:
                 self.weight[self.padding_idx].zero_()
         if not self.shard.group.is_single:
+            install_step_hook()  # the shards' optimizer state: refused by DCP
             mark_shards(self, self.sharded_dims)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -10,16 +10,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.collectives.functional import broadcast, gather, scatter
+from tensorpar.collectives.functional import broadcast
 from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm._group import Group, GroupLike
 from tensorpar.comm._switch import VALIDATE
 from tensorpar.nn.layers._column_fn import SharedInput, autocast_on, column_linear
 from tensorpar.nn.layers._row_fn import row_linear
-from tensorpar.nn.layers._shard import AnyShard, Shard, packed_shard_of, shard_of
+from tensorpar.nn.layers._shard import (
+    AnyShard,
+    Shard,
+    gather_shards,
+    packed_shard_of,
+    scatter_shards,
+    shard_of,
+)
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
 from tensorpar.nn.state._local_shard import mark_shards
+from tensorpar.nn.state.replica_check import install_step_hook
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardedLayer"]
@@ -165,6 +173,7 @@ class ColumnParallelLinear(ShardedLayer):
         then the whole sequence gathered from the ranks' slices, whose backward
         reduce-scatters this layer's partial input gradient (the layer issues no collective)."""
         if not self.shard.group.is_single:
+            install_step_hook()  # the shards' optimizer state: refused by DCP
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,6 +273,7 @@ class RowParallelLinear(ShardedLayer):
         """Set (by `tensorpar.parallelize`) inside a `SequenceGather` module: the output is
         then reduce-scattered along the sequence instead of all-reduced."""
         if not self.shard.group.is_single:
+            install_step_hook()  # the shards' optimizer state: refused by DCP
             mark_shards(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,20 +325,6 @@ def column_shard(fn: str, out_features: int, group: GroupLike,
         raise ValueError(f"{fn}: blocks={list(blocks)} sum to {sum(blocks)}; expected "
                          f"out_features={out_features}")
     return packed_shard_of(fn, blocks, group, multiple_of)
-
-
-def gather_shards(local: torch.Tensor, shard: AnyShard, dim: int, dst: int
-                  ) -> torch.Tensor | TensorPlaceholder:
-    """Every rank's shard gathered on ``dst``, in the dense order (blocks unpermuted)."""
-    out = gather(local, dim=dim, dst=dst, group=shard.group, sizes=shard.sizes)
-    return shard.unpack(out, dim) if isinstance(out, torch.Tensor) else out
-
-
-def scatter_shards(dense: Any, shard: AnyShard, dim: int, src: int) -> torch.Tensor:
-    """This rank's shard of the dense tensor on ``src`` (``None``/a placeholder elsewhere)."""
-    if isinstance(dense, torch.Tensor) and shard.group.rank == src:
-        dense = shard.pack(dense, dim)
-    return scatter(dense, dim=dim, src=src, group=shard.group, sizes=shard.sizes)
 
 
 def _dense_linear(state: dict[str, torch.Tensor | TensorPlaceholder], in_features: int,

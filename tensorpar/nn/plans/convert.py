@@ -33,6 +33,7 @@ from tensorpar.nn.plans.sequence_plan import check_sequence, install_sequence
 from tensorpar.nn.sequence import SEQUENCE_STYLES
 from tensorpar.nn.state._params import tag_model
 from tensorpar.nn.state.checkpoint import fsdp_full_state_dict, fsdp_load_full_state_dict
+from tensorpar.nn.state.replica_check import install_step_hook
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.validation._replica import check_same_weights
 
@@ -154,6 +155,7 @@ def parallelize(model: nn.Module, plan: Mapping[str, str | Style], *,
             owner, _, leaf = other.rpartition(".")
             setattr(model.get_submodule(owner), leaf, shared)
     tag_model(model, resolve_group(group, "parallelize"))  # for clipping and replica checks
+    install_step_hook()  # after each optimizer step: replica checks, DCP refusal of shards
     return model
 
 

@@ -55,9 +55,6 @@ def _fsdp_refusal(key: str) -> str:
 def mark_shards(layer: nn.Module, leaves: Iterable[str]) -> None:
     """Make ``layer.state_dict()`` return its sharded parameters as `LocalShard` views."""
     dims = tuple(leaves)
-    from tensorpar.nn.state.replica_check import install
-
-    install()  # optimizer.state_dict() then refuses DCP for the shards' state
     shard = getattr(layer, "shard", None)
     if isinstance(leaves, Mapping) and shard is not None:  # for lists of parameters (clipping)
         for leaf, dim in leaves.items():

@@ -102,12 +102,9 @@ def parameter_infos(model: nn.Module) -> list[ParamInfo]:
 def tag_model(model: nn.Module, group: Group) -> None:
     """Tag every parameter of ``model`` with its name, shard and ``group`` (`ParamTag`).
 
-    Also installs the optimizer step hook that checks the replicas (validation mode), and a
-    forward pre-hook that calls `retag` once, at the first forward that is not compiled.
+    Also installs a forward pre-hook that calls `retag` once, at the first forward that is
+    not compiled.
     """
-    from tensorpar.nn.state.replica_check import install
-
-    install()
     tags: dict[int, ParamTag] = {}
     for info in parameter_infos(model):
         group_of = info.shard.group if info.shard is not None else group

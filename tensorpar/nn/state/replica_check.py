@@ -1,7 +1,8 @@
 """After every optimizer step: replicas that drifted apart, and shards DCP would lose.
 
 One global optimizer step post-hook (torch's ``register_optimizer_step_post_hook``),
-installed when the first tensor-parallel layer is built, does two things:
+installed once per process by `install_step_hook`, which the sharded layers' constructors
+and `tensorpar.parallelize` call, does two things:
 
 - at an optimizer's first step it registers a ``state_dict`` post-hook on it, which gives
   the state tensors of sharded parameters the `LocalShard` form (for a ``DTensor`` state,
@@ -37,13 +38,13 @@ from tensorpar.nn.state._local_shard import LocalShard
 from tensorpar.nn.state._params import ParamTag, tag_of
 from tensorpar.nn.state.checkpoint import local_of
 
-__all__ = ["check_replicas", "install"]
+__all__ = ["check_replicas", "install_step_hook"]
 
 GUARDED = "_tensorpar_guarded"
 CHUNK = 1 << 20  # elements hashed at a time: bounded extra memory
 
 
-def install() -> None:
+def install_step_hook() -> None:
     """Register the step post-hook with torch once per process (idempotent)."""
     if any(hook is _after_step for hook in global_optimizer_post_hooks()):
         return
