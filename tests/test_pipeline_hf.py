@@ -20,16 +20,29 @@ TOL = 1e-10
 VOCAB = 101
 
 
-def llama(layers=4, dtype=torch.float64, tied=False):
+# a sliding window of 4 tokens, shorter than the sequences: a wrong mask changes the loss
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
+    # sliding attention from layer 2 on (layer_types), full before
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+}
+
+
+def llama(layers=4, dtype=torch.float64, tied=False, family="llama"):
     import transformers
 
-    config = transformers.LlamaConfig(
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(
         vocab_size=VOCAB, hidden_size=24, intermediate_size=50, num_hidden_layers=layers,
         num_attention_heads=6, num_key_value_heads=3, head_dim=4, max_position_embeddings=64,
-        tie_word_embeddings=tied)
+        tie_word_embeddings=tied, **extra)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    return getattr(transformers, model_name)(config).to(dtype)
 
 
 def lm_loss(logits, labels):
@@ -43,9 +56,11 @@ def tokens(step, batch=6, length=9):
     return torch.randint(0, VOCAB, (batch, length), generator=g)
 
 
-def _llama_matches_dense(schedule, virtual, microbatches, lengths, own_loss, tied=False):
-    dense = llama(tied=tied)
-    pipe = tp.nn.pipeline(llama(tied=tied), microbatches=microbatches, schedule=schedule,
+def _llama_matches_dense(schedule, virtual, microbatches, lengths, own_loss, tied=False,
+                         family="llama"):
+    dense = llama(tied=tied, family=family)
+    pipe = tp.nn.pipeline(llama(tied=tied, family=family), microbatches=microbatches,
+                          schedule=schedule,
                           virtual_stages=virtual, loss_fn=None if own_loss else lm_loss)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
@@ -78,8 +93,8 @@ def _llama_matches_dense(schedule, virtual, microbatches, lengths, own_loss, tie
     return sorted(name for name, _ in pipe.named_parameters())
 
 
-def _names():
-    return {name for name, _ in llama().named_parameters()}
+def _names(family="llama"):
+    return {name for name, _ in llama(family=family).named_parameters()}
 
 
 @pytest.mark.timeout(180)
@@ -108,6 +123,25 @@ def test_llama_tied_embedding_sums_both_stages_gradients(world_size):
     results = run_distributed(_llama_matches_dense, world_size, "1f1b", 1, 3, (9,), False, True,
                               timeout=150)
     assert "model.embed_tokens.weight" in results[0] and "lm_head.weight" in results[-1]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_llama_family_with_sliding_windows_equals_dense(family):
+    # 4 layers on 2 ranks x 2 virtual stages, sequences of 9 then 6 tokens past the window
+    results = run_distributed(_llama_matches_dense, 2, "1f1b", 2, 4, (9, 6), False, False,
+                              family, timeout=150)
+    assert sorted(n for r in results for n in r) == sorted(_names(family))
+
+
+def test_other_transformers_families_are_refused_by_name():
+    import transformers
+
+    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=50,
+                                      num_hidden_layers=2, num_attention_heads=6,
+                                      num_key_value_heads=3, head_dim=4)
+    with pytest.raises(TypeError, match="model_type 'gemma' is not supported"):
+        tp.nn.pipeline(transformers.GemmaForCausalLM(config), microbatches=2)
 
 
 def test_llama_single_process_pipeline_equals_dense():

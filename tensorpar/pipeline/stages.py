@@ -3,9 +3,9 @@
 Three kinds of model are understood:
 
 - an ``nn.Sequential``: stage ``k`` runs a contiguous run of its blocks;
-- a transformers causal LM of the Llama family: stage ``k`` runs a contiguous run of the
-  decoder layers; the first stage also embeds the tokens, the last one also applies the
-  final norm and the LM head;
+- a transformers causal LM of the Llama family (`HF_MODEL_TYPES`: Llama, Mistral, Qwen2,
+  Qwen3): stage ``k`` runs a contiguous run of the decoder layers; the first stage also
+  embeds the tokens, the last one also applies the final norm and the LM head;
 - a model that lists its own blocks (`has_blocks`): ``model.pipeline_blocks()`` returns
   them in order, each a pair ``(names, fn)``: the dense names of the modules and
   parameters the block holds, and the function that runs it (``x = fn(x)``). The first
@@ -31,8 +31,16 @@ from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 __all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "has_blocks",
            "prune", "run_stage", "stage_specs", "tied_parameters"]
 
-HF_MODEL_TYPES = ("llama",)
-"""transformers ``model_type``\\ s whose decoder this module runs stage by stage."""
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""transformers ``model_type``\\ s whose decoder this module runs stage by stage: those
+whose model forward is the embedding, one causal mask per attention kind, the rotary
+embedding, the layers, the final norm and the LM head, with nothing scaled in between
+(checked against each family's forward; each is tested against dense with its sliding
+window reached)."""
+
+_SLIDING_EVERY_LAYER = ("mistral",)
+"""Families whose every layer takes the sliding-window mask when ``config.sliding_window``
+is set; the others name each layer's kind in ``config.layer_types``."""
 
 
 class Decoder(NamedTuple):
@@ -232,10 +240,12 @@ def tied_parameters(model: nn.Module, specs: Sequence[StageSpec], ranks: int
     return tied
 
 
-def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
-    from transformers.masking_utils import create_causal_mask
+def _mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor, sliding: bool) -> Any:
+    from transformers import masking_utils
 
-    params = inspect.signature(create_causal_mask).parameters
+    create = masking_utils.create_sliding_window_causal_mask if sliding \
+        else masking_utils.create_causal_mask
+    params = inspect.signature(create).parameters
     kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
                               "position_ids": positions}
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
@@ -244,7 +254,24 @@ def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> 
             kwargs[name] = None
     if "cache_position" in params:
         kwargs["cache_position"] = positions[0]
-    return create_causal_mask(**kwargs)
+    return create(**kwargs)
+
+
+def _layer_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor,
+                 layers: Sequence[str]) -> list[Any]:
+    """The attention mask of each of ``layers``, as the family's own forward builds it.
+
+    ``layers``: dense names ending in the layer's index. Each mask is full causal or
+    sliding-window causal; each kind is built once.
+    """
+    if config.model_type in _SLIDING_EVERY_LAYER:
+        sliding = [getattr(config, "sliding_window", None) is not None] * len(layers)
+    else:
+        kinds = getattr(config, "layer_types", None)
+        sliding = [kinds is not None and kinds[int(name.rsplit(".", 1)[1])] ==
+                   "sliding_attention" for name in layers]
+    built = {kind: _mask(config, hidden, positions, kind) for kind in set(sliding)}
+    return [built[kind] for kind in sliding]
 
 
 def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decoder | None
@@ -268,9 +295,9 @@ def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decode
     inner: Any = root.get_submodule(decoder.prefix)
     hidden = inner.embed_tokens(x) if spec.first else x  # (B, T, D)
     positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
-    mask = _causal_mask(decoder.config, hidden, positions)
+    masks = _layer_masks(decoder.config, hidden, positions, spec.blocks)
     rotary = inner.rotary_emb(hidden, position_ids=positions)
-    for name in spec.blocks:
+    for name, mask in zip(spec.blocks, masks, strict=True):
         layer: Any = root.get_submodule(name)
         out = layer(hidden, attention_mask=mask, position_ids=positions,
                     position_embeddings=rotary)
