@@ -11,8 +11,8 @@ rounds:
   ``PipelineStage``\\ s of the same blocks.
 
 The step time is the slowest rank's. ``compute`` is the time a rank takes for the same
-forwards and backwards of its stage(s) on the same microbatches with no communication and
-no schedule (timed in the same round, while the other ranks do the same). The measured
+forwards and backwards of its stage(s) on the same microbatches, in its schedule's order,
+with no communication (timed in the same round, while the other ranks do the same). The measured
 bubble is ``1 - compute / step`` of the rank with the most compute, the stage that sets the
 pace: all of its step that is not its own arithmetic counts (idle waits, transfers,
 headers, Python overhead). Theory's ``(P - 1) / (V * m + P - 1)`` assumes equal stages;
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorpar
-from tensorpar.pipeline import bubble_fraction
+from tensorpar.pipeline import Action, bubble_fraction, build_schedule
 
 __all__ = ["CASES", "SHAPE", "run_rank"]
 
@@ -65,26 +65,36 @@ def _mean(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
-def _compute_only(stages: list[nn.Module], first: bool, last: bool, xs: list[torch.Tensor],
-                  ys: list[torch.Tensor]) -> Callable[[], float]:
-    """This rank's forwards and backwards of every microbatch, no communication: seconds."""
+def _compute_only(stages: dict[int, nn.Module], actions: list[Action], total_stages: int,
+                  xs: list[torch.Tensor], ys: list[torch.Tensor]) -> Callable[[], float]:
+    """This rank's forwards and backwards in its schedule's order, no communication: seconds.
+
+    ``stages``: the rank's stage modules by global stage index; ``actions``: the rank's
+    schedule. The same arithmetic in the same order as a step (so the same switching
+    between stages' weights), with nothing to wait for.
+    """
     total = sum(x.shape[0] for x in xs)
     grads = [torch.randn_like(x) for x in xs]  # d loss / d output of a stage that is not last
 
     def run() -> float:
         dist.barrier()
+        held: dict[tuple[int, int], torch.Tensor] = {}
         start = time.perf_counter()
-        for k, stage in enumerate(stages):
-            for i, x in enumerate(xs):
+        for kind, i, k in actions:
+            if kind == "F":
                 # a received activation is a leaf whose gradient goes back; the batch is not
-                h = x if first and k == 0 else x.detach().requires_grad_()
-                out = stage(h)
-                if last and k == len(stages) - 1:
-                    (F.mse_loss(out, ys[i]) * (x.shape[0] / total)).backward()
+                h = xs[i] if k == 0 else xs[i].detach().requires_grad_()
+                out = stages[k](h)
+                held[(i, k)] = (F.mse_loss(out, ys[i]) * (xs[i].shape[0] / total)
+                                if k == total_stages - 1 else out)
+            else:
+                out = held.pop((i, k))
+                if k == total_stages - 1:
+                    out.backward()
                 else:
                     out.backward(grads[i])
         elapsed = time.perf_counter() - start
-        for stage in stages:
+        for stage in stages.values():
             stage.zero_grad()
         return elapsed
 
@@ -142,8 +152,9 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
 
         alone = _model(width, blocks)  # the same blocks, for the compute-only pass
         compute = _compute_only(
-            [nn.Sequential(*[alone[i] for i in range(k * per, (k + 1) * per)])
-             for k in range(rank, stages, ranks)], first, last,
+            {k: nn.Sequential(*[alone[i] for i in range(k * per, (k + 1) * per)])
+             for k in range(rank, stages, ranks)},
+            build_schedule(schedule, ranks, microbatches, virtual)[rank], stages,
             list(torch.tensor_split(x, microbatches)), list(torch.tensor_split(y, microbatches)))
         for _ in range(2):  # warm-up (torch's stages infer their shapes on the first step)
             ours_step()
