@@ -97,3 +97,38 @@ def test_fast_norms_and_upsampling_in_float32_match_dense():
     # float32 takes the group-norm statistics kernel (float64 takes var_mean)
     assert max(run_distributed(_float32, 2, [9, 7], timeout=T)) < 5e-6
     assert max(run_distributed(_float32, 3, [6, 4, 6], timeout=T)) < 5e-6
+
+
+def _bfloat16_tile(kind):
+    torch.manual_seed(0)
+    norm = {"group": nn.GroupNorm(2, 4), "instance": nn.InstanceNorm2d(4, affine=True),
+            "batch": nn.BatchNorm2d(4)}[kind]
+    dense = nn.Sequential(norm)  # float32 parameters
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 4, 8, 6, generator=g) * 3 + 1).bfloat16()
+    probe = torch.randn(2, 4, 8, 6, generator=g)  # a loss whose input gradient is not ~0
+    xd = x.clone().requires_grad_()
+    out_d = dense(xd)
+    (out_d.float() * probe).sum().backward()
+    rank = dist.get_rank()
+    rows = slice(4 * rank, 4 * rank + 4)
+    tile = x[:, :, rows].clone().requires_grad_()
+    out = par(tile)
+    (out.float() * probe[:, :, rows]).sum().backward()
+    assert out.dtype == out_d.dtype == torch.bfloat16
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    scale = max(q.grad.abs().max().item() for q in dense.parameters())
+    return max(rel(out, out_d[:, :, rows]), rel(tile.grad, xd.grad[:, :, rows]),
+               *[(p.grad - q.grad).abs().max().item() / scale
+                 for p, q in zip(par.parameters(), dense.parameters(), strict=True)])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["group", "instance", "batch"])
+def test_fast_norms_take_a_bfloat16_tile_with_float32_parameters(kind):
+    # torch's mixed-precision norm kernels, as dense: bfloat16 out, float32 statistics
+    assert max(run_distributed(_bfloat16_tile, 2, kind, timeout=T)) < 2e-2

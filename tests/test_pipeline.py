@@ -1,5 +1,6 @@
 """Pipeline parallelism: every schedule equals the dense model (loss, gradients, AdamW steps)."""
 
+import copy
 import itertools
 
 import pytest
@@ -128,6 +129,30 @@ def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead):
     # what each receiving rank's frames have room for next: the last step's bytes
     assert sorted(r for rank in rooms for r in rank) == sorted(
         8 * WIDTHS[b] for b in _boundaries(world_size * virtual) for _ in range(4))
+
+
+def _in_place_at_the_boundary(post_ahead):
+    # the receiving stage starts with an in-place op on the received activation
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    dense = copy.deepcopy(model)
+    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss, split=[1, 2])
+    pipe._eager = post_ahead
+    for step in range(3):  # from the second step on the activation fits its frame
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 5, generator=g, dtype=torch.float64)
+        y = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        dense_loss = F.mse_loss(dense(x), y)
+        dense_loss.backward()
+        _compare(pipe, dense, loss, dense_loss, f"step {step}")
+        pipe.zero_grad(), dense.zero_grad()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("post_ahead", [True, False])
+def test_a_received_activation_may_be_modified_in_place(post_ahead):
+    run_distributed(_in_place_at_the_boundary, 2, post_ahead, timeout=50)
 
 
 def _boundaries(stages):

@@ -46,6 +46,8 @@ def fused_norm(ctx: DomainContext, xf: torch.Tensor, weight: torch.Tensor | None
     points per ``K``. ``weight`` and ``bias`` (one entry per fine channel) are applied in
     the same pass.
     """
+    if bias is not None and weight is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _DomainNorm.apply(  # type: ignore[no-untyped-call]
         xf.contiguous(), weight, bias, ctx, eps, count, r)
     return out
@@ -97,8 +99,11 @@ class _DomainNorm(torch.autograd.Function):
         for g in dctx.groups:
             if not g.is_single:
                 stats = _merge(stats.to(g.comm_device(xf.device)), g).to(xf.device)
-        mean = stats[1:1 + k].to(xf.dtype)
-        var = (stats[1 + k:] / max(count, 1)).to(xf.dtype)
+        # statistics in the affine's dtype: float32 weights over a bfloat16 tile take
+        # torch's mixed-precision kernels (computed in float32, output bfloat16), as dense
+        dtype = w.dtype if w is not None else xf.dtype
+        mean = stats[1:1 + k].to(dtype)
+        var = (stats[1 + k:] / max(count, 1)).to(dtype)
         fine_mean, fine_var = mean.repeat_interleave(r), var.repeat_interleave(r)
         y = F.batch_norm(xf, fine_mean, fine_var, w, b, False, 0.0, eps) if xf.numel() \
             else xf.clone()

@@ -168,7 +168,8 @@ def _unframe(frame: torch.Tensor, room: int, device: torch.device
     if size > room:
         return header, None
     data = frame[HEAD_BYTES:HEAD_BYTES + size].view(dtype).view(header.shape)
-    return header, data.to(device)
+    # a tensor of its own: the stage may modify it in place (a view of the frame may not)
+    return header, torch.empty(header.shape, dtype=dtype, device=device).copy_(data)
 
 
 def _frame_buffer(link: Link, room: int, device: torch.device | None) -> torch.Tensor:
