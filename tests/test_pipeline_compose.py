@@ -192,8 +192,8 @@ def _fsdp_x_pp_matches_dense(virtual):
     dense = sequential()
     pipe = tp.nn.pipeline(sequential(), group=mesh.get_group("pp"), microbatches=4,
                           loss_fn=F.mse_loss, virtual_stages=virtual)
-    for block in pipe.children():  # FSDP2 over the replicas, block by block
-        fully_shard(block, mesh=mesh["dp"])
+    for _, module in pipe.stage_modules():  # FSDP2 over the replicas, block by block
+        fully_shard(module, mesh=mesh["dp"])
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
     reduce_scatters = []
@@ -228,7 +228,7 @@ def _fsdp_x_pp_matches_dense(virtual):
     params = dict(dense.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.full_tensor(), params[name], rtol=TOL, atol=TOL, msg=name)
-    return len(reduce_scatters), len(list(pipe.children()))
+    return len(reduce_scatters), len(pipe.stage_modules())
 
 
 @pytest.mark.timeout(120)
@@ -256,7 +256,47 @@ def _fsdp_on_the_pipeline_itself_raises():
 @pytest.mark.timeout(60)
 def test_fsdp2_on_the_pipeline_itself_raises_on_every_rank():
     for message in run_distributed(_fsdp_on_the_pipeline_itself_raises, 2, timeout=50):
-        assert "apply it to the blocks of its stages" in message
+        assert "'the pipeline itself'" not in message  # named without quotes
+        assert "fully_shard was applied to the pipeline itself" in message
+        assert "pipe.stage_modules()" in message
+
+
+def _fsdp_x_pp_llama(shard_decoder):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    dense = llama()
+    pipe = tp.nn.pipeline(llama(), group=mesh.get_group("pp"), microbatches=2, loss_fn=lm_loss)
+    for _, module in pipe.stage_modules():
+        fully_shard(module, mesh=mesh["dp"])
+    if shard_decoder:  # the decoder's own forward never runs: refused, on every rank
+        fully_shard(pipe.model, mesh=mesh["dp"])
+    ids = tokens(0, batch=8)
+    mine = ids[4 * replica:4 * replica + 4]
+    try:
+        loss = pipe.step(mine if pipe.is_first else None, mine if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    dense_loss = lm_loss(dense(ids).logits, ids)
+    dense_loss.backward()
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=TOL, atol=TOL,
+                                   msg=name)
+    if pipe.is_last:  # this replica's half of the batch (equal token counts)
+        half = lm_loss(dense(mine).logits, mine)
+        torch.testing.assert_close(loss, half.detach(), rtol=TOL, atol=TOL)
+    return sorted(name for name, _ in pipe.stage_modules())
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_across_replicas_of_a_llama_pipeline_equals_dense():
+    held = run_distributed(_fsdp_x_pp_llama, 4, False, timeout=150)
+    assert "model.embed_tokens" in held[0] and "lm_head" in held[1]  # pp ranks 0 and 1
+    messages = run_distributed(_fsdp_x_pp_llama, 4, True, timeout=150)
+    assert all("fully_shard was applied to 'model'" in m for m in messages)
 
 
 def _own_loss_on_vocab_parallel_head_raises():

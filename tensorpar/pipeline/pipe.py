@@ -249,6 +249,24 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
+    def stage_modules(self) -> list[tuple[str, nn.Module]]:
+        """The modules this rank's stages call, by dense name, in order.
+
+        The blocks of an ``nn.Sequential``; a transformers model's decoder layers, with the
+        embedding on the first stage and the final norm and LM head on the last; the
+        modules a model's ``pipeline_blocks()`` named. The step calls these directly (never
+        the pipeline's or the decoder's own forward), so they are what ``fully_shard``
+        takes across pipeline replicas.
+        """
+        out = []
+        for spec in self.stages:
+            for name in spec.holds:
+                try:
+                    out.append((name, self.get_submodule(name)))
+                except AttributeError:  # a parameter a model's block holds, not a module
+                    continue
+        return out
+
     def _gradient_sync(self, final: bool) -> None:
         """FSDP2 across replicas reduces a stage's gradients in its last backward only.
 
@@ -286,10 +304,14 @@ class Pipeline(nn.Module):
             weight.grad = total
 
     def _check(self, inputs: Any, target: Any) -> str:
-        if is_fsdp_module(self):
-            return ("Pipeline.step: fully_shard was applied to the pipeline itself, whose "
-                    "forward the step never calls; apply it to the blocks of its stages "
-                    "(each child module) instead")
+        called = [name for name, _ in self.stage_modules()]
+        for name, module in self.named_modules():
+            if is_fsdp_module(module) and not any(
+                    name == c or name.startswith(c + ".") for c in called):
+                return (f"Pipeline.step: fully_shard was applied to "
+                        f"{repr(name) if name else 'the pipeline itself'}, whose forward the "
+                        f"step never calls (it calls the stages' modules directly); apply it "
+                        f"to the modules of pipe.stage_modules() (or modules inside them)")
         if self._tied and any(is_fsdp_module(m) for m in self.modules()):
             return ("Pipeline.step: a parameter tied across stages (a tied embedding and LM "
                     "head) under fully_shard is not supported; untie it or shard the "
