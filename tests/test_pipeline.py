@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import tensorpar
 import tensorpar as tp
 from tensorpar.pipeline import bubble_fraction, build_schedule, recv, send
 from tensorpar.pipeline.schedules import in_order, timeline
@@ -95,7 +96,9 @@ def test_uneven_split(world_size):
     assert [len(r) for r in results] == split
 
 
-def _sizes_change_between_steps(virtual, sizes, post_ahead):
+def _sizes_change_between_steps(virtual, sizes, post_ahead, limit):
+    if limit is not None:  # larger activations always travel in a second message
+        tensorpar.pipeline.p2p.FRAME_DATA_LIMIT = limit
     dense = sequential()
     pipe = tp.nn.pipeline(sequential(), microbatches=4, schedule="1f1b", loss_fn=F.mse_loss,
                           virtual_stages=virtual)
@@ -117,18 +120,21 @@ def _sizes_change_between_steps(virtual, sizes, post_ahead):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,virtual,post_ahead",  # not ahead: in order, as NCCL
-                         [(2, 1, True), (3, 1, True), (2, 2, True), (2, 1, False), (3, 1, False)])
-def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead):
+@pytest.mark.parametrize("world_size,virtual,post_ahead,limit",  # not ahead: as NCCL
+                         [(2, 1, True, None), (3, 1, True, None), (2, 2, True, None),
+                          (2, 1, False, None), (3, 1, False, None), (3, 1, True, 40)])
+def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead, limit):
     # an activation travels inside its header's message when it fits the room the same
     # transfer had in the last step: first step (no room), growing (a second message),
     # shrinking (fits, with room to spare) and repeating (fits exactly)
     sizes = (10, 7, 13, 13, 4)
     rooms = run_distributed(_sizes_change_between_steps, world_size, virtual, sizes,
-                            post_ahead, timeout=100)
-    # what each receiving rank's frames have room for next: the last step's bytes
+                            post_ahead, limit, timeout=100)
+    # what each receiving rank's frames have room for next: the last step's bytes (one
+    # float64 row per microbatch), none above the limit
+    room = [8 * WIDTHS[b] for b in _boundaries(world_size * virtual) for _ in range(4)]
     assert sorted(r for rank in rooms for r in rank) == sorted(
-        8 * WIDTHS[b] for b in _boundaries(world_size * virtual) for _ in range(4))
+        r if limit is None or r <= limit else 0 for r in room)
 
 
 def _in_place_at_the_boundary(post_ahead):

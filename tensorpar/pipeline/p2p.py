@@ -136,9 +136,20 @@ HEAD_BYTES = -(-HEADER_LEN * 8 // 64) * 64
 """Bytes at the front of a frame that hold the header (aligned for any dtype after it)."""
 
 
+FRAME_DATA_LIMIT = 1 << 20
+"""The most data bytes a frame carries: above it, copying the data into and out of the
+frame costs more than the second message it saves."""
+
+
 def nbytes(x: torch.Tensor) -> int:
-    """The bytes of ``x``'s data: what a frame needs room for to carry it."""
+    """The bytes of ``x``'s data."""
     return x.numel() * x.element_size()
+
+
+def room_for(x: torch.Tensor) -> int:
+    """The room the next frame of a transfer that carried ``x`` gets (both sides agree)."""
+    size = nbytes(x)
+    return size if size <= FRAME_DATA_LIMIT else 0
 
 
 def _frame(x: torch.Tensor, link: Link, requires_grad: bool, room: int
@@ -239,8 +250,8 @@ def recv_activation(like: TensorPlaceholder | None, link: Link,
                     ) -> tuple[torch.Tensor, int]:
     """Receive the frame, check its header against ``like``, then the data if it follows.
 
-    Returns the tensor (in the graph if the sender's was) and its bytes (the room the
-    next frame of this transfer will have).
+    Returns the tensor (in the graph if the sender's was) and the room the next frame of
+    this transfer will have (`room_for`).
     """
     hint = device if device is not None else like.device if like is not None else None
     comm = link.group.comm_device(hint)
@@ -252,10 +263,10 @@ def recv_activation(like: TensorPlaceholder | None, link: Link,
             f"recv: the placeholder describes {like.dtype}{list(like.shape)}, but rank "
             f"{link.peer} sent {header.describe()}")
     if data is not None:
-        return _in_graph(header.requires_grad, link, data, lambda: data), nbytes(data)
+        return _in_graph(header.requires_grad, link, data, lambda: data), room_for(data)
     buffer = torch.empty(header.shape, dtype=dtype, device=where)
     return (_in_graph(header.requires_grad, link, buffer, lambda: link.receive(buffer)),
-            nbytes(buffer))
+            room_for(buffer))
 
 
 def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
@@ -272,7 +283,7 @@ class Inbox:
     """The activations a rank receives in one step, their frames' receives posted up front.
 
     ``rooms`` holds the room of each key's frame (missing: 0); each arrival updates it to
-    the bytes that came, the room of the same transfer in the next step. `poll` posts the
+    the room of the same transfer in the next step (`room_for` what came). `poll` posts the
     data's receive of every frame that has arrived without its data, so that the data
     moves while this rank computes; `take` waits for what is still missing. Only for a
     backend that pairs transfers by tag (the receives are posted out of the senders' order).
@@ -298,11 +309,11 @@ class Inbox:
         header, data = _unframe(posted.wait(), self._rooms.get(key, 0), self._device)
         if data is not None:
             self._ready[key] = (link, header, Posted(None, data))
-            self._rooms[key] = nbytes(data)
+            self._rooms[key] = room_for(data)
             return
         buffer = torch.empty(header.shape, dtype=header.tensor_dtype, device=self._device)
         self._ready[key] = (link, header, link.post_receive(buffer))
-        self._rooms[key] = nbytes(buffer)
+        self._rooms[key] = room_for(buffer)
 
     def take(self, key: Hashable) -> torch.Tensor:
         """The activation ``key`` (waiting for it), in the graph when the sender's was."""

@@ -13,7 +13,7 @@ from torch import nn
 from tensorpar._torch import is_fsdp_module
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.pipeline.p2p import Inbox, Link, nbytes, recv_activation, send_activation
+from tensorpar.pipeline.p2p import Inbox, Link, recv_activation, room_for, send_activation
 from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
 from tensorpar.pipeline.stages import (
     Decoder,
@@ -113,10 +113,10 @@ class Pipeline(nn.Module):
         self._eager = g.size > 1 and "gloo" in _backend(g)
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
         self.last_timeline: list[tuple[Action, float, float]] = []
-        # the bytes each activation transfer carried in the last step, keyed (microbatch,
-        # sending stage) here and (microbatch, receiving stage) on the receiver: the room
-        # of its frame in the next step, so that an activation whose size repeats travels
-        # in one message with its header
+        # the room of each activation transfer's frame in the next step (the bytes it
+        # carried in the last step, up to a limit), keyed (microbatch, sending stage) here
+        # and (microbatch, receiving stage) on the receiver, so that an activation whose
+        # size repeats travels in one message with its header
         self._rooms_out: dict[tuple[int, int], int] = {}
         self._rooms_in: dict[Any, int] = {}
 
@@ -223,7 +223,7 @@ class Pipeline(nn.Module):
                 else:
                     held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited),
                                                    self._rooms_out.get((i, k), 0))
-                    self._rooms_out[(i, k)] = nbytes(y)
+                    self._rooms_out[(i, k)] = room_for(y)
             elif spec.last or not single:  # the loss, or the send's placeholder
                 self._gradient_sync(final_backward[k] == i)
                 done = held.pop((i, k))
