@@ -34,22 +34,22 @@ def mesh_groups(pp, tp_size):
     return pp_group, tp_group
 
 
-def _pp_tp_matches_dense(order):
+def _pp_tp_matches_dense(order, family="llama"):
     pp_group, tp_group = mesh_groups(2, 2)
-    dense = llama()
-    model = llama()
+    dense = llama(family=family)
+    model = llama(family=family)
 
     def vocab_parallel_loss(local_logits, labels):  # (B, T, V/tp): the head's slice
         return vocab_parallel_cross_entropy(local_logits[:, :-1].flatten(0, 1),
                                             labels[:, 1:].flatten(), group=tp_group)
 
     if order == "tp-first":  # vocab-parallel head: the loss never gathers the logits
-        tp.parallelize(model, plan_from_transformers(llama()), group=tp_group)
+        tp.parallelize(model, plan_from_transformers(llama(family=family)), group=tp_group)
         pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3,
                               loss_fn=vocab_parallel_loss)
     else:  # gathered head: any loss on whole logits
         pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3, loss_fn=lm_loss)
-        tp.parallelize(pipe, plan_from_transformers(llama(), lm_head="gathered"),
+        tp.parallelize(pipe, plan_from_transformers(llama(family=family), lm_head="gathered"),
                        group=tp_group)
     sharded = [n for n, m in pipe.named_modules() if getattr(m, "sharded_dims", None)]
     assert sharded, "tensor parallelism was not applied"
@@ -73,9 +73,11 @@ def _pp_tp_matches_dense(order):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("order", ["tp-first", "pp-first"])
-def test_pp2_x_tp2_equals_dense(order):
-    counts = run_distributed(_pp_tp_matches_dense, 4, order, timeout=220)
+@pytest.mark.parametrize("order,family", [("tp-first", "llama"), ("pp-first", "llama"),
+                                          ("tp-first", "qwen2"), ("pp-first", "mistral")])
+def test_pp2_x_tp2_equals_dense(order, family):
+    # qwen2 and mistral with sliding windows shorter than the sequences
+    counts = run_distributed(_pp_tp_matches_dense, 4, order, family, timeout=220)
     assert all(c > 0 for c in counts)
 
 
