@@ -23,6 +23,8 @@ from torch.utils._pytree import tree_map
 __all__ = [
     "C10D_FUNCTIONAL",
     "C10D_WORLD",
+    "CPU_FLASH_ATTENTION",
+    "CPU_FLASH_ATTENTION_BACKWARD",
     "DISABLED_TORCH_FUNCTION",
     "FUNCTORCH_ACTIVE",
     "UNWRAP_IF_DEAD",
@@ -35,6 +37,7 @@ __all__ = [
     "local_offsets",
     "queue_engine_callback",
     "register_state_dict_post_hook",
+    "reset_compiler",
     "store_of",
     "tree_map",
 ]
@@ -51,8 +54,19 @@ DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
 # The traced collectives (tensorpar.collectives._traced._prims): torch's functional collective ops
 C10D_FUNCTIONAL: Any = torch.ops._c10d_functional
 
+# Attention blocks on CPU with their log-sum-exp (tensorpar.context._blocks): torch's fused
+# kernel, forward and backward
+CPU_FLASH_ATTENTION: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+CPU_FLASH_ATTENTION_BACKWARD: Any = \
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
 # The process groups torch knows: their stores and names (speed and diagnosis only)
 C10D_WORLD: Any = getattr(dist.distributed_c10d, "_world", None) if dist.is_available() else None
+
+
+def reset_compiler() -> None:
+    """Forget every compiled graph (a benchmark compiles each model afresh)."""
+    torch._dynamo.reset()
 
 
 def current_graph_task_id() -> int:

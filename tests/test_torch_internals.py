@@ -25,6 +25,19 @@ def test_compile_and_subclass_internals():
     assert _torch.tree_map(lambda t: t * 2, {"a": [torch.ones(1)]})["a"][0].item() == 2
 
 
+def test_cpu_flash_attention_and_compiler_reset():
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    out, lse = _torch.CPU_FLASH_ATTENTION(q, k, v, is_causal=True, scale=0.5)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             scale=0.5)
+    torch.testing.assert_close(out, dense)
+    assert lse.shape == (1, 2, 5)
+    grads = _torch.CPU_FLASH_ATTENTION_BACKWARD(torch.ones_like(out), q, k, v, out, lse, 0.0,
+                                                True, scale=0.5)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _torch.reset_compiler()
+
+
 def test_optimizer_and_foreach_internals():
     hooks = _torch.global_optimizer_post_hooks()
     handle = torch_optimizer.register_optimizer_step_post_hook(lambda *a: None)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from tensorpar._torch import reset_compiler
 from tensorpar.nn.plans.convert import parallelize
 
 __all__ = ["profile_steps", "run_rank", "WORKLOADS"]
@@ -207,7 +208,7 @@ def _compiled_cases(backend: str, workload: str, x: torch.Tensor,
     each other, so the timed rounds measure compiled steps only.
     """
     blocks, dim, hidden, _, _ = WORKLOADS[workload]
-    torch._dynamo.reset()
+    reset_compiler()
     models: dict[str, Any] = {"tensorpar_compiled": torch.compile(
                   parallelize(_model(workload, dim, hidden, blocks), _plan(workload, blocks)),
                   backend=backend, fullgraph=True),

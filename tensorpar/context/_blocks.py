@@ -22,6 +22,8 @@ from typing import NamedTuple, cast
 
 import torch
 
+from tensorpar._torch import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
+
 __all__ = ["CAUSAL", "SKIP", "Segment", "block_backward", "block_forward", "merge", "pair_mask"]
 
 _NEG_INF = float("-inf")
@@ -107,11 +109,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     """
     if _fused(q) and k.shape[-1] == v.shape[-1]:
         if mask is CAUSAL:  # every query sees itself
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            out, lse = CPU_FLASH_ATTENTION(
                 q, k, v, is_causal=True, scale=scale)
             return out, lse
         mask = _boolean(mask, q, k)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = CPU_FLASH_ATTENTION(
             q, k, v, attn_mask=_additive(mask, q), scale=scale)
         if mask is not None:  # the fused kernel reports lse 0 for a query that sees nothing
             lse = lse.masked_fill(~mask.any(-1), _NEG_INF)
@@ -139,7 +141,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if _fused(q) and k.shape[-1] == v.shape[-1]:
         causal = mask is CAUSAL
         attn_mask = None if causal else _additive(_boolean(mask, q, k), q)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = CPU_FLASH_ATTENTION_BACKWARD(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale)
         return dq, dk, dv
     mask = _boolean(mask, q, k)

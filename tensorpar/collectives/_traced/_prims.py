@@ -1,8 +1,8 @@
 """The traced data paths: functional collectives arranged so that autograd sees each dual.
 
 Everything here runs only while ``torch.compile`` (dynamo) traces. The collectives are
-PyTorch's functional ones (``torch.ops._c10d_functional``): they return a fresh tensor that
-is valid after ``wait_tensor``, and the process group travels as its name, a string the
+PyTorch's functional ones (``tensorpar._torch.C10D_FUNCTIONAL``): they return a fresh
+tensor that is valid after ``wait_tensor``, and the process group travels as its name, a string the
 compiled graph holds as a constant. PyTorch registers autograd for them (all-reduce <->
 all-reduce, all-gather <-> reduce-scatter, all-to-all <-> all-to-all reversed), and every
 reshaping around them here (moving a dim to the front, padding, narrowing, concatenating)
