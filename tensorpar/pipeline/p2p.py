@@ -137,8 +137,9 @@ HEAD_BYTES = -(-HEADER_LEN * 8 // 64) * 64
 
 
 FRAME_DATA_LIMIT = 1 << 20
-"""The most data bytes a frame carries: above it, copying the data into and out of the
-frame costs more than the second message it saves."""
+"""The most data bytes a frame carries: a larger activation travels in a message of its
+own, not copied into the frame and out again (two copies of a large tensor for one
+message saved)."""
 
 
 def nbytes(x: torch.Tensor) -> int:
