@@ -34,6 +34,15 @@ def mesh_groups(pp, tp_size):
     return pp_group, tp_group
 
 
+def _step_error(pipe, inputs, target):
+    """The ValueError one step raises on this rank, or "no error"."""
+    try:
+        pipe.step(inputs if pipe.is_first else None, target if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _pp_tp_matches_dense(order, family="llama"):
     pp_group, tp_group = mesh_groups(2, 2)
     dense = llama(family=family)
@@ -247,12 +256,7 @@ def _fsdp_on_the_pipeline_itself_raises():
 
     pipe = tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss)
     fully_shard(pipe)
-    x, y = batch(4, 0)
-    try:
-        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _step_error(pipe, *batch(4, 0))
 
 
 @pytest.mark.timeout(60)
@@ -305,12 +309,7 @@ def _own_loss_on_vocab_parallel_head_raises():
     pp_group, tp_group = mesh_groups(2, 2)
     model = tp.parallelize(llama(), plan_from_transformers(llama()), group=tp_group)
     pipe = tp.nn.pipeline(model, group=pp_group, microbatches=2)  # the model's own loss
-    ids = tokens(0)
-    try:
-        pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _step_error(pipe, tokens(0), tokens(0))
 
 
 @pytest.mark.timeout(120)

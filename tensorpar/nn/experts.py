@@ -20,8 +20,7 @@ from tensorpar.nn._expert_route import (
 )
 from tensorpar.nn.layers._shard import shard_of
 from tensorpar.nn.layers.linear import ShardedLayer
-from tensorpar.nn.state._local_shard import mark_shards
-from tensorpar.nn.state.replica_check import install_step_hook
+from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.validation import check
 
 __all__ = ["ExpertParallel", "ParallelExperts", "experts_problem"]
@@ -143,8 +142,7 @@ class ParallelExperts(ShardedLayer):
                 self.register_parameter(leaf, nn.Parameter(local,
                                                            requires_grad=dense.requires_grad))
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, leaves)
+            mark_sharded_layer(self, leaves)
 
     @classmethod
     def from_dense(cls, experts: nn.Module, *, group: GroupLike = None,

@@ -171,13 +171,13 @@ def _frame(x: torch.Tensor, link: Link, requires_grad: bool, room: int
     return (frame,)
 
 
-def _unframe(frame: torch.Tensor, room: int, device: torch.device
+def _unframe(frame: torch.Tensor, device: torch.device
              ) -> tuple[Header, torch.Tensor | None]:
     """The header in ``frame`` and the data it carries (``None``: a second message has it)."""
     header = decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu())
     dtype = header.tensor_dtype
     size = math.prod(header.shape) * dtype.itemsize
-    if size > room:
+    if size > frame.numel() - HEAD_BYTES:  # more than the frame's room
         return header, None
     data = frame[HEAD_BYTES:HEAD_BYTES + size].view(dtype).view(header.shape)
     # a tensor of its own: the stage may modify it in place (a view of the frame may not)
@@ -257,7 +257,7 @@ def recv_activation(like: TensorPlaceholder | None, link: Link,
     hint = device if device is not None else like.device if like is not None else None
     comm = link.group.comm_device(hint)
     where = hint if hint is not None else comm
-    header, data = _unframe(link.receive(_frame_buffer(link, room, hint)), room, where)
+    header, data = _unframe(link.receive(_frame_buffer(link, room, hint)), where)
     dtype = header.tensor_dtype
     if like is not None and (like.shape, like.dtype) != (header.shape, dtype):
         raise CollectiveArgumentError(
@@ -307,7 +307,7 @@ class Inbox:
 
     def _post_data(self, key: Hashable) -> None:
         link, posted = self._waiting.pop(key)
-        header, data = _unframe(posted.wait(), self._rooms.get(key, 0), self._device)
+        header, data = _unframe(posted.wait(), self._device)
         if data is not None:
             self._ready[key] = (link, header, Posted(None, data))
             self._rooms[key] = room_for(data)

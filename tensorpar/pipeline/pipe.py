@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -108,7 +108,7 @@ class Pipeline(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self._actions: list[Action] = rows[g.rank]
-        self._fsdp_modules: list[Any] = []  # filled at the first step (fully_shard comes after)
+        self._fsdp_modules: list[tuple[str, Any]] = []  # (name, FSDP2 module), at each step
         # gloo pairs transfers by tag: receives may be posted ahead of the schedule's order
         self._eager = g.size > 1 and "gloo" in _backend(g)
         self.last_busy = 0.0  # seconds the last step computed (its actions less their receives)
@@ -118,7 +118,7 @@ class Pipeline(nn.Module):
         # and (microbatch, receiving stage) on the receiver, so that an activation whose
         # size repeats travels in one message with its header
         self._rooms_out: dict[tuple[int, int], int] = {}
-        self._rooms_in: dict[Any, int] = {}
+        self._rooms_in: dict[Hashable, int] = {}
 
     # -- where things are -------------------------------------------------------------
     @property
@@ -177,9 +177,10 @@ class Pipeline(nn.Module):
             CollectiveArgumentError: the first stage got no tensor, the last no target, or
                 the batch has fewer rows than microbatches (raised on every rank).
         """
+        # fully_shard may come after the pipeline is built: looked up at every step
+        self._fsdp_modules = [(n, m) for n, m in self.named_modules() if is_fsdp_module(m)]
         problem = self._check(inputs, target)
         self._agree(problem, inputs, target)
-        self._fsdp_modules = [m for m in self.modules() if is_fsdp_module(m)]
         pending: list[Any] = []
         batch = list(torch.tensor_split(inputs, self.microbatches)) \
             if self.is_first and isinstance(inputs, torch.Tensor) else []
@@ -274,7 +275,7 @@ class Pipeline(nn.Module):
         so each stage reduce-scatters once per step instead of once per microbatch. Only
         the modules of the stage whose backward runs next read the flag.
         """
-        for module in self._fsdp_modules:
+        for _, module in self._fsdp_modules:
             module.set_requires_gradient_sync(final, recurse=False)
 
     def tied_copies(self) -> list[nn.Parameter]:
@@ -305,14 +306,13 @@ class Pipeline(nn.Module):
 
     def _check(self, inputs: Any, target: Any) -> str:
         called = [name for name, _ in self.stage_modules()]
-        for name, module in self.named_modules():
-            if is_fsdp_module(module) and not any(
-                    name == c or name.startswith(c + ".") for c in called):
+        for name, _ in self._fsdp_modules:
+            if not any(name == c or name.startswith(c + ".") for c in called):
                 return (f"Pipeline.step: fully_shard was applied to "
                         f"{repr(name) if name else 'the pipeline itself'}, whose forward the "
                         f"step never calls (it calls the stages' modules directly); apply it "
                         f"to the modules of pipe.stage_modules() (or modules inside them)")
-        if self._tied and any(is_fsdp_module(m) for m in self.modules()):
+        if self._tied and self._fsdp_modules:
             return ("Pipeline.step: a parameter tied across stages (a tied embedding and LM "
                     "head) under fully_shard is not supported; untie it or shard the "
                     "replicas with tensorpar.pipeline.average_gradients")

@@ -19,8 +19,7 @@ from tensorpar.nn.layers._column_fn import column_linear
 from tensorpar.nn.layers._shard import AnyShard, Shard, shard_of
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.layers.linear import ShardedLayer, column_shard, row_output
-from tensorpar.nn.state._local_shard import mark_shards
-from tensorpar.nn.state.replica_check import install_step_hook
+from tensorpar.nn.state.replica_check import mark_sharded_layer
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D"]
 
@@ -81,8 +80,7 @@ class ColumnParallelConv1D(ShardedLayer):
         with torch.no_grad():
             self.weight.normal_(0.0, 0.02)  # Conv1D's own initialisation
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, self.sharded_dims)
+            mark_sharded_layer(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``x W + b`` (all of it with ``gather_output``)."""
@@ -158,8 +156,7 @@ class RowParallelConv1D(ShardedLayer):
             self.weight.normal_(0.0, 0.02)
         self._specs = SpecCache("RowParallelConv1D", self.shard)
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, self.sharded_dims)
+            mark_sharded_layer(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W + b``: the partial products summed across the group, then the bias.

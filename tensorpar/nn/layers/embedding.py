@@ -14,8 +14,7 @@ from tensorpar.collectives.regions import gather_from_group, reduce_from_group
 from tensorpar.comm._group import GroupLike
 from tensorpar.nn.layers._shard import Shard, shard_of
 from tensorpar.nn.sequence import SequenceShards
-from tensorpar.nn.state._local_shard import mark_shards
-from tensorpar.nn.state.replica_check import install_step_hook
+from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ParallelEmbedding", "VocabParallelEmbedding"]
@@ -128,8 +127,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
         """Set (by `tensorpar.parallelize`) for ``Vocab(sequence_parallel=True)``: the output
         is reduce-scattered along the sequence instead of all-reduced."""
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, self.sharded_dims)
+            mark_sharded_layer(self, self.sharded_dims)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's rows, zeros elsewhere, summed across the group."""
@@ -180,8 +178,7 @@ class ParallelEmbedding(_ShardedEmbedding):
             if self.padding_idx is not None:
                 self.weight[self.padding_idx].zero_()
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, self.sharded_dims)
+            mark_sharded_layer(self, self.sharded_dims)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's slice of every vector, all-gathered."""

@@ -26,8 +26,7 @@ from tensorpar.nn.layers._shard import (
 )
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
-from tensorpar.nn.state._local_shard import mark_shards
-from tensorpar.nn.state.replica_check import install_step_hook
+from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardedLayer"]
@@ -173,8 +172,7 @@ class ColumnParallelLinear(ShardedLayer):
         then the whole sequence gathered from the ranks' slices, whose backward
         reduce-scatters this layer's partial input gradient (the layer issues no collective)."""
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, self.sharded_dims)
+            mark_sharded_layer(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
@@ -273,8 +271,7 @@ class RowParallelLinear(ShardedLayer):
         """Set (by `tensorpar.parallelize`) inside a `SequenceGather` module: the output is
         then reduce-scattered along the sequence instead of all-reduced."""
         if not self.shard.group.is_single:
-            install_step_hook()  # the shards' optimizer state: refused by DCP
-            mark_shards(self, self.sharded_dims)
+            mark_sharded_layer(self, self.sharded_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``: the partial products summed across the group, then the bias."""

@@ -25,6 +25,7 @@ tensor-parallel group.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,11 +35,11 @@ from tensorpar._torch import global_optimizer_post_hooks
 from tensorpar.collectives.functional import all_gather
 from tensorpar.comm._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.nn.state._local_shard import LocalShard
+from tensorpar.nn.state._local_shard import LocalShard, mark_shards
 from tensorpar.nn.state._params import ParamTag, tag_of
 from tensorpar.nn.state.checkpoint import local_of
 
-__all__ = ["check_replicas", "install_step_hook"]
+__all__ = ["check_replicas", "install_step_hook", "mark_sharded_layer"]
 
 GUARDED = "_tensorpar_guarded"
 CHUNK = 1 << 20  # elements hashed at a time: bounded extra memory
@@ -49,6 +50,15 @@ def install_step_hook() -> None:
     if any(hook is _after_step for hook in global_optimizer_post_hooks()):
         return
     torch_optimizer.register_optimizer_step_post_hook(_after_step)
+
+
+def mark_sharded_layer(layer: torch.nn.Module, leaves: Iterable[str]) -> None:
+    """What a sharded layer's constructor does: `mark_shards` and `install_step_hook`.
+
+    ``leaves``: the sharded parameters' names (with their dims, as `mark_shards` takes).
+    """
+    install_step_hook()  # the shards' optimizer state: refused by DCP
+    mark_shards(layer, leaves)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
