@@ -7,8 +7,8 @@ from typing import NoReturn
 
 import torch
 
-from tensorpar.collectives._autograd import Launch
-from tensorpar.collectives._not_data import NotData
+from tensorpar._not_data import NotData
+from tensorpar.comm._launch import Launch
 from tensorpar.errors import UnresolvedCollectiveError
 
 __all__ = ["CollaborativeTensor", "as_result", "sync_collectives"]

@@ -8,6 +8,8 @@ plain ``torch.distributed``. Errors about bad arguments also derive from ``Value
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 __all__ = [
     "ClusterError",
     "CollectiveArgumentError",
@@ -106,3 +108,12 @@ class CollectiveMismatchError(CollectiveArgumentError):
     Raised on every rank by validation mode (`tensorpar.validation`), which compares a
     fingerprint of each collective across the ranks before it runs.
     """
+
+
+def ranks_by_value(values: Sequence[object], show: Callable[[object], str] = str) -> str:
+    """``"ranks 0,1,3 sum, rank 2 max"``: the ranks grouped by the value each one has."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(show(value), []).append(rank)
+    return ", ".join(f"{'ranks' if len(ranks) > 1 else 'rank'} {','.join(map(str, ranks))} "
+                     f"{text}" for text, ranks in groups.items())

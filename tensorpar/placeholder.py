@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from tensorpar.collectives._not_data import NotData
+from tensorpar._not_data import NotData
 from tensorpar.errors import (
     CollectiveArgumentError,
     CollectiveTypeError,

@@ -48,8 +48,8 @@ def test_all_reduce_algorithms_agree_and_refuse_what_they_cannot_do():
 
 def test_a_topology_of_another_size_is_refused():
     with pytest.raises(ValueError, match="group has"):
+        from tensorpar.collectives._hierarchical import hierarchical_topology
         from tensorpar.comm._group import Group
-        from tensorpar.hierarchical._algorithm import hierarchical_topology
 
         topo = Topology(machines=2, ranks_per_machine=2, machine=0, local_rank=0,
                         machine_ranks=((0, 1), (2, 3)), global_ranks=(0, 1, 2, 3))

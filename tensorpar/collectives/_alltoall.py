@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-from tensorpar.collectives._autograd import SYNC, Launch, apply_or_run, needs_graph, tie_to_output
+from tensorpar.collectives._autograd import apply_or_run, needs_graph, tie_to_output
 from tensorpar.collectives._entry import all_to_all_args
 from tensorpar.collectives._meta import exchange, local_header
 from tensorpar.collectives._split import NATIVE_DTYPES, as_bytes, balanced_sizes
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.comm._launch import SYNC, Launch
 from tensorpar.comm._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.validation import check_all_to_all, check_backward, last_site

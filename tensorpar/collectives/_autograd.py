@@ -13,7 +13,7 @@ from tensorpar._torch import FUNCTORCH_ACTIVE, UNWRAP_IF_DEAD
 from tensorpar.comm._group import Group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, TensorparError
 
-__all__ = ["SYNC", "Launch", "apply_or_run", "backend_of", "check_op", "check_reducible",
+__all__ = ["apply_or_run", "backend_of", "check_op", "check_reducible",
            "direct_apply", "needs_graph", "scale_for_mean", "tie_to_output", "torch_op"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -155,41 +155,6 @@ def no_backward(fn: str, op: str) -> TensorparError:
     """The error for differentiating through a reduction that has no gradient here."""
     return TensorparError(f"{fn}(op={op!r}) is forward-only: a max/min reduction has no "
                           f"gradient here. Detach its input, or use op='sum'/'mean'.")
-
-
-class Launch:
-    """Collects the work handles of collectives launched with ``async_op=True``.
-
-    A synchronous launch (``async_op=False``) keeps nothing: ``_comm`` calls return ``None``.
-    """
-
-    def __init__(self, async_op: bool) -> None:
-        self.async_op = async_op
-        self.works: list[Any] = []
-        self.keepalive: list[torch.Tensor] = []
-        self.finishers: list[Callable[[], object]] = []
-
-    def add(self, work: Any, *keepalive: torch.Tensor) -> None:
-        if work is not None:
-            self.works.append(work)
-            self.keepalive.extend(keepalive)
-
-    def then(self, finish: Callable[[], object]) -> None:
-        """Run ``finish`` once the works are done (at `wait`): post-processing of a result."""
-        self.finishers.append(finish)
-
-    def wait(self) -> None:
-        """Wait for the works, then run the finishers (`then`) in the order they were given."""
-        for work in self.works:
-            work.wait()
-        self.works.clear()
-        self.keepalive.clear()
-        for finish in self.finishers:
-            finish()
-        self.finishers.clear()
-
-
-SYNC = Launch(False)
 
 
 def tie_to_output(grad: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -8,14 +8,14 @@ waiting in the data collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from tensorpar.collectives._split import SplitSpec, check_total
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
-from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
+from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, ranks_by_value
 from tensorpar.placeholder import (
     KIND_NONE,
     KIND_OTHER,
@@ -29,7 +29,7 @@ from tensorpar.placeholder import (
 )
 
 __all__ = ["check_roots", "check_source", "chunks_spec", "exchange", "local_header",
-           "own_chunk", "placeholder_input", "ranks_by_value", "require_tensor", "sole_chunk",
+           "own_chunk", "placeholder_input", "require_tensor", "sole_chunk",
            "sole_input", "source_header"]
 
 
@@ -74,15 +74,6 @@ def local_header(x: object, root: int = -1) -> torch.Tensor:
         return encode_header(KIND_PLACEHOLDER, x.shape, x.dtype, x.requires_grad,
                              device_type=x.device.type, root=root)
     return encode_header(KIND_NONE if x is None else KIND_OTHER, root=root)
-
-
-def ranks_by_value(values: Sequence[object], show: Callable[[object], str] = str) -> str:
-    """``"ranks 0,1,3 sum, rank 2 max"``: the ranks grouped by the value each one has."""
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(show(value), []).append(rank)
-    return ", ".join(f"{'ranks' if len(ranks) > 1 else 'rank'} {','.join(map(str, ranks))} "
-                     f"{text}" for text, ranks in groups.items())
 
 
 def check_roots(fn: str, name: str, headers: Sequence[Header]) -> None:

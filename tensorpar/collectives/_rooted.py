@@ -12,8 +12,6 @@ from typing import Any
 import torch
 
 from tensorpar.collectives._autograd import (
-    SYNC,
-    Launch,
     no_backward,
     scale_for_mean,
     tie_to_output,
@@ -23,6 +21,7 @@ from tensorpar.collectives._meta import placeholder_input
 from tensorpar.collectives._split import RootSpec, SplitSpec, as_bytes
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
+from tensorpar.comm._launch import SYNC, Launch
 from tensorpar.comm._switch import VALIDATE
 from tensorpar.placeholder import Header, TensorPlaceholder
 from tensorpar.validation import check_backward, last_site

@@ -15,8 +15,6 @@ from typing import Any, TypeAlias
 import torch
 
 from tensorpar.collectives._autograd import (
-    SYNC,
-    Launch,
     apply_or_run,
     no_backward,
     scale_for_mean,
@@ -26,6 +24,7 @@ from tensorpar.collectives._autograd import (
 from tensorpar.collectives._split import NATIVE_DTYPES, SplitSpec, as_bytes
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
+from tensorpar.comm._launch import SYNC, Launch
 from tensorpar.comm._switch import VALIDATE
 from tensorpar.validation import check_backward, last_site
 

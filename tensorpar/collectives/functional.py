@@ -18,8 +18,9 @@ import torch
 
 from tensorpar.collaborative import CollaborativeTensor, as_result
 from tensorpar.collectives._alltoall import run_all_to_all
-from tensorpar.collectives._autograd import SYNC, Launch, apply_or_run, needs_graph
+from tensorpar.collectives._autograd import apply_or_run, needs_graph
 from tensorpar.collectives._entry import reduction_args, resolve_args, source_chunk, split_args
+from tensorpar.collectives._hierarchical import Algorithm, hierarchical_data, hierarchical_topology
 from tensorpar.collectives._meta import chunks_spec, sole_chunk, sole_input, source_header
 from tensorpar.collectives._rooted import (
     _Broadcast,
@@ -39,9 +40,11 @@ from tensorpar.collectives._symmetric import (
     reduce_scatter_equal,
 )
 from tensorpar.collectives._traced import collectives as _traced
+from tensorpar.collectives._traced._dispatch import compiled_call
+from tensorpar.collectives._traced.rooted import TRACES
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import GroupLike
-from tensorpar.hierarchical._algorithm import Algorithm, hierarchical_data, hierarchical_topology
+from tensorpar.comm._launch import SYNC, Launch
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
@@ -102,9 +105,10 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
                 [2., 3.],
                 [4., 5.]])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.scatter(x, dim=dim, src=src, group=group, sizes=sizes,
-                               exchange_meta=exchange_meta)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(scatter, _traced.scatter, not exchange_meta and TRACES,
+                             x, dim=dim, src=src, group=group, sizes=sizes,
+                             exchange_meta=exchange_meta)
     fn = "scatter"
     # without the header exchange, validation mode compares every rank's x (placeholders)
     g, sizes = resolve_args(fn, group, sizes, x=None if exchange_meta else x, dim=dim, src=src)
@@ -159,8 +163,9 @@ def gather(x: torch.Tensor, *, dim: int = 0, dst: int = 0, group: GroupLike = No
         tensor([[1., 1., 1.],
                 [1., 1., 1.]])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.gather(x, dim=dim, dst=dst, group=group, sizes=sizes)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(gather, _traced.gather, sizes is not None and TRACES,
+                             x, dim=dim, dst=dst, group=group, sizes=sizes)
     fn = "gather"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim, dst=dst)
     if g.is_single:
@@ -212,9 +217,10 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int = 0,
         >>> tensorpar.broadcast(torch.tensor([1.0, 2.0]))
         tensor([1., 2.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.broadcast(x, src=src, group=group, exchange_meta=exchange_meta,
-                                 async_op=async_op)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(broadcast, _traced.broadcast, not exchange_meta and TRACES,
+                             x, src=src, group=group, exchange_meta=exchange_meta,
+                             async_op=async_op)
     fn = "broadcast"
     g, _ = resolve_args(fn, group, None, x=None if exchange_meta else x, src=src)
     if g.is_single:
@@ -259,8 +265,8 @@ def reduce(x: torch.Tensor, *, dst: int = 0, op: ReduceOpName = "sum",
         >>> tensorpar.reduce(torch.tensor([1.0, 2.0]), op="mean")
         tensor([1., 2.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.reduce(x, dst=dst, op=op, group=group)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(reduce, _traced.reduce, TRACES, x, dst=dst, op=op, group=group)
     fn = "reduce"
     g, tensor, op_name = reduction_args(fn, x, op, group, dst=dst)
     if g.is_single:
@@ -321,8 +327,9 @@ def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
         >>> tensorpar.all_gather(torch.ones(2), sizes=[2])
         tensor([1., 1.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.all_gather(x, dim=dim, group=group, sizes=sizes, async_op=async_op)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(all_gather, _traced.all_gather, sizes is not None,
+                             x, dim=dim, group=group, sizes=sizes, async_op=async_op)
     fn = "all_gather"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     if g.is_single:
@@ -382,9 +389,9 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: ReduceOpName = "sum",
         >>> tensorpar.reduce_scatter(torch.arange(3.0))
         tensor([0., 1., 2.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.reduce_scatter(x, dim=dim, op=op, group=group, sizes=sizes,
-                                      async_op=async_op)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(reduce_scatter, _traced.reduce_scatter, True,
+                             x, dim=dim, op=op, group=group, sizes=sizes, async_op=async_op)
     fn = "reduce_scatter"
     g, tensor, op_name, d, split = split_args(fn, x, dim, group, sizes, op)
     assert op_name is not None
@@ -461,9 +468,10 @@ def all_reduce(x: torch.Tensor, *, op: ReduceOpName = "sum", backward: BackwardM
         >>> tensorpar.all_reduce(torch.ones(2), backward="identity")
         tensor([1., 1.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.all_reduce(x, op=op, backward=backward, group=group, async_op=async_op,
-                                  inplace=inplace, algorithm=algorithm, topology=topology)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(all_reduce, _traced.all_reduce, algorithm == "flat",
+                             x, op=op, backward=backward, group=group, async_op=async_op,
+                             inplace=inplace, algorithm=algorithm, topology=topology)
     fn = "all_reduce"
     g, tensor, op_name = reduction_args(fn, x, op, group, backward=backward, inplace=inplace)
     if g.is_single:
@@ -511,7 +519,8 @@ def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: Group
         >>> tensorpar.all_to_all(torch.ones(2, 3), split_dim=1, concat_dim=0).shape
         torch.Size([2, 3])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.all_to_all(x, split_dim=split_dim, concat_dim=concat_dim, group=group,
-                                  sizes=sizes)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(all_to_all, _traced.all_to_all, sizes is not None,
+                             x, split_dim=split_dim, concat_dim=concat_dim, group=group,
+                             sizes=sizes)
     return run_all_to_all(x, split_dim, concat_dim, group, sizes)

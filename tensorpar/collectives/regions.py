@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-from tensorpar.collectives._autograd import SYNC
 from tensorpar.collectives._entry import resolve_args, split_args, tensor_args
 from tensorpar.collectives._meta import chunks_spec, sole_chunk
 from tensorpar.collectives._split import SplitSpec, sizes_or_balanced
@@ -32,8 +31,10 @@ from tensorpar.collectives._symmetric import (
     _SplitToGroup,
 )
 from tensorpar.collectives._traced import collectives as _traced
+from tensorpar.collectives._traced._dispatch import compiled_call
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group, GroupLike
+from tensorpar.comm._launch import SYNC
 from tensorpar.placeholder import _normalize_dim
 
 __all__ = ["copy_to_group", "enter_region", "gather_from_group", "reduce_from_group",
@@ -73,8 +74,8 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
 def enter_region(x: torch.Tensor, group: GroupLike, label: str = "") -> torch.Tensor:
     """`copy_to_group`, with ``label`` naming the caller (a layer) in validation messages."""
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.copy_to_group(x, group=group)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(enter_region, _traced.copy_to_group, True, x, group=group)
     fn = "copy_to_group"
     g, tensor = tensor_args(fn, x, group, label)
     if g.is_single:
@@ -108,8 +109,8 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
         >>> tensorpar.reduce_from_group(torch.ones(2))
         tensor([1., 1.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.reduce_from_group(x, group=group)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(reduce_from_group, _traced.reduce_from_group, True, x, group=group)
     fn = "reduce_from_group"
     g, tensor = tensor_args(fn, x, group)
     if g.is_single:
@@ -149,8 +150,9 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
         >>> tensorpar.split_to_group(torch.arange(4.0))
         tensor([0., 1., 2., 3.])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.split_to_group(x, dim=dim, group=group, sizes=sizes)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(split_to_group, _traced.split_to_group, True,
+                             x, dim=dim, group=group, sizes=sizes)
     fn = "split_to_group"
     g, tensor, _, d, split = split_args(fn, x, dim, group, sizes)
     if g.is_single:
@@ -203,8 +205,9 @@ def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None
         >>> tensorpar.gather_from_group(torch.ones(1, 2))
         tensor([[1., 1.]])
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced.gather_from_group(x, dim=dim, group=group, sizes=sizes)
+    if compiling():  # the traced namesake, or this function between two graphs
+        return compiled_call(gather_from_group, _traced.gather_from_group, sizes is not None,
+                             x, dim=dim, group=group, sizes=sizes)
     fn = "gather_from_group"
     g, sizes = resolve_args(fn, group, sizes, x=x, dim=dim)
     if g.is_single:

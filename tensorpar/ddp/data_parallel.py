@@ -12,11 +12,11 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tensorpar._torch import tree_map
 from tensorpar.collectives._buffers import common_rank, sum_flags
+from tensorpar.collectives._hierarchical import Algorithm
 from tensorpar.comm._group import GroupLike
 from tensorpar.ddp._join import DDPJoinHook
 from tensorpar.ddp.reducer import BucketedAllReduce
 from tensorpar.errors import ReducerError
-from tensorpar.hierarchical._algorithm import Algorithm
 from tensorpar.hierarchical.topology import Topology
 
 __all__ = ["DistributedDataParallel"]

@@ -12,6 +12,7 @@ from torch import nn
 
 from tensorpar._torch import current_graph_task_id, queue_engine_callback
 from tensorpar.collectives._buffers import broadcast_coalesced
+from tensorpar.collectives._hierarchical import Algorithm, hierarchical_topology
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import GroupLike, resolve_group
 from tensorpar.comm._group_pool import GroupPool
@@ -23,7 +24,6 @@ from tensorpar.ddp._partial_sums import partial_sums_of, product_group
 from tensorpar.ddp._sync import SyncPoint
 from tensorpar.errors import CollectiveMismatchError, ReducerError
 from tensorpar.hierarchical import shutdown_hierarchical
-from tensorpar.hierarchical._algorithm import Algorithm, hierarchical_topology
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.validation import check
 from tensorpar.validation._replica import check_and_broadcast_replicas

@@ -10,8 +10,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-from tensorpar.collectives._meta import ranks_by_value
-from tensorpar.errors import CollectiveMismatchError
+from tensorpar.errors import CollectiveMismatchError, ranks_by_value
 from tensorpar.placeholder import _DTYPE_TO_CODE, MAX_NDIM
 from tensorpar.validation._callsite import SLOTS, sites_agree
 

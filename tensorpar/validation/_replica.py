@@ -16,10 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from tensorpar.collectives._meta import ranks_by_value
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group, GroupLike, resolve_group
-from tensorpar.errors import CollectiveArgumentError, ReducerError
+from tensorpar.errors import CollectiveArgumentError, ReducerError, ranks_by_value
 
 __all__ = ["check_and_broadcast_replicas", "check_same_weights"]
 

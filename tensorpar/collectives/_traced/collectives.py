@@ -1,17 +1,15 @@
 """The public collectives and region mappings as ``torch.compile`` traces them.
 
-Each public function checks first whether it runs inside a compiled function (dynamo traces
-it, or runs it for real because it skipped the frame) and then calls its namesake here. While
-dynamo traces, that is: the same argument checks as eagerly (the functions of
-`tensorpar.collectives._entry`, plain Python evaluated once at trace time), then the functional
-collectives of `tensorpar.collectives._traced._prims`, which the compiled graph holds as ops.
-The rooted collectives (scatter, gather, broadcast, reduce) are in
-`tensorpar.collectives._traced.rooted`. What needs
-values only the ranks' data can tell (a metadata header exchange: chunk lengths without
-``sizes``) and validation mode (a fingerprint exchange per call) run eagerly instead, through
-`eager`, which dynamo sees as one graph break. So does a call that dynamo runs for real inside
-a compiled function (a frame it skipped): `eager` keeps dynamo out of tensorpar's eager
-internals, which talk to the process group directly.
+Each public function checks first whether it runs inside a compiled function and, if so,
+hands the call to `tensorpar.collectives._traced._dispatch.compiled_call`, which decides once
+whether it traces: then it calls its namesake here. While dynamo traces, that is: the same
+argument checks as eagerly (the functions of `tensorpar.collectives._entry`, plain Python
+evaluated once at trace time), then the functional collectives of
+`tensorpar.collectives._traced._prims`, which the compiled graph holds as ops. The rooted
+collectives (scatter, gather, broadcast, reduce) are in `tensorpar.collectives._traced.rooted`.
+A call that needs values only the ranks' data can tell (a metadata header exchange: chunk
+lengths without ``sizes``), validation mode (a fingerprint exchange per call) and a call that
+dynamo runs for real never come here: the public function runs eagerly between two graphs.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.compiler import is_compiling
 
 from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.collectives._entry import (
@@ -32,13 +29,11 @@ from tensorpar.collectives._entry import (
 )
 from tensorpar.collectives._meta import own_chunk, sole_chunk
 from tensorpar.collectives._traced import _prims as P
-from tensorpar.collectives._traced._fallback import eager
-from tensorpar.collectives._traced._fallback import result as _result
+from tensorpar.collectives._traced._dispatch import result as _result
 from tensorpar.collectives._traced.rooted import broadcast, gather, reduce, scatter
 from tensorpar.comm._group import GroupLike, resolve_group
-from tensorpar.comm._switch import VALIDATE
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group", "eager",
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group",
            "gather", "gather_from_group", "reduce", "reduce_from_group", "reduce_scatter",
            "scatter", "split_to_group"]
 
@@ -48,10 +43,7 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
                group: GroupLike = None, async_op: bool = False, inplace: bool = False,
                algorithm: str = "flat", topology: Any = None
                ) -> torch.Tensor | CollaborativeTensor:
-    """`tensorpar.all_reduce`, traced (the hierarchical algorithms run eagerly)."""
-    if VALIDATE[0] or algorithm != "flat" or not is_compiling():
-        return eager("all_reduce", x, op=op, backward=backward, group=group,  # type: ignore[no-any-return]
-                     async_op=async_op, inplace=inplace, algorithm=algorithm, topology=topology)
+    """`tensorpar.all_reduce`, traced (called with ``algorithm="flat"``)."""
     g, tensor, op_name = reduction_args("all_reduce", x, op, group, backward=backward,
                                         inplace=inplace)
     if g.is_single:
@@ -72,10 +64,7 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
 def all_gather(x: torch.Tensor, *, dim: int = 0, group: GroupLike = None,
                sizes: Sequence[int] | None = None, async_op: bool = False
                ) -> torch.Tensor | CollaborativeTensor:
-    """`tensorpar.all_gather`, traced when ``sizes`` is given (else one graph break)."""
-    if VALIDATE[0] or sizes is None or not is_compiling():
-        return eager("all_gather", x, dim=dim, group=group, sizes=sizes,  # type: ignore[no-any-return]
-                     async_op=async_op)
+    """`tensorpar.all_gather`, traced (called with ``sizes``)."""
     fn = "all_gather"
     g, checked = resolve_args(fn, group, sizes, x=x, dim=dim)
     assert checked is not None
@@ -89,9 +78,6 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: Gro
                    sizes: Sequence[int] | None = None, async_op: bool = False
                    ) -> torch.Tensor | CollaborativeTensor:
     """`tensorpar.reduce_scatter`, traced."""
-    if VALIDATE[0] or not is_compiling():
-        return eager("reduce_scatter", x, dim=dim, op=op, group=group,  # type: ignore[no-any-return]
-                     sizes=sizes, async_op=async_op)
     g, tensor, op_name, d, split = split_args("reduce_scatter", x, dim, group, sizes, op)
     assert op_name is not None  # an op was given
     if g.is_single:
@@ -104,10 +90,7 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: Gro
 
 def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: GroupLike = None,
                sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """`tensorpar.all_to_all`, traced when ``sizes`` is given (else one graph break)."""
-    if VALIDATE[0] or sizes is None or not is_compiling():
-        return eager("all_to_all", x, split_dim=split_dim,  # type: ignore[no-any-return]
-                     concat_dim=concat_dim, group=group, sizes=sizes)
+    """`tensorpar.all_to_all`, traced (called with ``sizes``)."""
     fn = "all_to_all"
     g = resolve_group(group, fn)
     tensor, sd, cd, checked = all_to_all_args(fn, x, split_dim, concat_dim, g, sizes)
@@ -119,8 +102,6 @@ def all_to_all(x: torch.Tensor, *, split_dim: int, concat_dim: int, group: Group
 
 def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
     """`tensorpar.copy_to_group`, traced."""
-    if VALIDATE[0] or not is_compiling():
-        return eager("copy_to_group", x, group=group)  # type: ignore[no-any-return]
     g, tensor = tensor_args("copy_to_group", x, group)
     if g.is_single:
         return tensor
@@ -130,8 +111,6 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 
 def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
     """`tensorpar.reduce_from_group`, traced."""
-    if VALIDATE[0] or not is_compiling():
-        return eager("reduce_from_group", x, group=group)  # type: ignore[no-any-return]
     g, tensor = tensor_args("reduce_from_group", x, group)
     if g.is_single:
         return tensor
@@ -142,9 +121,6 @@ def reduce_from_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tens
 def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
                    sizes: Sequence[int] | None = None) -> torch.Tensor:
     """`tensorpar.split_to_group`, traced."""
-    if VALIDATE[0] or not is_compiling():
-        return eager("split_to_group", x, dim=dim, group=group,  # type: ignore[no-any-return]
-                     sizes=sizes)
     g, tensor, _, d, split = split_args("split_to_group", x, dim, group, sizes)
     if g.is_single:
         return tensor
@@ -155,10 +131,7 @@ def split_to_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
 
 def gather_from_group(x: torch.Tensor, *, dim: int = -1, group: GroupLike = None,
                       sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """`tensorpar.gather_from_group`, traced when ``sizes`` is given (else one graph break)."""
-    if VALIDATE[0] or sizes is None or not is_compiling():
-        return eager("gather_from_group", x, dim=dim, group=group,  # type: ignore[no-any-return]
-                     sizes=sizes)
+    """`tensorpar.gather_from_group`, traced (called with ``sizes``)."""
     fn = "gather_from_group"
     g, checked = resolve_args(fn, group, sizes, x=x, dim=dim)
     assert checked is not None

@@ -3,7 +3,7 @@
 Eagerly, `ColumnParallelLinear` and `RowParallelLinear` run one hand-written autograd
 Function each (the backward all-reduce overlapped with the weight gradient; the forward
 all-reduce in place). Compiled, the same arithmetic is written as the plain composition
-(``F.linear`` around the traced region mappings): the compiler derives the backward and
+(``F.linear`` around the region mappings, which trace): the compiler derives the backward and
 schedules the collectives around the matmuls itself.
 """
 
@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.compiler import is_compiling
 
-from tensorpar.collectives._traced import _prims as P
-from tensorpar.collectives._traced import collectives as C
+from tensorpar.collectives import regions
 from tensorpar.comm._group import Group
-from tensorpar.comm._switch import VALIDATE
 
 __all__ = ["column_linear", "row_linear", "split_last", "gather_last"]
 
@@ -24,25 +21,21 @@ __all__ = ["column_linear", "row_linear", "split_last", "gather_last"]
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   group: Group) -> torch.Tensor:
     """``F.linear(copy_to_group(x), weight, bias)``; ``group`` has more than one rank."""
-    return F.linear(C.copy_to_group(x, group=group), weight, bias)
+    return F.linear(regions.copy_to_group(x, group=group), weight, bias)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                group: Group) -> torch.Tensor:
     """``reduce_from_group(F.linear(x, weight)) + bias``; ``group`` has more than one rank."""
-    y = C.reduce_from_group(F.linear(x, weight), group=group)
+    y = regions.reduce_from_group(F.linear(x, weight), group=group)
     return y if bias is None else y + bias
 
 
 def split_last(x: torch.Tensor, sizes: tuple[int, ...], group: Group) -> torch.Tensor:
     """`split_to_group` along the last dim (a layer's ``SpecCache.split``)."""
-    if VALIDATE[0] or not is_compiling():  # (not traced: the public function, eagerly)
-        return C.split_to_group(x, dim=-1, group=group, sizes=sizes)
-    out: torch.Tensor = P.SplitToGroup.apply(  # type: ignore[no-untyped-call]
-        x, x.ndim - 1, sizes, group.rank, P.group_name(group))
-    return out
+    return regions.split_to_group(x, dim=-1, group=group, sizes=sizes)
 
 
 def gather_last(y: torch.Tensor, sizes: tuple[int, ...], group: Group) -> torch.Tensor:
     """`gather_from_group` along the last dim (a layer's ``SpecCache.gather``)."""
-    return C.gather_from_group(y, dim=-1, group=group, sizes=sizes)
+    return regions.gather_from_group(y, dim=-1, group=group, sizes=sizes)

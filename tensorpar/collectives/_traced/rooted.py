@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.compiler import is_compiling
 
 from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.collectives._entry import reduction_args, resolve_args, source_chunk
@@ -41,9 +40,8 @@ from tensorpar.collectives._meta import (
 from tensorpar.collectives._rooted import placeholder_for
 from tensorpar.collectives._split import sizes_or_balanced
 from tensorpar.collectives._traced import _prims as P
-from tensorpar.collectives._traced._fallback import eager, result
+from tensorpar.collectives._traced._dispatch import result
 from tensorpar.comm._group import Group, GroupLike
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.placeholder import TensorPlaceholder, _normalize_dim
 
 __all__ = ["TRACES", "broadcast", "gather", "reduce", "scatter"]
@@ -59,11 +57,7 @@ def _anchor(ph: TensorPlaceholder, g: Group) -> torch.Tensor:
 
 def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int, src: int,
             group: GroupLike, sizes: Sequence[int] | None, exchange_meta: bool) -> torch.Tensor:
-    """`tensorpar.scatter`, traced with ``exchange_meta=False`` (else one graph break)."""
-    if VALIDATE[0] or exchange_meta or not is_compiling() or not TRACES:
-        out: torch.Tensor = eager("scatter", x, dim=dim, src=src, group=group, sizes=sizes,
-                                  exchange_meta=exchange_meta)
-        return out
+    """`tensorpar.scatter`, traced (called with ``exchange_meta=False``)."""
     fn = "scatter"
     g, checked = resolve_args(fn, group, sizes, x=x, dim=dim, src=src)
     if g.is_single:
@@ -79,11 +73,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int, src: int,
 
 def gather(x: torch.Tensor, *, dim: int, dst: int, group: GroupLike,
            sizes: Sequence[int] | None) -> torch.Tensor | TensorPlaceholder:
-    """`tensorpar.gather`, traced with ``sizes`` (else one graph break)."""
-    if VALIDATE[0] or sizes is None or not is_compiling() or not TRACES:
-        out: torch.Tensor | TensorPlaceholder = eager("gather", x, dim=dim, dst=dst,
-                                                      group=group, sizes=sizes)
-        return out
+    """`tensorpar.gather`, traced (called with ``sizes``)."""
     fn = "gather"
     g, checked = resolve_args(fn, group, sizes, x=x, dim=dim, dst=dst)
     assert checked is not None
@@ -101,12 +91,7 @@ def gather(x: torch.Tensor, *, dim: int, dst: int, group: GroupLike,
 
 def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int, group: GroupLike,
               exchange_meta: bool, async_op: bool) -> torch.Tensor | CollaborativeTensor:
-    """`tensorpar.broadcast`, traced with ``exchange_meta=False`` (else one graph break)."""
-    if VALIDATE[0] or exchange_meta or not is_compiling() or not TRACES:
-        out: torch.Tensor | CollaborativeTensor = eager(
-            "broadcast", x, src=src, group=group, exchange_meta=exchange_meta,
-            async_op=async_op)
-        return out
+    """`tensorpar.broadcast`, traced (called with ``exchange_meta=False``)."""
     fn = "broadcast"
     g, _ = resolve_args(fn, group, None, x=x, src=src)
     if g.is_single:
@@ -121,9 +106,6 @@ def broadcast(x: torch.Tensor | TensorPlaceholder | None, *, src: int, group: Gr
 def reduce(x: torch.Tensor, *, dst: int, op: str, group: GroupLike
            ) -> torch.Tensor | TensorPlaceholder:
     """`tensorpar.reduce`, traced."""
-    if VALIDATE[0] or not is_compiling() or not TRACES:
-        out: torch.Tensor | TensorPlaceholder = eager("reduce", x, dst=dst, op=op, group=group)
-        return out
     g, tensor, op_name = reduction_args("reduce", x, op, group, dst=dst)
     if g.is_single:
         return tensor

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar.collectives._autograd import SYNC, direct_apply, needs_graph, torch_op
+from tensorpar.collectives._autograd import direct_apply, needs_graph, torch_op
 from tensorpar.collectives._meta import require_tensor
 from tensorpar.collectives._symmetric import _AllReduce
 from tensorpar.collectives._traced import layers as _traced_layers
@@ -25,6 +25,7 @@ from tensorpar.collectives.regions import enter_region
 from tensorpar.comm import _comm
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group
+from tensorpar.comm._launch import SYNC
 from tensorpar.comm._switch import VALIDATE
 
 __all__ = ["SharedInput", "autocast_on", "column_linear", "save_linear_inputs"]

@@ -7,9 +7,10 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from tensorpar.collectives._autograd import Launch, apply_or_run
+from tensorpar.collectives._autograd import apply_or_run
 from tensorpar.collectives._symmetric import _AllReduce
 from tensorpar.comm._group import Group
+from tensorpar.comm._launch import Launch
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.hierarchical.topology import Topology
 
