@@ -215,15 +215,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torch.Tensor:
         ctx.spec, ctx.in_shape = spec, x.shape
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         out = all_to_all_data(x, spec, launch)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if VALIDATE[0]:
-            check_backward("all_to_all", ctx.spec.group, ctx.spec.dual(ctx.in_shape),
-                           site=ctx.site)
-        return _AllToAll.apply(tie_to_output(grad, ctx), ctx.spec.dual(ctx.in_shape), SYNC), \
-            None, None
+        dual = ctx.spec.dual(ctx.in_shape)
+        check_backward("all_to_all", ctx.spec.group, dual, site=ctx.site)
+        return _AllToAll.apply(tie_to_output(grad, ctx), dual, SYNC), None, None

@@ -22,7 +22,6 @@ from tensorpar.collectives._split import RootSpec, SplitSpec, as_bytes
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
 from tensorpar.comm._launch import SYNC, Launch
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.placeholder import Header, TensorPlaceholder
 from tensorpar.validation import check_backward, last_site
 
@@ -104,15 +103,14 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         out = scatter_data(x, spec)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if VALIDATE[0]:
-            check_backward("gather", ctx.spec.group, ctx.spec, site=ctx.site)
+        check_backward("gather", ctx.spec.group, ctx.spec, site=ctx.site)
         return _Gather.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
@@ -120,15 +118,14 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         out = gather_data(x, spec)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if VALIDATE[0]:
-            check_backward("scatter", ctx.spec.group, ctx.spec, site=ctx.site)
+        check_backward("scatter", ctx.spec.group, ctx.spec, site=ctx.site)
         return _Scatter.apply(tie_to_output(grad, ctx), ctx.spec), None
 
 
@@ -138,7 +135,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, launch: Launch) -> torch.Tensor:
         ctx.spec = spec
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         # a contiguous copy: the bytes travel in memory order, whatever x's strides are
         out = x.detach().clone(memory_format=torch.contiguous_format) if spec.is_root \
             else x.new_empty(spec.full_shape)
@@ -150,8 +147,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if VALIDATE[0]:
-            check_backward("reduce", ctx.spec.group, ctx.spec, op="sum", site=ctx.site)
+        check_backward("reduce", ctx.spec.group, ctx.spec, op="sum", site=ctx.site)
         return _Reduce.apply(tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), None, None
 
 
@@ -162,7 +158,7 @@ class _Reduce(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, spec: RootSpec, op: str, launch: Launch
                 ) -> torch.Tensor:
         ctx.spec, ctx.op = spec, op
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         # torch.distributed.reduce may use non-root inputs as scratch: reduce a copy.
         buf = scale_for_mean(x.detach(), op, spec.group.size).clone(
             memory_format=torch.contiguous_format)
@@ -177,7 +173,6 @@ class _Reduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.op in ("max", "min"):
             raise no_backward("reduce", ctx.op)
-        if VALIDATE[0]:
-            check_backward("broadcast", ctx.spec.group, ctx.spec, site=ctx.site)
+        check_backward("broadcast", ctx.spec.group, ctx.spec, site=ctx.site)
         out = _Broadcast.apply(tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None

@@ -25,7 +25,6 @@ from tensorpar.collectives._split import NATIVE_DTYPES, SplitSpec, as_bytes
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
 from tensorpar.comm._launch import SYNC, Launch
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.validation import check_backward, last_site
 
 __all__ = ["ReducePath", "all_gather_equal", "all_reduce_data", "equal_on_dim0",
@@ -145,15 +144,14 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec, launch: Launch) -> torch.Tensor:
         ctx.spec = spec
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         out = all_gather_data(x, spec, launch)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if VALIDATE[0]:
-            check_backward("reduce_scatter", ctx.spec.group, ctx.spec, op="sum", site=ctx.site)
+        check_backward("reduce_scatter", ctx.spec.group, ctx.spec, op="sum", site=ctx.site)
         return apply_or_run(_ReduceScatter, tie_to_output(grad, ctx), ctx.spec, "sum", SYNC), \
             None, None
 
@@ -165,7 +163,7 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec, op: str, launch: Launch
                 ) -> torch.Tensor:
         ctx.spec, ctx.op = spec, op
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         out = reduce_scatter_data(x, spec, op, launch)
         ctx.save_for_backward(out)
         return out
@@ -174,8 +172,7 @@ class _ReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.op in ("max", "min"):
             raise no_backward("reduce_scatter", ctx.op)
-        if VALIDATE[0]:
-            check_backward("all_gather", ctx.spec.group, ctx.spec, site=ctx.site)
+        check_backward("all_gather", ctx.spec.group, ctx.spec, site=ctx.site)
         out = apply_or_run(_AllGather, tie_to_output(grad, ctx), ctx.spec, SYNC)
         return scale_for_mean(out, ctx.op, ctx.spec.group.size), None, None, None
 
@@ -201,7 +198,7 @@ class _AllReduce(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Group, op: str, mode: str, inplace: bool,
                 launch: Launch, path: ReducePath = all_reduce_data) -> torch.Tensor:
         ctx.group, ctx.op, ctx.mode, ctx.path = group, op, mode, path
-        ctx.site = last_site(group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(group)  # for the backward's check
         if inplace:
             ctx.mark_dirty(x)
         out = path(x, group, op, inplace, launch)
@@ -213,9 +210,9 @@ class _AllReduce(torch.autograd.Function):
         if ctx.op in ("max", "min"):
             raise no_backward("all_reduce", ctx.op)
         grad = tie_to_output(grad, ctx)
-        if VALIDATE[0]:  # the identity mode issues nothing: its fingerprint is all the same
-            check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
-                           site=ctx.site)
+        # the identity mode issues nothing: its fingerprint is all the same
+        check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
+                       site=ctx.site)
         if ctx.mode == "sum":
             out = apply_or_run(_AllReduce, grad, ctx.group, "sum", "sum", False, SYNC, ctx.path)
         else:
@@ -235,14 +232,13 @@ class _CopyToGroup(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: Group, path: ReducePath = all_reduce_data
                 ) -> torch.Tensor:
         ctx.group, ctx.path = group, path
-        ctx.site = last_site(group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(group)  # for the backward's check
         ctx.save_for_backward(x)
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if VALIDATE[0]:
-            check_backward("copy_to_group", ctx.group, None, grad, site=ctx.site)
+        check_backward("copy_to_group", ctx.group, None, grad, site=ctx.site)
         return apply_or_run(_AllReduce, tie_to_output(grad, ctx), ctx.group, "sum", "identity",
                             False, SYNC, ctx.path), None, None
 
@@ -259,15 +255,14 @@ class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: SplitSpec) -> torch.Tensor:
         ctx.spec = spec
-        ctx.site = last_site(spec.group) if VALIDATE[0] else None  # for the backward's check
+        ctx.site = last_site(spec.group)  # for the backward's check
         out = _SplitToGroup.data(x, spec)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if VALIDATE[0]:
-            check_backward("split_to_group", ctx.spec.group, ctx.spec, site=ctx.site)
+        check_backward("split_to_group", ctx.spec.group, ctx.spec, site=ctx.site)
         return apply_or_run(_GatherFromGroup, tie_to_output(grad, ctx), ctx.spec), None
 
 

@@ -35,14 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.collaborative import CollaborativeTensor
-from tensorpar.collectives._autograd import needs_graph
 from tensorpar.collectives._split import balanced_sizes
 from tensorpar.collectives.functional import all_gather, reduce_scatter
 from tensorpar.collectives.regions import gather_from_group, split_to_group
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group
-from tensorpar.comm._switch import VALIDATE
-from tensorpar.nn.layers._column_fn import _rows, autocast_on, save_linear_inputs
+from tensorpar.nn.layers._column_fn import _rows, save_linear_inputs
+from tensorpar.nn.layers._path import LayerPath, layer_path
 from tensorpar.nn.layers._recompute import install_recompute
 
 __all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
@@ -348,9 +347,7 @@ def sequence_row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     else the composition of public collectives (validation mode, autocast, ``wide``, a
     second-order graph).
     """
-    fused = wide is None and not VALIDATE[0] and not autocast_on(x.device.type) \
-        and not compiling()
-    if fused and (torch.is_grad_enabled() or needs_graph(x)):
+    if wide is None and layer_path(x, shards.group) is LayerPath.FUSED:
         out: torch.Tensor = _SequenceRowLinear.apply(x, weight, bias, shards)  # type: ignore[no-untyped-call]
         return out
     out_dtype = torch.promote_types(x.dtype, weight.dtype)

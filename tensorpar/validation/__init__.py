@@ -203,7 +203,12 @@ def check(operation: str, g: Group, *, backward: bool = False, dtype: object = N
 
 
 def last_site(g: Group) -> Site | None:
-    """The call site of the last collective checked on ``g`` (for a Function's backward)."""
+    """The call site of the last collective checked on ``g`` (for a Function's backward).
+
+    ``None`` outside validation mode (nothing is checked there).
+    """
+    if not VALIDATE[0]:
+        return None
     handle = g.handle
     counts = None if handle is None else _COUNTS.get(handle)
     return None if counts is None else counts.last_site
@@ -338,9 +343,9 @@ def check_backward(operation: str, g: Group, spec: Any = None, grad: torch.Tenso
     ``spec`` (a `RootSpec`, `SplitSpec` or `AllToAllSpec`) supplies what every rank shares;
     without one, ``grad``'s dtype and shape (which every rank's must match). ``site``: the
     forward call's site (a backward runs inside autograd, where the user's frames tell
-    nothing about which call it belongs to).
+    nothing about which call it belongs to). Outside validation mode it does nothing.
     """
-    if g.size == 1:
+    if not VALIDATE[0] or g.size == 1:
         return
     if spec is None:
         assert grad is not None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tensorpar.collectives import regions
 from tensorpar.comm._group import Group
 
-__all__ = ["column_linear", "row_linear", "split_last", "gather_last"]
+__all__ = ["column_linear", "row_linear"]
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -29,13 +29,3 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``reduce_from_group(F.linear(x, weight)) + bias``; ``group`` has more than one rank."""
     y = regions.reduce_from_group(F.linear(x, weight), group=group)
     return y if bias is None else y + bias
-
-
-def split_last(x: torch.Tensor, sizes: tuple[int, ...], group: Group) -> torch.Tensor:
-    """`split_to_group` along the last dim (a layer's ``SpecCache.split``)."""
-    return regions.split_to_group(x, dim=-1, group=group, sizes=sizes)
-
-
-def gather_last(y: torch.Tensor, sizes: tuple[int, ...], group: Group) -> torch.Tensor:
-    """`gather_from_group` along the last dim (a layer's ``SpecCache.gather``)."""
-    return regions.gather_from_group(y, dim=-1, group=group, sizes=sizes)

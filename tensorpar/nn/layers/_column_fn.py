@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar.collectives._autograd import direct_apply, needs_graph, torch_op
+from tensorpar.collectives._autograd import direct_apply, torch_op
 from tensorpar.collectives._meta import require_tensor
 from tensorpar.collectives._symmetric import _AllReduce
 from tensorpar.collectives._traced import layers as _traced_layers
@@ -26,19 +26,11 @@ from tensorpar.comm import _comm
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group
 from tensorpar.comm._launch import SYNC
-from tensorpar.comm._switch import VALIDATE
+from tensorpar.nn.layers._path import LayerPath, layer_path
 
-__all__ = ["SharedInput", "autocast_on", "column_linear", "save_linear_inputs"]
+__all__ = ["SharedInput", "column_linear", "save_linear_inputs"]
 
 _LABEL = "the input of a column-parallel layer: ColumnParallelLinear or ColumnParallelConv1D"
-
-
-def autocast_on(device_type: str) -> bool:
-    """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except (TypeError, RuntimeError):  # an older torch, or a device without autocast (meta)
-        return True
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -51,16 +43,15 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     recorded (inference), ``copy_to_group`` is the identity: a plain ``F.linear``.
     """
     x = require_tensor("ColumnParallelLinear", x)
-    if group.is_single:
-        return F.linear(x, weight, bias)
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced_layers.column_linear(x, weight, bias, group)
-    if VALIDATE[0] or autocast_on(x.device.type):  # copy_to_group fingerprints its calls
+    path = layer_path(x, group)
+    if path is LayerPath.FUSED:
+        out: torch.Tensor = _apply_column(x, weight, bias, group)
+        return out
+    if path is LayerPath.COMPOSED:
         return F.linear(enter_region(x, group, _LABEL), weight, bias)
-    if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
-        return F.linear(x, weight, bias)
-    out: torch.Tensor = _apply_column(x, weight, bias, group)
-    return out
+    if path is LayerPath.TRACED:
+        return _traced_layers.column_linear(x, weight, bias, group)
+    return F.linear(x, weight, bias)  # one rank, or no graph: copy_to_group is the identity
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

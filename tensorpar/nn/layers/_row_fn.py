@@ -16,13 +16,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar.collectives._autograd import direct_apply, needs_graph, torch_op
+from tensorpar.collectives._autograd import direct_apply, torch_op
 from tensorpar.collectives._symmetric import _CopyToGroup
 from tensorpar.collectives._traced import layers as _traced_layers
+from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm import _comm
-from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group
 from tensorpar.nn.layers._column_fn import _rows, save_linear_inputs
+from tensorpar.nn.layers._path import LayerPath, layer_path
 
 __all__ = ["row_linear"]
 
@@ -31,18 +32,25 @@ _SUM = torch_op("sum")
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                group: Group) -> torch.Tensor:
-    """``reduce_from_group(F.linear(x, weight)) + bias`` in one Function.
+    """``reduce_from_group(F.linear(x, weight)) + bias``, in one Function where it can be.
 
-    ``group`` has more than one rank; the caller takes the composition where this does not
-    apply (a single rank, autocast, validation mode, a ``reduce_dtype``). Where no graph is
-    recorded (inference), the arithmetic runs without the Function.
+    The composition runs where the Function does not apply (validation mode, autocast); where
+    no graph is recorded (inference), the arithmetic runs without the Function.
     """
-    if compiling():  # compiled: tensorpar.collectives._traced
-        return _traced_layers.row_linear(x, weight, bias, group)
-    if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
+    path = layer_path(x, group)
+    if path is LayerPath.FUSED:
+        out: torch.Tensor = _apply_row(x, weight, bias, group)
+        return out
+    if path is LayerPath.NO_GRAPH:
         return row_linear_data(x, weight, bias, group)
-    out: torch.Tensor = _apply_row(x, weight, bias, group)
-    return out
+    if path is LayerPath.TRACED:
+        return _traced_layers.row_linear(x, weight, bias, group)
+    if path is LayerPath.SINGLE:
+        return F.linear(x, weight, bias)
+    # every region call fingerprinted, or autocast's casts (the bias joins in the matmul's
+    # dtype, as in F.linear under autocast)
+    y = reduce_from_group(F.linear(x, weight), group=group)
+    return y + bias.to(y.dtype) if bias is not None else y
 
 
 def row_linear_data(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

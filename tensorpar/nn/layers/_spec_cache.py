@@ -4,7 +4,8 @@
 cut (a `SplitSpec`) on every call, from nothing but the input's shape and dtype and the
 layer's shard. A layer makes the same calls with the same shard step after step, so
 `SpecCache` does that work once per shape and applies the region's Function directly. In
-validation mode the public functions run instead, so every call is fingerprinted.
+validation mode and under ``torch.compile`` the public functions run instead (every call
+fingerprinted; or traced).
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import torch
 from tensorpar.collectives._meta import chunks_spec
 from tensorpar.collectives._split import SplitSpec
 from tensorpar.collectives._symmetric import _GatherFromGroup, _SplitToGroup
-from tensorpar.collectives._traced import layers as _traced_layers
 from tensorpar.collectives.regions import gather_from_group, split_spec, split_to_group
-from tensorpar.comm._compiling import compiling
-from tensorpar.comm._switch import VALIDATE
+from tensorpar.nn.layers._path import LayerPath, layer_path
 from tensorpar.nn.layers._shard import AnyShard
 
 __all__ = ["SpecCache"]
 
 MAX_SHAPES = 64
+_CACHED = frozenset({LayerPath.FUSED, LayerPath.NO_GRAPH})  # else the public function
 """Shapes kept per layer and mapping; past that the cache starts over (e.g. generation
 with a growing sequence)."""
 
@@ -46,9 +46,7 @@ class SpecCache:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """``split_to_group(x, dim=-1, group=shard.group, sizes=shard.sizes)``."""
         s = self.shard
-        if compiling() and not s.group.is_single:
-            return _traced_layers.split_last(x, s.sizes, s.group)
-        if VALIDATE[0] or s.group.is_single:
+        if layer_path(x, s.group, casts=False) not in _CACHED:  # the public function decides
             return split_to_group(x, dim=-1, group=s.group, sizes=s.sizes)
         key = (x.shape, x.dtype)
         spec = self.splits.get(key)
@@ -61,9 +59,7 @@ class SpecCache:
     def gather(self, y: torch.Tensor) -> torch.Tensor:
         """``gather_from_group(y, dim=-1, group=shard.group, sizes=shard.sizes)``."""
         s = self.shard
-        if compiling() and not s.group.is_single:
-            return _traced_layers.gather_last(y, s.sizes, s.group)
-        if VALIDATE[0] or s.group.is_single:
+        if layer_path(y, s.group, casts=False) not in _CACHED:  # the public function decides
             return gather_from_group(y, dim=-1, group=s.group, sizes=s.sizes)
         key = (y.shape, y.dtype)
         spec = self.gathers.get(key)

@@ -13,8 +13,7 @@ from torch import nn
 from tensorpar.collectives.functional import broadcast
 from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm._group import Group, GroupLike
-from tensorpar.comm._switch import VALIDATE
-from tensorpar.nn.layers._column_fn import SharedInput, autocast_on, column_linear
+from tensorpar.nn.layers._column_fn import SharedInput, column_linear
 from tensorpar.nn.layers._row_fn import row_linear
 from tensorpar.nn.layers._shard import (
     AnyShard,
@@ -42,14 +41,7 @@ def row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     Function where it can be, in ``wide`` (a ``reduce_dtype``) where one is given.
     """
     if wide is None or wide == weight.dtype:
-        if g.is_single:
-            return F.linear(x, weight, bias)
-        if not VALIDATE[0] and not autocast_on(x.device.type):
-            return row_linear(x, weight, bias, g)  # one Function, one node
-        # the composition: every region call fingerprinted, or autocast's casts (the bias
-        # joins in the matmul's dtype, as in F.linear under autocast)
-        y = reduce_from_group(F.linear(x, weight), group=g)
-        return y + bias.to(y.dtype) if bias is not None else y
+        return row_linear(x, weight, bias, g)
     y = reduce_from_group(F.linear(x.to(wide), weight.to(wide)), group=g)
     if bias is not None:
         y = y + bias.to(wide)

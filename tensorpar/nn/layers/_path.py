@@ -1,0 +1,59 @@
+"""How a parallel layer runs one call: decided here, once per call, for every layer.
+
+The layers have one hand-written autograd Function each for the common case (the
+communication fused with the matmul, or a cached split), and fall back to other paths where
+it does not apply. Which one runs depends on the same few conditions everywhere, read here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from tensorpar.collectives._autograd import needs_graph
+from tensorpar.comm._compiling import compiling
+from tensorpar.comm._group import Group
+from tensorpar.comm._switch import VALIDATE
+
+__all__ = ["LayerPath", "autocast_on", "layer_path"]
+
+
+class LayerPath(enum.Enum):
+    SINGLE = "single"
+    """A group of one rank: the dense arithmetic, no collective."""
+    COMPOSED = "composed"
+    """The composition of public region calls: validation mode (each call fingerprinted) or
+    autocast (whose casts the composition handles as dense code does)."""
+    TRACED = "traced"
+    """Under ``torch.compile``: the composition the compiler traces
+    (`tensorpar.collectives._traced.layers`)."""
+    NO_GRAPH = "no_graph"
+    """No autograd graph is recorded (inference): the forward arithmetic alone."""
+    FUSED = "fused"
+    """The layer's own autograd Function."""
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except (TypeError, RuntimeError):  # an older torch, or a device without autocast (meta)
+        return True
+
+
+def layer_path(x: torch.Tensor, group: Group, *, casts: bool = True) -> LayerPath:
+    """The path a layer takes for input ``x`` on ``group``.
+
+    ``casts``: whether autocast changes what the layer computes (a matmul: yes; a split of
+    its input: no, so it keeps its fused path under autocast).
+    """
+    if group.is_single:
+        return LayerPath.SINGLE
+    if VALIDATE[0] or (casts and autocast_on(x.device.type)):
+        return LayerPath.COMPOSED
+    if compiling():
+        return LayerPath.TRACED
+    if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
+        return LayerPath.NO_GRAPH
+    return LayerPath.FUSED
