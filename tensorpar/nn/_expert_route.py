@@ -12,16 +12,17 @@ for the gradients of the tokens and of the routing weights.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tensorpar.collectives._split import NATIVE_DTYPES
+from tensorpar.collectives._alltoall import AllToAllSpec, _AllToAll, all_to_all_data
+from tensorpar.collectives._autograd import apply_or_run
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
+from tensorpar.comm._launch import SYNC
 from tensorpar.comm._switch import VALIDATE
 from tensorpar.validation import check
 
@@ -44,37 +45,12 @@ def exchange_counts(counts: torch.Tensor, g: Group) -> list[list[int]]:
     return rows
 
 
-def _move(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], g: Group) -> torch.Tensor:
-    """Rows ``x[sum(send[:r]) : sum(send[:r+1])]`` to rank ``r``; ``recv[s]`` rows from ``s``."""
-    send_buf = x.contiguous()
-    out = send_buf.new_empty((sum(recv), *send_buf.shape[1:]))
-    per_row = math.prod(send_buf.shape[1:])
-    flat_in, flat_out, unit = send_buf.view(-1), out.view(-1), 1
-    if send_buf.dtype not in NATIVE_DTYPES:  # move raw bytes
-        flat_in, flat_out = flat_in.view(torch.uint8), flat_out.view(torch.uint8)
-        unit = send_buf.element_size()
-    _comm.all_to_all(flat_out, flat_in, [n * per_row * unit for n in recv],
-                     [n * per_row * unit for n in send], g, native=True)
-    return out
-
-
-class _ExchangeRows(torch.autograd.Function):
-    """Forward: uneven all-to-all of rows. Backward: the same with the sizes swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...],
-                g: Group) -> torch.Tensor:
-        ctx.sizes, ctx.group = (send, recv), g
-        return _move(x, send, recv, g)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        send, recv = ctx.sizes
-        g = ctx.group
-        if VALIDATE[0]:
-            check("all_to_all", g, backward=True, dtype=grad.dtype, dim=0, dim2=0)
-        back = _ExchangeRows.apply(grad, recv, send, g)  # type: ignore[no-untyped-call]
-        return back, None, None, None
+def _rows_spec(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], g: Group
+               ) -> AllToAllSpec:
+    """The all-to-all of ``send[r]`` rows of ``x`` to rank ``r``, ``recv[s]`` from ``s``."""
+    rest = x.shape[1:]
+    return AllToAllSpec(g, 0, 0, tuple(send), tuple(torch.Size((n, *rest)) for n in recv),
+                        even=False)
 
 
 def exchange_rows(x: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], g: Group
@@ -85,10 +61,7 @@ def exchange_rows(x: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...],
     """
     if VALIDATE[0]:
         check("all_to_all", g, dtype=x.dtype, dim=0, dim2=0)
-    if torch.is_grad_enabled() and x.requires_grad:
-        out: torch.Tensor = _ExchangeRows.apply(x, send, recv, g)  # type: ignore[no-untyped-call]
-        return out
-    return _move(x.detach(), send, recv, g)
+    return apply_or_run(_AllToAll, x, _rows_spec(x, send, recv, g), SYNC)
 
 
 def _rows_to_every_rank(x: torch.Tensor, sizes: Sequence[int], g: Group
@@ -102,7 +75,8 @@ def _rows_to_every_rank(x: torch.Tensor, sizes: Sequence[int], g: Group
     send = tuple(0 if r == me else sizes[me] for r in range(n))
     recv = tuple(0 if r == me else sizes[r] for r in range(n))
     copies = mine.unsqueeze(0).expand(n - 1, *mine.shape).reshape(-1, *mine.shape[1:])
-    parts = list(_move(copies, send, recv, g).split(list(recv)))
+    parts = list(all_to_all_data(copies, _rows_spec(copies, send, recv, g), SYNC)
+                 .split(list(recv)))
     parts[me] = mine
     return parts
 

@@ -40,7 +40,7 @@ from tensorpar.collectives.functional import all_gather, reduce_scatter
 from tensorpar.collectives.regions import gather_from_group, split_to_group
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group
-from tensorpar.nn.layers._column_fn import _rows, save_linear_inputs
+from tensorpar.nn.layers._column_fn import save_linear_inputs, weight_grads
 from tensorpar.nn.layers._path import LayerPath, layer_path
 from tensorpar.nn.layers._recompute import install_recompute
 
@@ -289,14 +289,12 @@ class _ColumnRegathered(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         _no_second_order()
         _, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w = ctx.needs_input_grad[:2]
         info = ctx.info
         if info.shards.overlap:  # in flight while the input gradient is computed
             info.start(need_w)  # a frozen weight needs no regather
         grad_x = grad.matmul(weight) if need_x else None
-        grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
-        whole = info.take_whole(need_w)
-        grad_w = _rows(grad).t().matmul(_rows(whole)) if whole is not None else None
+        grad_w, grad_b = weight_grads(ctx, grad, info.take_whole(need_w))
         return grad_x, grad_w, grad_b, None
 
 
@@ -379,13 +377,11 @@ class _SequenceRowLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         shards = ctx.shards
         whole = all_gather(grad.contiguous(), dim=shards.dim, group=shards.group.handle,
                            sizes=ctx.sizes)
-        grad_x = whole.matmul(weight) if need_x else None
-        grad_w = _rows(whole).t().matmul(_rows(x)) if need_w else None
-        grad_b = _rows(grad).sum(0) if need_b and ctx.has_bias else None
+        grad_x = whole.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w, grad_b = weight_grads(ctx, whole, x, grad)  # the bias joined on the slice
         return grad_x, grad_w, grad_b, None
 
 

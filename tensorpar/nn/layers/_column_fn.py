@@ -28,7 +28,7 @@ from tensorpar.comm._group import Group
 from tensorpar.comm._launch import SYNC
 from tensorpar.nn.layers._path import LayerPath, layer_path
 
-__all__ = ["SharedInput", "column_linear", "save_linear_inputs"]
+__all__ = ["SharedInput", "column_linear", "save_linear_inputs", "weight_grads"]
 
 _LABEL = "the input of a column-parallel layer: ColumnParallelLinear or ColumnParallelConv1D"
 
@@ -70,6 +70,23 @@ def save_linear_inputs(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
     ctx.save_for_backward(x if need_w else None, weight if need_x else None)
 
 
+def weight_grads(ctx: Any, grad: torch.Tensor, x: torch.Tensor | None,
+                 bias_grad: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``F.linear``'s weight and bias gradients, as far as ``ctx`` needs them.
+
+    ``grad``: the gradient of the matmul's output; ``x``: the matmul's input (``None`` where
+    the weight is frozen); ``bias_grad``: the gradient the bias sees, where it is not
+    ``grad`` (a bias added after a reduction sees the gradient before its adjoint).
+    """
+    need_w, need_b = ctx.needs_input_grad[1:3]
+    rows = _rows(grad)
+    grad_w = rows.t().matmul(_rows(x)) if need_w and x is not None else None
+    if not (need_b and ctx.has_bias):
+        return grad_w, None
+    return grad_w, (rows if bias_grad is None else _rows(bias_grad)).sum(0)
+
+
 class _ColumnLinear(torch.autograd.Function):
     """Forward: ``x W^T + b``. Backward: ``all_reduce(g W)`` overlapped with ``g^T x``."""
 
@@ -82,7 +99,7 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x = ctx.needs_input_grad[0]
         # create_graph: every step must be differentiable, so no asynchronous launch
         differentiable = torch.is_grad_enabled()
         if differentiable and x is not None:  # as CopyToGroup does: reach x on every rank
@@ -94,9 +111,7 @@ class _ColumnLinear(torch.autograd.Function):
         elif need_x:
             grad_x = grad.matmul(weight)  # a fresh, contiguous tensor: reduced in place
             work = _comm.all_reduce(grad_x, torch_op("sum"), ctx.group, async_op=True)
-        rows = _rows(grad)
-        grad_w = rows.t().matmul(_rows(x)) if need_w else None  # while it travels
-        grad_b = rows.sum(0) if need_b and ctx.has_bias else None
+        grad_w, grad_b = weight_grads(ctx, grad, x)  # while grad_x travels
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None

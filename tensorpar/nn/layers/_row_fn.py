@@ -22,7 +22,7 @@ from tensorpar.collectives._traced import layers as _traced_layers
 from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
-from tensorpar.nn.layers._column_fn import _rows, save_linear_inputs
+from tensorpar.nn.layers._column_fn import save_linear_inputs, weight_grads
 from tensorpar.nn.layers._path import LayerPath, layer_path
 
 __all__ = ["row_linear"]
@@ -77,7 +77,6 @@ class _RowLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         bias_grad = grad
         if torch.is_grad_enabled():
             # create_graph: the matmul's gradient passes through the all-reduce's adjoint
@@ -86,9 +85,8 @@ class _RowLinear(torch.autograd.Function):
             if x is not None:
                 grad = grad + x.reshape(-1)[:0].sum()
             grad = _CopyToGroup.apply(grad, ctx.group)  # type: ignore[no-untyped-call]
-        grad_x = grad.matmul(weight) if need_x else None
-        grad_w = _rows(grad).t().matmul(_rows(x)) if need_w else None
-        grad_b = _rows(bias_grad).sum(0) if need_b and ctx.has_bias else None
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w, grad_b = weight_grads(ctx, grad, x, bias_grad)
         return grad_x, grad_w, grad_b, None
 
 
