@@ -73,7 +73,7 @@ def _layer(sizes: dict[str, int]) -> tuple[Any, Forward]:
 
     def forward() -> tuple[torch.Tensor, list[torch.Tensor]]:
         whole = shards.gather(piece, partial_grad=True, regather=True)
-        return column_on_gathered(whole, weight, None), [whole, weight]
+        return column_on_gathered(whole, weight, None, shards), [whole, weight]
     return shards, forward
 
 

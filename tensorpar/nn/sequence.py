@@ -26,6 +26,7 @@ reduce-scatters of that forward read: no size exchange.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,9 @@ class SequenceShards:
         self.group, self.dim = group, dim
         self.sizes: tuple[int, ...] | None = None
         self.overlap = True
+        # the whole sequence gathered last with ``regather`` and its record, both held
+        # weakly (the autograd graph keeps them while a backward may need them)
+        self._regathered: tuple[weakref.ref[torch.Tensor], weakref.ref[_Regather]] | None = None
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's balanced slice of ``x`` along the sequence; records every rank's length."""
@@ -163,7 +167,7 @@ class SequenceShards:
         if partial_grad and regather and torch.is_grad_enabled() and not compiling():
             info = _Regather(self, sizes, x.detach())
             whole: torch.Tensor = _GatherRegathered.apply(x, info)  # type: ignore[no-untyped-call]
-            setattr(whole, _REGATHER, info)  # read by the column layers (`column_on_gathered`)
+            self._regathered = (weakref.ref(whole), weakref.ref(info))  # `column_on_gathered`
             return whole
         if partial_grad:
             out: torch.Tensor = all_gather(x, dim=self.dim, group=self.group.handle, sizes=sizes)
@@ -187,10 +191,16 @@ class SequenceShards:
         return self.sizes
 
     def __getstate__(self) -> dict[str, Any]:  # a copy of the model starts with no forward
-        return {"group": self.group, "dim": self.dim, "sizes": None, "overlap": self.overlap}
+        return {"group": self.group, "dim": self.dim, "sizes": None, "overlap": self.overlap,
+                "_regathered": None}
 
+    def regathered(self, x: torch.Tensor) -> _Regather | None:
+        """The record of ``x``, if ``x`` is what `gather` returned last with ``regather``.
 
-_REGATHER = "_tensorpar_regather"
+        A tensor computed from it has none: its layer saves what it reads.
+        """
+        kept = self._regathered
+        return kept[1]() if kept is not None and kept[0]() is x else None
 
 
 class _Regather:
@@ -260,14 +270,14 @@ def _no_second_order() -> None:
                            "(create_graph=True); use regather=False")
 
 
-def column_on_gathered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                       ) -> torch.Tensor:
+def column_on_gathered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       shards: SequenceShards) -> torch.Tensor:
     """A column-parallel layer inside a `SequenceGather` module: ``F.linear``, no collective.
 
     Where the input was gathered with ``regather``, the layer saves only the slice and gets
     the whole input back in backward (`_ColumnRegathered`).
     """
-    info = getattr(x, _REGATHER, None)
+    info = shards.regathered(x)
     if info is None or not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     info.pending += 1

@@ -170,7 +170,7 @@ class ColumnParallelLinear(ShardedLayer):
         """This rank's slice of ``x W^T + b`` (all of it with ``gather_output``)."""
         share, g = self.input_share, self.shard.group
         if self.sequence is not None:  # gathered by the parent (see `SequenceGather`)
-            y = column_on_gathered(x, self.weight, self.bias)
+            y = column_on_gathered(x, self.weight, self.bias, self.sequence)
         elif share is not None and torch.is_grad_enabled() and not g.is_single:
             y = F.linear(share.copy(x, g), self.weight, self.bias)  # one all-reduce for all
         else:
