@@ -61,6 +61,7 @@ class DomainContext:
         self.handed_over = False  # a data-parallel reducer sums the gradients instead
         self.fast = True  # once-differentiable fast paths (overlapped convs, fused norms)
         self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
+        self.sharing: int | None = None  # the module scaling its gradients (FSDP2, pooled)
         self.internal = False  # a conversion's own functional call is running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}
@@ -102,6 +103,7 @@ class DomainContext:
             sizes = (n,) if g.is_single else tuple(r[0] for r in exchange_ints(g, [n], x.device))
             self.layouts[i] = {sum(sizes): sizes}
         self.reduced = False
+        self.sharing = None
         self.partial.clear()
         self.active = True
 

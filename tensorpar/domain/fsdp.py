@@ -38,9 +38,10 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
         ValueError: the model is not domain-parallel, splits more than one dim, the mesh is
             not 2-D, or the model's domain group is not the mesh's first dim.
 
-    A parameter used after a global pooling (on replicated features) holds its whole
-    gradient on every tile, which the domain sum would count once per tile: such a model is
-    refused at its forward.
+    A module that runs after a global pooling (on replicated features) computes its
+    parameters' whole gradient on every tile; it enters FSDP2's sum over the domain as an
+    equal share from each tile (the gradient at the module's output is divided by the
+    number of tiles, and multiplied back at its inputs).
     """
     from torch.distributed.fsdp import fully_shard
 

@@ -245,25 +245,72 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
 
     Under a data-parallel reducer (`BucketedAllReduce`, `DistributedDataParallel`) the
     reducer makes the sums in its buckets instead (see ``tensorpar.ddp._partial_sums``):
-    a partial gradient goes to it as it is, a whole one divided by the domain's size.
+    a partial gradient goes to it as it is, a whole one divided by the domain's size. Under
+    `fully_shard_domain` FSDP2 sums every gradient over the domain; a module that runs
+    after the pooling there sees its output's gradient divided by the domain's size and
+    gives its inputs' gradients back multiplied by it (`_ScaleGrad`): its parameters'
+    gradients enter FSDP2's sum as equal shares of the whole, and everything before it
+    gets the gradient it would have had.
     """
     key = id(module)
 
-    def record(mod: nn.Module, args: object) -> None:
+    def record(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx.partial[key] = ctx.active and not ctx.reduced
-        if ctx.fsdp and ctx.active and ctx.reduced:
-            raise ValueError(f"{type(mod).__name__} (domain-parallel under fully_shard_domain) "
-                             f"runs after a global pooling: its gradient is whole on every "
-                             f"tile, which FSDP2's sum over the domain would count once per "
-                             f"tile; use the DDP wrapper for the replicas instead")
         if not ctx.fsdp and is_fsdp_module(mod):
             raise ValueError(_PLAIN_FSDP)
+        if ctx.sharing is None and _shares_whole_gradient(ctx, key):
+            ctx.sharing = key  # the outermost such module scales; those inside it do not
+            return _scale_grads(args, ctx.domain_size), _scale_grads(kwargs, ctx.domain_size)
+        return None
 
-    module.register_forward_pre_hook(record)
+    def share(mod: nn.Module, args: object, out: Any) -> Any:
+        if ctx.sharing != key:
+            return None
+        ctx.sharing = None
+        return _scale_grads(out, 1.0 / ctx.domain_size)
+
+    module.register_forward_pre_hook(record, with_kwargs=True)
+    module.register_forward_hook(share, always_call=True)
     for p in module.parameters(recurse=recurse):
         if p.requires_grad:
             ctx.params.append((key, p))
             p.register_hook(_keeper(ctx, key, len(ctx.params) - 1))
+
+
+def _shares_whole_gradient(ctx: DomainContext, key: int) -> bool:
+    """Whether the module ``key`` runs after a global pooling under `fully_shard_domain`."""
+    return ctx.fsdp and ctx.active and not ctx.partial.get(key, True) and ctx.domain_size > 1
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Forward: the identity. Backward: the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _scale_grads(value: Any, factor: float) -> Any:
+    """``value`` with every tensor that requires grad passed through `_ScaleGrad`.
+
+    The tensor itself, or those in tuples, lists and dicts, at any depth.
+    """
+    if isinstance(value, torch.Tensor):
+        if not value.requires_grad:
+            return value
+        out: torch.Tensor = _ScaleGrad.apply(value, factor)  # type: ignore[no-untyped-call]
+        return out
+    if isinstance(value, (tuple, list)):
+        items = [_scale_grads(v, factor) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _scale_grads(v, factor) for k, v in value.items()}
+    return value
 
 
 def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
