@@ -52,23 +52,28 @@ class _Head(nn.Module):
 MODELS = {"unet": (SmallUNet, (2, 1, 16, 12)), "pooled": (PooledHead, (3, 1, 11, 6))}
 
 
-def _train(model_name, wrapper, splits, steps=3):
+def _train(model_name, wrapper, splits, steps=3, w_splits=None):
+    """``splits[r]``: replica r's rows per tile; ``w_splits[r]``: its columns (2-D tiles)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import tensorpar
     from tensorpar.nn import DistributedDataParallel, parallelize_domain
 
     build, shape = MODELS[model_name]
-    replicas, tiles = 2, len(splits[0])
+    replicas = 2
+    grid = (len(splits[0]),) if w_splits is None else (len(splits[0]), len(w_splits[0]))
+    names = ("domain",) if w_splits is None else ("h", "w")
     if wrapper.startswith("fsdp"):  # FSDP2's hybrid mesh: the domain first, then replicas
-        mesh = init_device_mesh("cpu", (tiles, replicas), mesh_dim_names=("domain", "dp"))
-        t, r = mesh.get_coordinate()
+        mesh = init_device_mesh("cpu", (*grid, replicas), mesh_dim_names=(*names, "dp"))
+        *tile, r = mesh.get_coordinate()
     else:
-        mesh = init_device_mesh("cpu", (replicas, tiles), mesh_dim_names=("dp", "domain"))
-        r, t = mesh.get_coordinate()
+        mesh = init_device_mesh("cpu", (replicas, *grid), mesh_dim_names=("dp", *names))
+        r, *tile = mesh.get_coordinate()
+    t = tile[0]
     torch.manual_seed(0)
     dense = build().double()
-    par_model = parallelize_domain(copy.deepcopy(dense), dims=-2, group=mesh["domain"])
+    par_model = parallelize_domain(copy.deepcopy(dense), dims=-2 if w_splits is None
+                                   else (-2, -1), group=mesh[names if w_splits else names[0]])
     if wrapper == "fsdp_plain":  # FSDP2 on the replicas alone would never sum the tiles
         from torch.distributed.fsdp import fully_shard
 
@@ -101,6 +106,9 @@ def _train(model_name, wrapper, splits, steps=3):
             (dense(b).square().mean() / replicas).backward()
         sizes = splits[r]
         mine = batches[r].narrow(-2, sum(sizes[:t]), sizes[t])
+        if w_splits is not None:
+            cols = w_splits[r]
+            mine = mine.narrow(-1, sum(cols[:tile[1]]), cols[tile[1]])
         opt_p.zero_grad()
         out = par(mine)
         if model_name == "pooled":  # replicated output: every rank computes the whole loss
@@ -144,5 +152,37 @@ def test_pooled_head_two_replicas_of_two_tiles_equal_dense(wrapper):
                                timeout=T)) < TOL
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "wrapper"), [("unet", "ddp"), ("unet", "fsdp"),
+                                                ("pooled", "fsdp")])
+def test_two_by_two_tiles_two_replicas_equal_dense(model, wrapper):
+    # 8 ranks: 2 replicas of 2 x 2 tiles, uneven along both dims
+    splits = {"unet": ([[9, 7], [6, 10]], [[5, 7], [7, 5]]),
+              "pooled": ([[5, 6], [4, 7]], [[2, 4], [3, 3]])}[model]
+    assert max(run_distributed(_train, 8, model, wrapper, splits[0], 3, splits[1],
+                               timeout=T)) < TOL
+
+
 def test_plain_fsdp_beside_the_domain_is_refused():
     run_distributed(_train, 4, "unet", "fsdp_plain", [[9, 7], [16, 0]], timeout=T)
+
+
+def _fully_shard_domain_refusals():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensorpar.nn import fully_shard_domain, parallelize_domain
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("domain", "dp"))
+    strips = parallelize_domain(SmallUNet().double(), dims=-2, group=mesh["domain"])
+    with pytest.raises(ValueError, match="needs 2 dims"):
+        fully_shard_domain(strips, mesh=mesh["domain"])
+    wrong = parallelize_domain(SmallUNet().double(), dims=-2, group=mesh["dp"])
+    with pytest.raises(ValueError, match="domain group 0 has ranks"):
+        fully_shard_domain(wrong, mesh=mesh)
+    with pytest.raises(ValueError, match="not domain-parallel|parallelize_domain"):
+        fully_shard_domain(SmallUNet(), mesh=mesh)
+    return True
+
+
+def test_fully_shard_domain_refuses_a_mesh_that_does_not_fit():
+    assert all(run_distributed(_fully_shard_domain_refusals, 4, timeout=T))
