@@ -5,6 +5,7 @@ replicated head, up-sampling (nearest, bilinear, trilinear, both align_corners),
 tiles, at 2 and 3 ranks (float64, within 1e-10 of dense)."""
 
 import pytest
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,6 +27,25 @@ class Interp(nn.Module):
 
     def forward(self, x):
         return self.conv(F.interpolate(x, mode=self.mode, **self.kw))
+
+
+class Pad(nn.Module):
+    """A layer, then ``F.pad`` inside the same forward."""
+
+    def __init__(self, layer, pads, **kw):
+        super().__init__()
+        self.layer, self.pads, self.kw = layer, pads, kw
+
+    def forward(self, x):
+        return F.pad(self.layer(x), self.pads, **self.kw)
+
+
+def padding():
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ZeroPad2d((1, 2, 3, 1)),
+                         Pad(nn.Conv2d(3, 3, 3), (2, 0, 0, 2), value=0.5),  # no padding:
+                         nn.Conv2d(3, 3, (3, 1), padding=(1, 0)),           # the pads' rows
+                         nn.ConstantPad2d((0, 1, 2, 2), -1.0), nn.MaxPool2d(2, ceil_mode=True),
+                         nn.Conv2d(3, 2, 3, padding=1))
 
 
 def norms():
@@ -77,7 +97,7 @@ def line():
 
 
 BUILDERS = {"norms": norms, "pools": pools, "resample": resample, "transposed": transposed,
-            "head": head, "volume": volume, "line": line}
+            "head": head, "volume": volume, "line": line, "padding": padding}
 SHAPES = {"volume": (2, 1, None, 4, 4), "line": (2, 1, None)}
 DIMS = {"volume": -3, "line": -1}
 
@@ -89,18 +109,21 @@ def _run(name, sizes, steps=0):
                  replicated=name == "head")
 
 
-@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head"])
+@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head",
+                                  "padding"])
 def test_layers_two_ranks(name):
     assert max(run_distributed(_run, 2, name, [9, 8], timeout=T)) < TOL
 
 
-@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head"])
+@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head",
+                                  "padding"])
 def test_layers_three_ranks_narrow_tile(name):
     assert max(run_distributed(_run, 3, name, [5, 1, 11], timeout=T)) < TOL
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head"])
+@pytest.mark.parametrize("name", ["norms", "pools", "resample", "transposed", "head",
+                                  "padding"])
 def test_layers_three_ranks_empty_tile(name):
     assert max(run_distributed(_run, 3, name, [7, 0, 10], timeout=T)) < TOL
 
@@ -120,3 +143,20 @@ def test_layers_four_ranks():
     for name in BUILDERS:
         sizes = [2, 8, 0, 6] if name in ("volume", "line") else [4, 4, 1, 8]
         assert max(run_distributed(_run, 4, name, sizes, timeout=T)) < TOL, name
+
+
+def _pad_refusals():
+    from tensorpar.nn import parallelize_domain
+
+    for pads, kw, match in [((0, 0, 1, 1), {"mode": "reflect"}, "only constant padding"),
+                            ((0, 0, -1, 0), {}, "negative pad crops")]:
+        net = parallelize_domain(Pad(nn.Conv2d(1, 1, 3, padding=1), pads, **kw), dims=-2)
+        with pytest.raises(ValueError, match=match):
+            net(torch.ones(1, 1, 4, 5))
+    # padding only the dim that is not split runs as it is
+    net = parallelize_domain(Pad(nn.Identity(), (1, 1, 0, 0), mode="reflect"), dims=-2)
+    return tuple(net(torch.ones(1, 1, 4, 5)).shape)
+
+
+def test_pad_along_a_split_dim_refuses_what_needs_other_tiles():
+    assert run_distributed(_pad_refusals, 2, timeout=T) == [(1, 1, 4, 7)] * 2

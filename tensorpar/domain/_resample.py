@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tensorpar.collectives.functional import all_reduce
+from tensorpar.domain import _pad
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
@@ -227,8 +228,8 @@ def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> tor
     return total / count
 
 
-class _Interpolate(TorchFunctionMode):
-    """While a converted model runs: ``F.interpolate`` of a tile becomes `interpolate`."""
+class _FunctionalCalls(TorchFunctionMode):
+    """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted."""
 
     def __init__(self, ctx: DomainContext) -> None:
         super().__init__()
@@ -237,8 +238,12 @@ class _Interpolate(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.interpolate and self.ctx.active and not (self.ctx.reduced
-                                                              or self.ctx.internal):
+        on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
+        if func is F.pad and on_tiles:
+            pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
+            pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
+            return _pad.pad(self.ctx, args[0] if args else kwargs["input"], **pads)
+        if func is F.interpolate and on_tiles:
             names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
             call = dict(zip(names, args[1:], strict=False))
             call.update({n: kwargs[n] for n in names if n in kwargs})
@@ -251,7 +256,7 @@ class _Interpolate(TorchFunctionMode):
 
 def enter_functional_mode(ctx: DomainContext) -> None:
     """Start converting functional calls (the model's entry)."""
-    mode = _Interpolate(ctx)
+    mode = _FunctionalCalls(ctx)
     mode.__enter__()  # type: ignore[no-untyped-call]
     ctx.modes.append(mode)
 

@@ -128,7 +128,7 @@ def plan_rows(sizes: Sequence[int], wants: Sequence[tuple[int, int]], rank: int,
     for p in range(w):
         g0, g1 = wants[p]
         start, end = _split_want(g0, g1, off[p], off[p + 1])
-        if p == rank:
+        if p == rank and end > start:  # (an empty want keeps the empty run at 0)
             my_run = (start - off[p], end - off[p])
         for g in (*range(g0, start), *range(end, g1)):
             src = map_row(g, n, mode)

@@ -47,6 +47,12 @@ _POINTWISE: tuple[type, ...] = (
 )
 """Leaf layers that act on each point (or on replicated data) and run as they are."""
 
+_CONSTANT_PADS: tuple[type, ...] = (
+    nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ZeroPad1d, nn.ZeroPad2d,
+    nn.ZeroPad3d,
+)
+"""Padding layers that call ``F.pad``, which a converted model's forward converts."""
+
 _KNOWN_POINTWISE = frozenset({
     "diffusers.models.embeddings.Timesteps",  # sinusoidal embedding of the timestep
     "neuralop.layers.skip_connections.SoftGating",  # a per-channel weight (and bias)
@@ -83,7 +89,8 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
         return f"{label}: {why}"
     fwd = _forward_for(module)
     if fwd is None:
-        if isinstance(module, _POINTWISE) or next(module.children(), None) is not None \
+        if isinstance(module, (*_POINTWISE, *_CONSTANT_PADS)) \
+                or next(module.children(), None) is not None \
                 or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) \
                 or _qualname(module) in _KNOWN_POINTWISE \
                 or any(k == name or k == type(module).__name__ if isinstance(k, str)
@@ -128,9 +135,10 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings. Pointwise
     layers run as they are. Any other leaf layer, and the neuraloperator options that
     cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
-    on every rank, before anything changes. ``F.interpolate`` called inside a
-    forward is converted while the model runs; other functional calls are not (see the
-    domain parallelism guide).
+    on every rank, before anything changes. ``F.interpolate``, and ``F.pad`` with constant
+    padding (also through ``ConstantPad``/``ZeroPad`` layers), called inside a forward are
+    converted while the model runs; other functional calls are not (see the domain
+    parallelism guide).
 
     The first tensor argument of the model's forward is the image input; other arguments
     (a timestep) pass through. Every tile's size along each split dim is exchanged once per
