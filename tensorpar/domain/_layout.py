@@ -26,7 +26,8 @@ identically, so every rank takes the same path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,9 +63,18 @@ class DomainContext:
         self.fast = True  # once-differentiable fast paths (overlapped convs, fused norms)
         self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
         self.sharing: int | None = None  # the module scaling its gradients (FSDP2, pooled)
-        self.internal = False  # a conversion's own functional call is running
+        self.internal = False  # a converted layer's own functional calls are running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}
+
+    @contextlib.contextmanager
+    def own_calls(self) -> Iterator[None]:
+        """Tensorpar's own functional calls: the functional-call conversion lets them through."""
+        before, self.internal = self.internal, True
+        try:
+            yield
+        finally:
+            self.internal = before
 
     @property
     def domain_size(self) -> int:

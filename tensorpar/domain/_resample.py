@@ -46,11 +46,8 @@ def _sources(ctx: DomainContext, n: int, size: int | None, scale: float | None, 
         {"scale_factor": scale, "recompute_scale_factor": recompute}
     if not nearest:
         kw["align_corners"] = align_corners
-    ctx.internal = True  # (the functional-call conversion lets this one through)
-    try:
+    with ctx.own_calls():
         pos = F.interpolate(rows, mode=mode if nearest else "linear", **kw)[0, 0]
-    finally:
-        ctx.internal = False
     if nearest:
         i0 = pos.round().long()
         return i0, i0, None
@@ -112,12 +109,9 @@ def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_fac
         # position of output o is (o + 0.5) / s - 0.5 in both, shifted by the window's first
         # row, and the window holds every source row the kept outputs read): torch's own
         # kernel on the window, then the rows this rank owns.
-        ctx.internal = True
-        try:
+        with ctx.own_calls():
             y = F.interpolate(x, scale_factor=[float(r) for r in ratios], mode=mode,
                               align_corners=align_corners)
-        finally:
-            ctx.internal = False
         for dim, start, rows in crops:
             y = y.narrow(dim, start, rows)
         return y

@@ -135,10 +135,9 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings. Pointwise
     layers run as they are. Any other leaf layer, and the neuraloperator options that
     cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
-    on every rank, before anything changes. ``F.interpolate``, and ``F.pad`` with constant
-    padding (also through ``ConstantPad``/``ZeroPad`` layers), called inside a forward are
-    converted while the model runs; other functional calls are not (see the domain
-    parallelism guide).
+    on every rank, before anything changes. ``F.interpolate`` and ``F.pad`` (also through
+    the ``ConstantPad``/``ZeroPad`` layers) called inside a forward are converted while the
+    model runs; other functional calls are not (see the domain parallelism guide).
 
     The first tensor argument of the model's forward is the image input; other arguments
     (a timestep) pass through. Every tile's size along each split dim is exchanged once per
@@ -230,7 +229,9 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
             raise TypeError(f"{type(self).__name__} (domain-parallel): extra forward "
                             f"arguments are not supported (got {len(args)} positional, "
                             f"keywords {extra})")
-        return fwd(self, self.__dict__[_CTX], x)
+        own = self.__dict__[_CTX]
+        with own.own_calls():  # its functional calls are tensorpar's own
+            return fwd(self, own, x)
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)
 
