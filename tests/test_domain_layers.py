@@ -48,6 +48,8 @@ def padding():
                          Pad(nn.Conv2d(3, 3, 3, padding=1), (1, 1, 2, 1), mode="reflect"),
                          Pad(nn.Conv2d(3, 3, 3), (0, 0, 1, 3), mode="replicate"),
                          Pad(nn.Conv2d(3, 3, 3), (1, 0, 2, 1), mode="circular"),
+                         nn.ReflectionPad2d((0, 1, 1, 2)), nn.Conv2d(3, 3, 3),
+                         nn.ReplicationPad2d(1), nn.CircularPad2d((1, 1, 0, 1)),
                          nn.Conv2d(3, 2, 3, padding=1))
 
 

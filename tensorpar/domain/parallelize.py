@@ -47,11 +47,13 @@ _POINTWISE: tuple[type, ...] = (
 )
 """Leaf layers that act on each point (or on replicated data) and run as they are."""
 
-_CONSTANT_PADS: tuple[type, ...] = (
+_PADS: tuple[type, ...] = (
     nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ZeroPad1d, nn.ZeroPad2d,
-    nn.ZeroPad3d,
+    nn.ZeroPad3d, nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d,
+    nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d, nn.CircularPad1d,
+    nn.CircularPad2d, nn.CircularPad3d,
 )
-"""Padding layers that call ``F.pad``, which a converted model's forward converts."""
+"""Padding layers: they call ``F.pad``, which a converted model's forward converts."""
 
 _KNOWN_POINTWISE = frozenset({
     "diffusers.models.embeddings.Timesteps",  # sinusoidal embedding of the timestep
@@ -89,7 +91,7 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
         return f"{label}: {why}"
     fwd = _forward_for(module)
     if fwd is None:
-        if isinstance(module, (*_POINTWISE, *_CONSTANT_PADS)) \
+        if isinstance(module, (*_POINTWISE, *_PADS)) \
                 or next(module.children(), None) is not None \
                 or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) \
                 or _qualname(module) in _KNOWN_POINTWISE \
@@ -136,7 +138,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     layers run as they are. Any other leaf layer, and the neuraloperator options that
     cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
     on every rank, before anything changes. ``F.interpolate`` and ``F.pad`` (also through
-    the ``ConstantPad``/``ZeroPad`` layers) called inside a forward are converted while the
+    the padding layers) called inside a forward are converted while the
     model runs; other functional calls are not (see the domain parallelism guide).
 
     The first tensor argument of the model's forward is the image input; other arguments
