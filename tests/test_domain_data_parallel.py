@@ -24,17 +24,35 @@ TOL = 1e-10
 
 
 class PooledHead(nn.Module):
-    """Convolutions on tiles, then a head on the globally pooled (replicated) features."""
+    """Convolutions on tiles, then a head on the globally pooled (replicated) features.
+
+    Parameters are used after the pooling in every way a model does: a head module's own
+    and its children's (with an in-place activation between them), one of a module whose
+    forward holds the pooling itself, and one of the model.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(),
-                                  nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular"))
-        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU())
+        self.pooled = _ConvPoolScale()
         self.head = _Head()
+        self.out_scale = nn.Parameter(torch.tensor([0.7]))  # (FSDP2 refuses 0-d parameters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.pool(self.body(x)).flatten(1))
+        return self.head(self.pooled(self.body(x))) * self.out_scale
+
+
+class _ConvPoolScale(nn.Module):
+    """A convolution (before the pooling) and a scale (after it) in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.scale = nn.Parameter(torch.tensor([1.5, -0.5, 2.0, 1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.conv(x)).flatten(1) * self.scale
 
 
 class _Head(nn.Module):
@@ -42,11 +60,11 @@ class _Head(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.tensor([1.5, -0.5, 2.0, 1.0]))
-        self.mlp = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        self.shift = nn.Parameter(torch.tensor([0.1, 0.2, -0.3, 0.4]))
+        self.mlp = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x * self.scale)
+        return self.mlp(x + self.shift)
 
 
 MODELS = {"unet": (SmallUNet, (2, 1, 16, 12)), "pooled": (PooledHead, (3, 1, 11, 6))}

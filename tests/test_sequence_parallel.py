@@ -225,3 +225,23 @@ def _checkpointed(mode):
 @pytest.mark.parametrize("mode", [True, "regather"])
 def test_sequence_parallel_with_activation_checkpointing(mode):
     assert all(run_distributed(_checkpointed, 3, mode, timeout=240))
+
+
+def _regather_without_input_grad():
+    from tensorpar.comm._group import resolve_group
+    from tensorpar.nn.sequence import SequenceShards, column_on_gathered
+
+    shards = SequenceShards(resolve_group(None), dim=1)
+    piece = shards.split(torch.randn(2, 6, 4))  # a first layer's input: no gradient
+    weight = torch.randn(3, 4, requires_grad=True)
+    whole = shards.gather(piece, partial_grad=True, regather=True)
+    import gc
+    gc.collect()  # nothing but the slot may keep the record alive: it must still be found
+    out = column_on_gathered(whole, weight, None, shards)
+    return type(out.grad_fn).__name__
+
+
+def test_regather_applies_when_the_input_needs_no_gradient():
+    # the layer saves only its slice and regathers in backward, as with a trainable input
+    assert run_distributed(_regather_without_input_grad, 2, timeout=60) == \
+        ["_ColumnRegatheredBackward"] * 2

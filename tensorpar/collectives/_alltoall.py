@@ -198,7 +198,8 @@ def all_to_all_data(x: torch.Tensor, spec: AllToAllSpec, launch: Launch) -> torc
     work = _comm.all_to_all(as_bytes(recv), as_bytes(send),
                             None if spec.even else [n * unit for n in out_numels],
                             None if spec.even else [n * unit for n in in_splits],
-                            spec.group, launch.async_op)
+                            spec.group, launch.async_op,
+                            native=spec.split_dim == 0 == spec.concat_dim)  # as all_to_all_dim0
     if lands_in_place:
         launch.add(work, send)
         return recv

@@ -54,7 +54,7 @@ class DomainContext:
         self.groups = tuple(groups)
         self.layouts: list[dict[int, tuple[int, ...]]] = [{} for _ in dims]
         self.reduced = False  # a global pooling has left no split dim
-        self.partial: dict[int, bool] = {}  # id(module) -> ran on tiles in the last forward
+        self.ran: set[int] = set()  # id(module) of the modules the last forward called
         self.active = False
         self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
@@ -62,7 +62,6 @@ class DomainContext:
         self.handed_over = False  # a data-parallel reducer sums the gradients instead
         self.fast = True  # once-differentiable fast paths (overlapped convs, fused norms)
         self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
-        self.sharing: int | None = None  # the module scaling its gradients (FSDP2, pooled)
         self.internal = False  # a converted layer's own functional calls are running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self._plans: dict[Any, RowPlan] = {}
@@ -113,8 +112,7 @@ class DomainContext:
             sizes = (n,) if g.is_single else tuple(r[0] for r in exchange_ints(g, [n], x.device))
             self.layouts[i] = {sum(sizes): sizes}
         self.reduced = False
-        self.sharing = None
-        self.partial.clear()
+        self.ran.clear()
         self.active = True
 
     # -- lookups ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from tensorpar.domain import _pad
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
+from tensorpar.domain._shares import share_parameters
 from tensorpar.domain._window import EmptyOut, spatial_index
 
 __all__ = ["MODES", "conv_transpose_forward", "enter_functional_mode", "exit_functional_mode",
@@ -223,7 +224,10 @@ def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> tor
 
 
 class _FunctionalCalls(TorchFunctionMode):
-    """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted."""
+    """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted.
+
+    After a global pooling, the parameters a call uses give shares (`share_parameters`).
+    """
 
     def __init__(self, ctx: DomainContext) -> None:
         super().__init__()
@@ -245,6 +249,8 @@ class _FunctionalCalls(TorchFunctionMode):
                 raise ValueError("interpolate (domain-parallel): antialias=True is not "
                                  "supported over a split domain")
             return interpolate(self.ctx, args[0] if args else kwargs["input"], **call)
+        if self.ctx.reduced and self.ctx.domain_size > 1:
+            args, kwargs = share_parameters(args, kwargs, self.ctx.domain_size)
         return func(*args, **kwargs)
 
 

@@ -205,7 +205,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             _hook_parameters(m, ctx, recurse=conv is not None)
     model.__dict__[_CTX] = ctx
     register_partial_sums(model, ctx)  # a data-parallel reducer takes the sums over
-    model.register_forward_pre_hook(_entry, with_kwargs=True)
+    model.register_forward_pre_hook(_entry, with_kwargs=True, prepend=True)  # before `record`
     model.register_forward_hook(_exit, always_call=True)
     return model
 
@@ -239,11 +239,13 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
 
 
 def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = False) -> None:
-    """Sum the module's parameter gradients over the domain when it ran on tiles.
+    """Sum the module's parameter gradients over the domain when it ran in the forward.
 
-    A module that ran before any global pooling sees only this rank's points: its gradient
-    is partial (the dense one is the sum over the domain). One that ran after it (a head on
-    the pooled, replicated features) already has the whole gradient on every rank.
+    A parameter used before any global pooling sees only this rank's points: its gradient
+    is partial (the dense one is the sum over the domain). A use after it (a head on the
+    pooled, replicated features) gives the whole gradient on every rank; the functional-call
+    conversion divides that by the number of tiles (`tensorpar.domain._shares`), so every
+    gradient is a sum over the domain, whichever side of the pooling each use is on.
 
     The sums are made once, at the end of the backward pass, for every such parameter in
     the model's order, as one all-reduce per split dim and dtype: a rank whose tile is
@@ -255,82 +257,28 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
     ``backward()``.
 
     Under a data-parallel reducer (`BucketedAllReduce`, `DistributedDataParallel`) the
-    reducer makes the sums in its buckets instead (see ``tensorpar.ddp._partial_sums``):
-    a partial gradient goes to it as it is, a whole one divided by the domain's size. Under
-    `fully_shard_domain` FSDP2 sums every gradient over the domain; a module that runs
-    after the pooling there sees its output's gradient divided by the domain's size and
-    gives its inputs' gradients back multiplied by it (`_ScaleGrad`): its parameters'
-    gradients enter FSDP2's sum as equal shares of the whole, and everything before it
-    gets the gradient it would have had.
+    reducer makes the sums in its buckets instead (see ``tensorpar.ddp._partial_sums``), and
+    under `fully_shard_domain` FSDP2's hybrid reduction: the gradients go to them as they are.
     """
     key = id(module)
 
-    def record(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ctx.partial[key] = ctx.active and not ctx.reduced
+    def record(mod: nn.Module, args: object) -> None:
+        if ctx.active:
+            ctx.ran.add(key)
         if not ctx.fsdp and is_fsdp_module(mod):
             raise ValueError(_PLAIN_FSDP)
-        if ctx.sharing is None and _shares_whole_gradient(ctx, key):
-            ctx.sharing = key  # the outermost such module scales; those inside it do not
-            return _scale_grads(args, ctx.domain_size), _scale_grads(kwargs, ctx.domain_size)
-        return None
 
-    def share(mod: nn.Module, args: object, out: Any) -> Any:
-        if ctx.sharing != key:
-            return None
-        ctx.sharing = None
-        return _scale_grads(out, 1.0 / ctx.domain_size)
-
-    module.register_forward_pre_hook(record, with_kwargs=True)
-    module.register_forward_hook(share, always_call=True)
+    module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=recurse):
         if p.requires_grad:
             ctx.params.append((key, p))
             p.register_hook(_keeper(ctx, key, len(ctx.params) - 1))
 
 
-def _shares_whole_gradient(ctx: DomainContext, key: int) -> bool:
-    """Whether the module ``key`` runs after a global pooling under `fully_shard_domain`."""
-    return ctx.fsdp and ctx.active and not ctx.partial.get(key, True) and ctx.domain_size > 1
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Forward: the identity. Backward: the gradient times ``factor``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
-
-
-def _scale_grads(value: Any, factor: float) -> Any:
-    """``value`` with every tensor that requires grad passed through `_ScaleGrad`.
-
-    The tensor itself, or those in tuples, lists and dicts, at any depth.
-    """
-    if isinstance(value, torch.Tensor):
-        if not value.requires_grad:
-            return value
-        out: torch.Tensor = _ScaleGrad.apply(value, factor)  # type: ignore[no-untyped-call]
-        return out
-    if isinstance(value, (tuple, list)):
-        items = [_scale_grads(v, factor) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {k: _scale_grads(v, factor) for k, v in value.items()}
-    return value
-
-
 def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        partial = ctx.partial.get(key, False)
-        if ctx.handed_over:  # the reducer sums over the domain with the replicas' average
-            return grad if partial else grad / ctx.domain_size
-        if not partial or all(g.is_single for g in ctx.groups):
-            return grad
+        if ctx.handed_over or all(g.is_single for g in ctx.groups):
+            return grad  # a data-parallel reducer sums over the domain (or there is none)
         kept = ctx.kept.get(index)
         ctx.kept[index] = grad.detach() if kept is None else kept + grad.detach()
         if not ctx.finish_queued:
@@ -344,7 +292,7 @@ def _finish(ctx: DomainContext) -> None:
     """End of a backward: sum the kept gradients over the domain, add them to ``.grad``."""
     ctx.finish_queued = False
     kept, ctx.kept = ctx.kept, {}
-    params = [(i, p) for i, (key, p) in enumerate(ctx.params) if ctx.partial.get(key, False)]
+    params = [(i, p) for i, (key, p) in enumerate(ctx.params) if key in ctx.ran]
     if not params:
         return
     # one flat buffer per parameter dtype (a spectral weight is complex), in the model's

@@ -141,9 +141,9 @@ class SequenceShards:
         self.group, self.dim = group, dim
         self.sizes: tuple[int, ...] | None = None
         self.overlap = True
-        # the whole sequence gathered last with ``regather`` and its record, both held
-        # weakly (the autograd graph keeps them while a backward may need them)
-        self._regathered: tuple[weakref.ref[torch.Tensor], weakref.ref[_Regather]] | None = None
+        # id(whole input) -> (the input, held weakly; its record) for each input gathered with
+        # ``regather`` that is still alive: an entry leaves when its input is collected
+        self._regathered: dict[int, tuple[weakref.ref[torch.Tensor], _Regather]] = {}
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's balanced slice of ``x`` along the sequence; records every rank's length."""
@@ -167,7 +167,7 @@ class SequenceShards:
         if partial_grad and regather and torch.is_grad_enabled() and not compiling():
             info = _Regather(self, sizes, x.detach())
             whole: torch.Tensor = _GatherRegathered.apply(x, info)  # type: ignore[no-untyped-call]
-            self._regathered = (weakref.ref(whole), weakref.ref(info))  # `column_on_gathered`
+            self._remember(whole, info)  # for `column_on_gathered`
             return whole
         if partial_grad:
             out: torch.Tensor = all_gather(x, dim=self.dim, group=self.group.handle, sizes=sizes)
@@ -192,15 +192,26 @@ class SequenceShards:
 
     def __getstate__(self) -> dict[str, Any]:  # a copy of the model starts with no forward
         return {"group": self.group, "dim": self.dim, "sizes": None, "overlap": self.overlap,
-                "_regathered": None}
+                "_regathered": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"_regathered": {}, **state})  # (also a state saved without it)
+
+    def _remember(self, whole: torch.Tensor, info: _Regather) -> None:
+        key, table = id(whole), self._regathered
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            if key in table and table[key][0] is ref:
+                del table[key]
+        table[key] = (weakref.ref(whole, forget), info)
 
     def regathered(self, x: torch.Tensor) -> _Regather | None:
         """The record of ``x``, if ``x`` is what `gather` returned last with ``regather``.
 
         A tensor computed from it has none: its layer saves what it reads.
         """
-        kept = self._regathered
-        return kept[1]() if kept is not None and kept[0]() is x else None
+        kept = self._regathered.get(id(x))
+        return kept[1] if kept is not None and kept[0]() is x else None
 
 
 class _Regather:
