@@ -99,7 +99,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 on a circle, an arrow back up, importlib, or torch internals outside tensorpar._torch")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 on a circle, an arrow back up, importlib, or torch "
+                             "internals outside tensorpar._torch")
     parser.add_argument("--list", metavar="PACKAGE", help="also list PACKAGE's arrows back up")
     args = parser.parse_args()
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}

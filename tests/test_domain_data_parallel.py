@@ -199,6 +199,11 @@ def _fully_shard_domain_refusals():
         fully_shard_domain(wrong, mesh=mesh)
     with pytest.raises(ValueError, match="not converted by parallelize_domain"):
         fully_shard_domain(SmallUNet(), mesh=mesh)
+    # tiles on a slice of a larger mesh: flattening it would make groups some ranks skip
+    root = init_device_mesh("cpu", (2, 1, 2, 1), mesh_dim_names=("pp", "h", "w", "dp"))
+    tiles = parallelize_domain(SmallUNet().double(), dims=(-2, -1), group=root["h", "w"])
+    with pytest.raises(ValueError, match="mesh over every rank"):
+        fully_shard_domain(tiles, mesh=root["h", "w", "dp"])
     return True
 
 

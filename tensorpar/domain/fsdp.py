@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from tensorpar.domain.parallelize import domain_context
@@ -39,8 +40,8 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
 
     Raises:
         ValueError: the model is not domain-parallel, the mesh does not have one dim per
-            split dim plus the replicas', or the model's domain groups are not the mesh's
-            domain dims.
+            split dim plus the replicas', the model's domain groups are not the mesh's
+            domain dims, or (tiles) the mesh does not cover every rank.
 
     A module that runs after a global pooling (on replicated features) computes its
     parameters' whole gradient on every tile; it enters FSDP2's sum over the domain as an
@@ -58,6 +59,8 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
                          f"dims (the domain's, then the replicas'), got {mesh!r}")
     replicas = mesh.size(split)
     here = mesh.get_coordinate()
+    if here is None:
+        raise ValueError(f"{fn}: this rank is not in the mesh {mesh!r}")
     for i, g in enumerate(ctx.groups):
         line = mesh.mesh[tuple(slice(None) if d == i else here[d] for d in range(split + 1))]
         if sorted(g.global_ranks()) != sorted(line.tolist()):
@@ -66,6 +69,12 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
                              f"{line.tolist()}: convert with parallelize_domain(..., group=<the "
                              f"mesh's domain dims>)")
     if split > 1:  # one domain dim for the hybrid sharding: every tile of this replica
+        if mesh.mesh.numel() != dist.get_world_size():
+            # a new mesh makes its groups with every rank of the world, which a slice of a
+            # larger mesh would not all call
+            raise ValueError(f"{fn}: tiles need a mesh over every rank (domain dims, then "
+                             f"the replicas'), got one over {mesh.mesh.numel()} of "
+                             f"{dist.get_world_size()} ranks")
         mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, replicas),
                           mesh_dim_names=("domain", "replicas"))
     ctx.hand_over()  # the sums ride on FSDP2's reduction; whole gradients enter as shares

@@ -22,9 +22,9 @@ from tensorpar.nn.layers._shard import AnyShard
 __all__ = ["SpecCache"]
 
 MAX_SHAPES = 64
-_CACHED = frozenset({LayerPath.FUSED, LayerPath.NO_GRAPH})  # else the public function
 """Shapes kept per layer and mapping; past that the cache starts over (e.g. generation
 with a growing sequence)."""
+_CACHED = frozenset({LayerPath.FUSED, LayerPath.NO_GRAPH})  # else the public function
 
 
 class SpecCache:
