@@ -43,10 +43,9 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
             split dim plus the replicas', the model's domain groups are not the mesh's
             domain dims, or (tiles) the mesh does not cover every rank.
 
-    A module that runs after a global pooling (on replicated features) computes its
-    parameters' whole gradient on every tile; it enters FSDP2's sum over the domain as an
-    equal share from each tile (the gradient at the module's output is divided by the
-    number of tiles, and multiplied back at its inputs).
+    A parameter used after a global pooling (on replicated features) gets its whole
+    gradient on every tile; each such use gives a share (its gradient divided by the number
+    of tiles), so FSDP2's sum over the domain counts it once.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
