@@ -272,10 +272,10 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
     for p in module.parameters(recurse=recurse):
         if p.requires_grad:
             ctx.params.append((key, p))
-            p.register_hook(_keeper(ctx, key, len(ctx.params) - 1))
+            p.register_hook(_keeper(ctx, len(ctx.params) - 1))
 
 
-def _keeper(ctx: DomainContext, key: int, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _keeper(ctx: DomainContext, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if ctx.handed_over or all(g.is_single for g in ctx.groups):
             return grad  # a data-parallel reducer sums over the domain (or there is none)
