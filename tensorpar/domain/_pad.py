@@ -40,11 +40,8 @@ def pad(ctx: DomainContext, x: torch.Tensor, pad: Sequence[int], mode: str = "co
                              f"which may take rows of several tiles; not converted")
         local[2 * j] = local[2 * j + 1] = 0
         sizes = ctx.sizes_of(i, x.shape[d], where, x.device)
-        grown = list(sizes)
-        grown[0] += before
-        grown[-1] += after
-        padded = tuple(grown)
-        split = ctx.layouts[i].setdefault(sum(padded), padded)  # this forward's split
+        padded = _edges_grown(sizes, before, after)
+        split = ctx.out_sizes(i, sum(padded), lambda: padded)  # noqa: B023 (called at once)
         starts = offsets(split)
         wants = [(starts[p] - before, starts[p + 1] - before) for p in range(len(split))]
         g = ctx.groups[i]
@@ -55,3 +52,11 @@ def pad(ctx: DomainContext, x: torch.Tensor, pad: Sequence[int], mode: str = "co
     if x.numel() == 0:  # an empty tile: nothing to mirror (torch refuses), only the shape
         return F.pad(x, local)
     return F.pad(x, local, mode=mode, value=value)
+
+
+def _edges_grown(sizes: Sequence[int], before: int, after: int) -> tuple[int, ...]:
+    """The split ``sizes`` with ``before`` rows more on the first tile, ``after`` on the last."""
+    grown = list(sizes)
+    grown[0] += before
+    grown[-1] += after
+    return tuple(grown)

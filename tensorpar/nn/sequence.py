@@ -206,7 +206,7 @@ class SequenceShards:
         table[key] = (weakref.ref(whole, forget), info)
 
     def regathered(self, x: torch.Tensor) -> _Regather | None:
-        """The record of ``x``, if ``x`` is what `gather` returned last with ``regather``.
+        """The record of ``x``, if `gather` returned ``x`` with ``regather`` (and it lives).
 
         A tensor computed from it has none: its layer saves what it reads.
         """
