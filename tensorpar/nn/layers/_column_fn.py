@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from tensorpar.collectives._autograd import direct_apply, torch_op
 from tensorpar.collectives._meta import require_tensor
 from tensorpar.collectives._symmetric import _AllReduce
-from tensorpar.collectives._traced import layers as _traced_layers
 from tensorpar.collectives.regions import enter_region
 from tensorpar.comm import _comm
 from tensorpar.comm._compiling import compiling
@@ -38,8 +37,9 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(copy_to_group(x), weight, bias)``, with the overlapped backward.
 
     Falls back to the plain composition where the fused Function does not apply: a group
-    of one rank, autocast (whose casts the composition handles), or validation mode (where
-    `copy_to_group` fingerprints the forward and backward calls). Where no graph is
+    of one rank, autocast (whose casts the composition handles), validation mode (where
+    `copy_to_group` fingerprints the forward and backward calls) or ``torch.compile`` (which
+    traces the composition). Where no graph is
     recorded (inference), ``copy_to_group`` is the identity: a plain ``F.linear``.
     """
     x = require_tensor("ColumnParallelLinear", x)
@@ -49,8 +49,6 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     if path is LayerPath.COMPOSED:
         return F.linear(enter_region(x, group, _LABEL), weight, bias)
-    if path is LayerPath.TRACED:
-        return _traced_layers.column_linear(x, weight, bias, group)
     return F.linear(x, weight, bias)  # one rank, or no graph: copy_to_group is the identity
 
 

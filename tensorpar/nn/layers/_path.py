@@ -23,11 +23,10 @@ class LayerPath(enum.Enum):
     SINGLE = "single"
     """A group of one rank: the dense arithmetic, no collective."""
     COMPOSED = "composed"
-    """The composition of public region calls: validation mode (each call fingerprinted) or
-    autocast (whose casts the composition handles as dense code does)."""
-    TRACED = "traced"
-    """Under ``torch.compile``: the composition the compiler traces
-    (`tensorpar.collectives._traced.layers`)."""
+    """The composition of public region calls (``F.linear`` around them): validation mode
+    (each call fingerprinted), autocast (whose casts the composition handles as dense code
+    does), or ``torch.compile`` (the region calls trace, and the compiler derives the
+    backward and schedules the collectives around the matmuls itself)."""
     NO_GRAPH = "no_graph"
     """No autograd graph is recorded (inference): the forward arithmetic alone."""
     FUSED = "fused"
@@ -50,10 +49,8 @@ def layer_path(x: torch.Tensor, group: Group, *, casts: bool = True) -> LayerPat
     """
     if group.is_single:
         return LayerPath.SINGLE
-    if VALIDATE[0] or (casts and autocast_on(x.device.type)):
+    if VALIDATE[0] or (casts and autocast_on(x.device.type)) or compiling():
         return LayerPath.COMPOSED
-    if compiling():
-        return LayerPath.TRACED
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return LayerPath.NO_GRAPH
     return LayerPath.FUSED

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from tensorpar.collectives._autograd import direct_apply, torch_op
 from tensorpar.collectives._symmetric import _CopyToGroup
-from tensorpar.collectives._traced import layers as _traced_layers
 from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
@@ -43,12 +42,10 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return out
     if path is LayerPath.NO_GRAPH:
         return row_linear_data(x, weight, bias, group)
-    if path is LayerPath.TRACED:
-        return _traced_layers.row_linear(x, weight, bias, group)
     if path is LayerPath.SINGLE:
         return F.linear(x, weight, bias)
-    # every region call fingerprinted, or autocast's casts (the bias joins in the matmul's
-    # dtype, as in F.linear under autocast)
+    # every region call fingerprinted, autocast's casts (the bias joins in the matmul's
+    # dtype, as in F.linear under autocast), or traced by torch.compile
     y = reduce_from_group(F.linear(x, weight), group=group)
     return y + bias.to(y.dtype) if bias is not None else y
 
