@@ -3,7 +3,8 @@ internals are read.
 
     python scripts/import_graph.py            # a report
     python scripts/import_graph.py --check    # exit 1 on a circle, an arrow back up,
-                                              # importlib, or torch internals outside _torch
+                                              # importlib, torch internals outside _torch,
+                                              # or the validation switch read too widely
 
 Every ``import`` of a tensorpar module counts, at module level or inside a function (an
 import inside a function hides a circle from Python, not from the design). A circle is a
@@ -27,6 +28,10 @@ LAYERS = [["_torch", "errors", "_not_data"], ["comm"], ["placeholder", "collabor
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 PACKAGE = ROOT / "tensorpar"
 TORCH_PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z_]+)*\._[a-z][A-Za-z_]*")
+# Reading the validation switch is deciding a call's mode: the switch and validation, the
+# compile dispatch, the layers' path, the reducer, the replica check and the domain layout.
+SWITCH_READ = re.compile(r"VALIDATE\[0\]|SWITCH\[0\]|validation_enabled\(\)")
+MAX_SWITCH_READERS = 7
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -100,8 +105,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 on a circle, an arrow back up, importlib, or torch "
-                             "internals outside tensorpar._torch")
+                        help="exit 1 on a circle, an arrow back up, importlib, torch "
+                             "internals outside tensorpar._torch, or the validation switch "
+                             "read in more than MAX_SWITCH_READERS modules")
     parser.add_argument("--list", metavar="PACKAGE", help="also list PACKAGE's arrows back up")
     args = parser.parse_args()
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -109,7 +115,7 @@ def main() -> int:
     found = circles(graph)
     per_folder = collections.Counter(str(p.parent.relative_to(ROOT)) for p in files.values())
     texts = {m: p.read_text() for m, p in files.items()}
-    validate = sorted(m for m, t in texts.items() if "VALIDATE[0]" in t)
+    validate = sorted(m for m, t in texts.items() if SWITCH_READ.search(t))
     private = {m: sorted(set(TORCH_PRIVATE.findall(t))) for m, t in texts.items()}
     private = {m: v for m, v in private.items() if v}
     importlib = sorted(m for m, t in texts.items() if re.search(r"\bimportlib\b", t))
@@ -131,12 +137,15 @@ def main() -> int:
     print("modules per folder:")
     for folder, n in sorted(per_folder.items()):
         print(f"  {n:3d}  {folder}")
-    print(f"modules reading VALIDATE[0]: {len(validate)}")
+    print(f"modules reading the validation switch: {len(validate)} (at most {MAX_SWITCH_READERS})")
+    for m in validate:
+        print(f"  {m}")
     print(f"modules naming torch private names: {len(private)}")
     for m, names in sorted(private.items()):
         print(f"  {m}: {', '.join(names)}")
     print(f"modules using importlib: {len(importlib)} {importlib}")
-    broken = found or back or importlib or set(private) - {"tensorpar._torch"}
+    broken = (found or back or importlib or set(private) - {"tensorpar._torch"}
+              or len(validate) > MAX_SWITCH_READERS)
     return 1 if args.check and broken else 0
 
 

@@ -30,7 +30,6 @@ from tensorpar.collectives._split import NATIVE_DTYPES, as_bytes, balanced_sizes
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.comm._launch import SYNC, Launch
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.validation import check_all_to_all, check_backward, last_site
 
@@ -42,8 +41,7 @@ def run_all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, group: Grou
     """`tensorpar.collectives.functional.all_to_all`, after its docstring."""
     fn = "all_to_all"
     g = resolve_group(group, fn)
-    if VALIDATE[0] and g.size > 1:
-        check_all_to_all(g, x, split_dim, concat_dim, sizes)
+    check_all_to_all(g, x, split_dim, concat_dim, sizes)
     if _dim0_exchange(x, split_dim, concat_dim, sizes, g.size):
         assert sizes is not None
         return all_to_all_dim0(x, sizes, g, SYNC, agreed=False)  # no graph, no spec

@@ -19,7 +19,6 @@ from tensorpar.collectives._autograd import check_op
 from tensorpar.collectives._meta import require_tensor, sole_input
 from tensorpar.collectives._split import check_sizes, check_total, sizes_or_balanced
 from tensorpar.comm._group import Group, GroupLike, resolve_group
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.placeholder import _normalize_dim
 from tensorpar.validation import check_call
@@ -38,8 +37,7 @@ def resolve_args(fn: str, group: GroupLike, sizes: Sequence[int] | None, *, x: o
     ``label`` names what the call is part of in messages).
     """
     g = resolve_group(group, fn)
-    if VALIDATE[0] and g.size > 1:
-        check_call(fn, g, x, dim, op, backward, sizes, next(iter(ranks.values()), -1), label)
+    check_call(fn, g, x, dim, op, backward, sizes, next(iter(ranks.values()), -1), label)
     for name, value in ranks.items():
         g.check_rank(fn, name, value)
     return g, None if sizes is None else check_sizes(fn, sizes, g.size)

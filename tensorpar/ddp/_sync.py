@@ -19,7 +19,6 @@ import torch
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.ddp._buckets import Bucket
 from tensorpar.ddp._checks import (
     exchange_usage,
@@ -60,7 +59,7 @@ class SyncPoint:
     _as_views: bool
     _launch: Callable[[Bucket], None]
     _launch_ready: Callable[[], None]
-    _check: Callable[..., None]
+    _check: Callable[..., bool]
     _build: Callable[[list[int]], None]
     _reset_iteration: Callable[[], None]
 
@@ -78,9 +77,7 @@ class SyncPoint:
             self._launch_ready()
             if self._hook is not None:  # before any collective of this thread: a hook's
                 self._wait_for_hooks()   # callbacks may issue collectives of their own
-            checking = VALIDATE[0] and not self._joining
-            if checking:
-                self._check("BucketedAllReduce end of backward")
+            checking = self._check("BucketedAllReduce end of backward")  # (validation mode)
             usage = None  # exchanged only where needed: no extra collective or host sync
             if self.find_unused_parameters or checking:
                 usage = exchange_usage(self._used_since_sync, self.group,

@@ -16,7 +16,6 @@ from tensorpar.collectives._hierarchical import Algorithm, hierarchical_topology
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import GroupLike, resolve_group
 from tensorpar.comm._group_pool import GroupPool
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.ddp._buckets import Bucket, MiB, default_bucket_cap_mb, plan_buckets
 from tensorpar.ddp._checks import describe_change
 from tensorpar.ddp._comm_hook import CommHook
@@ -25,7 +24,7 @@ from tensorpar.ddp._sync import SyncPoint
 from tensorpar.errors import CollectiveMismatchError, ReducerError
 from tensorpar.hierarchical import shutdown_hierarchical
 from tensorpar.hierarchical.topology import Topology
-from tensorpar.validation import check
+from tensorpar.validation import check, validation_enabled
 from tensorpar.validation._replica import check_and_broadcast_replicas
 
 __all__ = ["BucketedAllReduce"]
@@ -351,16 +350,20 @@ class BucketedAllReduce(SyncPoint):
 
     def _sync_buffers(self, src: int) -> None:
         """Broadcast every buffer of the module from group rank ``src``: one collective."""
-        if VALIDATE[0] and not self._joining:  # must not pair with a peer's other call
-            self._check("BucketedAllReduce forward")
+        self._check("BucketedAllReduce forward")
         broadcast_coalesced(list(self.module.buffers()), src, self.group)
 
-    def _check(self, operation: str, *, bucket: int = -1, **fields: Any) -> None:
-        """Compare this step of the reducer across the ranks (validation mode).
+    def _check(self, operation: str, *, bucket: int = -1, **fields: Any) -> bool:
+        """Compare this step of the reducer across the ranks (validation mode); whether it did.
+
+        Nothing is compared outside validation mode, or while this rank joins (its calls
+        must not pair with a peer's other call).
 
         A mismatch raises on every rank at once; the ranks then count forward passes and
         iterations afresh from this point, so they agree again on the next iteration.
         """
+        if self._joining or not validation_enabled():
+            return False
         counters = (
             ("no_sync backward passes since the last synchronised one", self._unsynced,
              "no_sync() on some ranks only"),
@@ -370,8 +373,8 @@ class BucketedAllReduce(SyncPoint):
              "a rank skipped or repeated a backward pass"),
             ("reducer bucket", bucket, ""))
         try:
-            check(operation, self.group, backward=operation != "BucketedAllReduce forward",
-                  counters=counters, **fields)
+            return check(operation, self.group, backward=operation != "BucketedAllReduce forward",
+                         counters=counters, **fields)
         except CollectiveMismatchError:
             self._forward_base, self._iteration_base = self._forwards, self.iterations
             self._unsynced = 0
@@ -433,9 +436,8 @@ class BucketedAllReduce(SyncPoint):
             target = bucket.comm
         else:
             target = bucket.buffer
-        if VALIDATE[0] and not self._joining:
-            self._check("BucketedAllReduce bucket", dtype=target.dtype, shape=target.shape,
-                        bucket=bucket.index)
+        self._check("BucketedAllReduce bucket", dtype=target.dtype, shape=target.shape,
+                    bucket=bucket.index)
         if self._hook is not None:
             previous = self.buckets[bucket.index - 1].future if bucket.index else None
             if previous is not None:  # one hook in flight at a time (see tensorpar.ddp._comm_hook)

@@ -23,7 +23,6 @@ from tensorpar.collectives._autograd import apply_or_run
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
 from tensorpar.comm._launch import SYNC
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.validation import check
 
 __all__ = ["exchange_counts", "exchange_rows", "gather_sum", "grouped_linear",
@@ -59,8 +58,7 @@ def exchange_rows(x: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...],
 
     Forward: one uneven all-to-all. Backward: its dual (the gradient's rows travel back).
     """
-    if VALIDATE[0]:
-        check("all_to_all", g, dtype=x.dtype, dim=0, dim2=0)
+    check("all_to_all", g, dtype=x.dtype, dim=0, dim2=0)  # (validation mode)
     return apply_or_run(_AllToAll, x, _rows_spec(x, send, recv, g), SYNC)
 
 
@@ -130,10 +128,9 @@ def gather_sum(rows: Sequence[torch.Tensor], tokens: tuple[torch.Tensor, ...], t
     same bits. Backward: this rank's rows of the (replicated) gradients, no communication.
     ``tokens[r]`` holds distinct indices; every rank passes the same ``tokens``.
     """
-    if VALIDATE[0]:
-        check("all_to_all", g, backward=backward, dtype=rows[0].dtype,
-              counters=(("tensors", len(rows), ""),), dim=0, dim2=0,
-              label="the sum of every rank's expert outputs (ParallelExperts)")
+    check("all_to_all", g, backward=backward, dtype=rows[0].dtype,  # (validation mode)
+          counters=(("tensors", len(rows), ""),), dim=0, dim2=0,
+          label="the sum of every rank's expert outputs (ParallelExperts)")
     if torch.is_grad_enabled() and any(r.requires_grad for r in rows):
         out: tuple[torch.Tensor, ...] = _GatherSum.apply(  # type: ignore[no-untyped-call]
             tokens, total, g, *rows)

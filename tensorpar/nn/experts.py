@@ -10,7 +10,6 @@ from torch import nn
 
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import GroupLike
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.nn._expert_route import (
     exchange_counts,
     exchange_rows,
@@ -175,10 +174,10 @@ class ParallelExperts(ShardedLayer):
         """
         g, n_experts = self.shard.group, self.num_experts
         total, k = index.shape[0], index.shape[-1]
-        if VALIDATE[0]:  # the routing and the tokens must be the same on every rank
-            for what, t in (("top_k_index", index), ("hidden_states", x)):
-                check("ParallelExperts", g, dtype=t.dtype, shape=t.shape, values=t,
-                      label=f"the replicated {what} of ParallelExperts")
+        # validation mode: the routing and the tokens must be the same on every rank
+        for what, t in (("top_k_index", index), ("hidden_states", x)):
+            check("ParallelExperts", g, dtype=t.dtype, shape=t.shape, values=t,
+                  label=f"the replicated {what} of ParallelExperts")
         flat = index.reshape(-1)
         valid = (flat >= 0) & (flat < n_experts)
         counts = torch.bincount(torch.where(valid, flat, n_experts), minlength=n_experts + 1)

@@ -123,11 +123,12 @@ def check(operation: str, g: Group, *, backward: bool = False, dtype: object = N
           sizes: Sequence[int] | None = None, against_sizes: int | None = None,
           requires_grad: bool | None = None, root: object = -1,
           counters: Sequence[Counter] = (), values: torch.Tensor | None = None,
-          site: Site | None = None, label: str = "") -> None:
+          site: Site | None = None, label: str = "") -> bool:
     """Compare this collective's fingerprint with every rank's; raise on every rank if any differ.
 
-    Call only when validation is on and ``g`` has more than one rank. Every argument but
-    ``operation`` and ``g`` is optional: what is not given is not compared.
+    Outside validation mode, and on a group of one rank, it compares nothing and returns
+    False (so callers need not ask first). Every argument but ``operation`` and ``g`` is
+    optional: what is not given is not compared.
 
     Args:
         operation: the name in messages (up to 40 characters travel).
@@ -154,9 +155,14 @@ def check(operation: str, g: Group, *, backward: bool = False, dtype: object = N
         label: what the call is part of, for messages (e.g. ``"the input of
             ColumnParallelLinear"``).
 
+    Returns:
+        Whether the ranks compared (True: they agree).
+
     Raises:
         CollectiveMismatchError: the ranks' fingerprints differ (the same error on every rank).
     """
+    if not VALIDATE[0] or g.size == 1:
+        return False
     fp = [NONE] * LENGTH
     fp[0] = MAGIC
     put(fp, "operation", pack(operation, NAME_SLOTS))
@@ -200,6 +206,7 @@ def check(operation: str, g: Group, *, backward: bool = False, dtype: object = N
     except CollectiveMismatchError:
         state.sites.clear()  # every rank raises here: the counts start afresh together
         raise
+    return True
 
 
 def last_site(g: Group) -> Site | None:
@@ -295,8 +302,10 @@ def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: 
     placeholder) whose dtype and shape every rank must agree on; ``None`` for nothing.
     With ``sizes`` (or a placeholder) the ranks must also agree on ``requires_grad``, which
     they cannot learn from each other; a region's replicated input must hold the same
-    values on every rank.
+    values on every rank. Outside validation mode (or on one rank) it does nothing.
     """
+    if not VALIDATE[0] or g.size == 1:
+        return
     tensor = x if isinstance(x, torch.Tensor) else None
     described = tensor if tensor is not None else x if isinstance(x, TensorPlaceholder) else None
     seq = list(sizes) if isinstance(sizes, (list, tuple)) else None
@@ -325,7 +334,12 @@ def _against_sizes(x: torch.Tensor, dim: object, sizes: list[object], rank: int)
 
 def check_all_to_all(g: Group, x: object, split_dim: object, concat_dim: object,
                      sizes: Sequence[int] | None) -> None:
-    """The fingerprint of `tensorpar.all_to_all` (its dims play the part of ``dim``)."""
+    """The fingerprint of `tensorpar.all_to_all` (its dims play the part of ``dim``).
+
+    Outside validation mode (or on one rank) it does nothing.
+    """
+    if not VALIDATE[0] or g.size == 1:
+        return
     tensor = x if isinstance(x, torch.Tensor) else None
     check("all_to_all", g, dtype=getattr(tensor, "dtype", None),
           shape=getattr(tensor, "shape", None),

@@ -33,11 +33,11 @@ import torch.optim.optimizer as torch_optimizer
 
 from tensorpar._torch import global_optimizer_post_hooks
 from tensorpar.collectives.functional import all_gather
-from tensorpar.comm._switch import VALIDATE
 from tensorpar.errors import CollectiveArgumentError
 from tensorpar.nn.state._local_shard import LocalShard, mark_shards
 from tensorpar.nn.state._params import ParamTag, tag_of
 from tensorpar.nn.state.checkpoint import local_of
+from tensorpar.validation import validation_enabled
 
 __all__ = ["check_replicas", "install_step_hook", "mark_sharded_layer"]
 
@@ -65,7 +65,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if not getattr(optimizer, GUARDED, False):
         setattr(optimizer, GUARDED, True)  # the hook looks at the tags when it runs
         optimizer.register_state_dict_post_hook(_mark_state_shards)
-    if VALIDATE[0]:
+    if validation_enabled():
         check_replicas(optimizer)
 
 
