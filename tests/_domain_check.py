@@ -41,8 +41,11 @@ def tile_of(t: torch.Tensor, dims: Sequence[int], splits: Sequence[Sequence[int]
 def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
           splits: Sequence[Sequence[int]], mesh_shape: Sequence[int] | None = None,
           steps: int = 0, extra: Callable[[], tuple] | None = None, train: bool = True,
-          replicated: bool = False) -> float:
-    """Largest |parallel - dense| over outputs, gradients, buffers (and SGD steps)."""
+          replicated: bool = False, compile_backend: str | None = None) -> float:
+    """Largest |parallel - dense| over outputs, gradients, buffers (and SGD steps).
+
+    ``compile_backend``: run the converted model through ``torch.compile`` with it.
+    """
     torch.manual_seed(0)
     model = build().double()
     model.train(train)
@@ -55,6 +58,7 @@ def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
         group = init_device_mesh("cpu", tuple(mesh_shape))
     par = parallelize_domain(copy.deepcopy(model), dims=tuple(dims), group=group)
     coords = _coords(mesh_shape)
+    run = par if compile_backend is None else torch.compile(par, backend=compile_backend)
     worst = 0.0
     opt_d = torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9)
     opt_p = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
@@ -71,7 +75,7 @@ def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
         gout = torch.randn_like(out_d)
         (out_d * gout).sum().backward()
         xt = tile_of(x, dims, splits, coords).clone().requires_grad_(True)
-        out = par(xt, *more)
+        out = run(xt, *more)
         out = out.sample if hasattr(out, "sample") else out
         layout = domain_layout(par)
         if replicated:

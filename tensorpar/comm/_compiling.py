@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import torch
 from torch.compiler import is_compiling
 
 from tensorpar._torch import get_eval_frame_callback
 
-__all__ = ["compiling"]
+__all__ = ["compiling", "force_eager"]
 
 
 def compiling() -> bool:
@@ -16,3 +20,13 @@ def compiling() -> bool:
     and at the first call of a compiled function; the eval-frame callback is set there.
     """
     return is_compiling() or get_eval_frame_callback() is not None
+
+
+def force_eager() -> contextlib.AbstractContextManager[Any]:
+    """A context in which ``torch.compile`` directives are ignored (compiled code runs eagerly).
+
+    ``torch.compiler.set_stance("force_eager")`` (torch 2.6 and later); on an older torch,
+    nothing.
+    """
+    stance = getattr(torch.compiler, "set_stance", None)
+    return contextlib.nullcontext() if stance is None else stance("force_eager")

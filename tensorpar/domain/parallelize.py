@@ -11,6 +11,7 @@ from torch import nn
 
 from tensorpar._torch import is_fsdp_module, queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
+from tensorpar.comm._compiling import force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _neuralop, _norms, _resample, _window
@@ -207,7 +208,29 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     register_partial_sums(model, ctx)  # a data-parallel reducer takes the sums over
     model.register_forward_pre_hook(_entry, with_kwargs=True, prepend=True)  # before `record`
     model.register_forward_hook(_exit, always_call=True)
+    _run_eagerly(model)
     return model
+
+
+def _run_eagerly(model: nn.Module) -> None:
+    """Make the converted model run eagerly, also under ``torch.compile``.
+
+    While it runs, a torch function mode converts its functional calls (``F.pad``,
+    ``F.interpolate``) and gives parameter shares after a global pooling. Dynamo does not
+    honour that mode when it traces (a traced ``F.pad`` pads every tile as if it were the
+    whole domain: wrong rows, silently), so the model's forward and its entry and exit
+    hooks run between graphs (one graph break around the model inside a larger compiled
+    one), and ``torch.compile`` directives met while it runs (a compiled submodule) are
+    ignored for that time.
+    """
+    func = model.forward.__func__  # type: ignore[attr-defined]  # (a bound method)
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with force_eager():
+            return func(self, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
 
 
 def _groups(fn: str, dims: tuple[int, ...], group: GroupLike) -> list[Group]:
@@ -322,6 +345,7 @@ _PLAIN_FSDP = ("a domain-parallel model under fully_shard: FSDP2 on the replica 
                "replicas) mesh")
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # (see `_run_eagerly`)
 def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
     if not ctx.fsdp and is_fsdp_module(model):
@@ -334,6 +358,7 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
     _resample.enter_functional_mode(ctx)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _exit(model: nn.Module, args: object, output: object) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
     _resample.exit_functional_mode(ctx)
