@@ -684,3 +684,26 @@ def test_expert_parallel_model_compiles_and_equals_eager(arch):
     pytest.importorskip("transformers")
     for breaks, reasons in run_distributed(_compare_expert_parallel, 2, arch, timeout=540):
         assert breaks == 1 and "_run_experts_eagerly" in reasons[0], reasons
+
+
+def _row_bias_dtypes():
+    _fresh()
+    torch.manual_seed(0)
+    layer = RowParallelLinear(8, 4)
+    layer.bias = nn.Parameter(layer.bias.detach().double())  # a bias in another dtype
+    x = torch.randn(3, layer.shard.length, requires_grad=True)
+    out = {"fused": layer(x)}
+    with torch.no_grad():
+        out["no graph"] = layer(x)
+    with tp.validation(True):
+        out["validation"] = layer(x)
+    out["compiled"] = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    return {k: (v.dtype, float((v.double() - out["fused"].double()).abs().max()))
+            for k, v in out.items()}
+
+
+def test_row_layer_bias_dtype_promotes_on_every_path():
+    """Outside autocast the bias joins as in ``F.linear``: by type promotion, on every path."""
+    for got in run_distributed(_row_bias_dtypes, 2, timeout=300):
+        assert all(dtype == torch.float64 for dtype, _ in got.values()), got
+        assert all(diff < 1e-6 for _, diff in got.values()), got

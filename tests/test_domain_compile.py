@@ -80,3 +80,63 @@ def test_compiled_submodules_run_eagerly_inside_the_model():
     for worst, blocks in run_distributed(_compiled_blocks, 2, [9, 8], timeout=T):
         assert blocks == 4
         assert worst < TOL
+
+
+def _two_convs():
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1),
+                               torch.nn.Sequential(torch.nn.Conv2d(2, 1, 3, padding=1)))
+
+
+def test_forward_keeps_its_signature_and_any_callable_forward_converts():
+    import functools
+    import inspect
+
+    from tensorpar.nn import parallelize_domain
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 1, 3, padding=1)
+
+        def forward(self, sample, timestep=None, return_dict: bool = True):
+            """The model's own docstring."""
+            return self.conv(sample)
+
+    net = parallelize_domain(Net(), dims=-2)
+    assert list(inspect.signature(net.forward).parameters) == ["sample", "timestep",
+                                                               "return_dict"]
+    assert net.forward.__doc__ == "The model's own docstring."
+    wrapped = _two_convs()
+    wrapped.forward = functools.partial(type(wrapped).forward, wrapped)  # as accelerate does
+    x = torch.randn(1, 1, 5, 4)
+    want = wrapped(x)
+    torch.testing.assert_close(parallelize_domain(wrapped, dims=-2)(x), want)
+
+
+def test_a_deep_copy_is_refused_with_the_way_out():
+    import copy
+
+    from tensorpar.nn import parallelize_domain
+
+    net = parallelize_domain(_two_convs(), dims=-2)
+    with pytest.raises(TypeError, match=r"cannot be deep-copied.*state_dict"):
+        copy.deepcopy(net)
+    dense = _two_convs()
+    twin = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    twin.load_state_dict(net.state_dict())  # the documented way: same names
+    x = torch.randn(1, 1, 5, 4)
+    assert torch.equal(twin(x), net(x))
+
+
+def test_a_compiled_submodule_is_refused_where_torch_cannot_switch_it_off(monkeypatch):
+    from tensorpar.domain import parallelize as domain_parallelize
+    from tensorpar.nn import parallelize_domain
+
+    net = parallelize_domain(_two_convs(), dims=-2)
+    net[1].compile(backend="aot_eager")
+    monkeypatch.setattr(domain_parallelize, "FORCE_EAGER", False)  # as on torch < 2.6
+    with pytest.raises(RuntimeError, match="1 is compiled"):
+        net(torch.randn(1, 1, 5, 4))
+    net[1]._compiled_call_impl = None
+    net.compile(backend="aot_eager")  # the whole model: its forward runs between graphs
+    assert net(torch.randn(1, 1, 5, 4)).shape == (1, 1, 5, 4)

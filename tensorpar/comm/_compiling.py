@@ -10,7 +10,10 @@ from torch.compiler import is_compiling
 
 from tensorpar._torch import get_eval_frame_callback
 
-__all__ = ["compiling", "force_eager"]
+__all__ = ["FORCE_EAGER", "compiling", "force_eager"]
+
+FORCE_EAGER = hasattr(torch.compiler, "set_stance")
+"""Whether `force_eager` can switch compiled code off (torch 2.6 and later)."""
 
 
 def compiling() -> bool:
@@ -28,5 +31,6 @@ def force_eager() -> contextlib.AbstractContextManager[Any]:
     ``torch.compiler.set_stance("force_eager")`` (torch 2.6 and later); on an older torch,
     nothing.
     """
-    stance = getattr(torch.compiler, "set_stance", None)
-    return contextlib.nullcontext() if stance is None else stance("force_eager")
+    if not FORCE_EAGER:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")  # type: ignore[no-any-return]

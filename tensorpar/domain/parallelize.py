@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,7 +12,7 @@ from torch import nn
 
 from tensorpar._torch import is_fsdp_module, queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
-from tensorpar.comm._compiling import force_eager
+from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _neuralop, _norms, _resample, _window
@@ -213,7 +214,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
 
 
 def _run_eagerly(model: nn.Module) -> None:
-    """Make the converted model run eagerly, also under ``torch.compile``.
+    """Make the converted model run eagerly, also under ``torch.compile``; refuse a deep copy.
 
     While it runs, a torch function mode converts its functional calls (``F.pad``,
     ``F.interpolate``) and gives parameter shares after a global pooling. Dynamo does not
@@ -221,16 +222,56 @@ def _run_eagerly(model: nn.Module) -> None:
     whole domain: wrong rows, silently), so the model's forward and its entry and exit
     hooks run between graphs (one graph break around the model inside a larger compiled
     one), and ``torch.compile`` directives met while it runs (a compiled submodule) are
-    ignored for that time.
+    ignored for that time. On a torch without that switch, a compiled submodule is refused.
+
+    A deep copy would share this model's bookkeeping and lack its gradient hooks (its
+    gradients would be silently wrong), so ``copy.deepcopy`` raises instead.
     """
-    func = model.forward.__func__  # type: ignore[attr-defined]  # (a bound method)
+    inner = model.forward
+    if isinstance(inner, types.MethodType) and inner.__self__ is model:
+        func = inner.__func__
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with force_eager():
-            return func(self, *args, **kwargs)
+        @functools.wraps(func)
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            _refuse_compiled_parts(self)
+            with force_eager():
+                return func(self, *args, **kwargs)
 
-    model.forward = types.MethodType(forward, model)
+        model.forward = types.MethodType(forward, model)
+    else:  # a callable set on the instance (a wrapper's partial, a compiled module's)
+        @functools.wraps(inner)
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
+        def forward_any(*args: Any, **kwargs: Any) -> Any:
+            _refuse_compiled_parts(model)
+            with force_eager():
+                return inner(*args, **kwargs)
+
+        model.forward = forward_any
+    model.__dict__["__deepcopy__"] = _refuse_copy
+
+
+def _refuse_copy(memo: dict[int, Any]) -> None:
+    raise TypeError("parallelize_domain: a domain-parallel model cannot be deep-copied (the "
+                    "copy would share its bookkeeping and miss its gradient hooks); convert "
+                    "a copy of the dense model instead and load this one's state_dict into "
+                    "it (the names are the dense model's)")
+
+
+def _refuse_compiled_parts(model: nn.Module) -> None:
+    """On a torch that cannot switch compiled code off: refuse compiled submodules."""
+    if FORCE_EAGER:
+        return
+    for name, m in model.named_modules():
+        if m is model:  # compiled itself: its forward runs between graphs, as a whole
+            continue
+        if getattr(m, "_compiled_call_impl", None) is not None \
+                or type(m).__name__ == "OptimizedModule":
+            raise RuntimeError(
+                f"parallelize_domain: {name or '<model>'} is compiled; inside a "
+                f"domain-parallel model it would be traced without the tile conversions "
+                f"(torch {torch.__version__} cannot switch compiled code off while the "
+                f"model runs: torch 2.6 and later can)")
 
 
 def _groups(fn: str, dims: tuple[int, ...], group: GroupLike) -> list[Group]:

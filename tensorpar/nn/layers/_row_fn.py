@@ -22,7 +22,7 @@ from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
 from tensorpar.nn.layers._column_fn import save_linear_inputs, weight_grads
-from tensorpar.nn.layers._path import LayerPath, layer_path
+from tensorpar.nn.layers._path import LayerPath, autocast_on, layer_path
 
 __all__ = ["row_linear"]
 
@@ -44,10 +44,12 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return row_linear_data(x, weight, bias, group)
     if path is LayerPath.SINGLE:
         return F.linear(x, weight, bias)
-    # every region call fingerprinted, autocast's casts (the bias joins in the matmul's
-    # dtype, as in F.linear under autocast), or traced by torch.compile
+    # every region call fingerprinted, autocast's casts, or traced by torch.compile
     y = reduce_from_group(F.linear(x, weight), group=group)
-    return y + bias.to(y.dtype) if bias is not None else y
+    if bias is None:
+        return y
+    # under autocast the bias joins in the matmul's dtype (as in F.linear), else by promotion
+    return y + (bias.to(y.dtype) if autocast_on(x.device.type) else bias)
 
 
 def row_linear_data(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
