@@ -227,27 +227,18 @@ def _run_eagerly(model: nn.Module) -> None:
     A deep copy would share this model's bookkeeping and lack its gradient hooks (its
     gradients would be silently wrong), so ``copy.deepcopy`` raises instead.
     """
-    inner = model.forward
-    if isinstance(inner, types.MethodType) and inner.__self__ is model:
-        func = inner.__func__
+    inner: Any = model.forward
+    bound = isinstance(inner, types.MethodType) and inner.__self__ is model
+    call = inner.__func__ if bound else inner  # else a callable set on the instance
 
-        @functools.wraps(func)
-        @torch.compiler.disable  # type: ignore[untyped-decorator]
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            _refuse_compiled_parts(self)
-            with force_eager():
-                return func(self, *args, **kwargs)
+    @functools.wraps(call)  # (its signature: transformers' Trainer reads it)
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        _refuse_compiled_parts(model)
+        with force_eager():
+            return call(*args, **kwargs)
 
-        model.forward = types.MethodType(forward, model)
-    else:  # a callable set on the instance (a wrapper's partial, a compiled module's)
-        @functools.wraps(inner)
-        @torch.compiler.disable  # type: ignore[untyped-decorator]
-        def forward_any(*args: Any, **kwargs: Any) -> Any:
-            _refuse_compiled_parts(model)
-            with force_eager():
-                return inner(*args, **kwargs)
-
-        model.forward = forward_any
+    model.forward = types.MethodType(forward, model) if bound else forward
     model.__dict__["__deepcopy__"] = _refuse_copy
 
 
@@ -268,7 +259,7 @@ def _refuse_compiled_parts(model: nn.Module) -> None:
         if getattr(m, "_compiled_call_impl", None) is not None \
                 or type(m).__name__ == "OptimizedModule":
             raise RuntimeError(
-                f"parallelize_domain: {name or '<model>'} is compiled; inside a "
+                f"parallelize_domain: {name} is compiled; inside a "
                 f"domain-parallel model it would be traced without the tile conversions "
                 f"(torch {torch.__version__} cannot switch compiled code off while the "
                 f"model runs: torch 2.6 and later can)")
