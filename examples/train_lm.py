@@ -163,7 +163,7 @@ def main():
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="microbatches per step with --pp (at most --batch)")
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "zero-bubble"], default="1f1b",
                         help="pipeline schedule with --pp")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8, help="sequences per replica per step")

@@ -71,6 +71,8 @@ CASES = {  # schedule, virtual stages, batch, microbatches, split per world size
     "interleaved-10x4": ("1f1b", 2, 10, 4, None),
     "interleaved-13x5": ("1f1b", 2, 13, 5, None),
     "gpipe-interleaved-13x5": ("gpipe", 2, 13, 5, None),
+    "zero-bubble-10x4": ("zero-bubble", 1, 10, 4, None),
+    "zero-bubble-13x5": ("zero-bubble", 1, 13, 5, None),
 }
 
 
@@ -96,11 +98,19 @@ def test_uneven_split(world_size):
     assert [len(r) for r in results] == split
 
 
-def _sizes_change_between_steps(virtual, sizes, post_ahead, limit):
+def _sizes_change_between_steps(virtual, sizes, post_ahead, limit, schedule="1f1b"):
+    default = tensorpar.pipeline.p2p.FRAME_DATA_LIMIT
     if limit is not None:  # larger activations always travel in a second message
         tensorpar.pipeline.p2p.FRAME_DATA_LIMIT = limit
+    try:  # the ranks are reused by the next test: the limit goes back after this one
+        return _sizes_change(virtual, sizes, post_ahead, schedule)
+    finally:
+        tensorpar.pipeline.p2p.FRAME_DATA_LIMIT = default
+
+
+def _sizes_change(virtual, sizes, post_ahead, schedule):
     dense = sequential()
-    pipe = tp.nn.pipeline(sequential(), microbatches=4, schedule="1f1b", loss_fn=F.mse_loss,
+    pipe = tp.nn.pipeline(sequential(), microbatches=4, schedule=schedule, loss_fn=F.mse_loss,
                           virtual_stages=virtual)
     pipe._eager = post_ahead  # False: receive in the schedule's order, as on NCCL
     for step, n in enumerate(sizes):
@@ -112,24 +122,28 @@ def _sizes_change_between_steps(virtual, sizes, post_ahead, limit):
         pipe.zero_grad(), dense.zero_grad()
         # the step's actions, each forward and backward of every microbatch once, in order
         timeline = pipe.last_timeline
+        kinds = "FBW" if schedule == "zero-bubble" else "FB"
         assert sorted((a.kind, a.microbatch) for a, _, _ in timeline) == sorted(
-            (kind, i) for kind in "FB" for i in range(4) for _ in range(virtual))
+            (kind, i) for kind in kinds for i in range(4) for _ in range(virtual))
         assert all(0 <= s <= e for _, s, e in timeline)
         assert all(e <= s for (_, _, e), (_, s, _) in itertools.pairwise(timeline))
     return sorted(pipe._rooms_in.values())
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,virtual,post_ahead,limit",  # not ahead: as NCCL
-                         [(2, 1, True, None), (3, 1, True, None), (2, 2, True, None),
-                          (2, 1, False, None), (3, 1, False, None), (3, 1, True, 40)])
-def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead, limit):
+@pytest.mark.parametrize("world_size,virtual,post_ahead,limit,schedule",  # not ahead: as NCCL
+                         [(2, 1, True, None, "1f1b"), (3, 1, True, None, "1f1b"),
+                          (2, 2, True, None, "1f1b"), (2, 1, False, None, "1f1b"),
+                          (3, 1, False, None, "1f1b"), (3, 1, True, 40, "1f1b"),
+                          (3, 1, True, None, "zero-bubble"), (2, 1, False, None, "zero-bubble")])
+def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead, limit,
+                                               schedule):
     # an activation travels inside its header's message when it fits the room the same
     # transfer had in the last step: first step (no room), growing (a second message),
     # shrinking (fits, with room to spare) and repeating (fits exactly)
     sizes = (10, 7, 13, 13, 4)
     rooms = run_distributed(_sizes_change_between_steps, world_size, virtual, sizes,
-                            post_ahead, limit, timeout=100)
+                            post_ahead, limit, schedule, timeout=100)
     # what each receiving rank's frames have room for next: the last step's bytes (one
     # float64 row per microbatch), none above the limit
     room = [8 * WIDTHS[b] for b in _boundaries(world_size * virtual) for _ in range(4)]
@@ -137,12 +151,13 @@ def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead, 
         r if limit is None or r <= limit else 0 for r in room)
 
 
-def _in_place_at_the_boundary(post_ahead):
+def _in_place_at_the_boundary(post_ahead, schedule):
     # the receiving stage starts with an in-place op on the received activation
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
     dense = copy.deepcopy(model)
-    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss, split=[1, 2])
+    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss, split=[1, 2],
+                          schedule=schedule)
     pipe._eager = post_ahead
     for step in range(3):  # from the second step on the activation fits its frame
         g = torch.Generator().manual_seed(step)
@@ -156,9 +171,51 @@ def _in_place_at_the_boundary(post_ahead):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("post_ahead", [True, False])
-def test_a_received_activation_may_be_modified_in_place(post_ahead):
-    run_distributed(_in_place_at_the_boundary, 2, post_ahead, timeout=50)
+@pytest.mark.parametrize("post_ahead,schedule", [(True, "1f1b"), (False, "1f1b"),
+                                                 (True, "zero-bubble")])
+def test_a_received_activation_may_be_modified_in_place(post_ahead, schedule):
+    run_distributed(_in_place_at_the_boundary, 2, post_ahead, schedule, timeout=50)
+
+
+def _weights_wait_for_their_w(world_size):
+    from tensorpar.pipeline import split_backward
+
+    dense, pipe = sequential(), tp.nn.pipeline(sequential(), microbatches=5,
+                                               schedule="zero-bubble", loss_fn=F.mse_loss)
+    seen = []  # before each W: its groups of weights, whether every gradient is still None
+    run = split_backward.WeightGrads.run
+
+    def watched(self):
+        seen.append((len(self.groups), all(p.grad is None for p in pipe.parameters())))
+        run(self)
+
+    split_backward.WeightGrads.run = watched
+    x, y = batch(13, 0)
+    loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    dense_loss = F.mse_loss(dense(x), y)
+    dense_loss.backward()
+    _compare(pipe, dense, loss, dense_loss, "zero-bubble")
+    kinds = [a.kind for a, _, _ in pipe.last_timeline]
+    return kinds, seen, len(pipe.stage_modules())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_bubble_defers_the_weight_gradients(world_size):
+    # B leaves every weight's gradient alone (it computes the input's only); W adds them.
+    # The first stage has no input to split at: its B is the whole backward, its W empty.
+    results = run_distributed(_weights_wait_for_their_w, world_size, world_size, timeout=50)
+    for rank, (kinds, seen, pipe_blocks) in enumerate(results):
+        assert kinds.count("W") == kinds.count("B") == kinds.count("F") == 5
+        first_w = kinds.index("W")
+        assert "B" in kinds[:first_w]  # a W follows its B, later
+        assert len(seen) == 5
+        if rank == 0:
+            assert all(groups == 0 for groups, _ in seen)
+        else:  # a group per linear layer (weight and bias); no gradient before the first W
+            assert all(groups == pipe_blocks for groups, _ in seen) and seen[0][1]
+    rows = build_schedule("zero-bubble", world_size, 5)
+    assert [[a.kind for a in row] for row in rows] == [r[0] for r in results]
 
 
 def _boundaries(stages):
@@ -175,22 +232,39 @@ def test_single_process_pipeline_equals_dense():
 # schedules as data
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("virtual", [1, 2, 3])
 @pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8])
 def test_schedule_runs_everything_once(schedule, ranks, virtual, microbatches):
+    if schedule == "zero-bubble" and virtual > 1:
+        with pytest.raises(ValueError, match="one stage per rank"):
+            build_schedule(schedule, ranks, microbatches, virtual)
+        return
     rows = build_schedule(schedule, ranks, microbatches, virtual)
     actions = [a for row in rows for a in row]
-    assert len(actions) == len(set(actions)) == 2 * microbatches * ranks * virtual
+    kinds = 3 if schedule == "zero-bubble" else 2
+    assert len(actions) == len(set(actions)) == kinds * microbatches * ranks * virtual
     for r, row in enumerate(rows):
         assert all(a.stage % ranks == r for a in row)
-        live, peak = set(), 0
+        live, peak = set(), 0  # microbatches whose activations the rank holds
+        backward_done = set()
         for a in row:
-            (live.add if a.kind == "F" else live.remove)((a.microbatch, a.stage))
+            key = (a.microbatch, a.stage)
+            if a.kind == "F":
+                live.add(key)
+            elif a.kind == "B" and schedule != "zero-bubble":
+                live.remove(key)
+            elif a.kind == "B":
+                backward_done.add(key)
+            else:  # a W after its own B, and it frees the activations
+                assert key in backward_done
+                live.remove(key)
             peak = max(peak, len(live))
         if schedule == "1f1b" and virtual == 1:  # 1F1B bounds live microbatches
             assert peak <= ranks - r
+        if schedule == "zero-bubble":  # held until W: 1F1B's bound and the W it defers
+            assert peak <= ranks - r + ranks - 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,6 +299,18 @@ def test_send_backward_receives_the_gradient():
 def test_errors_on_every_rank_before_communicating():
     with pytest.raises(ValueError, match="schedule='zb'"):
         tp.nn.pipeline(sequential(), microbatches=2, schedule="zb", loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="one stage per rank"):
+        tp.nn.pipeline(sequential(), microbatches=2, schedule="zero-bubble", loss_fn=F.mse_loss,
+                       virtual_stages=2)
+    from tensorpar.pipeline import split_backward
+
+    split_backward.SUPPORTED = False  # as on torch 2.4
+    try:
+        with pytest.raises(ValueError, match=r"needs torch 2\.5 or later"):
+            tp.nn.pipeline(sequential(), microbatches=2, schedule="zero-bubble",
+                           loss_fn=F.mse_loss)
+    finally:
+        split_backward.SUPPORTED = True
     with pytest.raises(ValueError, match="loss_fn"):
         tp.nn.pipeline(sequential(), microbatches=2)
     with pytest.raises(ValueError, match=r"split=\[3, 3\]"):
@@ -261,9 +347,9 @@ def test_bad_batch_on_one_rank_raises_on_every_rank():
 def test_schedules_receive_in_the_order_peers_send():
     # what a backend that ignores tags (NCCL) needs; gloo pairs transfers by tag
     odd = set()
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
         for ranks in range(2, 6):
-            for virtual in range(1, 4):
+            for virtual in range(1, 2 if schedule == "zero-bubble" else 4):
                 for microbatches in range(1, 13):
                     rows = build_schedule(schedule, ranks, microbatches, virtual)
                     if not in_order(rows, ranks):
@@ -271,13 +357,19 @@ def test_schedules_receive_in_the_order_peers_send():
     assert odd == {("1f1b", 2, 2, 1), ("1f1b", 2, 3, 1)}  # interleaved on 2 ranks, odd m
 
 
-@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
-@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (2, 8), (3, 6), (4, 8)])
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2),
+                                              ("zero-bubble", 1)])
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (2, 8), (3, 6), (4, 8), (3, 3)])
 def test_schedule_bubble_is_theory(schedule, virtual, ranks, microbatches):
     rows = timeline(schedule, ranks, microbatches, virtual)
-    end = max(t + (1 if a.kind == "F" else 2) for row in rows for t, a in row)
+    split = schedule == "zero-bubble"  # F, B and W a tick each
+    end = max(t + (1 if a.kind == "F" or split else 2) for row in rows for t, a in row)
     busy = 3 * microbatches * virtual  # ticks of work per rank: forward 1, backward 2
-    assert 1 - busy / end == pytest.approx(bubble_fraction(ranks, microbatches, virtual))
+    assert 1 - busy / end == pytest.approx(
+        bubble_fraction(ranks, microbatches, virtual, schedule=schedule))
+    theory = ((ranks - 1) / (3 * microbatches + ranks - 1) if split
+              else (ranks - 1) / (virtual * microbatches + ranks - 1))
+    assert 1 - busy / end == pytest.approx(theory)  # zero-bubble: a third of 1F1B's wait
 
 
 def _bench_rows():
@@ -290,7 +382,7 @@ def _bench_rows():
 @pytest.mark.timeout(120)
 def test_benchmark_suite_runs():
     rows = run_distributed(_bench_rows, 2, timeout=100)[0]
-    assert [r["case"] for r in rows] == ["gpipe", "1f1b", "interleaved"]
+    assert [r["case"] for r in rows] == ["gpipe", "1f1b", "interleaved", "zero-bubble"]
     for r in rows:
         assert r["tensorpar"] > 0 and r["torch"] > 0 and 0 <= r["bubble"] < 1
     assert rows[1]["bubble_theory"] == pytest.approx(1 / 5)

@@ -43,7 +43,7 @@ def _step_error(pipe, inputs, target):
     return "no error"
 
 
-def _pp_tp_matches_dense(order, family="llama"):
+def _pp_tp_matches_dense(order, family="llama", schedule="1f1b"):
     pp_group, tp_group = mesh_groups(2, 2)
     dense = llama(family=family)
     model = llama(family=family)
@@ -55,9 +55,10 @@ def _pp_tp_matches_dense(order, family="llama"):
     if order == "tp-first":  # vocab-parallel head: the loss never gathers the logits
         tp.parallelize(model, plan_from_transformers(llama(family=family)), group=tp_group)
         pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3,
-                              loss_fn=vocab_parallel_loss)
+                              loss_fn=vocab_parallel_loss, schedule=schedule)
     else:  # gathered head: any loss on whole logits
-        pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3, loss_fn=lm_loss)
+        pipe = tp.nn.pipeline(model, group=pp_group, microbatches=3, loss_fn=lm_loss,
+                              schedule=schedule)
         tp.parallelize(pipe, plan_from_transformers(llama(family=family), lm_head="gathered"),
                        group=tp_group)
     sharded = [n for n, m in pipe.named_modules() if getattr(m, "sharded_dims", None)]
@@ -82,11 +83,13 @@ def _pp_tp_matches_dense(order, family="llama"):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("order,family", [("tp-first", "llama"), ("pp-first", "llama"),
-                                          ("tp-first", "qwen2"), ("pp-first", "mistral")])
-def test_pp2_x_tp2_equals_dense(order, family):
+@pytest.mark.parametrize("order,family,schedule", [
+    ("tp-first", "llama", "1f1b"), ("pp-first", "llama", "1f1b"), ("tp-first", "qwen2", "1f1b"),
+    ("pp-first", "mistral", "1f1b"), ("tp-first", "llama", "zero-bubble"),
+    ("pp-first", "llama", "zero-bubble")])
+def test_pp2_x_tp2_equals_dense(order, family, schedule):
     # qwen2 and mistral with sliding windows shorter than the sequences
-    counts = run_distributed(_pp_tp_matches_dense, 4, order, family, timeout=220)
+    counts = run_distributed(_pp_tp_matches_dense, 4, order, family, schedule, timeout=220)
     assert all(c > 0 for c in counts)
 
 
@@ -257,6 +260,23 @@ def _fsdp_on_the_pipeline_itself_raises():
     pipe = tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss)
     fully_shard(pipe)
     return _step_error(pipe, *batch(4, 0))
+
+
+def _fsdp_with_zero_bubble_raises():
+    from torch.distributed.fsdp import fully_shard
+
+    pipe = tp.nn.pipeline(sequential(), microbatches=2, loss_fn=F.mse_loss,
+                          schedule="zero-bubble")
+    for _, module in pipe.stage_modules():
+        fully_shard(module)
+    return _step_error(pipe, *batch(4, 0))
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_with_zero_bubble_raises_on_every_rank():
+    # FSDP2 reduces a module's gradients when its backward ends: before the W half
+    for message in run_distributed(_fsdp_with_zero_bubble_raises, 2, timeout=50):
+        assert "schedule='zero-bubble' computes the weights' gradients" in message
 
 
 @pytest.mark.timeout(60)

@@ -99,7 +99,8 @@ def _names(family="llama"):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2),
+                                              ("zero-bubble", 1)])
 def test_llama_equals_dense(schedule, virtual, world_size):
     if virtual * world_size > 4:
         pytest.skip("4 decoder layers fill at most 4 stages")
@@ -118,10 +119,10 @@ def test_llama_own_loss_weights_by_label_tokens(world_size):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_llama_tied_embedding_sums_both_stages_gradients(world_size):
-    results = run_distributed(_llama_matches_dense, world_size, "1f1b", 1, 3, (9,), False, True,
-                              timeout=150)
+@pytest.mark.parametrize("world_size,schedule", [(2, "1f1b"), (3, "1f1b"), (2, "zero-bubble")])
+def test_llama_tied_embedding_sums_both_stages_gradients(world_size, schedule):
+    results = run_distributed(_llama_matches_dense, world_size, schedule, 1, 3, (9,), False,
+                              True, timeout=150)
     assert "model.embed_tokens.weight" in results[0] and "lm_head.weight" in results[-1]
 
 

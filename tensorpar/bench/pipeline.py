@@ -5,17 +5,20 @@ of blocks on every rank, cut into contiguous stages of equal size), the same bat
 same number of microbatches, one step (every forward and backward) timed in interleaved
 rounds:
 
-- tensorpar: ``tensorpar.nn.pipeline`` with ``schedule="gpipe"``, ``"1f1b"`` and
-  ``"1f1b"`` with 2 virtual stages per rank (interleaved);
-- torch: ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` over
-  ``PipelineStage``\\ s of the same blocks.
+- tensorpar: ``tensorpar.nn.pipeline`` with ``schedule="gpipe"``, ``"1f1b"``, ``"1f1b"``
+  with 2 virtual stages per rank (interleaved) and ``"zero-bubble"`` (ZB-H1, one stage
+  per rank);
+- torch: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and, beside
+  the zero-bubble case, ``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedules
+  run 2 stages per rank) over ``PipelineStage``\\ s of the same blocks.
 
 The step time is the slowest rank's. ``compute`` is the time a rank takes for the same
 forwards and backwards of its stage(s) on the same microbatches, in its schedule's order,
 with no communication (timed in the same round, while the other ranks do the same). The measured
 bubble is ``1 - compute / step`` of the rank with the most compute, the stage that sets the
 pace: all of its step that is not its own arithmetic counts (idle waits, transfers,
-headers, Python overhead). Theory's ``(P - 1) / (V * m + P - 1)`` assumes equal stages;
+headers, Python overhead). Theory's ``(P - 1) / (V * m + P - 1)`` (zero-bubble:
+``(P - 1) / (3 m + P - 1)``, its clock with F, B and W a tick each) assumes equal stages;
 these are not quite equal (the first stage computes no gradient for the batch, the last
 computes the loss), so a faster stage also waits for the slower one: the mean over the
 ranks of ``1 - compute / step`` (``idle``) counts that too. Both are given for both
@@ -42,9 +45,10 @@ __all__ = ["CASES", "SHAPE", "run_rank"]
 SHAPE = {"width": 1024, "blocks_per_rank": 4, "rows": 64}
 """Default sizes: features, blocks per rank (over its virtual stages), rows per microbatch."""
 
-CASES = (("gpipe", "gpipe", 1, "ScheduleGPipe"), ("1f1b", "1f1b", 1, "Schedule1F1B"),
-         ("interleaved", "1f1b", 2, "ScheduleInterleaved1F1B"))
-"""``(name, tensorpar schedule, virtual stages, torch schedule class)``."""
+CASES = (("gpipe", "gpipe", 1, "ScheduleGPipe", 1), ("1f1b", "1f1b", 1, "Schedule1F1B", 1),
+         ("interleaved", "1f1b", 2, "ScheduleInterleaved1F1B", 2),
+         ("zero-bubble", "zero-bubble", 1, "ScheduleInterleavedZeroBubble", 2))
+"""``(name, tensorpar schedule, its virtual stages, torch schedule class, its virtual stages)``."""
 
 
 def _model(width: int, blocks: int) -> nn.Sequential:
@@ -71,7 +75,8 @@ def _compute_only(stages: dict[int, nn.Module], actions: list[Action], total_sta
 
     ``stages``: the rank's stage modules by global stage index; ``actions``: the rank's
     schedule. The same arithmetic in the same order as a step (so the same switching
-    between stages' weights), with nothing to wait for.
+    between stages' weights), with nothing to wait for; a split backward's ``B`` runs the
+    whole backward here, and its ``W`` nothing.
     """
     total = sum(x.shape[0] for x in xs)
     grads = [torch.randn_like(x) for x in xs]  # d loss / d output of a stage that is not last
@@ -81,6 +86,8 @@ def _compute_only(stages: dict[int, nn.Module], actions: list[Action], total_sta
         held: dict[tuple[int, int], torch.Tensor] = {}
         start = time.perf_counter()
         for kind, i, k in actions:
+            if kind == "W":
+                continue
             if kind == "F":
                 # a received activation is a leaf whose gradient goes back; the batch is not
                 h = xs[i] if k == 0 else xs[i].detach().requires_grad_()
@@ -121,7 +128,7 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
     x = torch.randn(rows * microbatches, width, generator=g)
     y = torch.randn(rows * microbatches, width, generator=g)
     out = []
-    for name, schedule, virtual, torch_name in CASES:
+    for name, schedule, virtual, torch_name, torch_virtual in CASES:
         stages = ranks * virtual
         blocks = shape["blocks_per_rank"] * ranks
         per = blocks // stages
@@ -129,13 +136,16 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
                                      schedule=schedule, loss_fn=F.mse_loss,
                                      virtual_stages=virtual)
         dense = _model(width, blocks)
+        theirs_total = ranks * torch_virtual
+        theirs_per = blocks // theirs_total
         theirs_stages = [pipelining.PipelineStage(
-            nn.Sequential(*[dense[i] for i in range(k * per, (k + 1) * per)]), k, stages,
-            torch.device("cpu")) for k in range(rank, stages, ranks)]
+            nn.Sequential(*[dense[i] for i in range(k * theirs_per, (k + 1) * theirs_per)]),
+            k, theirs_total, torch.device("cpu")) for k in range(rank, theirs_total, ranks)]
         cls = getattr(pipelining, torch_name)
-        theirs = cls(theirs_stages if virtual > 1 else theirs_stages[0],
+        theirs = cls(theirs_stages if torch_virtual > 1 else theirs_stages[0],
                      n_microbatches=microbatches, loss_fn=F.mse_loss)
         first, last = rank == 0, rank == (stages - 1) % ranks
+        theirs_last = rank == (theirs_total - 1) % ranks
 
         def ours_step() -> None:
             ours.step(x if first else None, y if last else None)  # noqa: B023
@@ -144,7 +154,7 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
         def theirs_step() -> None:
             if first:  # noqa: B023
                 theirs.step(x)  # noqa: B023
-            elif last:  # noqa: B023
+            elif theirs_last:  # noqa: B023
                 theirs.step(target=y, losses=[])  # noqa: B023
             else:
                 theirs.step()  # noqa: B023
@@ -184,5 +194,6 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
                     "torch_bubble": statistics.median(times["torch_bubble"]),
                     "idle": statistics.median(times["idle"]),
                     "torch_idle": statistics.median(times["torch_idle"]),
-                    "bubble_theory": bubble_fraction(ranks, microbatches, virtual)})
+                    "bubble_theory": bubble_fraction(ranks, microbatches, virtual,
+                                                     schedule=schedule)})
     return out

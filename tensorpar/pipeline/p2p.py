@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge
 
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
@@ -48,7 +49,7 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["recv", "send"]
+__all__ = ["receive_edge", "recv", "send"]
 
 
 class Meta(NamedTuple):
@@ -278,6 +279,19 @@ def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
         out: torch.Tensor = _Recv.apply(anchor, link, source)
         return out
     return source()
+
+
+def receive_edge(x: torch.Tensor) -> GradientEdge | None:
+    """Where a backward must end to send ``x``'s gradient back: its receive's anchor.
+
+    ``None`` when ``x`` did not come from a receive in this rank's graph.
+    """
+    node = x.grad_fn
+    if node is None or node.name() != f"{_Recv.__name__}Backward":
+        return None
+    anchor, slot = node.next_functions[0]
+    assert anchor is not None  # the anchor requires grad
+    return GradientEdge(anchor, slot)
 
 
 class Inbox:

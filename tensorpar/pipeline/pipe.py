@@ -13,8 +13,16 @@ from torch import nn
 from tensorpar._torch import is_fsdp_module
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError
-from tensorpar.pipeline.p2p import Inbox, Link, recv_activation, room_for, send_activation
-from tensorpar.pipeline.schedules import SCHEDULES, Action, build_schedule, in_order
+from tensorpar.pipeline.p2p import (
+    Inbox,
+    Link,
+    receive_edge,
+    recv_activation,
+    room_for,
+    send_activation,
+)
+from tensorpar.pipeline.schedules import SCHEDULES, SPLIT, Action, build_schedule, in_order
+from tensorpar.pipeline.split_backward import WeightGrads, backward_input, supported
 from tensorpar.pipeline.stages import (
     Decoder,
     StageSpec,
@@ -65,6 +73,14 @@ class Pipeline(nn.Module):
         if schedule not in SCHEDULES:
             raise CollectiveArgumentError(
                 f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
+        if schedule == SPLIT and virtual_stages > 1:
+            raise CollectiveArgumentError(
+                f"{fn}: schedule={SPLIT!r} runs one stage per rank (ZB-H1), got "
+                f"virtual_stages={virtual_stages}; use schedule='1f1b' to interleave")
+        if schedule == SPLIT and not supported():
+            raise CollectiveArgumentError(
+                f"{fn}: schedule={SPLIT!r} needs torch 2.5 or later (a backward that starts "
+                f"from a node of the graph); this is torch {torch.__version__}")
         hf = is_transformers(model) and not has_blocks(model)
         if loss_fn is None and not hf:
             raise CollectiveArgumentError(
@@ -194,6 +210,10 @@ class Pipeline(nn.Module):
         origin = time.perf_counter()
         self.last_timeline = []
         final_backward = {a.stage: a.microbatch for a in self._actions if a.kind == "B"}
+        split = self.schedule == SPLIT
+        params = [p for p in self.parameters() if p.requires_grad] if split else []
+        entries: dict[tuple[int, int], list[Any]] = {}  # where B stops: the receive's anchor
+        deferred: dict[tuple[int, int], WeightGrads] = {}  # each B's W half
         # every activation this step receives: headers posted now, data as they arrive
         inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
                                                            pending, waited)
@@ -214,6 +234,9 @@ class Pipeline(nn.Module):
                     x, self._rooms_in[(i, k)] = recv_activation(
                         None, self._link(k, i, False, pending, waited), device,
                         self._rooms_in.get((i, k), 0))
+                if split:  # taken before the stage runs: it may modify x in place
+                    edge = receive_edge(x) if k > 0 else None
+                    entries[(i, k)] = [edge] if edge is not None else []
                 y = run_stage(self, spec, x, self._decoder)
                 if spec.last:
                     loss = self._loss(y, targets[i], weights[i])
@@ -225,10 +248,18 @@ class Pipeline(nn.Module):
                     held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited),
                                                    self._rooms_out.get((i, k), 0))
                     self._rooms_out[(i, k)] = room_for(y)
+            elif action.kind == "W":
+                work = deferred.pop((i, k), None)
+                if work is not None:
+                    work.run()
             elif spec.last or not single:  # the loss, or the send's placeholder
                 self._gradient_sync(final_backward[k] == i)
                 done = held.pop((i, k))
-                if done.requires_grad:  # a stage whose output needs no gradient: none comes
+                # a stage whose output needs no gradient: none comes
+                if done.requires_grad and split:  # B now, W when the schedule says
+                    out, grad = (done, None) if spec.last else _anchor_of(done)
+                    deferred[(i, k)] = backward_input(out, grad, entries.pop((i, k)), params)
+                elif done.requires_grad:
                     done.backward()
             end = time.perf_counter()
             busy += end - start
@@ -312,6 +343,10 @@ class Pipeline(nn.Module):
                         f"{repr(name) if name else 'the pipeline itself'}, whose forward the "
                         f"step never calls (it calls the stages' modules directly); apply it "
                         f"to the modules of pipe.stage_modules() (or modules inside them)")
+        if self.schedule == SPLIT and self._fsdp_modules:
+            return (f"Pipeline.step: schedule={SPLIT!r} computes the weights' gradients "
+                    f"apart from the backward that FSDP2 reduces them after; use "
+                    f"schedule='1f1b' with fully_shard, or tensorpar.pipeline.average_gradients")
         if self._tied and self._fsdp_modules:
             return ("Pipeline.step: a parameter tied across stages (a tied embedding and LM "
                     "head) under fully_shard is not supported; untie it or shard the "
@@ -383,6 +418,13 @@ class Pipeline(nn.Module):
         return loss
 
 
+def _anchor_of(done: TensorPlaceholder) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sent activation's anchor in this rank's graph, and the gradient it takes."""
+    anchor = done._anchor
+    assert anchor is not None
+    return anchor, torch.zeros_like(anchor)
+
+
 def _backend(g: Group) -> str:
     try:
         return str(dist.get_backend(g.handle))
@@ -415,7 +457,10 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
             call time); group rank 0 runs the first stage.
         microbatches: microbatches per step (the batch is split like ``tensor_split``:
             they need not divide it).
-        schedule: ``"gpipe"`` or ``"1f1b"`` (interleaved 1F1B when ``virtual_stages > 1``).
+        schedule: ``"gpipe"``, ``"1f1b"`` (interleaved 1F1B when ``virtual_stages > 1``) or
+            ``"zero-bubble"`` (ZB-H1: each backward split into the input's gradient and
+            the weights', run later where the rank would wait; one stage per rank; see
+            `tensorpar.pipeline.split_backward` for what it costs and does not run).
         loss_fn: ``(output, target) -> loss`` of a microbatch, mean-reduced over its rows;
             ``None`` for a transformers model: its own causal-LM loss (``labels``).
         virtual_stages: stages per rank (interleaving).

@@ -14,6 +14,12 @@ stages, stage ``k`` on rank ``k % P`` (round-robin), which is what interleaving 
 - ``"1f1b"``: after a warm-up, one forward then one backward; a rank holds at most
   ``P - rank`` microbatches' activations (interleaved 1F1B when ``V > 1``: microbatches
   in groups of ``P``, each group through the rank's stages in turn).
+- ``"zero-bubble"`` (ZB-H1, one stage per rank): 1F1B with each backward split in two,
+  ``B`` (the input's gradient, which the previous stage waits for) and ``W`` (the
+  weights' gradients, which no one waits for); a rank runs a ``W`` when it has nothing
+  else to run, or when ``cap`` of them are pending. On its clock F, B and W take a tick
+  each, and ``cap`` (0 to ``P``) is the smallest that gives the shortest step. A rank
+  holds at most ``P - rank + cap`` microbatches' activations (until their ``W``).
 """
 
 from __future__ import annotations
@@ -26,14 +32,25 @@ from tensorpar.errors import CollectiveArgumentError
 __all__ = ["SCHEDULES", "Action", "ScheduleName", "bubble_fraction", "build_schedule",
            "in_order", "render", "timeline"]
 
-ScheduleName = Literal["gpipe", "1f1b"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+ScheduleName = Literal["gpipe", "1f1b", "zero-bubble"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero-bubble")
 
 FORWARD_TICKS, BACKWARD_TICKS = 1, 2
+SPLIT = "zero-bubble"  # the schedule whose backward is B (input) then W (weights)
+
+
+def ticks(schedule: str, kind: str) -> int:
+    """An action's length on the schedule's clock (a split backward's halves: one each)."""
+    if kind == "F" or schedule == SPLIT:
+        return FORWARD_TICKS
+    return BACKWARD_TICKS
 
 
 class Action(NamedTuple):
-    """One step of a rank's schedule: ``kind`` ``"F"`` or ``"B"`` of ``microbatch`` on ``stage``.
+    """One step of a rank's schedule: ``kind`` of ``microbatch`` on ``stage``.
+
+    ``kind``: ``"F"`` (forward), ``"B"`` (backward; under ``"zero-bubble"`` its input half)
+    or ``"W"`` (the weights' half of a split backward).
 
     ``stage`` is the global (virtual) stage index, ``0 <= stage < P * V``.
     """
@@ -77,13 +94,22 @@ def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int =
     A rank with both a forward and a backward it may run picks the backward (which frees
     activations) or, played out too, the forward (Megatron's strict alternation after the
     warm-up); the order that finishes first on the clock wins (the backward on a tie).
+    ``"zero-bubble"`` is played for each ``cap`` of pending ``W`` (see the module doc).
 
     Raises:
-        CollectiveArgumentError: an unknown schedule, or counts below 1.
+        CollectiveArgumentError: an unknown schedule, counts below 1, or
+            ``"zero-bubble"`` with ``virtual_stages > 1``.
     """
-    plays = [_play(schedule, ranks, microbatches, virtual_stages, prefer)
-             for prefer in ((False,) if schedule == "gpipe" else (False, True))]
-    best = min((rows for rows in plays if rows is not None), key=_end, default=None)
+    _check(schedule, ranks, microbatches, virtual_stages)
+    if schedule == SPLIT:
+        plays = [_play(schedule, ranks, microbatches, 1, False, cap)
+                 for cap in range(ranks + 1)]
+    else:
+        plays = [_play(schedule, ranks, microbatches, virtual_stages, prefer)
+                 for prefer in ((False,) if schedule == "gpipe" else (False, True))]
+    # the first play of the shortest length: the backward, or the fewest pending W, on a tie
+    best = min((rows for rows in plays if rows is not None), key=lambda r: _end(schedule, r),
+               default=None)
     if best is None:  # pragma: no cover - every schedule this module makes finishes
         raise RuntimeError(f"pipeline: schedule {schedule!r} does not finish for {ranks} "
                            f"ranks, {microbatches} microbatches, {virtual_stages} virtual "
@@ -94,14 +120,11 @@ def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int =
 Rows = list[list[tuple[int, Action]]]
 
 
-def _end(rows: Rows) -> int:
-    return max(t + (FORWARD_TICKS if a.kind == "F" else BACKWARD_TICKS)
-               for row in rows for t, a in row)
+def _end(schedule: str, rows: Rows) -> int:
+    return max(t + ticks(schedule, a.kind) for row in rows for t, a in row)
 
 
-def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
-          prefer_forward: bool) -> Rows | None:
-    """Play the schedule out on the clock (``None``: it gets stuck)."""
+def _check(schedule: str, ranks: int, microbatches: int, virtual_stages: int) -> None:
     if schedule not in SCHEDULES:
         raise CollectiveArgumentError(
             f"pipeline: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
@@ -109,20 +132,30 @@ def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
                         ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CollectiveArgumentError(f"pipeline: {name} must be an int >= 1, got {value!r}")
+    if schedule == SPLIT and virtual_stages > 1:
+        raise CollectiveArgumentError(
+            f"pipeline: schedule={SPLIT!r} runs one stage per rank (ZB-H1), got "
+            f"virtual_stages={virtual_stages}; use schedule='1f1b' to interleave")
+
+
+def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
+          prefer_forward: bool, cap: int = 0) -> Rows | None:
+    """Play the schedule out on the clock (``None``: it gets stuck)."""
+    split = schedule == SPLIT
     last = ranks * virtual_stages - 1
     orders = [_orders(r, ranks, virtual_stages, microbatches) for r in range(ranks)]
     limits = [_limit(schedule, r, ranks, virtual_stages) for r in range(ranks)]
     done: dict[Action, int] = {}
-    nf, nb = [0] * ranks, [0] * ranks
+    nf, nb, nw = [0] * ranks, [0] * ranks, [0] * ranks
     free = [0] * ranks
     out: list[list[tuple[int, Action]]] = [[] for _ in range(ranks)]
-    total = 2 * microbatches * virtual_stages
+    total = (3 if split else 2) * microbatches * virtual_stages
     t = 0
 
     def finished(a: Action) -> bool:
         return done.get(a, t + 1) <= t
 
-    while any(nf[r] + nb[r] < total for r in range(ranks)):
+    while any(nf[r] + nb[r] + nw[r] < total for r in range(ranks)):
         if t > 4 * total * ranks * (FORWARD_TICKS + BACKWARD_TICKS) + 8:
             return None
         for r in range(ranks):
@@ -131,6 +164,7 @@ def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
             fwd, bwd = orders[r]
             f = fwd[nf[r]] if nf[r] < len(fwd) else None
             b = bwd[nb[r]] if nb[r] < len(bwd) else None
+            w = bwd[nw[r]]._replace(kind="W") if split and nw[r] < nb[r] else None
             f_ready = f is not None and (f.stage == 0 or finished(f._replace(stage=f.stage - 1)))
             b_ready = b is not None and (
                 finished(b._replace(kind="F")) if b.stage == last
@@ -139,22 +173,28 @@ def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
                 b_ready = False
             pick: Action | None = None
             may_forward = f is not None and nf[r] - nb[r] < limits[r]
-            if prefer_forward and may_forward:
+            if w is not None and nb[r] - nw[r] > cap:
+                pick = w
+            elif prefer_forward and may_forward:
                 pick = f if f_ready else None
             elif b_ready:
                 pick = b
             elif f_ready and may_forward:
                 pick = f
+            elif w is not None:
+                pick = w
             if pick is None:
                 continue
-            ticks = FORWARD_TICKS if pick.kind == "F" else BACKWARD_TICKS
-            done[pick] = t + ticks
-            free[r] = t + ticks
+            length = ticks(schedule, pick.kind)
+            done[pick] = t + length
+            free[r] = t + length
             out[r].append((t, pick))
             if pick.kind == "F":
                 nf[r] += 1
-            else:
+            elif pick.kind == "B":
                 nb[r] += 1
+            else:
+                nw[r] += 1
         t += 1
     return out
 
@@ -180,6 +220,8 @@ def in_order(rows: list[list[Action]], ranks: int) -> bool:
     for r, row in enumerate(rows):
         for a in row:
             k, i = a.stage, a.microbatch
+            if a.kind == "W":  # the weights' half: nothing travels
+                continue
             if a.kind == "F":
                 if k > 0:  # the activation of stage k - 1
                     received.setdefault(((k - 1) % ranks, r), []).append(("F", i, k - 1))
@@ -193,9 +235,18 @@ def in_order(rows: list[list[Action]], ranks: int) -> bool:
     return all(sent.get(pair) == received.get(pair) for pair in set(sent) | set(received))
 
 
-def bubble_fraction(ranks: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """The idle fraction of a step in theory: ``(P - 1) / (V * m + P - 1)``."""
-    return (ranks - 1) / (virtual_stages * microbatches + ranks - 1)
+def bubble_fraction(ranks: int, microbatches: int, virtual_stages: int = 1, *,
+                    schedule: str = "1f1b") -> float:
+    """The idle fraction of a step in theory.
+
+    ``(P - 1) / (V * m + P - 1)`` for GPipe and (interleaved) 1F1B; for ``"zero-bubble"``
+    the idle fraction of its clock (F, B and W a tick each), ``(P - 1) / (3 m + P - 1)``
+    where the pending ``W`` fill every wait.
+    """
+    if schedule != SPLIT:
+        return (ranks - 1) / (virtual_stages * microbatches + ranks - 1)
+    rows = timeline(schedule, ranks, microbatches, virtual_stages)
+    return 1 - 3 * microbatches / _end(schedule, rows)
 
 
 def render(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> str:
@@ -209,13 +260,13 @@ def render(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1
         | 1 | . | F0s1 | F1s1 | B0s1 | B0s1 | B1s1 | B1s1 | . | . |
     """
     rows = timeline(schedule, ranks, microbatches, virtual_stages)
-    end = _end(rows)
+    end = _end(schedule, rows)
     lines = ["| rank | " + " | ".join(str(t) for t in range(end)) + " |",
              "|---|" + "---|" * end]
     for r, row in enumerate(rows):
         cells = ["."] * end
         for t, a in row:
-            for dt in range(FORWARD_TICKS if a.kind == "F" else BACKWARD_TICKS):
+            for dt in range(ticks(schedule, a.kind)):
                 cells[t + dt] = str(a)
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
