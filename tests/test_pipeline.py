@@ -203,17 +203,15 @@ def _weights_wait_for_their_w(world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero_bubble_defers_the_weight_gradients(world_size):
     # B leaves every weight's gradient alone (it computes the input's only); W adds them.
-    # The first stage has no input to split at: its B is the whole backward, its W empty.
+    # The first stage has no input to split at: its B does nothing, its W everything.
     results = run_distributed(_weights_wait_for_their_w, world_size, world_size, timeout=50)
     for rank, (kinds, seen, pipe_blocks) in enumerate(results):
         assert kinds.count("W") == kinds.count("B") == kinds.count("F") == 5
         first_w = kinds.index("W")
         assert "B" in kinds[:first_w]  # a W follows its B, later
-        assert len(seen) == 5
-        if rank == 0:
-            assert all(groups == 0 for groups, _ in seen)
-        else:  # a group per linear layer (weight and bias); no gradient before the first W
-            assert all(groups == pipe_blocks for groups, _ in seen) and seen[0][1]
+        assert len(seen) == 5 and seen[0][1]  # no weight gradient before the first W
+        # a group per linear layer (weight and bias); none on the first stage
+        assert all(groups == (0 if rank == 0 else pipe_blocks) for groups, _ in seen)
     rows = build_schedule("zero-bubble", world_size, 5)
     assert [[a.kind for a in row] for row in rows] == [r[0] for r in results]
 

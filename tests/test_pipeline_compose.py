@@ -173,11 +173,12 @@ def test_checkpoint_saved_at_pp2_loads_at_pp3_and_dense(kind, tp_size, tmp_path)
         torch.testing.assert_close(dense.get_parameter(name), p, rtol=0, atol=0, msg=name)
 
 
-def _dp_x_pp_matches_dense():
+def _dp_x_pp_matches_dense(schedule):
     pp_group, dp_group = mesh_groups(2, 2)  # dp ranks consecutive, pp ranks strided
     replica = dist.get_rank(dp_group)
     dense = sequential()
-    pipe = tp.nn.pipeline(sequential(), group=pp_group, microbatches=3, loss_fn=F.mse_loss)
+    pipe = tp.nn.pipeline(sequential(), group=pp_group, microbatches=3, loss_fn=F.mse_loss,
+                          schedule=schedule)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
     for step in range(2):
@@ -193,8 +194,9 @@ def _dp_x_pp_matches_dense():
 
 
 @pytest.mark.timeout(120)
-def test_data_parallel_pipeline_replicas_equal_dense():
-    run_distributed(_dp_x_pp_matches_dense, 4, timeout=100)
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_data_parallel_pipeline_replicas_equal_dense(schedule):
+    run_distributed(_dp_x_pp_matches_dense, 4, schedule, timeout=100)
 
 
 def _fsdp_x_pp_matches_dense(virtual):

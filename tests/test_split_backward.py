@@ -88,13 +88,15 @@ def test_gradients_add_to_what_is_there():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-13)
 
 
-def test_without_a_differentiable_input_the_whole_backward_runs_at_once():
-    # the first stage: token ids or a batch that needs no gradient
+def test_without_a_differentiable_input_the_whole_backward_waits_for_w():
+    # the first stage (token ids, or a batch that needs no gradient): no one waits for B
     dense, split = model(), model()
     x = torch.randn(3, 4, dtype=torch.float64)
     dense(x).sum().backward()
     w = backward_input(split(x).sum(), None, [], list(split.parameters()))
-    assert w.groups == []
+    assert w.groups == [] and all(p.grad is None for p in split.parameters())
+    w.run()
+    w.run()  # once only
     for p, q in zip(split.parameters(), dense.parameters(), strict=True):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-13)

@@ -28,8 +28,8 @@ Costs and limits:
 - gradients reach ``.grad`` by assignment: hooks that run when autograd accumulates a
   gradient (``register_post_accumulate_grad_hook``, FSDP2's) do not run;
 - without a differentiable input (the first stage: token ids, or a batch that needs no
-  gradient) there is nothing to split: `backward_input` runs the whole backward and the
-  W half is empty.
+  gradient) there is nothing to split at, and no one waits for the input's gradient:
+  B does nothing and W runs the whole backward.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class _Group:
 
     params: list[torch.Tensor]
     nodes: list[Node]
+    edges: list[GradientEdge]  # where each parameter's gradient arrives (its accumulator)
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
@@ -70,14 +71,20 @@ class _Group:
 class WeightGrads:
     """The W half of one backward: `run` adds the parameters' gradients to ``.grad`` once.
 
-    Holds the graph (and so the microbatch's activations) until it has run.
+    Holds the graph (and so the microbatch's activations) until it has run. ``whole``:
+    an output and its gradient whose whole backward is deferred to `run` (no input to
+    split at).
     """
 
     groups: list[_Group] = field(default_factory=list)
+    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def run(self) -> None:
         """Compute each group's gradients from what its boundary nodes kept; add to ``.grad``."""
         groups, self.groups = self.groups, []
+        whole, self.whole = self.whole, None
+        if whole is not None:
+            torch.autograd.backward(whole[0], whole[1])
         for group in groups:
             _run_group(group)
 
@@ -89,17 +96,16 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
 
     Runs every node between ``output`` and ``inputs`` (a receive's backward there sends
     the gradient on), none that only leads to a parameter. Returns the W half. With no
-    ``inputs`` (or none in the graph) it runs the whole backward and returns an empty W.
+    ``inputs`` (or none in the graph) it runs nothing: the W half is the whole backward.
     """
     root = output.grad_fn
     if root is None:
         return WeightGrads()
-    consumers = _consumers(root)
+    consumers, leaves = _consumers(root)
     path = _activation_path([e.node for e in inputs], consumers)
     if not path:
-        torch.autograd.backward(output, grad)
-        return WeightGrads()
-    groups = _groups(params, path, consumers)
+        return WeightGrads(whole=(output, grad))
+    groups = _groups(params, leaves, path, consumers)
     handles = [node.register_prehook(_keep(group, node))
                for group in groups for node in group.nodes]
     try:
@@ -111,9 +117,13 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     return WeightGrads(groups)
 
 
-def _consumers(root: Node) -> dict[Node, list[Node]]:
-    """Every node of the graph under ``root``, with the nodes that take its gradient."""
+def _consumers(root: Node) -> tuple[dict[Node, list[Node]], dict[int, Node]]:
+    """Every node of the graph under ``root``, with the nodes that take its gradient.
+
+    Also each leaf's gradient accumulator in the graph, by ``id`` of the leaf.
+    """
     consumers: dict[Node, list[Node]] = {root: []}
+    leaves: dict[int, Node] = {}
     queue = deque([root])
     while queue:
         node = queue.popleft()
@@ -123,8 +133,11 @@ def _consumers(root: Node) -> dict[Node, list[Node]]:
             if child not in consumers:
                 consumers[child] = []
                 queue.append(child)
+                leaf = getattr(child, "variable", None)  # an accumulator: its leaf
+                if leaf is not None:
+                    leaves[id(leaf)] = child
             consumers[child].append(node)
-    return consumers
+    return consumers, leaves
 
 
 def _activation_path(starts: list[Node], consumers: dict[Node, list[Node]]) -> set[Node]:
@@ -139,14 +152,14 @@ def _activation_path(starts: list[Node], consumers: dict[Node, list[Node]]) -> s
     return path
 
 
-def _groups(params: Sequence[torch.Tensor], path: set[Node],
+def _groups(params: Sequence[torch.Tensor], leaves: dict[int, Node], path: set[Node],
             consumers: dict[Node, list[Node]]) -> list[_Group]:
     """Each parameter's boundary on the activation path; parameters sharing one, grouped."""
     groups: list[_Group] = []
     owner: dict[Node, _Group] = {}
     for p in params:
-        start = edge_of(p).node
-        if start not in consumers:  # not used by this microbatch
+        start = leaves.get(id(p))
+        if start is None:  # not used by this microbatch
             continue
         boundary: list[Node] = []
         seen = {start}
@@ -157,9 +170,10 @@ def _groups(params: Sequence[torch.Tensor], path: set[Node],
                     continue
                 seen.add(parent)
                 (boundary.append if parent in path else queue.append)(parent)
-        mine = _Group([p], boundary)
+        mine = _Group([p], boundary, [GradientEdge(start, 0)])
         for other in {id(g): g for g in (owner.get(n) for n in boundary) if g}.values():
             mine.params.extend(other.params)
+            mine.edges.extend(other.edges)
             mine.nodes.extend(n for n in other.nodes if n not in mine.nodes)
             groups.remove(other)
         for node in mine.nodes:
@@ -189,7 +203,7 @@ def _run_group(group: _Group) -> None:
     handles = [node.register_prehook(_replace(group.kept[node]))
                for node in group.nodes if node in group.kept] if len(group.nodes) > 1 else []
     try:
-        found = torch.autograd.grad(outputs, [edge_of(p) for p in group.params],
+        found = torch.autograd.grad(outputs, group.edges,
                                     grad_outputs=grads, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
