@@ -29,7 +29,11 @@ Costs and limits:
   gradient (``register_post_accumulate_grad_hook``, FSDP2's) do not run;
 - without a differentiable input (the first stage: token ids, or a batch that needs no
   gradient) there is nothing to split at, and no one waits for the input's gradient:
-  B does nothing and W runs the whole backward.
+  B does nothing and W runs the whole backward;
+- a reentrant activation checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``,
+  transformers' default) runs a backward of its own inside the graph, which cannot start
+  from a node: a microbatch whose graph holds one runs its whole backward in B, W empty
+  (right, not split; ``use_reentrant=False`` splits).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from torch.autograd.graph import GradientEdge, Node
 __all__ = ["WeightGrads", "backward_input", "edge_of", "supported"]
 
 SUPPORTED = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+_REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)
 
 
 def supported() -> bool:
@@ -102,6 +107,11 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     if root is None:
         return WeightGrads()
     consumers, leaves = _consumers(root)
+    if any(node.name() == _REENTRANT for node in consumers):
+        # a reentrant checkpoint's node runs a backward of its own, which autograd.grad
+        # refuses: the whole backward now (the input's gradient leaves with it), W empty
+        torch.autograd.backward(output, grad)
+        return WeightGrads()
     path = _activation_path([e.node for e in inputs], consumers)
     if not path:
         return WeightGrads(whole=(output, grad))
