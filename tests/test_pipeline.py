@@ -177,6 +177,41 @@ def test_a_received_activation_may_be_modified_in_place(post_ahead, schedule):
     run_distributed(_in_place_at_the_boundary, 2, post_ahead, schedule, timeout=50)
 
 
+class _Ignores(nn.Module):
+    """A block that does not use its input (its output: a parameter, one row per sample)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.w.expand(x.shape[0], -1)
+
+
+def _stage_ignores_its_input(schedule):
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(5, 4), _Ignores(4), nn.Linear(4, 3)).double()
+    pipe = tp.nn.pipeline(copy.deepcopy(dense), microbatches=3, schedule=schedule,
+                          loss_fn=F.mse_loss, split=[1, 2])
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    dense_loss = F.mse_loss(dense(x), y)
+    dense_loss.backward()
+    if pipe.is_last:
+        torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():  # the first block: no gradient, or zeros
+        want = grads[name].grad if grads[name].grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(p.grad, want, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
+def test_a_stage_that_ignores_its_input_sends_a_zero_gradient(schedule):
+    # the sender waits for the gradient of what it sent (it used to wait forever)
+    run_distributed(_stage_ignores_its_input, 2, schedule, timeout=50)
+
+
 class _Checkpointed(nn.Module):
     def __init__(self, block, reentrant):
         super().__init__()

@@ -49,7 +49,7 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["receive_edge", "recv", "send"]
+__all__ = ["gradient_sent", "receive_edge", "recv", "send"]
 
 
 class Meta(NamedTuple):
@@ -225,6 +225,7 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.sent = True  # read by gradient_sent (ctx is the graph's node)
         # not eager: a double backward's receive would share its tag with the activations'
         back = dataclasses.replace(ctx.link.reverse(), eager=False)
         anchor_grad: torch.Tensor = _Send.apply(grad, back)
@@ -279,6 +280,11 @@ def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
         out: torch.Tensor = _Recv.apply(anchor, link, source)
         return out
     return source()
+
+
+def gradient_sent(node: Any) -> bool:
+    """Whether the backward of a receive (``node``: its output's ``grad_fn``) has run."""
+    return bool(getattr(node, "sent", False))
 
 
 def receive_edge(x: torch.Tensor) -> GradientEdge | None:

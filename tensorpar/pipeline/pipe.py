@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from tensorpar._torch import is_fsdp_module
 from tensorpar.comm._group import Group, GroupLike, resolve_group
@@ -16,6 +17,7 @@ from tensorpar.errors import CollectiveArgumentError
 from tensorpar.pipeline.p2p import (
     Inbox,
     Link,
+    gradient_sent,
     receive_edge,
     recv_activation,
     room_for,
@@ -211,8 +213,7 @@ class Pipeline(nn.Module):
         self.last_timeline = []
         final_backward = {a.stage: a.microbatch for a in self._actions if a.kind == "B"}
         split = self.schedule == SPLIT
-        params = [p for p in self.parameters() if p.requires_grad] if split else []
-        entries: dict[tuple[int, int], list[Any]] = {}  # where B stops: the receive's anchor
+        received: dict[tuple[int, int], _Received] = {}  # what each backward owes its sender
         deferred: dict[tuple[int, int], WeightGrads] = {}  # each B's W half
         # every activation this step receives: headers posted now, data as they arrive
         inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
@@ -234,9 +235,9 @@ class Pipeline(nn.Module):
                     x, self._rooms_in[(i, k)] = recv_activation(
                         None, self._link(k, i, False, pending, waited), device,
                         self._rooms_in.get((i, k), 0))
-                if split:  # taken before the stage runs: it may modify x in place
-                    edge = receive_edge(x) if k > 0 else None
-                    entries[(i, k)] = [edge] if edge is not None else []
+                edge = receive_edge(x) if k > 0 and not single else None
+                if edge is not None:  # taken before the stage runs: it may modify x in place
+                    received[(i, k)] = _Received(edge, x.grad_fn, x.shape, x.dtype, x.device)
                 y = run_stage(self, spec, x, self._decoder)
                 if spec.last:
                     loss = self._loss(y, targets[i], weights[i])
@@ -255,12 +256,20 @@ class Pipeline(nn.Module):
             elif spec.last or not single:  # the loss, or the send's placeholder
                 self._gradient_sync(final_backward[k] == i)
                 done = held.pop((i, k))
+                came = received.pop((i, k), None)
                 # a stage whose output needs no gradient: none comes
                 if done.requires_grad and split:  # B now, W when the schedule says
                     out, grad = (done, None) if spec.last else _anchor_of(done)
-                    deferred[(i, k)] = backward_input(out, grad, entries.pop((i, k)), params)
+                    deferred[(i, k)] = backward_input(out, grad,
+                                                      [came.edge] if came is not None else [])
+                    del out, grad  # the graph lives on in W's hands only
                 elif done.requires_grad:
                     done.backward()
+                del done
+                if came is not None and not gradient_sent(came.node):
+                    # the stage did not use what it received: its sender still waits
+                    self._link(k, i, False, pending, waited).reverse().post_send(
+                        torch.zeros(came.shape, dtype=came.dtype, device=came.device))
             end = time.perf_counter()
             busy += end - start
             self.last_timeline.append((action, start - origin, end - origin))
@@ -416,6 +425,16 @@ class Pipeline(nn.Module):
             return loss
         loss = self.loss_fn(output, target) * weight
         return loss
+
+
+class _Received(NamedTuple):
+    """A received activation: where its backward ends, its receive's node, its metadata."""
+
+    edge: GradientEdge
+    node: Any
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
 
 
 def _anchor_of(done: TensorPlaceholder) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,24 +7,28 @@ graph per microbatch; the two halves come from where the parameters meet it:
 
 - the *activation path*: the nodes between the output and the input (every node from which
   the input's node can be reached);
-- a parameter's *boundary*: the nodes of the activation path its gradient leaves from (the
-  matmul's node for a linear layer's weight), met walking from the parameter towards the
-  output; parameters that share a boundary node form one group.
+- a weight's *boundary*: the nodes of the activation path its gradient leaves from (the
+  matmul's node for a linear layer's weight), met walking from the weight towards the
+  output; weights that share a boundary node form one group. The weights are the graph's
+  leaves off the activation path: the parameters, and any other tensor that needs a
+  gradient (a temperature a loss function holds).
 
 `backward_input` runs the graph from the output to the input only (``autograd.grad`` with
 the input as its target: torch's own nodes skip the gradients no one asked for, so a matmul
 computes its input's gradient and not its weight's) while hooks keep what reaches each
 boundary node. `WeightGrads.run` then runs, per group, the graph from its boundary nodes
-(with what was kept) to its parameters, and adds the results to ``.grad``. The same
-operations as one backward pass, so the same numbers.
+(with what was kept) to its weights, and adds the results to ``.grad``. The numbers are
+one backward pass's.
 
 Costs and limits:
 
 - the graph is kept (``retain_graph``) from B to W, so a microbatch's activations live
   until its W;
-- a custom ``autograd.Function`` on the boundary (one that takes a weight itself) cannot
-  tell which gradients were asked for: it computes all of them in both halves, and the
-  half not asked for is discarded (correct, and the cost of its backward twice);
+- some work runs twice, and the copy is discarded: a custom ``autograd.Function`` on the
+  boundary (one that takes a weight itself) cannot tell which gradients were asked for
+  and computes all of them in both halves; a weight used at two places on the activation
+  path has the backward of the nodes between them run again in W; a block under a
+  non-reentrant activation checkpoint is recomputed in B and again in W;
 - gradients reach ``.grad`` by assignment: hooks that run when autograd accumulates a
   gradient (``register_post_accumulate_grad_hook``, FSDP2's) do not run;
 - without a differentiable input (the first stage: token ids, or a batch that needs no
@@ -95,13 +99,13 @@ class WeightGrads:
 
 
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
-                   inputs: Sequence[GradientEdge], params: Sequence[torch.Tensor]
-                   ) -> WeightGrads:
+                   inputs: Sequence[GradientEdge]) -> WeightGrads:
     """The B half of ``output``'s backward (gradient ``grad``) down to ``inputs``.
 
     Runs every node between ``output`` and ``inputs`` (a receive's backward there sends
-    the gradient on), none that only leads to a parameter. Returns the W half. With no
-    ``inputs`` (or none in the graph) it runs nothing: the W half is the whole backward.
+    the gradient on), none that only leads to a weight (a leaf that needs a gradient).
+    Returns the W half. With no ``inputs`` (or none in the graph) it runs nothing: the W
+    half is the whole backward.
     """
     root = output.grad_fn
     if root is None:
@@ -115,7 +119,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     path = _activation_path([e.node for e in inputs], consumers)
     if not path:
         return WeightGrads(whole=(output, grad))
-    groups = _groups(params, leaves, path, consumers)
+    groups = _groups(leaves, path, {e.node for e in inputs}, consumers)
     handles = [node.register_prehook(_keep(group, node))
                for group in groups for node in group.nodes]
     try:
@@ -127,13 +131,13 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     return WeightGrads(groups)
 
 
-def _consumers(root: Node) -> tuple[dict[Node, list[Node]], dict[int, Node]]:
+def _consumers(root: Node) -> tuple[dict[Node, list[Node]], dict[Node, torch.Tensor]]:
     """Every node of the graph under ``root``, with the nodes that take its gradient.
 
-    Also each leaf's gradient accumulator in the graph, by ``id`` of the leaf.
+    Also each leaf's gradient accumulator in the graph, with its leaf.
     """
     consumers: dict[Node, list[Node]] = {root: []}
-    leaves: dict[int, Node] = {}
+    leaves: dict[Node, torch.Tensor] = {}
     queue = deque([root])
     while queue:
         node = queue.popleft()
@@ -145,7 +149,7 @@ def _consumers(root: Node) -> tuple[dict[Node, list[Node]], dict[int, Node]]:
                 queue.append(child)
                 leaf = getattr(child, "variable", None)  # an accumulator: its leaf
                 if leaf is not None:
-                    leaves[id(leaf)] = child
+                    leaves[child] = leaf
             consumers[child].append(node)
     return consumers, leaves
 
@@ -162,14 +166,17 @@ def _activation_path(starts: list[Node], consumers: dict[Node, list[Node]]) -> s
     return path
 
 
-def _groups(params: Sequence[torch.Tensor], leaves: dict[int, Node], path: set[Node],
+def _groups(leaves: dict[Node, torch.Tensor], path: set[Node], ends: set[Node],
             consumers: dict[Node, list[Node]]) -> list[_Group]:
-    """Each parameter's boundary on the activation path; parameters sharing one, grouped."""
+    """Each weight's boundary on the activation path; weights sharing one, grouped.
+
+    A boundary stops short of ``ends`` (the inputs): what lies below an input is not this
+    backward's (its gradient is returned there).
+    """
     groups: list[_Group] = []
     owner: dict[Node, _Group] = {}
-    for p in params:
-        start = leaves.get(id(p))
-        if start is None:  # not used by this microbatch
+    for start, p in leaves.items():
+        if start in path:  # the input's own leaf (a receive's anchor)
             continue
         boundary: list[Node] = []
         seen = {start}
@@ -180,6 +187,9 @@ def _groups(params: Sequence[torch.Tensor], leaves: dict[int, Node], path: set[N
                     continue
                 seen.add(parent)
                 (boundary.append if parent in path else queue.append)(parent)
+        boundary = [n for n in boundary if n not in ends]
+        if not boundary:
+            continue
         mine = _Group([p], boundary, [GradientEdge(start, 0)])
         for other in {id(g): g for g in (owner.get(n) for n in boundary) if g}.values():
             mine.params.extend(other.params)
@@ -222,8 +232,10 @@ def _run_group(group: _Group) -> None:
         for p, g in zip(group.params, found, strict=True):
             if g is None:
                 continue
-            if p.grad is None:
-                p.grad = g
+            if p.grad is None:  # a tensor of its own, as autograd's accumulator makes:
+                # the result may be shared (x + p1 + p2), a broadcast view (p.sum()) or
+                # the input's gradient on its way to the previous stage
+                p.grad = g.clone(memory_format=torch.contiguous_format)
             else:
                 p.grad += g
 
