@@ -75,10 +75,6 @@ class Pipeline(nn.Module):
         if schedule not in SCHEDULES:
             raise CollectiveArgumentError(
                 f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
-        if schedule == SPLIT and virtual_stages > 1:
-            raise CollectiveArgumentError(
-                f"{fn}: schedule={SPLIT!r} runs one stage per rank (ZB-H1), got "
-                f"virtual_stages={virtual_stages}; use schedule='1f1b' to interleave")
         if schedule == SPLIT and not supported():
             raise CollectiveArgumentError(
                 f"{fn}: schedule={SPLIT!r} needs torch 2.5 or later (a backward that starts "

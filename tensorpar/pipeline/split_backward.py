@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightGrads", "backward_input", "edge_of", "supported"]
+__all__ = ["WeightGrads", "backward_input", "supported"]
 
 SUPPORTED = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 _REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)
@@ -59,11 +59,6 @@ _REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentran
 def supported() -> bool:
     """Whether ``autograd.grad`` can start from a `GradientEdge` here (torch 2.5 and later)."""
     return SUPPORTED
-
-
-def edge_of(t: torch.Tensor) -> GradientEdge:
-    """Where ``t``'s gradient enters the graph (a leaf's: its gradient accumulator)."""
-    return torch.autograd.graph.get_gradient_edge(t)
 
 
 @dataclass(eq=False)
