@@ -1,19 +1,20 @@
-"""A stride-1 convolution on a strip whose interior is computed while its halo rows travel.
+"""A stride-1 convolution on a strip computed while its halo rows travel, with no copy.
 
-The output rows of a strip split three ways: those whose windows lie inside the tile (the
-interior: a convolution of the tile itself with no padding along the split dim), and a
-thin band at each end whose windows reach into the halo. Forward: post the halo exchange,
-convolve the interior, wait, convolve the two bands (halo rows joined to the tile's first
-or last ``ke`` rows) and join the three outputs. Backward, the mirror: the bands' input
-gradients first; their halo part goes back to the owning ranks while the interior's
-backward runs; what arrives is added to the rows it belongs to. Neither direction copies
-the whole input tile (the general path joins the halo to it, and in the backward adds the
-gradient back into a fresh tile).
+Forward: post the halo exchange, convolve the tile itself with zero padding along the split
+dim (as many rows as the halo on each side), wait, and add the halo rows' share to the
+first and last output rows. A convolution is linear in its input, so that share is the
+convolution, without bias, of the halo rows beside zeros standing for the tile (a band
+as thin as the halo). Backward, the mirror: the bands' gradients first (the halo rows'
+gradient, sent back to their owners while the tile's backward runs, and the weight's
+share); what arrives is added to the rows it belongs to. Neither direction copies a tile
+or an output: the general path joins the halo to the tile, and a band-by-band output
+would have to be joined.
 
-Used by `conv_forward` for strips (one split dim), stride 1 along it, zero padding on the
-other dims, and tiles longer than the kernel's extent on every rank; otherwise the general
-path runs. Differentiable once: ``parallelize_domain(..., double_backward=True)`` keeps the
-general path, which double backward goes through.
+Used by `conv_forward` for strips (one split dim), stride 1 along it, as many halo rows
+below as above (padding ``"same"`` of an odd kernel), zero padding on the other dims, and
+tiles longer than the kernel's extent on every rank; otherwise the general path runs.
+Differentiable once: ``parallelize_domain(..., double_backward=True)`` keeps the general
+path, which double backward goes through.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def overlap_applies(plan: RowPlan, ke: int, stride: int) -> bool:
 
     Ranks may decide differently: both paths send the same rows in the same exchange.
     """
-    return stride == 1 and plan.n_in > ke and plan.run == (0, plan.n_in)
+    return stride == 1 and plan.n_in > ke and plan.run == (0, plan.n_in) \
+        and len(plan.lower) == len(plan.upper)
 
 
 def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -50,6 +52,14 @@ def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out
 
 
+def _padded(conv: tuple[Any, ...], dim: int, rows: int) -> tuple[Any, ...]:
+    """``conv`` with ``rows`` of zero padding on each side of ``dim``."""
+    stride, padding, dilation, groups = conv
+    padding = list(padding)
+    padding[dim - 2] = rows
+    return stride, tuple(padding), dilation, groups
+
+
 def _conv_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, has_bias: bool,
                    conv: tuple[Any, ...], mask: list[bool]) -> tuple[Any, Any, Any]:
     stride, padding, dilation, groups = conv
@@ -59,13 +69,34 @@ def _conv_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, has_bias: 
         list(dilation), False, [0] * k, groups, mask)
 
 
-def _bands(x: torch.Tensor, below: torch.Tensor | None, above: torch.Tensor | None, dim: int,
-           ke: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The inputs of the two end bands: halo rows joined to the tile's first/last ke rows."""
-    n = x.shape[dim]
-    top = torch.cat([below, x.narrow(dim, 0, ke)], dim) if below is not None else None
-    bottom = torch.cat([x.narrow(dim, n - ke, ke), above], dim) if above is not None else None
-    return top, bottom
+def _band_inputs(x: torch.Tensor, below: torch.Tensor | None, above: torch.Tensor | None,
+                 dim: int, ke: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The halo rows beside ``ke`` rows of zeros standing for the tile (``None``: no halo)."""
+    def beside(halo: torch.Tensor | None, first: bool) -> torch.Tensor | None:
+        if halo is None:
+            return None
+        shape = list(x.shape)
+        shape[dim] = ke
+        zeros = x.new_zeros(shape)
+        return torch.cat([halo, zeros] if first else [zeros, halo], dim)
+    return beside(below, True), beside(above, False)
+
+
+def _band_grads(gy: torch.Tensor, band: torch.Tensor | None, start: int, rows: int, dim: int,
+                w: torch.Tensor, conv: tuple[Any, ...], mask: list[bool]
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A band's input and weight gradients from output rows ``[start, start + rows)``."""
+    if band is None:
+        return None, None
+    g_in, g_w, _ = _conv_backward(gy.narrow(dim, start, rows).contiguous(), band, w, False,
+                                  conv, mask)
+    return g_in, g_w
+
+
+def _real(rows: tuple[int, ...], plan: RowPlan) -> bool:
+    """Whether any of these halo rows is data (not only the zero fill row)."""
+    fill = sum(plan.recv_counts) + len(plan.self_idx) if plan.fill else -1
+    return any(i != fill for i in rows)
 
 
 class _HaloConv(torch.autograd.Function):
@@ -73,14 +104,15 @@ class _HaloConv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dim: int,
                 plan: RowPlan, group: Group, ke: int, conv: tuple[Any, ...]) -> torch.Tensor:
         validate_rows(x, dim, plan, group, backward=False)
-        lo = len(plan.lower)
+        rows = len(plan.lower)
         work = None
         if plan.exchange:
             sent = x.index_select(dim, row_index(plan.send_idx, x))
             arrived, work = start_exchange(sent, dim, plan.send_counts, plan.recv_counts,
                                             group)
         fconv = getattr(F, f"conv{w.dim() - 2}d")
-        y_mid = fconv(x, w, b, *conv)  # the interior, while the halo rows travel
+        # the tile with zeros for its halo, while the halo travels
+        y: torch.Tensor = fconv(x, w, b, *_padded(conv, dim, rows))
         pieces = []
         if work is not None:
             work.wait()
@@ -92,12 +124,15 @@ class _HaloConv(torch.autograd.Function):
             shape[dim] = 1
             pieces.append(x.new_zeros(shape))
         pool = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0] if pieces else x
-        below = pool.index_select(dim, row_index(plan.lower, x)) if lo else None
-        above = pool.index_select(dim, row_index(plan.upper, x)) if plan.upper else None
-        top, bottom = _bands(x, below, above, dim, ke)
-        y_top = [fconv(top, w, b, *conv)] if top is not None else []
-        y_bottom = [fconv(bottom, w, b, *conv)] if bottom is not None else []
-        y = torch.cat([*y_top, y_mid, *y_bottom], dim)
+        below = pool.index_select(dim, row_index(plan.lower, x)) \
+            if _real(plan.lower, plan) else None
+        above = pool.index_select(dim, row_index(plan.upper, x)) \
+            if _real(plan.upper, plan) else None
+        top, bottom = _band_inputs(x, below, above, dim, ke)
+        if top is not None:  # the halo rows' share of the first and last output rows
+            y.narrow(dim, 0, rows).add_(fconv(top, w, None, *conv))
+        if bottom is not None:
+            y.narrow(dim, y.shape[dim] - rows, rows).add_(fconv(bottom, w, None, *conv))
         ctx.save_for_backward(x, w, below, above)  # only the halo rows beside the tile
         ctx.args = (dim, plan, group, ke, conv, b is not None)
         return y
@@ -115,16 +150,15 @@ class _HaloConv(torch.autograd.Function):
 def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, w, below, above = ctx.saved_tensors
     dim, plan, group, ke, conv, has_bias = ctx.args
-    top, bottom = _bands(x, below, above, dim, ke)
+    top, bottom = _band_inputs(x, below, above, dim, ke)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    n, lo, hi = x.shape[dim], len(plan.lower), len(plan.upper)
+    rows = len(plan.lower)
     gy = gy.contiguous()
-    g_top, g_mid, g_bottom = gy.split([lo, n - ke, hi], dim)
-    mask = [need_x, need_w, need_b and has_bias]
-    bands = [(g_top, top), (g_bottom, bottom)]
-    band_grads: list[tuple[Any, Any, Any]] = [
-        _conv_backward(g.contiguous(), t, w, has_bias, conv, mask) if t is not None
-        else (None, None, None) for g, t in bands]
+    # the bands first: their halo rows' gradient travels while the tile's backward runs
+    band_mask = [need_x, need_w, False]
+    top_in, top_w = _band_grads(gy, top, 0, rows, dim, w, conv, band_mask)
+    bottom_in, bottom_w = _band_grads(gy, bottom, gy.shape[dim] - rows, rows, dim, w, conv,
+                                      band_mask)
     work = None
     if need_x:
         validate_rows(gy, dim, plan, group, backward=True)
@@ -132,25 +166,19 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shape = list(x.shape)
         shape[dim] = n_recv + n_self + int(plan.fill)
         pool = x.new_zeros(shape)  # the halo rows' gradients, by where they came from
-        g_top_in, g_bottom_in = band_grads[0][0], band_grads[1][0]
-        if lo:
-            pool.index_add_(dim, row_index(plan.lower, x), g_top_in.narrow(dim, 0, lo))
-        if hi:
-            pool.index_add_(dim, row_index(plan.upper, x), g_bottom_in.narrow(dim, ke, hi))
+        if top_in is not None:
+            pool.index_add_(dim, row_index(plan.lower, x), top_in.narrow(dim, 0, rows))
+        if bottom_in is not None:
+            pool.index_add_(dim, row_index(plan.upper, x), bottom_in.narrow(dim, ke, rows))
         if plan.exchange:
             back, work = start_exchange(pool.narrow(dim, 0, n_recv), dim,
                                          plan.recv_counts, plan.send_counts, group)
-    gx, gw, gb = _conv_backward(g_mid.contiguous(), x, w, has_bias, conv, mask)
-    for gw_band, gb_band in ((bg[1], bg[2]) for bg in band_grads):
-        if gw_band is not None:
-            gw = gw + gw_band
-        if gb_band is not None:
-            gb = gb + gb_band
+    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, dim, rows),
+                                [need_x, need_w, need_b and has_bias])
+    for band_w in (top_w, bottom_w):
+        if band_w is not None:
+            gw = gw + band_w
     if need_x:
-        if lo:
-            gx.narrow(dim, 0, ke).add_(g_top_in.narrow(dim, lo, ke))
-        if hi:
-            gx.narrow(dim, n - ke, ke).add_(g_bottom_in.narrow(dim, 0, ke))
         if n_self:
             gx.index_add_(dim, row_index(plan.self_idx, x), pool.narrow(dim, n_recv, n_self))
         if work is not None:
