@@ -65,7 +65,7 @@ def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
 
     def diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
         assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        return float((a - b).abs().max()) if a.numel() else 0.0
+        return float((a - b).detach().abs().max()) if a.numel() else 0.0
 
     for step in range(max(steps, 1)):
         xd = x.clone().requires_grad_(True)

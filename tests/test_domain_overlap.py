@@ -13,6 +13,7 @@ from torch import nn
 
 from tensorpar.nn import parallelize_domain
 from tensorpar.testing import run_distributed
+from tests._domain_check import check
 
 pytestmark = pytest.mark.timeout(300)
 T = 240
@@ -132,3 +133,39 @@ def _bfloat16_tile(kind):
 def test_fast_norms_take_a_bfloat16_tile_with_float32_parameters(kind):
     # torch's mixed-precision norm kernels, as dense: bfloat16 out, float32 statistics
     assert max(run_distributed(_bfloat16_tile, 2, kind, timeout=T)) < 2e-2
+
+
+def _strided_stack():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(),  # stride 1
+                         nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Tanh(),  # down-sampling
+                         nn.Conv2d(4, 4, 5, stride=2, padding=2), nn.Tanh(),
+                         nn.Conv2d(4, 3, 3, padding=2, dilation=2), nn.Tanh(),
+                         nn.Conv2d(3, 2, 3, stride=3, padding=1))
+
+
+def _strided(sizes):
+    """Largest difference from dense, and how many convolutions took the overlapped path."""
+    from tensorpar.domain import _overlap
+
+    taken = [0]
+    apply = _overlap._HaloConv.apply
+
+    def counted(*args):
+        taken[0] += 1
+        return apply(*args)
+
+    _overlap._HaloConv.apply = counted
+    try:
+        worst = check(_strided_stack, (2, 2, sum(sizes), 11), [-2], [sizes])
+    finally:
+        _overlap._HaloConv.apply = apply
+    return worst, taken[0]
+
+
+@pytest.mark.parametrize("sizes", [[20, 19], [13, 13, 13], [30, 9]])
+def test_strided_and_dilated_convolutions_compute_while_the_halo_travels(sizes):
+    results = run_distributed(_strided, len(sizes), sizes, timeout=T)
+    assert max(worst for worst, _ in results) < 1e-10
+    # the strided layers take the overlapped path too (not only the first, stride-1 one)
+    assert max(taken for _, taken in results) >= 3

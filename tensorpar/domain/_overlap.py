@@ -1,25 +1,25 @@
-"""A stride-1 convolution on a strip computed while its halo rows travel, with no copy.
+"""A convolution on a strip computed while its halo rows travel, with no copy.
 
 Forward: post the halo exchange, convolve the tile itself with zero padding along the split
-dim (as many rows as the halo on each side), wait, and add the halo rows' share to the
+dim (as many rows as the lower halo on each side), wait, and add the halo rows' share to the
 first and last output rows. A convolution is linear in its input, so that share is the
-convolution, without bias, of the halo rows beside zeros standing for the tile (a band
-as thin as the halo). Backward, the mirror: the bands' gradients first (the halo rows'
-gradient, sent back to their owners while the tile's backward runs, and the weight's
-share); what arrives is added to the rows it belongs to. Neither direction copies a tile
-or an output: the general path joins the halo to the tile, and a band-by-band output
-would have to be joined.
+convolution, without bias, of the halo rows beside zeros standing for the tile (a band as
+thin as the halo; `Bands` says where). Backward, the mirror: the bands' gradients first
+(the halo rows' gradient, sent back to their owners while the tile's backward runs, and the
+weight's share); what arrives is added to the rows it belongs to. Neither direction copies
+a tile or an output: the general path joins the halo to the tile.
 
-Used by `conv_forward` for strips (one split dim), stride 1 along it, as many halo rows
-below as above (padding ``"same"`` of an odd kernel), zero padding on the other dims, and
-tiles longer than the kernel's extent on every rank; otherwise the general path runs.
-Differentiable once: ``parallelize_domain(..., double_backward=True)`` keeps the general
-path, which double backward goes through.
+Used by `conv_forward` for strips (one split dim), zero padding on the other dims, tiles
+longer than the kernel's extent, and any stride where the padded tile yields exactly this
+rank's output rows (`overlap_applies`: padding ``"same"`` of an odd kernel, or a strided
+down-sampling); otherwise the general path runs. Differentiable once:
+``parallelize_domain(..., double_backward=True)`` keeps the general path, which double
+backward goes through.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +30,46 @@ from tensorpar.domain._rows import RowPlan, row_index, start_exchange, validate_
 __all__ = ["overlapped_conv", "overlap_applies"]
 
 
+class Bands(NamedTuple):
+    """Where the halo rows reach in the output of the tile's own convolution.
+
+    The tile is convolved with ``lo`` rows of zero padding on each side (``hi <= lo`` halo
+    rows above it; padding past them is never read). Output rows ``[0, top)`` read the
+    lower halo: their band is the ``lo`` halo rows, then ``top_zeros`` zero rows. Output
+    rows ``[bottom, rows)`` read the upper halo: ``bottom_zeros`` zero rows, then the ``hi``
+    halo rows.
+    """
+
+    lo: int
+    hi: int
+    rows: int
+    top: int
+    top_zeros: int
+    bottom: int
+    bottom_zeros: int
+
+
+def bands(plan: RowPlan, ke: int, stride: int) -> Bands | None:
+    """The bands of this rank's convolution (``None``: the overlapped path does not fit)."""
+    n, lo, hi = plan.n_in, len(plan.lower), len(plan.upper)
+    if plan.run != (0, n) or n <= ke or hi > lo:
+        return None
+    rows = (n + lo + hi - ke - 1) // stride + 1
+    if (n + 2 * lo - ke - 1) // stride + 1 != rows:  # the padding past the halo adds rows
+        return None
+    top = -(-lo // stride)
+    bottom = max(0, -(-(lo + n - ke) // stride)) if hi else rows
+    b = Bands(lo, hi, rows, top, (top - 1) * stride + ke + 1 - lo if top else 0,
+              bottom, lo + n - bottom * stride if hi else 0)
+    return b if b.top_zeros >= 0 and b.bottom_zeros >= 0 else None
+
+
 def overlap_applies(plan: RowPlan, ke: int, stride: int) -> bool:
     """Whether this rank's exchange fits the overlapped path.
 
     Ranks may decide differently: both paths send the same rows in the same exchange.
     """
-    return stride == 1 and plan.n_in > ke and plan.run == (0, plan.n_in) \
-        and len(plan.lower) == len(plan.upper)
+    return bands(plan, ke, stride) is not None
 
 
 def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -45,7 +78,7 @@ def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``conv(window)`` where the window is ``x`` with its halo rows along ``dim``.
 
     ``conv`` is ``(stride, padding, dilation, groups)`` for ``F.convNd`` with no padding
-    along ``dim`` (a non-negative dim).
+    along ``dim`` (a non-negative dim); `overlap_applies` holds.
     """
     out: torch.Tensor = _HaloConv.apply(x, weight, bias, dim, plan, group, ke,  # type: ignore[no-untyped-call]
                                         conv)
@@ -70,16 +103,16 @@ def _conv_backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, has_bias: 
 
 
 def _band_inputs(x: torch.Tensor, below: torch.Tensor | None, above: torch.Tensor | None,
-                 dim: int, ke: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The halo rows beside ``ke`` rows of zeros standing for the tile (``None``: no halo)."""
-    def beside(halo: torch.Tensor | None, first: bool) -> torch.Tensor | None:
+                 dim: int, b: Bands) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The halo rows beside rows of zeros standing for the tile (``None``: no halo)."""
+    def beside(halo: torch.Tensor | None, zeros: int, first: bool) -> torch.Tensor | None:
         if halo is None:
             return None
         shape = list(x.shape)
-        shape[dim] = ke
-        zeros = x.new_zeros(shape)
-        return torch.cat([halo, zeros] if first else [zeros, halo], dim)
-    return beside(below, True), beside(above, False)
+        shape[dim] = zeros
+        pad = x.new_zeros(shape)
+        return torch.cat([halo, pad] if first else [pad, halo], dim)
+    return beside(below, b.top_zeros, True), beside(above, b.bottom_zeros, False)
 
 
 def _band_grads(gy: torch.Tensor, band: torch.Tensor | None, start: int, rows: int, dim: int,
@@ -104,7 +137,8 @@ class _HaloConv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dim: int,
                 plan: RowPlan, group: Group, ke: int, conv: tuple[Any, ...]) -> torch.Tensor:
         validate_rows(x, dim, plan, group, backward=False)
-        rows = len(plan.lower)
+        geo = bands(plan, ke, conv[0][dim - 2])
+        assert geo is not None, "overlapped_conv called where overlap_applies does not hold"
         work = None
         if plan.exchange:
             sent = x.index_select(dim, row_index(plan.send_idx, x))
@@ -112,7 +146,7 @@ class _HaloConv(torch.autograd.Function):
                                             group)
         fconv = getattr(F, f"conv{w.dim() - 2}d")
         # the tile with zeros for its halo, while the halo travels
-        y: torch.Tensor = fconv(x, w, b, *_padded(conv, dim, rows))
+        y: torch.Tensor = fconv(x, w, b, *_padded(conv, dim, geo.lo))
         pieces = []
         if work is not None:
             work.wait()
@@ -128,13 +162,14 @@ class _HaloConv(torch.autograd.Function):
             if _real(plan.lower, plan) else None
         above = pool.index_select(dim, row_index(plan.upper, x)) \
             if _real(plan.upper, plan) else None
-        top, bottom = _band_inputs(x, below, above, dim, ke)
+        top, bottom = _band_inputs(x, below, above, dim, geo)
         if top is not None:  # the halo rows' share of the first and last output rows
-            y.narrow(dim, 0, rows).add_(fconv(top, w, None, *conv))
+            y.narrow(dim, 0, geo.top).add_(fconv(top, w, None, *conv))
         if bottom is not None:
-            y.narrow(dim, y.shape[dim] - rows, rows).add_(fconv(bottom, w, None, *conv))
+            y.narrow(dim, geo.bottom, geo.rows - geo.bottom).add_(
+                fconv(bottom, w, None, *conv))
         ctx.save_for_backward(x, w, below, above)  # only the halo rows beside the tile
-        ctx.args = (dim, plan, group, ke, conv, b is not None)
+        ctx.args = (dim, plan, group, geo, conv, b is not None)
         return y
 
     @staticmethod
@@ -149,16 +184,15 @@ class _HaloConv(torch.autograd.Function):
 
 def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, w, below, above = ctx.saved_tensors
-    dim, plan, group, ke, conv, has_bias = ctx.args
-    top, bottom = _band_inputs(x, below, above, dim, ke)
+    dim, plan, group, geo, conv, has_bias = ctx.args
+    top, bottom = _band_inputs(x, below, above, dim, geo)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    rows = len(plan.lower)
     gy = gy.contiguous()
     # the bands first: their halo rows' gradient travels while the tile's backward runs
     band_mask = [need_x, need_w, False]
-    top_in, top_w = _band_grads(gy, top, 0, rows, dim, w, conv, band_mask)
-    bottom_in, bottom_w = _band_grads(gy, bottom, gy.shape[dim] - rows, rows, dim, w, conv,
-                                      band_mask)
+    top_in, top_w = _band_grads(gy, top, 0, geo.top, dim, w, conv, band_mask)
+    bottom_in, bottom_w = _band_grads(gy, bottom, geo.bottom, geo.rows - geo.bottom, dim, w,
+                                      conv, band_mask)
     work = None
     if need_x:
         validate_rows(gy, dim, plan, group, backward=True)
@@ -167,13 +201,14 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shape[dim] = n_recv + n_self + int(plan.fill)
         pool = x.new_zeros(shape)  # the halo rows' gradients, by where they came from
         if top_in is not None:
-            pool.index_add_(dim, row_index(plan.lower, x), top_in.narrow(dim, 0, rows))
+            pool.index_add_(dim, row_index(plan.lower, x), top_in.narrow(dim, 0, geo.lo))
         if bottom_in is not None:
-            pool.index_add_(dim, row_index(plan.upper, x), bottom_in.narrow(dim, ke, rows))
+            pool.index_add_(dim, row_index(plan.upper, x),
+                            bottom_in.narrow(dim, geo.bottom_zeros, geo.hi))
         if plan.exchange:
             back, work = start_exchange(pool.narrow(dim, 0, n_recv), dim,
                                          plan.recv_counts, plan.send_counts, group)
-    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, dim, rows),
+    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, dim, geo.lo),
                                 [need_x, need_w, need_b and has_bias])
     for band_w in (top_w, bottom_w):
         if band_w is not None:
