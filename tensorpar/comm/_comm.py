@@ -270,12 +270,17 @@ Work = Any
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
-                    purpose: Purpose = "data", async_op: bool = False) -> Work:
-    """``out`` (size * inp.numel() elements, contiguous) receives every rank's ``inp``."""
+                    purpose: Purpose = "data", async_op: bool = False,
+                    one_step: bool = False) -> Work:
+    """``out`` (size * inp.numel() elements, contiguous) receives every rank's ``inp``.
+
+    ``one_step``: on CPU, one all-to-all step rather than a ring (for a few bytes; always
+    so for ``purpose="meta"``). Every rank must pass the same.
+    """
     if _ACTIVE:  # the common case: no counter, nothing to count
         _record("all_gather", group, [inp], purpose)
     try:
-        if purpose == "meta" and not async_op and inp.device.type == "cpu":
+        if (one_step or purpose == "meta") and not async_op and inp.device.type == "cpu":
             _all_gather_in_one_step(out, inp, group)
             return None
         pg = _direct(group, out, inp)
