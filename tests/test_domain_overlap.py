@@ -169,3 +169,62 @@ def test_strided_and_dilated_convolutions_compute_while_the_halo_travels(sizes):
     assert max(worst for worst, _ in results) < 1e-10
     # the strided layers take the overlapped path too (not only the first, stride-1 one)
     assert max(taken for _, taken in results) >= 3
+
+
+def _in_validation_mode(sizes):
+    import tensorpar
+
+    with tensorpar.validation(True):  # every rank's exchange fingerprinted, either path
+        return check(_strided_stack, (2, 2, sum(sizes), 11), [-2], [sizes])
+
+
+@pytest.mark.parametrize("sizes", [[10, 7], [9, 8], [15, 2]])
+def test_validation_mode_agrees_whichever_path_each_rank_takes(sizes):
+    # uneven strips: one rank overlapped, its neighbour on the general path, or both
+    # overlapped with different window lengths at stride 2
+    assert max(run_distributed(_in_validation_mode, 2, sizes, timeout=T)) < 1e-10
+
+
+def _unbatched(sizes, stride):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    dense = nn.Conv2d(2, 3, 3, padding=1, stride=(stride, 1)).double()
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    x = torch.randn(2, sum(sizes), 7, dtype=torch.float64)  # (C, H, W): no batch dim
+    xd = x.clone().requires_grad_()
+    yd = dense(xd)
+    probe = torch.randn(yd.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (yd * probe).sum().backward()
+    tile = x.narrow(1, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+    y = par(tile)
+    rows = [(n + stride - 1) // stride for n in sizes]  # the strips of the output
+    start = sum(rows[:rank])
+    (y * probe.narrow(1, start, rows[rank])).sum().backward()
+    return max((y - yd.narrow(1, start, rows[rank])).abs().max().item(),
+               (tile.grad - xd.grad.narrow(1, sum(sizes[:rank]), sizes[rank])).abs().max().item(),
+               (par.weight.grad - dense.weight.grad).abs().max().item())
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_an_unbatched_image_takes_the_overlapped_path_exactly(stride):
+    assert max(run_distributed(_unbatched, 2, [8, 8], stride, timeout=T)) < 1e-10
+
+
+def _autocast(stride):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, stride=(stride, 1)), nn.Tanh(),
+                          nn.Conv2d(4, 2, 3, padding=1))
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    x = torch.randn(2, 2, 16, 6, generator=torch.Generator().manual_seed(1))
+    tile = x.narrow(2, 8 * rank, 8).clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = par(tile)
+        yd = dense(x)
+    y.float().square().sum().backward()  # the overlapped backward used to mix dtypes here
+    return (y.float() - yd.float().narrow(2, 8 * rank // stride, y.shape[2])).abs().max().item()
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_convolutions_under_autocast_run_forward_and_backward_as_dense(stride):
+    assert max(run_distributed(_autocast, 2, stride, timeout=T)) == 0.0

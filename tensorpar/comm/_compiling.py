@@ -10,7 +10,7 @@ from torch.compiler import is_compiling
 
 from tensorpar._torch import get_eval_frame_callback
 
-__all__ = ["FORCE_EAGER", "compiling", "force_eager"]
+__all__ = ["FORCE_EAGER", "autocast_on", "compiling", "force_eager"]
 
 FORCE_EAGER = hasattr(torch.compiler, "set_stance")
 """Whether `force_eager` can switch compiled code off (torch 2.6 and later)."""
@@ -23,6 +23,14 @@ def compiling() -> bool:
     and at the first call of a compiled function; the eval-frame callback is set there.
     """
     return is_compiling() or get_eval_frame_callback() is not None
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except (TypeError, RuntimeError):  # an older torch, or a device without autocast (meta)
+        return True
 
 
 def force_eager() -> contextlib.AbstractContextManager[Any]:

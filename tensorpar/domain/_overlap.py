@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.comm._group import Group
-from tensorpar.domain._rows import RowPlan, row_index, start_exchange, validate_rows
+from tensorpar.domain._rows import (
+    RowPlan,
+    row_index,
+    start_exchange,
+    validate_exchange,
+    validate_rows,
+)
 
 __all__ = ["overlapped_conv", "overlap_applies"]
 
@@ -80,16 +86,24 @@ def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     ``conv`` is ``(stride, padding, dilation, groups)`` for ``F.convNd`` with no padding
     along ``dim`` (a non-negative dim); `overlap_applies` holds.
     """
+    if x.dim() == weight.dim() - 1:  # unbatched: torch's convolution backward wants a batch
+        return overlapped_conv(x.unsqueeze(0), weight, bias, dim + 1, plan, group, ke,
+                               conv).squeeze(0)
     out: torch.Tensor = _HaloConv.apply(x, weight, bias, dim, plan, group, ke,  # type: ignore[no-untyped-call]
                                         conv)
     return out
 
 
-def _padded(conv: tuple[Any, ...], dim: int, rows: int) -> tuple[Any, ...]:
-    """``conv`` with ``rows`` of zero padding on each side of ``dim``."""
+def _axis(x: torch.Tensor, w: torch.Tensor, dim: int) -> int:
+    """The spatial axis (0 for the first spatial dim) of tensor dim ``dim``, batched or not."""
+    return dim - (x.dim() - (w.dim() - 2))
+
+
+def _padded(conv: tuple[Any, ...], axis: int, rows: int) -> tuple[Any, ...]:
+    """``conv`` with ``rows`` of zero padding on each side of spatial axis ``axis``."""
     stride, padding, dilation, groups = conv
     padding = list(padding)
-    padding[dim - 2] = rows
+    padding[axis] = rows
     return stride, tuple(padding), dilation, groups
 
 
@@ -137,7 +151,8 @@ class _HaloConv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dim: int,
                 plan: RowPlan, group: Group, ke: int, conv: tuple[Any, ...]) -> torch.Tensor:
         validate_rows(x, dim, plan, group, backward=False)
-        geo = bands(plan, ke, conv[0][dim - 2])
+        axis = _axis(x, w, dim)
+        geo = bands(plan, ke, conv[0][axis])
         assert geo is not None, "overlapped_conv called where overlap_applies does not hold"
         work = None
         if plan.exchange:
@@ -146,7 +161,7 @@ class _HaloConv(torch.autograd.Function):
                                             group)
         fconv = getattr(F, f"conv{w.dim() - 2}d")
         # the tile with zeros for its halo, while the halo travels
-        y: torch.Tensor = fconv(x, w, b, *_padded(conv, dim, geo.lo))
+        y: torch.Tensor = fconv(x, w, b, *_padded(conv, axis, geo.lo))
         pieces = []
         if work is not None:
             work.wait()
@@ -195,7 +210,9 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
                                       conv, band_mask)
     work = None
     if need_x:
-        validate_rows(gy, dim, plan, group, backward=True)
+        window = list(x.shape)  # what the general path's backward fingerprints
+        window[dim] = plan.n_out
+        validate_exchange(torch.Size(window), x.dtype, dim, plan, group, backward=True)
         n_recv, n_self = sum(plan.recv_counts), len(plan.self_idx)
         shape = list(x.shape)
         shape[dim] = n_recv + n_self + int(plan.fill)
@@ -208,7 +225,7 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if plan.exchange:
             back, work = start_exchange(pool.narrow(dim, 0, n_recv), dim,
                                          plan.recv_counts, plan.send_counts, group)
-    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, dim, geo.lo),
+    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, _axis(x, w, dim), geo.lo),
                                 [need_x, need_w, need_b and has_bias])
     for band_w in (top_w, bottom_w):
         if band_w is not None:

@@ -32,7 +32,7 @@ from tensorpar.comm._group import Group
 from tensorpar.validation import check
 
 __all__ = ["RowPlan", "gather_rows", "map_row", "offsets", "plan_rows", "row_index",
-           "start_exchange", "validate_rows"]
+           "start_exchange", "validate_exchange", "validate_rows"]
 
 MODES = ("zeros", "circular", "reflect", "replicate")
 
@@ -271,17 +271,23 @@ def _add_back(g: torch.Tensor, dim: int, plan: RowPlan, group: Group) -> torch.T
 
 
 def validate_rows(t: torch.Tensor, dim: int, plan: RowPlan, group: Group, backward: bool
-              ) -> None:
+                  ) -> None:
     """Validation mode: compare this exchange's fingerprint across the ranks.
 
     Every rank's exchange must have the same dim, dtype, split and row shape, and this
     rank's tile the length the split gives it (else the same error on every rank).
     """
+    validate_exchange(t.shape, t.dtype, dim, plan, group, backward)
+
+
+def validate_exchange(shape: torch.Size, dtype: torch.dtype, dim: int, plan: RowPlan,
+                      group: Group, backward: bool) -> None:
+    """`validate_rows` of a tensor of this shape and dtype (one that need not exist)."""
     if plan.exchange:
         rows = plan.n_out if backward else plan.n_in
-        check("halo exchange", group, backward=backward, dtype=t.dtype, shape=t.shape,
+        check("halo exchange", group, backward=backward, dtype=dtype, shape=shape,
               shape_skips=[dim], dim=dim, sizes=plan.sizes,
-              against_sizes=t.shape[dim] - rows, label="a domain-parallel layer")
+              against_sizes=shape[dim] - rows, label="a domain-parallel layer")
 
 
 class _RowGather(torch.autograd.Function):

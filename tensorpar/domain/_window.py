@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorpar.comm._compiling import autocast_on
 from tensorpar.comm._group import Group
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._overlap import overlap_applies, overlapped_conv
@@ -138,8 +139,10 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
     split = set(js)
     rest = [(0, 0) if j in split else pads[j] for j in range(k)]
     fetches, rows = window_plans(ctx, x, k, windows, mode, where)
+    # (autocast: the overlapped backward would mix the input's dtype with the output's)
     if ctx.fast and len(fetches) == 1 and rows[0] and all(a == b for a, b in rest) and \
-            (mode == "zeros" or not any(a for a, _ in rest)):
+            (mode == "zeros" or not any(a for a, _ in rest)) and \
+            not autocast_on(x.device.type):
         d, plan, g = fetches[0]
         if overlap_applies(plan, ke[js[0]], module.stride[js[0]]):
             return overlapped_conv(x, module.weight, module.bias, x.dim() + d, plan, g,

@@ -12,7 +12,7 @@ import enum
 import torch
 
 from tensorpar.collectives._autograd import needs_graph
-from tensorpar.comm._compiling import compiling
+from tensorpar.comm._compiling import autocast_on, compiling
 from tensorpar.comm._group import Group
 from tensorpar.comm._switch import VALIDATE
 
@@ -31,14 +31,6 @@ class LayerPath(enum.Enum):
     """No autograd graph is recorded (inference): the forward arithmetic alone."""
     FUSED = "fused"
     """The layer's own autograd Function."""
-
-
-def autocast_on(device_type: str) -> bool:
-    """Whether autocast is active for ``device_type`` (True where torch cannot say)."""
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except (TypeError, RuntimeError):  # an older torch, or a device without autocast (meta)
-        return True
 
 
 def layer_path(x: torch.Tensor, group: Group, *, casts: bool = True) -> LayerPath:
