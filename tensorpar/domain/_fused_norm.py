@@ -35,6 +35,7 @@ from tensorpar.domain._layout import DomainContext
 
 __all__ = ["fused_norm"]
 
+
 def fused_norm(ctx: DomainContext, xf: torch.Tensor, weight: torch.Tensor | None,
                bias: torch.Tensor | None, eps: float, count: int, r: int = 1
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tensorpar.comm._group import Group
 from tensorpar.domain._rows import (
     RowPlan,
+    halo_pool,
     row_index,
     start_exchange,
     validate_exchange,
@@ -162,21 +163,14 @@ class _HaloConv(torch.autograd.Function):
         fconv = getattr(F, f"conv{w.dim() - 2}d")
         # the tile with zeros for its halo, while the halo travels
         y: torch.Tensor = fconv(x, w, b, *_padded(conv, axis, geo.lo))
-        pieces = []
         if work is not None:
             work.wait()
-            pieces.append(arrived.movedim(0, dim))
-        if plan.self_idx:
-            pieces.append(x.index_select(dim, row_index(plan.self_idx, x)))
-        if plan.fill:
-            shape = list(x.shape)
-            shape[dim] = 1
-            pieces.append(x.new_zeros(shape))
-        pool = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0] if pieces else x
+        pool = halo_pool(x, dim, plan, arrived.movedim(0, dim) if work is not None else None,
+                         0.0)
         below = pool.index_select(dim, row_index(plan.lower, x)) \
-            if _real(plan.lower, plan) else None
+            if pool is not None and _real(plan.lower, plan) else None
         above = pool.index_select(dim, row_index(plan.upper, x)) \
-            if _real(plan.upper, plan) else None
+            if pool is not None and _real(plan.upper, plan) else None
         top, bottom = _band_inputs(x, below, above, dim, geo)
         if top is not None:  # the halo rows' share of the first and last output rows
             y.narrow(dim, 0, geo.top).add_(fconv(top, w, None, *conv))
@@ -184,7 +178,7 @@ class _HaloConv(torch.autograd.Function):
             y.narrow(dim, geo.bottom, geo.rows - geo.bottom).add_(
                 fconv(bottom, w, None, *conv))
         ctx.save_for_backward(x, w, below, above)  # only the halo rows beside the tile
-        ctx.args = (dim, plan, group, geo, conv, b is not None)
+        ctx.args = (dim, axis, plan, group, geo, conv, b is not None)
         return y
 
     @staticmethod
@@ -199,7 +193,7 @@ class _HaloConv(torch.autograd.Function):
 
 def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, w, below, above = ctx.saved_tensors
-    dim, plan, group, geo, conv, has_bias = ctx.args
+    dim, axis, plan, group, geo, conv, has_bias = ctx.args
     top, bottom = _band_inputs(x, below, above, dim, geo)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     gy = gy.contiguous()
@@ -225,7 +219,7 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if plan.exchange:
             back, work = start_exchange(pool.narrow(dim, 0, n_recv), dim,
                                          plan.recv_counts, plan.send_counts, group)
-    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, _axis(x, w, dim), geo.lo),
+    gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, axis, geo.lo),
                                 [need_x, need_w, need_b and has_bias])
     for band_w in (top_w, bottom_w):
         if band_w is not None:

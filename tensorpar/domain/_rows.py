@@ -31,8 +31,8 @@ from tensorpar.comm._comm import all_to_all as _all_to_all
 from tensorpar.comm._group import Group
 from tensorpar.validation import check
 
-__all__ = ["RowPlan", "gather_rows", "map_row", "offsets", "plan_rows", "row_index",
-           "start_exchange", "validate_exchange", "validate_rows"]
+__all__ = ["RowPlan", "gather_rows", "halo_pool", "map_row", "offsets", "plan_rows",
+           "row_index", "start_exchange", "validate_exchange", "validate_rows"]
 
 MODES = ("zeros", "circular", "reflect", "replicate")
 
@@ -223,19 +223,29 @@ def _with_rows(x: torch.Tensor, dim: int, rows: int) -> list[int]:
     return shape
 
 
+def halo_pool(x: torch.Tensor, dim: int, plan: RowPlan, arrived: torch.Tensor | None,
+              fill: float) -> torch.Tensor | None:
+    """The rows the halo is picked from: ``[rows arrived | own rows copied | fill row]``.
+
+    ``arrived``: what the exchange brought, by source (``None``: nothing). ``None`` when
+    the pool is empty (then this rank has no halo rows).
+    """
+    pieces = [] if arrived is None else [arrived]
+    if plan.self_idx:
+        pieces.append(x.index_select(dim, row_index(plan.self_idx, x)))
+    if plan.fill:
+        pieces.append(x.new_full(_with_rows(x, dim, 1), fill))
+    return torch.cat(pieces, dim) if len(pieces) > 1 else (pieces[0] if pieces else None)
+
+
 def _gather(x: torch.Tensor, dim: int, plan: RowPlan, group: Group, fill: float
             ) -> torch.Tensor:
-    pieces = []
+    arrived = None
     if plan.exchange:
         sent = x.index_select(dim, row_index(plan.send_idx, x))
-        pieces.append(_exchange(sent, dim, plan.send_counts, plan.recv_counts, group))
-    if plan.lower or plan.upper:
-        if plan.self_idx:
-            pieces.append(x.index_select(dim, row_index(plan.self_idx, x)))
-        if plan.fill:
-            pieces.append(x.new_full(_with_rows(x, dim, 1), fill))
+        arrived = _exchange(sent, dim, plan.send_counts, plan.recv_counts, group)
     parts = []
-    pool = torch.cat(pieces, dim) if len(pieces) > 1 else (pieces[0] if pieces else None)
+    pool = halo_pool(x, dim, plan, arrived, fill)
     if plan.lower:
         assert pool is not None
         parts.append(pool.index_select(dim, row_index(plan.lower, x)))
