@@ -41,10 +41,14 @@ def tile_of(t: torch.Tensor, dims: Sequence[int], splits: Sequence[Sequence[int]
 def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
           splits: Sequence[Sequence[int]], mesh_shape: Sequence[int] | None = None,
           steps: int = 0, extra: Callable[[], tuple] | None = None, train: bool = True,
-          replicated: bool = False, compile_backend: str | None = None) -> float:
+          replicated: bool = False, compile_backend: str | None = None, lr: float = 0.1
+          ) -> float:
     """Largest |parallel - dense| over outputs, gradients, buffers (and SGD steps).
 
     ``compile_backend``: run the converted model through ``torch.compile`` with it.
+    ``lr``: the SGD (momentum 0.9) learning rate of the steps; a model whose outputs grow
+    tenfold a step at the default amplifies rounding as fast (any two correct
+    implementations drift apart).
     """
     torch.manual_seed(0)
     model = build().double()
@@ -60,8 +64,8 @@ def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
     coords = _coords(mesh_shape)
     run = par if compile_backend is None else torch.compile(par, backend=compile_backend)
     worst = 0.0
-    opt_d = torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9)
-    opt_p = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
+    opt_d = torch.optim.SGD(dense.parameters(), lr=lr, momentum=0.9)
+    opt_p = torch.optim.SGD(par.parameters(), lr=lr, momentum=0.9)
 
     def diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
         assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"

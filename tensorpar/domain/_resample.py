@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain import _pad
+from tensorpar.domain._attention import refuse_functional
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
@@ -237,6 +238,8 @@ class _FunctionalCalls(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
+        if on_tiles and self.ctx.domain_size > 1:
+            refuse_functional(func)
         if func is F.pad and on_tiles:
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})

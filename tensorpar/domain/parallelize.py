@@ -15,7 +15,7 @@ from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
-from tensorpar.domain import _neuralop, _norms, _resample, _window
+from tensorpar.domain import _attention, _neuralop, _norms, _resample, _window
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
@@ -88,7 +88,8 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
              dims: tuple[int, ...]) -> str | None:
     """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
     label = f"{name or '<model>'} ({type(module).__name__})"
-    why = _neuralop.refusal(module, _qualname(module), dims)
+    why = _neuralop.refusal(module, _qualname(module), dims) \
+        or _attention.refusal(module, _qualname(module))
     if why is not None:
         return f"{label}: {why}"
     fwd = _forward_for(module)
@@ -135,13 +136,15 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     ``"same"``, ``"valid"``; padding modes zeros, circular, reflect, replicate),
     ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool`` to
     size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``BatchNorm``, ``GroupNorm``,
-    ``InstanceNorm``, ``LayerNorm``; neuraloperator's 2-D ``SpectralConv`` split along H
-    (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings. Pointwise
+    ``InstanceNorm``, ``LayerNorm``; diffusers' spatial self-attention (``Attention``:
+    ring attention over the domain's points); neuraloperator's 2-D ``SpectralConv`` split
+    along H (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings. Pointwise
     layers run as they are. Any other leaf layer, and the neuraloperator options that
     cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
     on every rank, before anything changes. ``F.interpolate`` and ``F.pad`` (also through
     the padding layers) called inside a forward are converted while the
-    model runs; other functional calls are not (see the domain parallelism guide).
+    model runs; ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` on tiles
+    raise; other functional calls are not converted (see the domain parallelism guide).
 
     The first tensor argument of the model's forward is the image input; other arguments
     (a timestep) pass through. Every tile's size along each split dim is exchanged once per
@@ -202,6 +205,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         conv = _forward_for(m)
         if conv is not None:
             _override(m, *conv, ctx)
+        elif _qualname(m) == _attention.ATTENTION:
+            _attention.convert(m, ctx)
         # a converted layer's parameters include its children's (tltorch's spectral weight)
         if any(True for _ in m.parameters(recurse=conv is not None)):
             _hook_parameters(m, ctx, recurse=conv is not None)

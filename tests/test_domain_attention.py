@@ -1,0 +1,159 @@
+"""Attention over a split domain: diffusers' spatial self-attention (``Attention``, in
+``UNet2DModel``'s attention blocks and mid block) attends over every rank's points, float64
+within 1e-10 of dense; attention the conversion does not know is refused, not run on the
+tile's points alone."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.testing import run_distributed
+from tests._domain_check import check
+
+pytestmark = pytest.mark.timeout(900)
+T = 600
+TOL = 1e-10
+
+
+def attention_unet():
+    from diffusers import UNet2DModel
+    return UNet2DModel(sample_size=16, in_channels=2, out_channels=2, layers_per_block=1,
+                       block_out_channels=(8, 16),
+                       down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                       up_block_types=("AttnUpBlock2D", "UpBlock2D"), add_attention=True,
+                       norm_num_groups=4, attention_head_dim=4)
+
+
+def _timestep():
+    return (torch.tensor([3, 7]),)
+
+
+def _unet(sizes, steps=0):
+    warnings.filterwarnings("ignore")
+    # lr 0.01: at 0.1 the outputs grow ~30x a step, and two dense copies 1e-14 apart
+    # (relative) differ by 3e-9 after the third
+    return check(attention_unet, [2, 2, sum(sizes), 16], (-2,), (sizes,), extra=_timestep,
+                 steps=steps, lr=0.01)
+
+
+def _unet_tiles(hs, ws, mesh):
+    warnings.filterwarnings("ignore")
+    return check(attention_unet, [2, 2, sum(hs), sum(ws)], (-2, -1), (hs, ws),
+                 mesh_shape=mesh, extra=_timestep)
+
+
+def _unet_along_w(sizes):
+    warnings.filterwarnings("ignore")
+    return check(attention_unet, [2, 2, 16, sum(sizes)], (-1,), (sizes,), extra=_timestep)
+
+
+def test_attention_unet_two_ranks():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_unet, 2, [9, 7], timeout=T)) < TOL
+
+
+def test_attention_unet_three_optimizer_steps():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_unet, 2, [7, 9], 3, timeout=T)) < TOL
+
+
+@pytest.mark.slow
+def test_attention_unet_three_ranks_and_an_empty_tile():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_unet, 3, [5, 6, 5], timeout=T)) < TOL
+    assert max(run_distributed(_unet, 3, [10, 0, 6], timeout=T)) < TOL
+
+
+@pytest.mark.slow
+def test_attention_unet_split_along_w():
+    # the flattened tile is not a contiguous piece of the sequence: attention without a
+    # mask does not depend on the keys' order
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_unet_along_w, 2, [6, 10], timeout=T)) < TOL
+
+
+@pytest.mark.slow
+def test_attention_unet_two_by_two_tiles():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_unet_tiles, 4, [9, 7], [6, 10], (2, 2), timeout=T)) < TOL
+
+
+class _PlainAttention(nn.Module):
+    """Self-attention over the image's points through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Conv2d(2, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).flatten(2).transpose(1, 2).unsqueeze(1).chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return out.squeeze(1).transpose(1, 2).reshape(x.shape)
+
+
+class _TorchAttention(nn.Module):
+    """``nn.MultiheadAttention`` over the image's points, then over pooled features."""
+
+    def __init__(self, on_points: bool) -> None:
+        super().__init__()
+        self.on_points = on_points
+        self.attn = nn.MultiheadAttention(2, 1, batch_first=True)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_points:
+            seq = x.flatten(2).transpose(1, 2)
+            return self.attn(seq, seq, seq)[0]
+        seq = self.pool(x).flatten(2).transpose(1, 2)  # replicated after the pooling
+        return self.attn(seq, seq, seq)[0]
+
+
+def _refused(kind):
+    from tensorpar.nn import parallelize_domain
+    x = torch.randn(1, 2, 4, 5)
+    if kind == "pooled":  # on replicated data: runs, as dense
+        torch.manual_seed(0)
+        dense = _TorchAttention(False)
+        model = parallelize_domain(_TorchAttention(False), dims=-2)
+        model.load_state_dict(dense.state_dict())
+        torch.manual_seed(1)
+        full = torch.randn(1, 2, 8, 5)
+        rank = torch.distributed.get_rank()
+        return float((model(full[:, :, 4 * rank:4 * rank + 4]) - dense(full)).abs().max()) < 1e-6
+    model = parallelize_domain(_PlainAttention() if kind == "functional"
+                               else _TorchAttention(True), dims=-2)
+    name = "scaled_dot_product_attention" if kind == "functional" else "multi_head_attention"
+    with pytest.raises(RuntimeError, match=name):
+        model(x)
+    model.eval()  # nn.MultiheadAttention's fused inference path included
+    with torch.no_grad(), pytest.raises(RuntimeError, match=name):
+        model(x)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["functional", "module", "pooled"])
+def test_attention_not_converted_is_refused_on_tiles(kind):
+    assert all(run_distributed(_refused, 2, kind, timeout=T))
+
+
+def _refused_config(what):
+    from diffusers.models.attention_processor import Attention, AttnProcessor
+
+    from tensorpar.nn import parallelize_domain
+    kwargs = {"cross": {"cross_attention_dim": 8}, "spatial": {"spatial_norm_dim": 4}}
+    attn = Attention(32, heads=2, dim_head=4, norm_num_groups=2, **kwargs.get(what, {}))
+    if what == "processor":
+        attn.set_processor(AttnProcessor())
+    with pytest.raises(ValueError, match="cannot convert") as err:
+        parallelize_domain(nn.Sequential(nn.Conv2d(2, 32, 1), attn), dims=-2)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("what", ["cross", "spatial", "processor"])
+def test_attention_configurations_not_converted_are_refused(what):
+    pytest.importorskip("diffusers")
+    messages = run_distributed(_refused_config, 2, what, timeout=T)
+    assert all("Attention" in m for m in messages)
