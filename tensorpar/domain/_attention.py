@@ -33,6 +33,7 @@ from torch import nn
 
 from tensorpar.collectives.functional import all_gather
 from tensorpar.context.attention import ring_attention
+from tensorpar.domain._flow import TILE, tile_after_pooling_error
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["ATTENTION", "convert", "refusal", "refuse_functional"]
@@ -81,6 +82,8 @@ class _DomainAttnProcessor:
                  attention_mask: torch.Tensor | None = None,
                  temb: torch.Tensor | None = None) -> torch.Tensor:
         ctx = self.ctx
+        if ctx.reduced and ctx.marks.kind_of(hidden_states) == TILE:
+            raise tile_after_pooling_error("Attention")
         if ctx.reduced or not ctx.active:
             return self.dense(attn, hidden_states,  # type: ignore[no-any-return]
                               encoder_hidden_states=encoder_hidden_states,
@@ -104,6 +107,7 @@ class _DomainAttnProcessor:
                    for t in (q, k, v))
         with ctx.own_calls():
             out = _attend(ctx, x, q, k, v, where)
+        ctx.marks.mark(out, TILE)
         out = out.transpose(1, 2).reshape(b, -1, out.shape[1] * out.shape[-1]).to(q.dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         out = out.transpose(-1, -2).reshape(residual.shape)

@@ -34,6 +34,7 @@ import torch
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
+from tensorpar.domain._flow import TILE, Marks
 from tensorpar.domain._rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
 
@@ -64,6 +65,7 @@ class DomainContext:
         self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
         self.internal = False  # a converted layer's own functional calls are running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
+        self.marks = Marks()  # this forward's tiles and pooled features (`_flow`)
         self._plans: dict[Any, RowPlan] = {}
 
     @contextlib.contextmanager
@@ -112,6 +114,8 @@ class DomainContext:
             sizes = (n,) if g.is_single else tuple(r[0] for r in exchange_ints(g, [n], x.device))
             self.layouts[i] = {sum(sizes): sizes}
         self.reduced = False
+        self.marks.clear()
+        self.marks.mark(x, TILE)
         self.ran.clear()
         self.active = True
 

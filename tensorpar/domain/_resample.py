@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain import _pad
 from tensorpar.domain._attention import refuse_functional
+from tensorpar.domain._flow import POOLED, TILE, Kind, mixing_error, tile_after_pooling_error
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
@@ -237,6 +239,20 @@ class _FunctionalCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        tracked = self.ctx.active and not self.ctx.internal
+        kinds = self.ctx.marks.kinds_in(args, kwargs) if tracked else set()
+        out = self._call(func, args, kwargs, kinds)
+        if len(kinds) == 1:  # (both: refused in `_call`)
+            self.ctx.marks.mark(out, next(iter(kinds)))
+        return out
+
+    def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+              kinds: set[Kind]) -> Any:
+        if POOLED in kinds and TILE in kinds:
+            raise mixing_error(getattr(func, "__name__", str(func)))
+        if self.ctx.reduced and TILE in kinds and (func in (F.pad, F.interpolate) or any(
+                isinstance(a, nn.Parameter) for a in (*args, *kwargs.values()))):
+            raise tile_after_pooling_error(getattr(func, "__name__", str(func)))
         on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
         if on_tiles and self.ctx.domain_size > 1:
             refuse_functional(func)

@@ -16,6 +16,7 @@ from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _attention, _neuralop, _norms, _resample, _window
+from tensorpar.domain._flow import POOLED, TILE, tile_after_pooling_error
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
@@ -291,9 +292,15 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
             raise TypeError(f"{type(self).__name__} (domain-parallel): extra forward "
                             f"arguments are not supported (got {len(args)} positional, "
                             f"keywords {extra})")
-        own = self.__dict__[_CTX]
+        own: DomainContext = self.__dict__[_CTX]
+        kind = own.marks.kind_of(x)
+        if own.reduced and kind == TILE:
+            raise tile_after_pooling_error(type(self).__name__)
+        pooled_before = own.reduced
         with own.own_calls():  # its functional calls are tensorpar's own
-            return fwd(self, own, x)
+            out = fwd(self, own, x)
+        own.marks.mark(out, POOLED if own.reduced and not pooled_before else kind)
+        return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)
 

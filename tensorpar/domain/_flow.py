@@ -1,0 +1,90 @@
+"""Which tensors of a forward are tiles and which are pooled (replicated) features.
+
+After a global pooling a domain-parallel model continues on replicated data: every rank
+holds the whole pooled features and the layers after it run as dense. That is right for a
+head on the pooled features (a classifier) and wrong for anything that brings the tiles
+back: pooled features multiplied into the tiles (squeeze-and-excitation), up-sampled and
+concatenated with them (DeepLab's image-pooling branch), or a tile reaching a converted
+layer after the pooling (it would run without its halo). Those are refused at the call.
+
+While a converted model runs, every tensor derived from the image tile is marked a tile
+and every tensor derived from a global pooling's output (and not from a tile) is marked
+pooled: a converted layer marks its output, and the functional-call conversion marks the
+outputs of every other call from its inputs. Tensors made otherwise (constants, the
+timestep) are neither. The marks live for one forward, keyed by the tensor's identity.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["POOLED", "TILE", "Marks", "Kind"]
+
+Kind = Literal["tile", "pooled"]
+TILE: Kind = "tile"
+POOLED: Kind = "pooled"
+
+
+class Marks:
+    """Each marked tensor's kind, for one forward."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[int, tuple[weakref.ref[torch.Tensor], Kind]] = {}
+
+    def clear(self) -> None:
+        """Forget every mark (a new forward)."""
+        self._kinds.clear()
+
+    def mark(self, value: Any, kind: Kind | None) -> None:
+        """Mark every tensor in ``value`` (a tensor, or a tuple/list/dict of them)."""
+        if kind is None:
+            return
+        for t in _tensors(value):
+            self._kinds[id(t)] = (weakref.ref(t), kind)
+
+    def kind_of(self, t: torch.Tensor) -> Kind | None:
+        """The kind of ``t`` (``None``: neither)."""
+        entry = self._kinds.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def kinds_in(self, *values: Any) -> set[Kind]:
+        """The kinds of the tensors in ``values``."""
+        kinds: set[Kind] = set()
+        for t in _tensors(values):
+            kind = self.kind_of(t)
+            if kind is not None:
+                kinds.add(kind)
+        return kinds
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, inside tuples, lists and dict values too."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def mixing_error(what: str) -> RuntimeError:
+    """Pooled features and tiles meet in ``what``."""
+    return RuntimeError(
+        f"{what} (domain-parallel) takes both tiles and features after a global pooling "
+        f"(replicated on every rank): pooled features fed back into the tiles "
+        f"(squeeze-and-excitation, an image-pooling branch) are not supported; the model "
+        f"must continue on the pooled features alone")
+
+
+def tile_after_pooling_error(what: str) -> RuntimeError:
+    """A tile reaches ``what`` after the forward's global pooling."""
+    return RuntimeError(
+        f"{what} (domain-parallel) got a tile after a global pooling: after it the model "
+        f"runs dense on the pooled (replicated) features, and a tile would be processed "
+        f"without its halo; compute what the tiles need before the global pooling")

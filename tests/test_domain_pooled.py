@@ -1,0 +1,83 @@
+"""After a global pooling the model continues replicated; pooled features fed back into
+the tiles (squeeze-and-excitation, DeepLab's image-pooling branch) and a tile that meets
+a converted layer after the pooling are refused at the call, on every rank, rather than
+run without their halos. A head on the pooled features still equals dense."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.testing import run_distributed
+from tests._domain_check import check
+
+pytestmark = pytest.mark.timeout(900)
+T = 600
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.out(y * torch.sigmoid(self.fc(self.pool(y))))
+
+
+class ImagePooling(nn.Module):
+    """DeepLab's ASPP, reduced to a 3x3 branch and the image-pooling branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch, self.proj = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(2, 4, 1)
+        self.pool, self.out = nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = F.interpolate(self.proj(self.pool(x)), size=x.shape[-2:], mode="bilinear")
+        return self.out(torch.cat([self.branch(x), pooled], 1))
+
+
+class PoolFirst(nn.Module):
+    """The pooled summary computed before the tiles' own convolution, no mixing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool, self.conv = nn.AdaptiveAvgPool2d(1), nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        summary = self.pool(x).flatten(1)
+        return self.conv(x), summary
+
+
+MODELS = {"squeeze_excite": SqueezeExcite, "image_pooling": ImagePooling,
+          "pool_first": PoolFirst}
+
+
+def _refused(name):
+    from tensorpar.nn import parallelize_domain
+    torch.manual_seed(0)
+    model = parallelize_domain(MODELS[name](), dims=-2)
+    with pytest.raises(RuntimeError, match="global pooling") as err:
+        model(torch.randn(1, 2, 4 + torch.distributed.get_rank(), 6))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tiles_after_a_global_pooling_are_refused(name):
+    messages = run_distributed(_refused, 2, name, timeout=T)
+    assert len(messages) == 2
+
+
+def head():
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _head(sizes):
+    return check(head, (2, 2, sum(sizes), 5), (-2,), (sizes,), steps=2, replicated=True)
+
+
+def test_a_head_on_the_pooled_features_still_equals_dense():
+    assert max(run_distributed(_head, 2, [4, 3], timeout=T)) < 1e-10
