@@ -157,3 +157,22 @@ def test_attention_configurations_not_converted_are_refused(what):
     pytest.importorskip("diffusers")
     messages = run_distributed(_refused_config, 2, what, timeout=T)
     assert all("Attention" in m for m in messages)
+
+
+def default_blocks_unet():
+    """UNet2DModel's default blocks: three attention levels down and up, two layers each."""
+    from diffusers import UNet2DModel
+    return UNet2DModel(sample_size=32, in_channels=3, out_channels=3,
+                       block_out_channels=(16, 32, 32, 32), norm_num_groups=8)
+
+
+def _default_blocks(sizes):
+    warnings.filterwarnings("ignore")
+    return check(default_blocks_unet, [1, 3, sum(sizes), 32], (-2,), (sizes,),
+                 extra=lambda: (torch.tensor([10]),), steps=2, lr=0.01)
+
+
+@pytest.mark.slow
+def test_unet_with_default_blocks_three_ranks():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_default_blocks, 3, [11, 11, 10], timeout=T)) < TOL
