@@ -176,3 +176,55 @@ def _default_blocks(sizes):
 def test_unet_with_default_blocks_three_ranks():
     pytest.importorskip("diffusers")
     assert max(run_distributed(_default_blocks, 3, [11, 11, 10], timeout=T)) < TOL
+
+
+class _Conditioned(nn.Module):
+    """Attention over conditioning tokens (not the image's points), added to the tiles."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.functional:
+            q = tokens.unsqueeze(1)
+            context = F.scaled_dot_product_attention(q, q, q).squeeze(1)
+        else:  # its out_proj's parameters are used without out_proj's forward
+            context = self.attn(tokens, tokens, tokens)[0]
+        return self.conv(x) + context.mean(1)[:, :, None, None]
+
+
+def _conditioned(functional):
+    return check(lambda: _Conditioned(functional), [2, 2, 7, 5], (-2,), ([4, 3],),
+                 extra=lambda: (torch.randn(2, 3, 4, dtype=torch.float64),), steps=2)
+
+
+@pytest.mark.parametrize("functional", [True, False])
+def test_attention_over_conditioning_tokens_runs_as_dense(functional):
+    assert max(run_distributed(_conditioned, 2, functional, timeout=T)) < TOL
+
+
+class _AttentionAfterPooling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.conv(x)
+        summary = self.pool(f)
+        seq = f.flatten(2).transpose(1, 2).unsqueeze(1)  # the tile's points
+        return F.scaled_dot_product_attention(seq, seq, seq), summary
+
+
+def _after_pooling():
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(_AttentionAfterPooling(), dims=-2)
+    with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
+        model(torch.randn(1, 2, 4, 5))
+    return True
+
+
+def test_attention_on_tiles_after_a_global_pooling_is_refused():
+    assert all(run_distributed(_after_pooling, 2, timeout=T))

@@ -18,8 +18,9 @@ and mid block) is converted by giving it a processor that does what its default 
 
 Attention the conversion does not know would attend over the tile's points alone,
 silently: ``F.scaled_dot_product_attention`` and ``F.multi_head_attention_forward`` (what
-``nn.MultiheadAttention`` calls) are refused when they are called on tiles
-(`refuse_functional`); after a global pooling, on replicated data, they run as they are.
+``nn.MultiheadAttention`` calls) are refused when a tensor derived from the tile is among
+their inputs (`refuse_functional`, see `tensorpar.domain._flow`); on anything else
+(conditioning tokens, features after a global pooling) they run as they are.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["POOLED", "TILE", "Marks", "Kind"]
+__all__ = ["POOLED", "TILE", "Kind", "Marks", "tensors_in"]
 
 Kind = Literal["tile", "pooled"]
 TILE: Kind = "tile"
@@ -43,7 +43,7 @@ class Marks:
         """Mark every tensor in ``value`` (a tensor, or a tuple/list/dict of them)."""
         if kind is None:
             return
-        for t in _tensors(value):
+        for t in tensors_in(value):
             self._kinds[id(t)] = (weakref.ref(t), kind)
 
     def kind_of(self, t: torch.Tensor) -> Kind | None:
@@ -54,23 +54,23 @@ class Marks:
     def kinds_in(self, *values: Any) -> set[Kind]:
         """The kinds of the tensors in ``values``."""
         kinds: set[Kind] = set()
-        for t in _tensors(values):
+        for t in tensors_in(values):
             kind = self.kind_of(t)
             if kind is not None:
                 kinds.add(kind)
         return kinds
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``value``, inside tuples, lists and dict values too."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for v in value:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def mixing_error(what: str) -> RuntimeError:

@@ -31,10 +31,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
-from tensorpar.domain._flow import TILE, Marks
+from tensorpar.domain._flow import TILE, Marks, tensors_in
 from tensorpar.domain._rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
 
@@ -55,7 +56,8 @@ class DomainContext:
         self.groups = tuple(groups)
         self.layouts: list[dict[int, tuple[int, ...]]] = [{} for _ in dims]
         self.reduced = False  # a global pooling has left no split dim
-        self.ran: set[int] = set()  # id(module) of the modules the last forward called
+        self.ran: set[int] = set()  # id(module) of the modules the last forward used
+        self.owner: dict[int, int] = {}  # id(parameter) -> id(module) it is summed with
         self.active = False
         self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
@@ -76,6 +78,19 @@ class DomainContext:
             yield
         finally:
             self.internal = before
+
+    def used(self, values: Any) -> None:
+        """Count the modules whose parameters ``values`` holds as used in this forward.
+
+        A module's forward marks it as used; this covers a parameter used without its
+        module's forward (``nn.MultiheadAttention`` passes its ``out_proj``'s weight to the
+        functional call), whose partial gradient would otherwise not be summed.
+        """
+        for t in tensors_in(values):
+            if isinstance(t, nn.Parameter):
+                key = self.owner.get(id(t))
+                if key is not None:
+                    self.ran.add(key)
 
     @property
     def domain_size(self) -> int:

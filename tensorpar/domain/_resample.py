@@ -241,6 +241,8 @@ class _FunctionalCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         tracked = self.ctx.active and not self.ctx.internal
         kinds = self.ctx.marks.kinds_in(args, kwargs) if tracked else set()
+        if tracked:
+            self.ctx.used((args, kwargs))
         out = self._call(func, args, kwargs, kinds)
         if len(kinds) == 1:  # (both: refused in `_call`)
             self.ctx.marks.mark(out, next(iter(kinds)))
@@ -253,9 +255,9 @@ class _FunctionalCalls(TorchFunctionMode):
         if self.ctx.reduced and TILE in kinds and (func in (F.pad, F.interpolate) or any(
                 isinstance(a, nn.Parameter) for a in (*args, *kwargs.values()))):
             raise tile_after_pooling_error(getattr(func, "__name__", str(func)))
-        on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
-        if on_tiles and self.ctx.domain_size > 1:
+        if TILE in kinds and self.ctx.domain_size > 1:
             refuse_functional(func)
+        on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
         if func is F.pad and on_tiles:
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})

@@ -144,8 +144,9 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
     on every rank, before anything changes. ``F.interpolate`` and ``F.pad`` (also through
     the padding layers) called inside a forward are converted while the
-    model runs; ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` on tiles
-    raise; other functional calls are not converted (see the domain parallelism guide).
+    model runs; ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` on
+    tensors derived from the tile raise; other functional calls are not converted (see the
+    domain parallelism guide).
 
     The first tensor argument of the model's forward is the image input; other arguments
     (a timestep) pass through. Every tile's size along each split dim is exchanged once per
@@ -338,6 +339,7 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
     module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=recurse):
         if p.requires_grad:
+            ctx.owner[id(p)] = key
             ctx.params.append((key, p))
             p.register_hook(_keeper(ctx, len(ctx.params) - 1))
 
