@@ -228,3 +228,66 @@ def _after_pooling():
 
 def test_attention_on_tiles_after_a_global_pooling_is_refused():
     assert all(run_distributed(_after_pooling, 2, timeout=T))
+
+
+class _AttentionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers.models.attention_processor import Attention
+        self.inp, self.out = nn.Conv2d(2, 8, 3, padding=1), nn.Conv2d(8, 2, 3, padding=1)
+        self.attn = Attention(8, heads=2, dim_head=4, norm_num_groups=2,
+                              residual_connection=True, rescale_output_factor=2.0,
+                              _from_deprecated_attn_block=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(self.inp(x)))
+
+
+def _penalty(sizes):
+    """A gradient penalty through the attention (``double_backward=True``) against dense."""
+    import copy
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tensorpar.nn import parallelize_domain
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    dense = _AttentionNet().double()
+    x = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64)
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2, double_backward=True)
+    with sdpa_kernel(SDPBackend.MATH):  # torch's fused CPU kernel is differentiable once
+        xd = x.clone().requires_grad_()
+        (gd,) = torch.autograd.grad(dense(xd).square().sum(), xd, create_graph=True)
+        gd.square().sum().backward()
+        tile = x.narrow(2, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+        (g,) = torch.autograd.grad(par(tile).square().sum(), tile, create_graph=True)
+        g.square().sum().backward()
+    worst = (g - gd.narrow(2, sum(sizes[:rank]), sizes[rank])).abs().max().item()
+    for p, q in zip(par.parameters(), dense.parameters(), strict=True):
+        worst = max(worst, (p.grad - q.grad).abs().max().item())
+    return worst
+
+
+def test_gradient_penalty_through_attention_on_strips():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_penalty, 2, [4, 3], timeout=T)) < TOL
+
+
+class _Checkpointed(_AttentionNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        return self.out(checkpoint(self.attn, self.inp(x), use_reentrant=False))
+
+
+def _checkpointed():
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(_Checkpointed(), dims=-2)
+    out = model(torch.randn(1, 2, 4, 6))
+    with pytest.raises(RuntimeError, match="outside the forward"):
+        out.sum().backward()
+    return True
+
+
+def test_checkpointed_attention_is_refused_at_its_recompute():
+    pytest.importorskip("diffusers")
+    assert all(run_distributed(_checkpointed, 2, timeout=T))

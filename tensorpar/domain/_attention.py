@@ -10,9 +10,10 @@ and mid block) is converted by giving it a processor that does what its default 
 - the projections are per point; the tile's points, flattened, are this rank's queries,
   keys and values;
 - one split dim: `ring_attention`, non-causal, the key/value chunks passing around the
-  ring (no rank holds the whole sequence). A grid of tiles: the keys and values are
-  gathered over the grid (an all-gather per split dim, reduce-scatter backward), then
-  attention runs locally. Attention without a mask does not depend on the order of the
+  ring (no rank holds the whole sequence). A grid of tiles, or a model converted with
+  ``double_backward=True`` (ring attention is differentiable once): the keys and values
+  are gathered over the domain (an all-gather per split dim, reduce-scatter backward),
+  then attention runs locally. Attention without a mask does not depend on the order of the
   keys, so a tile's flattened points need not be a contiguous piece of the dense
   sequence (a split along W).
 
@@ -83,13 +84,17 @@ class _DomainAttnProcessor:
                  attention_mask: torch.Tensor | None = None,
                  temb: torch.Tensor | None = None) -> torch.Tensor:
         ctx = self.ctx
+        where = "Attention (domain-parallel)"
         if ctx.reduced and ctx.marks.kind_of(hidden_states) == TILE:
             raise tile_after_pooling_error("Attention")
-        if ctx.reduced or not ctx.active:
+        if not ctx.active:
+            raise RuntimeError(f"{where}: ran outside the forward of the model it was "
+                               f"converted with (activation checkpointing recomputes "
+                               f"there); call the converted model itself")
+        if ctx.reduced:
             return self.dense(attn, hidden_states,  # type: ignore[no-any-return]
                               encoder_hidden_states=encoder_hidden_states,
                               attention_mask=attention_mask, temb=temb)
-        where = "Attention (domain-parallel)"
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError(f"{where}: only self-attention without a mask is converted "
                              f"(got encoder_hidden_states or attention_mask)")
@@ -127,7 +132,7 @@ def _attend(ctx: DomainContext, x: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     live = [i for i, g in enumerate(ctx.groups) if not g.is_single]
     if not live:
         return F.scaled_dot_product_attention(q, k, v)
-    if len(live) == 1:
+    if len(live) == 1 and ctx.fast:  # (ring attention is differentiable once)
         i = live[0]
         rest = math.prod(e for j, e in enumerate(extents) if j != split[i])
         return ring_attention(q, k, v, group=ctx.groups[i],
