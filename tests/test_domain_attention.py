@@ -291,3 +291,26 @@ def _checkpointed():
 def test_checkpointed_attention_is_refused_at_its_recompute():
     pytest.importorskip("diffusers")
     assert all(run_distributed(_checkpointed, 2, timeout=T))
+
+
+def autoencoder():
+    """diffusers' AutoencoderKL: encoder and decoder, each with a mid-block attention."""
+    from diffusers import AutoencoderKL
+    return AutoencoderKL(in_channels=2, out_channels=2, block_out_channels=(8, 16),
+                         down_block_types=("DownEncoderBlock2D",) * 2,
+                         up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1,
+                         latent_channels=2, norm_num_groups=4, sample_size=16)
+
+
+def _autoencoder(splits, dims, mesh):
+    warnings.filterwarnings("ignore")
+    shape = [1, 2, 12, 12]
+    return check(autoencoder, shape, dims, splits, mesh_shape=mesh, steps=2, lr=0.01)
+
+
+@pytest.mark.slow
+def test_autoencoder_strips_and_tiles():
+    pytest.importorskip("diffusers")
+    assert max(run_distributed(_autoencoder, 3, ([7, 0, 5],), (-1,), None, timeout=T)) < TOL
+    assert max(run_distributed(_autoencoder, 4, ([5, 7], [8, 4]), (-2, -1), (2, 2),
+                               timeout=T)) < TOL
