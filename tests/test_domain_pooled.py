@@ -51,8 +51,19 @@ class PoolFirst(nn.Module):
         return self.conv(x), summary
 
 
+class GateCopied(SqueezeExcite):
+    """The gate written into a fresh buffer first (an in-place write carries the mark)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        gate = torch.sigmoid(self.fc(self.pool(y)))
+        buffer = torch.empty(gate.shape, dtype=gate.dtype)
+        buffer[:] = gate
+        return y * buffer  # (no converted layer after it to catch the tile)
+
+
 MODELS = {"squeeze_excite": SqueezeExcite, "image_pooling": ImagePooling,
-          "pool_first": PoolFirst}
+          "pool_first": PoolFirst, "gate_copied": GateCopied}
 
 
 def _refused(name):

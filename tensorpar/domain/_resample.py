@@ -245,7 +245,10 @@ class _FunctionalCalls(TorchFunctionMode):
             self.ctx.used((args, kwargs))
         out = self._call(func, args, kwargs, kinds)
         if len(kinds) == 1:  # (both: refused in `_call`)
-            self.ctx.marks.mark(out, next(iter(kinds)))
+            kind = next(iter(kinds))
+            self.ctx.marks.mark(out, kind)
+            if args and _in_place(func):  # ``buf[:] = tile``, ``buf.copy_(pooled)``
+                self.ctx.marks.mark(args[0], kind)
         return out
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
@@ -273,6 +276,12 @@ class _FunctionalCalls(TorchFunctionMode):
         if self.ctx.reduced and self.ctx.domain_size > 1:
             args, kwargs = share_parameters(args, kwargs, self.ctx.domain_size)
         return func(*args, **kwargs)
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = y``)."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
 
 
 def enter_functional_mode(ctx: DomainContext) -> None:
