@@ -92,3 +92,66 @@ def _head(sizes):
 
 def test_a_head_on_the_pooled_features_still_equals_dense():
     assert max(run_distributed(_head, 2, [4, 3], timeout=T)) < 1e-10
+
+
+class GateAsNumber(SqueezeExcite):
+    """The gate taken out as a Python number: no gradient reaches the gate's layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.out(y) * torch.sigmoid(self.fc(self.pool(y))).mean().item()
+
+
+def _no_gradient():
+    from tensorpar.nn import parallelize_domain
+    torch.manual_seed(0)
+    model = parallelize_domain(GateAsNumber(), dims=-2)
+    model(torch.randn(1, 2, 4 + torch.distributed.get_rank(), 6)).sum().backward()
+    # as dense: no gradient reached fc, so it has none (zeros would move AdamW's decay)
+    return model.fc.weight.grad is None and model.conv.weight.grad is not None
+
+
+def test_a_layer_no_gradient_reaches_keeps_none():
+    assert all(run_distributed(_no_gradient, 2, timeout=T))
+
+
+class SegmentAndClassify(nn.Module):
+    """A loss made on each rank: the tile's segmentation part plus the pooled class part,
+    with tensors that take a tile only for its dtype or shape (``type_as``, ``new_zeros``,
+    ``zeros_like``) and a layer whose weight is only looked at (no gradient, as dense)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.seg = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+        self.pool, self.cls, self.spare = nn.AdaptiveAvgPool2d(1), nn.Linear(5, 3), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(self.enc(x))
+        seg_loss = self.seg(f).pow(2).sum() + torch.zeros_like(x).sum()
+        pooled = self.pool(f).flatten(1).type_as(x).to(x)
+        features = torch.cat([pooled, x.new_zeros(x.shape[0], 1)], 1)
+        assert self.spare.weight.dtype == x.dtype
+        return seg_loss + self.cls(features).pow(2).sum()
+
+
+def _loss_on_each_rank():
+    import copy
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    dense = SegmentAndClassify().double()
+    x = torch.randn(2, 2, 9, 6, dtype=torch.float64)
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    dense(x).backward()
+    model(x.narrow(2, [0, 5][rank], [5, 4][rank])).backward()
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), dense.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            worst = max(worst, float((p.grad - q.grad).abs().max()))
+    return worst
+
+
+def test_a_loss_of_tile_and_pooled_parts_on_each_rank_equals_dense():
+    assert max(run_distributed(_loss_on_each_rank, 2, timeout=T)) < 1e-10

@@ -10,19 +10,22 @@ layer after the pooling (it would run without its halo). Those are refused at th
 While a converted model runs, every tensor derived from the image tile is marked a tile
 and every tensor derived from a global pooling's output (and not from a tile) is marked
 pooled: a converted layer marks its output, and the functional-call conversion marks the
-outputs of every other call from its inputs. Tensors made otherwise (constants, the
-timestep) are neither. The marks live for one forward, keyed by the tensor's identity.
+outputs of every other call from its inputs (`output_kind`; an in-place write marks its
+target). Tensors made otherwise (constants, the timestep, ``x.new_zeros``) are neither.
+The marks live for one forward, keyed by the tensor's identity.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
-__all__ = ["POOLED", "TILE", "Kind", "Marks", "tensors_in"]
+__all__ = ["POOLED", "TILE", "Kind", "Marks", "Scan", "output_kind", "tensors_in"]
 
 Kind = Literal["tile", "pooled"]
 TILE: Kind = "tile"
@@ -51,14 +54,55 @@ class Marks:
         entry = self._kinds.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
-    def kinds_in(self, *values: Any) -> set[Kind]:
-        """The kinds of the tensors in ``values``."""
-        kinds: set[Kind] = set()
-        for t in tensors_in(values):
+    def scan(self, args: Any, kwargs: Any) -> Scan:
+        """The kinds among a call's arguments, the largest pooled one, the parameters."""
+        scan = Scan(set(), 0, [])
+        for t in tensors_in((args, kwargs)):
             kind = self.kind_of(t)
             if kind is not None:
-                kinds.add(kind)
-        return kinds
+                scan.kinds.add(kind)
+                if kind == POOLED:
+                    scan.pooled_numel = max(scan.pooled_numel, t.numel())
+            if isinstance(t, nn.Parameter):
+                scan.params.append(t)
+        return scan
+
+
+@dataclass
+class Scan:
+    """What a call takes: its tensors' kinds, its largest pooled tensor, its parameters."""
+
+    kinds: set[Kind]
+    pooled_numel: int
+    params: list[torch.Tensor]
+
+
+def output_kind(func: Any, args: Sequence[Any], out: Any, scan: Scan, marks: Marks,
+                reduced: bool) -> Kind | None:
+    """The kind of a call's output (raises where pooled features broadcast into tiles).
+
+    A tensor argument that only gives a dtype, a device or a shape (``y.to(x)``,
+    ``x.new_zeros(...)``, ``torch.zeros_like(x)``) passes no mark on. Tiles and pooled
+    features may meet where nothing is broadcast over the tile's points (a loss made of a
+    tile's partial sum plus a pooled one); where a pooled tensor is spread over more
+    elements than it has (a gate multiplied into the tile, a concatenation), the gradient
+    it would get is this tile's share only: refused. After the pooling a parameter is
+    replicated data: what a call makes of it alone is pooled.
+    """
+    name = getattr(func, "__name__", "")
+    if name.startswith("new_") or name.endswith("_like"):
+        return None
+    if name in ("to", "type_as") and args and isinstance(args[0], torch.Tensor):
+        return marks.kind_of(args[0])
+    if POOLED in scan.kinds and TILE in scan.kinds:
+        if any(t.numel() > scan.pooled_numel for t in tensors_in(out)):
+            raise mixing_error(name or str(func))
+        return None
+    if len(scan.kinds) == 1:
+        return next(iter(scan.kinds))
+    if reduced and scan.params:
+        return POOLED
+    return None
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:

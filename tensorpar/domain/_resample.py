@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain import _pad
 from tensorpar.domain._attention import refuse_functional
-from tensorpar.domain._flow import POOLED, TILE, Kind, mixing_error, tile_after_pooling_error
+from tensorpar.domain._flow import TILE, Kind, output_kind, tensors_in, tile_after_pooling_error
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
@@ -239,22 +239,21 @@ class _FunctionalCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        tracked = self.ctx.active and not self.ctx.internal
-        kinds = self.ctx.marks.kinds_in(args, kwargs) if tracked else set()
-        if tracked:
-            self.ctx.used((args, kwargs))
-        out = self._call(func, args, kwargs, kinds)
-        if len(kinds) == 1:  # (both: refused in `_call`)
-            kind = next(iter(kinds))
-            self.ctx.marks.mark(out, kind)
-            if args and _in_place(func):  # ``buf[:] = tile``, ``buf.copy_(pooled)``
-                self.ctx.marks.mark(args[0], kind)
+        ctx = self.ctx
+        if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
+            return self._call(func, args, kwargs, set())
+        scan = ctx.marks.scan(args, kwargs)
+        out = self._call(func, args, kwargs, scan.kinds)
+        if scan.params and any(t.requires_grad for t in tensors_in(out)):
+            ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
+        kind = output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
+        ctx.marks.mark(out, kind)
+        if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
+            ctx.marks.mark(args[0], kind)
         return out
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
               kinds: set[Kind]) -> Any:
-        if POOLED in kinds and TILE in kinds:
-            raise mixing_error(getattr(func, "__name__", str(func)))
         if self.ctx.reduced and TILE in kinds and (func in (F.pad, F.interpolate) or any(
                 isinstance(a, nn.Parameter) for a in (*args, *kwargs.values()))):
             raise tile_after_pooling_error(getattr(func, "__name__", str(func)))

@@ -371,13 +371,18 @@ def _finish(ctx: DomainContext) -> None:
         by_dtype.setdefault(p.dtype, []).append((i, p))
     with torch.no_grad():
         for dtype, some in by_dtype.items():
+            # after the gradients, one count per parameter of the ranks that got one: a
+            # parameter no gradient reached anywhere keeps ``.grad`` None, as dense
+            reached = torch.tensor([float(i in kept) for i, _ in some]).to(dtype)
             flat = torch.cat([kept[i].reshape(-1).to(dtype) if i in kept else
-                              p.new_zeros(p.numel()) for i, p in some])
+                              p.new_zeros(p.numel()) for i, p in some] + [reached])
             for g in ctx.groups:
                 if not g.is_single:
                     flat = all_reduce(flat, backward="identity", group=g)
-            for (_, p), part in zip(some, flat.split([p.numel() for _, p in some]),
-                                    strict=True):
+            *parts, counts = flat.split([p.numel() for _, p in some] + [len(some)])
+            for (_, p), part, count in zip(some, parts, counts.tolist(), strict=True):
+                if count == 0:
+                    continue
                 total = part.view_as(p)
                 if p.grad is None:
                     p.grad = total.clone()
