@@ -164,3 +164,25 @@ def _pad_refusals():
 
 def test_pad_refuses_a_crop_along_a_split_dim():
     assert run_distributed(_pad_refusals, 2, timeout=T) == [(1, 1, 4, 7)] * 2
+
+
+class _Tied(nn.Module):
+    """One weight shared by two convolutions; the one registered first may not run."""
+
+    def __init__(self, both: bool) -> None:
+        super().__init__()
+        self.both = both
+        self.first, self.second = nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) if self.both else x)
+
+
+def _tied(both, sizes):
+    return check(lambda: _Tied(both), (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2)
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_tied_weights(both):
+    assert max(run_distributed(_tied, 3, both, [4, 0, 5], timeout=T)) < 1e-10

@@ -57,7 +57,7 @@ class DomainContext:
         self.layouts: list[dict[int, tuple[int, ...]]] = [{} for _ in dims]
         self.reduced = False  # a global pooling has left no split dim
         self.ran: set[int] = set()  # id(module) of the modules the last forward used
-        self.owner: dict[int, int] = {}  # id(parameter) -> id(module) it is summed with
+        self.owners: dict[int, set[int]] = {}  # id(parameter) -> id(module)s holding it
         self.active = False
         self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
@@ -88,9 +88,7 @@ class DomainContext:
         """
         for t in tensors_in(values):
             if isinstance(t, nn.Parameter):
-                key = self.owner.get(id(t))
-                if key is not None:
-                    self.ran.add(key)
+                self.ran.update(self.owners.get(id(t), ()))
 
     @property
     def domain_size(self) -> int:

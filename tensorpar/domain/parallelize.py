@@ -338,10 +338,14 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
 
     module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=recurse):
-        if p.requires_grad:
-            ctx.owner[id(p)] = key
-            ctx.params.append((key, p))
-            p.register_hook(_keeper(ctx, len(ctx.params) - 1))
+        if not p.requires_grad:
+            continue
+        if id(p) in ctx.owners:  # tied to an earlier module's: one hook, either may run
+            ctx.owners[id(p)].add(key)
+            continue
+        ctx.owners[id(p)] = {key}
+        ctx.params.append((key, p))
+        p.register_hook(_keeper(ctx, len(ctx.params) - 1))
 
 
 def _keeper(ctx: DomainContext, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -361,7 +365,8 @@ def _finish(ctx: DomainContext) -> None:
     """End of a backward: sum the kept gradients over the domain, add them to ``.grad``."""
     ctx.finish_queued = False
     kept, ctx.kept = ctx.kept, {}
-    params = [(i, p) for i, (key, p) in enumerate(ctx.params) if key in ctx.ran]
+    params = [(i, p) for i, (_, p) in enumerate(ctx.params)
+              if not ctx.owners[id(p)].isdisjoint(ctx.ran)]
     if not params:
         return
     # one flat buffer per parameter dtype (a spectral weight is complex), in the model's
