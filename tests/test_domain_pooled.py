@@ -155,3 +155,35 @@ def _loss_on_each_rank():
 
 def test_a_loss_of_tile_and_pooled_parts_on_each_rank_equals_dense():
     assert max(run_distributed(_loss_on_each_rank, 2, timeout=T)) < 1e-10
+
+
+class FunctionalPooling(nn.Module):
+    def __init__(self, size: int = 1) -> None:
+        super().__init__()
+        self.size = size
+        self.conv, self.head = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = F.adaptive_avg_pool2d(self.conv(x), self.size)
+        return self.head(pooled.flatten(1))
+
+
+def _functional_pooling(sizes):
+    return check(FunctionalPooling, (2, 2, sum(sizes), 5), (-2,), (sizes,), steps=2,
+                 replicated=True)
+
+
+def test_a_global_pooling_written_as_a_call_equals_dense():
+    assert max(run_distributed(_functional_pooling, 3, [4, 0, 3], timeout=T)) < 1e-10
+
+
+def _pooling_to_two():
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(FunctionalPooling(2), dims=-2)
+    with pytest.raises(ValueError, match="only output size 1"):
+        model(torch.randn(1, 2, 4, 5))
+    return True
+
+
+def test_a_functional_pooling_to_other_sizes_is_refused():
+    assert all(run_distributed(_pooling_to_two, 2, timeout=T))

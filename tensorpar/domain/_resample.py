@@ -21,7 +21,14 @@ from torch.overrides import TorchFunctionMode
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain import _pad
 from tensorpar.domain._attention import refuse_functional
-from tensorpar.domain._flow import TILE, Kind, output_kind, tensors_in, tile_after_pooling_error
+from tensorpar.domain._flow import (
+    POOLED,
+    TILE,
+    Kind,
+    output_kind,
+    tensors_in,
+    tile_after_pooling_error,
+)
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
@@ -215,9 +222,13 @@ def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> tor
     """
     if ctx.reduced:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
-    k = int(type(module).__name__[-2])
+    return global_mean(ctx, x, int(type(module).__name__[-2]), type(module).__name__)
+
+
+def global_mean(ctx: DomainContext, x: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    """The mean of the tiles over their last ``k`` dims and the whole domain (see above)."""
     dims = list(range(x.dim() - k, x.dim()))
-    count = _global_count(ctx, x, dims, f"{type(module).__name__} (domain-parallel)")
+    count = _global_count(ctx, x, dims, f"{name} (domain-parallel)")
     total = x.sum(dims, keepdim=True)
     for g in ctx.groups:
         if not g.is_single:
@@ -243,10 +254,12 @@ class _FunctionalCalls(TorchFunctionMode):
         if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
             return self._call(func, args, kwargs, set())
         scan = ctx.marks.scan(args, kwargs)
+        pooled_before = ctx.reduced
         out = self._call(func, args, kwargs, scan.kinds)
         if scan.params and any(t.requires_grad for t in tensors_in(out)):
             ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
-        kind = output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
+        kind = POOLED if ctx.reduced and not pooled_before else \
+            output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
         ctx.marks.mark(out, kind)
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
@@ -264,6 +277,15 @@ class _FunctionalCalls(TorchFunctionMode):
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
             return _pad.pad(self.ctx, args[0] if args else kwargs["input"], **pads)
+        if func in _ADAPTIVE_AVG and on_tiles:  # a global pooling written as a call
+            size = args[1] if len(args) > 1 else kwargs["output_size"]
+            k = _ADAPTIVE_AVG[func]
+            if any(s != 1 for s in (size if isinstance(size, (tuple, list)) else (size,) * k)):
+                raise ValueError(f"{func.__name__} (domain-parallel): only output size 1 (the "
+                                 f"mean over the whole domain) is converted, got {size!r}")
+            with self.ctx.own_calls():
+                return global_mean(self.ctx, args[0] if args else kwargs["input"], k,
+                                   func.__name__)
         if func is F.interpolate and on_tiles:
             names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
             call = dict(zip(names, args[1:], strict=False))
@@ -275,6 +297,9 @@ class _FunctionalCalls(TorchFunctionMode):
         if self.ctx.reduced and self.ctx.domain_size > 1:
             args, kwargs = share_parameters(args, kwargs, self.ctx.domain_size)
         return func(*args, **kwargs)
+
+
+_ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 
 
 def _in_place(func: Any) -> bool:
