@@ -27,15 +27,14 @@ identically, so every rank takes the same path.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
-from tensorpar.domain._flow import TILE, Marks, tensors_in
+from tensorpar.domain._flow import TILE, Marks
 from tensorpar.domain._rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
 
@@ -59,7 +58,7 @@ class DomainContext:
         self.ran: set[int] = set()  # id(module) of the modules the last forward used
         self.owners: dict[int, set[int]] = {}  # id(parameter) -> id(module)s holding it
         self.active = False
-        self.params: list[tuple[int, torch.Tensor]] = []  # (id(module), parameter)
+        self.params: list[torch.Tensor] = []  # every hooked parameter, once, in order
         self.kept: dict[int, torch.Tensor] = {}  # parameter index -> partial gradient
         self.finish_queued = False
         self.handed_over = False  # a data-parallel reducer sums the gradients instead
@@ -79,16 +78,15 @@ class DomainContext:
         finally:
             self.internal = before
 
-    def used(self, values: Any) -> None:
-        """Count the modules whose parameters ``values`` holds as used in this forward.
+    def used(self, params: Iterable[torch.Tensor]) -> None:
+        """Count the modules holding ``params`` as used in this forward.
 
         A module's forward marks it as used; this covers a parameter used without its
         module's forward (``nn.MultiheadAttention`` passes its ``out_proj``'s weight to the
         functional call), whose partial gradient would otherwise not be summed.
         """
-        for t in tensors_in(values):
-            if isinstance(t, nn.Parameter):
-                self.ran.update(self.owners.get(id(t), ()))
+        for p in params:
+            self.ran.update(self.owners.get(id(p), ()))
 
     @property
     def domain_size(self) -> int:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tensorpar.collectives.functional import all_reduce
@@ -24,7 +23,7 @@ from tensorpar.domain._attention import refuse_functional
 from tensorpar.domain._flow import (
     POOLED,
     TILE,
-    Kind,
+    Scan,
     output_kind,
     tensors_in,
     tile_after_pooling_error,
@@ -252,10 +251,10 @@ class _FunctionalCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         ctx = self.ctx
         if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
-            return self._call(func, args, kwargs, set())
+            return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
         pooled_before = ctx.reduced
-        out = self._call(func, args, kwargs, scan.kinds)
+        out = self._call(func, args, kwargs, scan)
         if scan.params and any(t.requires_grad for t in tensors_in(out)):
             ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
         kind = POOLED if ctx.reduced and not pooled_before else \
@@ -265,12 +264,13 @@ class _FunctionalCalls(TorchFunctionMode):
             ctx.marks.mark(args[0], kind)
         return out
 
-    def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
-              kinds: set[Kind]) -> Any:
-        if self.ctx.reduced and TILE in kinds and (func in (F.pad, F.interpolate) or any(
-                isinstance(a, nn.Parameter) for a in (*args, *kwargs.values()))):
+    def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
+              ) -> Any:
+        # a parameter's gradient after the pooling is divided as a replicated one's (below)
+        if self.ctx.reduced and TILE in scan.kinds and (func in (F.pad, F.interpolate)
+                                                         or scan.params):
             raise tile_after_pooling_error(getattr(func, "__name__", str(func)))
-        if TILE in kinds and self.ctx.domain_size > 1:
+        if TILE in scan.kinds and self.ctx.domain_size > 1:
             refuse_functional(func)
         on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
         if func is F.pad and on_tiles:
@@ -299,6 +299,7 @@ class _FunctionalCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_UNTRACKED = Scan(set(), 0, [])  # (never changed)
 _ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 
 

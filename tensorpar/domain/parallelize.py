@@ -344,7 +344,7 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
             ctx.owners[id(p)].add(key)
             continue
         ctx.owners[id(p)] = {key}
-        ctx.params.append((key, p))
+        ctx.params.append(p)
         p.register_hook(_keeper(ctx, len(ctx.params) - 1))
 
 
@@ -365,7 +365,7 @@ def _finish(ctx: DomainContext) -> None:
     """End of a backward: sum the kept gradients over the domain, add them to ``.grad``."""
     ctx.finish_queued = False
     kept, ctx.kept = ctx.kept, {}
-    params = [(i, p) for i, (_, p) in enumerate(ctx.params)
+    params = [(i, p) for i, p in enumerate(ctx.params)
               if not ctx.owners[id(p)].isdisjoint(ctx.ran)]
     if not params:
         return
