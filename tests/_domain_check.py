@@ -41,14 +41,17 @@ def tile_of(t: torch.Tensor, dims: Sequence[int], splits: Sequence[Sequence[int]
 def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
           splits: Sequence[Sequence[int]], mesh_shape: Sequence[int] | None = None,
           steps: int = 0, extra: Callable[[], tuple] | None = None, train: bool = True,
-          replicated: bool = False, compile_backend: str | None = None, lr: float = 0.1
-          ) -> float:
+          replicated: bool = False, compile_backend: str | None = None, lr: float = 0.1,
+          relative: bool = False) -> float:
     """Largest |parallel - dense| over outputs, gradients, buffers (and SGD steps).
 
     ``compile_backend``: run the converted model through ``torch.compile`` with it.
     ``lr``: the SGD (momentum 0.9) learning rate of the steps; a model whose outputs grow
     tenfold a step at the default amplifies rounding as fast (any two correct
     implementations drift apart).
+    ``relative``: each difference divided by the dense tensor's largest magnitude where
+    that is above 1 (for a model whose gradients reach 50: float64 rounding alone is 1e-9
+    there).
     """
     torch.manual_seed(0)
     model = build().double()
@@ -69,7 +72,10 @@ def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
 
     def diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
         assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        return float((a - b).detach().abs().max()) if a.numel() else 0.0
+        if not a.numel():
+            return 0.0
+        worst = float((a - b).detach().abs().max())
+        return worst / max(float(b.detach().abs().max()), 1.0) if relative else worst
 
     for step in range(max(steps, 1)):
         xd = x.clone().requires_grad_(True)

@@ -1,7 +1,8 @@
-"""After a global pooling the model continues replicated; pooled features fed back into
-the tiles (squeeze-and-excitation, DeepLab's image-pooling branch) and a tile that meets
-a converted layer after the pooling are refused at the call, on every rank, rather than
-run without their halos. A head on the pooled features still equals dense."""
+"""After a global pooling the model may go on with the pooled (replicated) features and
+the tiles side by side, and bring the pooled features back into the tiles
+(squeeze-and-excitation, DeepLab's image-pooling branch): every such model equals dense.
+A head on the pooled features equals dense; pooled features spread over the tile's points
+by a call that is not followed are refused at the call."""
 
 import pytest
 import torch
@@ -40,15 +41,16 @@ class ImagePooling(nn.Module):
 
 
 class PoolFirst(nn.Module):
-    """The pooled summary computed before the tiles' own convolution, no mixing."""
+    """The pooled summary computed before the tile's own convolution, then its gate."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pool, self.conv = nn.AdaptiveAvgPool2d(1), nn.Conv2d(2, 2, 3, padding=1)
+        self.fc = nn.Linear(2, 2)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        summary = self.pool(x).flatten(1)
-        return self.conv(x), summary
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        summary = self.fc(self.pool(x).flatten(1))
+        return self.conv(x) * torch.sigmoid(summary)[:, :, None, None]
 
 
 class GateCopied(SqueezeExcite):
@@ -59,26 +61,102 @@ class GateCopied(SqueezeExcite):
         gate = torch.sigmoid(self.fc(self.pool(y)))
         buffer = torch.empty(gate.shape, dtype=gate.dtype)
         buffer[:] = gate
-        return y * buffer  # (no converted layer after it to catch the tile)
+        return self.out(y * buffer)
+
+
+class Expanded(SqueezeExcite):
+    """The gate expanded to the tile's size, then added: a spread the conversion follows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        gate = torch.tanh(self.fc(self.pool(y))).expand(-1, -1, *y.shape[2:])
+        return self.out(torch.cat([y, gate], 1)[:, :4] + gate)
+
+
+class TwoBlocksAndHead(nn.Module):
+    """Two squeeze-and-excitation blocks, a strided convolution and BatchNorm between them,
+    and a classifier head on a last global pooling: the output is replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = SqueezeExcite(), SqueezeExcite()
+        self.down, self.norm = nn.Conv2d(2, 2, 3, stride=2, padding=1), nn.BatchNorm2d(2)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.norm(self.down(self.a(x)))))
+
+
+class UpsampledHead(nn.Module):
+    """Pooled features up-sampled to a fixed 3 x 3 grid and convolved as dense: they stay
+    pooled (3 rows are one rank's tile here but not the other's), the output replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.head_conv, self.fc = nn.Conv2d(4, 2, 3, padding=1), nn.Linear(18, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = F.interpolate(self.pool(self.conv(x)), size=(3, 3), mode="nearest")
+        return self.fc(self.head_conv(grid).flatten(1))
+
+
+def _exact(name, sizes):
+    return check(MODELS[name], (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2,
+                 replicated=name in REPLICATED)
 
 
 MODELS = {"squeeze_excite": SqueezeExcite, "image_pooling": ImagePooling,
-          "pool_first": PoolFirst, "gate_copied": GateCopied}
-
-
-def _refused(name):
-    from tensorpar.nn import parallelize_domain
-    torch.manual_seed(0)
-    model = parallelize_domain(MODELS[name](), dims=-2)
-    with pytest.raises(RuntimeError, match="global pooling") as err:
-        model(torch.randn(1, 2, 4 + torch.distributed.get_rank(), 6))
-    return str(err.value)
+          "pool_first": PoolFirst, "gate_copied": GateCopied, "expanded": Expanded,
+          "two_blocks_and_head": TwoBlocksAndHead, "upsampled_head": UpsampledHead}
+REPLICATED = {"two_blocks_and_head", "upsampled_head"}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_tiles_after_a_global_pooling_are_refused(name):
-    messages = run_distributed(_refused, 2, name, timeout=T)
-    assert len(messages) == 2
+def test_pooled_features_back_in_the_tiles_equal_dense(name):
+    assert max(run_distributed(_exact, 2, name, [4, 3], timeout=T)) < 1e-10
+
+
+@pytest.mark.parametrize("name", ["squeeze_excite", "image_pooling", "two_blocks_and_head",
+                                  "upsampled_head"])
+def test_pooled_features_back_in_the_tiles_equal_dense_at_three_ranks(name):
+    # [3, 0, 4]: an empty tile; 3 rows is the up-sampled head's grid on one rank only
+    assert max(run_distributed(_exact, 3, name, [3, 0, 4], timeout=T)) < 1e-10
+
+
+def _on_a_grid(name):
+    return check(MODELS[name], (2, 2, 7, 9), (-2, -1), ([4, 3], [5, 4]), mesh_shape=(2, 2),
+                 steps=2, replicated=name in REPLICATED)
+
+
+@pytest.mark.parametrize("name", ["image_pooling", "expanded", "two_blocks_and_head"])
+def test_pooled_features_back_in_a_grid_of_tiles_equal_dense(name):
+    assert max(run_distributed(_on_a_grid, 4, name, timeout=T)) < 1e-10
+
+
+class Unfollowed(nn.Module):
+    """Pooled features spread to the tile's shape through ``ones_like``: not followed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        spread = self.pool(y) * torch.ones_like(y)
+        return self.conv(torch.cat([y, spread], 1)[:, :2])
+
+
+def _unfollowed():
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(Unfollowed(), dims=-2)
+    with pytest.raises(RuntimeError, match="not followed") as err:
+        model(torch.randn(1, 2, 4 + torch.distributed.get_rank(), 6))
+    return "cat" in str(err.value)
+
+
+def test_pooled_features_spread_in_a_way_not_followed_are_refused():
+    assert all(run_distributed(_unfollowed, 2, timeout=T))
 
 
 def head():

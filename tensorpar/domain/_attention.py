@@ -35,7 +35,7 @@ from torch import nn
 
 from tensorpar.collectives.functional import all_gather
 from tensorpar.context.attention import ring_attention
-from tensorpar.domain._flow import TILE, tile_after_pooling_error
+from tensorpar.domain._flow import TILE
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["ATTENTION", "convert", "refusal", "refuse_functional"]
@@ -77,7 +77,7 @@ class _DomainAttnProcessor:
 
     def __init__(self, ctx: DomainContext, dense: Any) -> None:
         self.ctx = ctx
-        self.dense = dense  # after a global pooling: the data is replicated
+        self.dense = dense  # for pooled (replicated) features
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -85,13 +85,11 @@ class _DomainAttnProcessor:
                  temb: torch.Tensor | None = None) -> torch.Tensor:
         ctx = self.ctx
         where = "Attention (domain-parallel)"
-        if ctx.reduced and ctx.marks.kind_of(hidden_states) == TILE:
-            raise tile_after_pooling_error("Attention")
         if not ctx.active:
             raise RuntimeError(f"{where}: ran outside the forward of the model it was "
                                f"converted with (activation checkpointing recomputes "
                                f"there); call the converted model itself")
-        if ctx.reduced:
+        if ctx.pooled(ctx.marks.kind_of(hidden_states)):
             return self.dense(attn, hidden_states,  # type: ignore[no-any-return]
                               encoder_hidden_states=encoder_hidden_states,
                               attention_mask=attention_mask, temb=temb)

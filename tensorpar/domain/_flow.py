@@ -1,11 +1,11 @@
 """Which tensors of a forward are tiles and which are pooled (replicated) features.
 
-After a global pooling a domain-parallel model continues on replicated data: every rank
-holds the whole pooled features and the layers after it run as dense. That is right for a
-head on the pooled features (a classifier) and wrong for anything that brings the tiles
-back: pooled features multiplied into the tiles (squeeze-and-excitation), up-sampled and
-concatenated with them (DeepLab's image-pooling branch), or a tile reaching a converted
-layer after the pooling (it would run without its halo). Those are refused at the call.
+After a global pooling a domain-parallel model may continue on replicated data: every rank
+holds the whole pooled features, and the layers that take them run as dense (a classifier
+head). The tiles go on beside them, through converted layers with their halos, and the two
+may meet again (`_meet`: squeeze-and-excitation, an image-pooling branch). Which path a
+layer or a functional call takes is decided by what it is given, so every tensor of a
+forward carries a mark.
 
 While a converted model runs, every tensor derived from the image tile is marked a tile
 and every tensor derived from a global pooling's output (and not from a tile) is marked
@@ -25,7 +25,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["POOLED", "TILE", "Kind", "Marks", "Scan", "output_kind", "tensors_in"]
+__all__ = ["POOLED", "TILE", "Kind", "Marks", "Scan", "mixing_error", "output_kind",
+           "reads_only_metadata", "tensors_in"]
 
 Kind = Literal["tile", "pooled"]
 TILE: Kind = "tile"
@@ -79,21 +80,22 @@ class Scan:
 
 def output_kind(func: Any, args: Sequence[Any], out: Any, scan: Scan, marks: Marks,
                 reduced: bool) -> Kind | None:
-    """The kind of a call's output (raises where pooled features broadcast into tiles).
+    """The kind of a call's output (raises where pooled features spread into tiles).
 
     A tensor argument that only gives a dtype, a device or a shape (``y.to(x)``,
-    ``x.new_zeros(...)``, ``torch.zeros_like(x)``) passes no mark on. Tiles and pooled
-    features may meet where nothing is broadcast over the tile's points (a loss made of a
-    tile's partial sum plus a pooled one); where a pooled tensor is spread over more
-    elements than it has (a gate multiplied into the tile, a concatenation), the gradient
-    it would get is this tile's share only: refused. After the pooling a parameter is
-    replicated data: what a call makes of it alone is pooled.
+    ``x.new_zeros(...)``, ``torch.zeros_like(x)``) passes no mark on. Pooled features
+    meeting a tile with the image's dims are `_meet`'s; here they meet a tile's partial
+    reduction: allowed where nothing is broadcast over the tile's points (a loss made of
+    a tile's partial sum plus a pooled one), refused where the pooled tensor is spread over
+    more elements than it has. After the pooling a parameter is replicated data: what a
+    call makes of it alone is pooled.
     """
-    name = getattr(func, "__name__", "")
-    if name.startswith("new_") or name.endswith("_like"):
+    if reads_only_metadata(func):
+        if getattr(func, "__name__", "") in ("to", "type_as") and args \
+                and isinstance(args[0], torch.Tensor):
+            return marks.kind_of(args[0])
         return None
-    if name in ("to", "type_as") and args and isinstance(args[0], torch.Tensor):
-        return marks.kind_of(args[0])
+    name = getattr(func, "__name__", "")
     if POOLED in scan.kinds and TILE in scan.kinds:
         if any(t.numel() > scan.pooled_numel for t in tensors_in(out)):
             raise mixing_error(name or str(func))
@@ -103,6 +105,16 @@ def output_kind(func: Any, args: Sequence[Any], out: Any, scan: Scan, marks: Mar
     if reduced and scan.params:
         return POOLED
     return None
+
+
+def reads_only_metadata(func: Any) -> bool:
+    """Whether ``func`` reads only the dtype, device or shape of some tensor arguments.
+
+    Of those after the first: ``y.to(x)``, ``y.type_as(x)``; of all: ``x.new_zeros``,
+    ``torch.zeros_like(x)``.
+    """
+    name = getattr(func, "__name__", "")
+    return name.startswith("new_") or name.endswith("_like") or name in ("to", "type_as")
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -118,17 +130,10 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 def mixing_error(what: str) -> RuntimeError:
-    """Pooled features and tiles meet in ``what``."""
+    """Pooled features and tiles meet in ``what`` in a way that cannot be followed."""
     return RuntimeError(
         f"{what} (domain-parallel) takes both tiles and features after a global pooling "
-        f"(replicated on every rank): pooled features fed back into the tiles "
-        f"(squeeze-and-excitation, an image-pooling branch) are not supported; the model "
-        f"must continue on the pooled features alone")
-
-
-def tile_after_pooling_error(what: str) -> RuntimeError:
-    """A tile reaches ``what`` after the forward's global pooling."""
-    return RuntimeError(
-        f"{what} (domain-parallel) got a tile after a global pooling: after it the model "
-        f"runs dense on the pooled (replicated) features, and a tile would be processed "
-        f"without its halo; compute what the tiles need before the global pooling")
+        f"(replicated on every rank), and the pooled operand is spread over the tile's points "
+        f"in a way that is not followed: pooled features go back into the tiles where they "
+        f"have size 1 along every split dim (a gate broadcast over the tile), or through "
+        f"F.interpolate, expand or repeat to the tile's size")

@@ -34,7 +34,7 @@ import torch
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
-from tensorpar.domain._flow import TILE, Marks
+from tensorpar.domain._flow import POOLED, TILE, Kind, Marks
 from tensorpar.domain._rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
 
@@ -54,7 +54,9 @@ class DomainContext:
         self.dims = tuple(d for d in dims if d < 0)  # negative form; set again by `begin`
         self.groups = tuple(groups)
         self.layouts: list[dict[int, tuple[int, ...]]] = [{} for _ in dims]
-        self.reduced = False  # a global pooling has left no split dim
+        self.poolings = 0  # global poolings made this forward
+        self.dense = False  # the running converted layer's input is pooled: it runs as dense
+        self.ndim = 0  # the image input's number of dims (this forward)
         self.ran: set[int] = set()  # id(module) of the modules the last forward used
         self.owners: dict[int, set[int]] = {}  # id(parameter) -> id(module)s holding it
         self.active = False
@@ -89,6 +91,19 @@ class DomainContext:
             self.ran.update(self.owners.get(id(p), ()))
 
     @property
+    def reduced(self) -> bool:
+        """Whether this forward has made a global pooling."""
+        return self.poolings > 0
+
+    def pooled(self, kind: Kind | None) -> bool:
+        """Whether a tensor of this kind is pooled features (the layer taking it runs dense).
+
+        Unmarked tensors (made from nothing in the forward) count as tiles before the
+        forward's first global pooling and as pooled features after it.
+        """
+        return kind == POOLED or (kind is None and self.reduced)
+
+    @property
     def domain_size(self) -> int:
         """The number of tiles (the product of the split dims' group sizes)."""
         size = 1
@@ -120,11 +135,12 @@ class DomainContext:
                                  f"model's {ndim}-D input of shape {tuple(x.shape)}")
             dims.append(nd)
         self.dims = tuple(dims)
+        self.ndim = ndim
         for i, (d, g) in enumerate(zip(self.dims, self.groups, strict=False)):
             n = x.shape[d]
             sizes = (n,) if g.is_single else tuple(r[0] for r in exchange_ints(g, [n], x.device))
             self.layouts[i] = {sum(sizes): sizes}
-        self.reduced = False
+        self.poolings = 0
         self.marks.clear()
         self.marks.mark(x, TILE)
         self.ran.clear()

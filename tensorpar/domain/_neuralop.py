@@ -31,7 +31,7 @@ SPECTRAL = _P + "spectral_convolution.SpectralConv"
 
 def spectral_conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``SpectralConv.forward`` (real data, full precision, no resampling) on a tile of H."""
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = "SpectralConv (domain-parallel)"
     if x.dim() != 4 or ctx.dims != (-2,):
@@ -76,7 +76,7 @@ def _weight(module: Any, fft_size: list[int]) -> torch.Tensor:
 
 def grid_embedding_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``GridEmbeddingND`` / ``GridEmbedding2D``: the dense grid's rows of this tile."""
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     spatial = list(x.shape[2:])

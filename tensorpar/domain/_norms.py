@@ -70,7 +70,7 @@ def _split_dims_in(ctx: DomainContext, x: torch.Tensor, dims: list[int]) -> bool
 def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``BatchNormNd``: batch statistics over the whole domain; running stats updated once."""
     batch_stats = module.training or module.running_mean is None
-    if ctx.reduced or not batch_stats:
+    if ctx.dense or not batch_stats:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     dims = [0, *range(2, x.dim())]
@@ -103,7 +103,7 @@ def _update_running(module: Any, mean: torch.Tensor, var: torch.Tensor, count: i
 
 def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``GroupNorm``: each (sample, group)'s statistics over the whole domain."""
-    if ctx.reduced or not _split_dims_in(ctx, x, list(range(2, x.dim()))):
+    if ctx.dense or not _split_dims_in(ctx, x, list(range(2, x.dim()))):
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = "GroupNorm (domain-parallel)"
     n, c = x.shape[0], x.shape[1]
@@ -125,7 +125,7 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
 
 def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``InstanceNormNd`` (no running statistics): each (sample, channel) over the domain."""
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     if ctx.fast:
@@ -150,7 +150,7 @@ def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     """
     k = len(module.normalized_shape)
     dims = list(range(x.dim() - k, x.dim()))
-    if ctx.reduced or not _split_dims_in(ctx, x, dims):
+    if ctx.dense or not _split_dims_in(ctx, x, dims):
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = "LayerNorm (domain-parallel)"
     centred, _, var, _ = moments(ctx, x, dims, where)

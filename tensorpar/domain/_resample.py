@@ -18,15 +18,16 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tensorpar.collectives.functional import all_reduce
-from tensorpar.domain import _pad
+from tensorpar.domain import _meet, _pad
 from tensorpar.domain._attention import refuse_functional
 from tensorpar.domain._flow import (
     POOLED,
     TILE,
+    Kind,
     Scan,
     output_kind,
+    reads_only_metadata,
     tensors_in,
-    tile_after_pooling_error,
 )
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
@@ -140,7 +141,7 @@ def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_fac
 
 def upsample_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``nn.Upsample`` on this rank's tile."""
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     return interpolate(ctx, x, module.size, module.scale_factor, module.mode,
                        module.align_corners, module.recompute_scale_factor)
@@ -152,7 +153,7 @@ def conv_transpose_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> 
     The input rows whose outputs land on this rank's output rows, a local transposed
     convolution, then a crop (and the bias).
     """
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     name = type(module).__name__
     where = f"{name} (domain-parallel)"
@@ -219,7 +220,7 @@ def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> tor
     The result is replicated (every rank holds it whole) and what follows runs dense. Its
     gradient passes straight back to each tile (a replicated loss counts once).
     """
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     return global_mean(ctx, x, int(type(module).__name__[-2]), type(module).__name__)
 
@@ -232,14 +233,16 @@ def global_mean(ctx: DomainContext, x: torch.Tensor, k: int, name: str) -> torch
     for g in ctx.groups:
         if not g.is_single:
             total = all_reduce(total, backward="identity", group=g)
-    ctx.reduced = True
+    ctx.poolings += 1
     return total / count
 
 
 class _FunctionalCalls(TorchFunctionMode):
     """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted.
 
-    After a global pooling, the parameters a call uses give shares (`share_parameters`).
+    Every call's output is marked a tile or pooled features (`_flow`); where pooled
+    features meet the tiles, their gradient is summed over the domain (`_meet`); the
+    parameters a call on pooled features uses give shares (`share_parameters`).
     """
 
     def __init__(self, ctx: DomainContext) -> None:
@@ -253,12 +256,29 @@ class _FunctionalCalls(TorchFunctionMode):
         if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
-        pooled_before = ctx.reduced
+        poolings = ctx.poolings
+        kind: Kind | None = None
+        entered = None
+        if POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func):
+            met = _meet.into_tiles(ctx, getattr(func, "__name__", str(func)), args, kwargs)
+            if met is not None:
+                args, kwargs = met
+                kind = TILE
+        else:
+            entered = _meet.spread_input(ctx, func, args, scan)
         out = self._call(func, args, kwargs, scan)
+        if entered is not None:  # pooled features spread: to the tile's extent?
+            if _meet.spreads_to_tiles(ctx, out):
+                out = self._call(func, (entered, *args[1:]), kwargs, scan)
+                kind = TILE
+            else:
+                kind = POOLED
         if scan.params and any(t.requires_grad for t in tensors_in(out)):
             ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
-        kind = POOLED if ctx.reduced and not pooled_before else \
-            output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
+        if ctx.poolings > poolings:
+            kind = POOLED
+        elif kind is None:
+            kind = output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
         ctx.marks.mark(out, kind)
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
@@ -266,25 +286,23 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:
-        # a parameter's gradient after the pooling is divided as a replicated one's (below)
-        if self.ctx.reduced and TILE in scan.kinds and (func in (F.pad, F.interpolate)
-                                                         or scan.params):
-            raise tile_after_pooling_error(getattr(func, "__name__", str(func)))
-        if TILE in scan.kinds and self.ctx.domain_size > 1:
+        ctx = self.ctx
+        if TILE in scan.kinds and ctx.domain_size > 1:
             refuse_functional(func)
-        on_tiles = self.ctx.active and not (self.ctx.reduced or self.ctx.internal)
+        kind = TILE if TILE in scan.kinds else POOLED if POOLED in scan.kinds else None
+        on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
         if func is F.pad and on_tiles:
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
-            return _pad.pad(self.ctx, args[0] if args else kwargs["input"], **pads)
+            return _pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
         if func in _ADAPTIVE_AVG and on_tiles:  # a global pooling written as a call
             size = args[1] if len(args) > 1 else kwargs["output_size"]
             k = _ADAPTIVE_AVG[func]
             if any(s != 1 for s in (size if isinstance(size, (tuple, list)) else (size,) * k)):
                 raise ValueError(f"{func.__name__} (domain-parallel): only output size 1 (the "
                                  f"mean over the whole domain) is converted, got {size!r}")
-            with self.ctx.own_calls():
-                return global_mean(self.ctx, args[0] if args else kwargs["input"], k,
+            with ctx.own_calls():
+                return global_mean(ctx, args[0] if args else kwargs["input"], k,
                                    func.__name__)
         if func is F.interpolate and on_tiles:
             names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
@@ -293,9 +311,14 @@ class _FunctionalCalls(TorchFunctionMode):
             if kwargs.get("antialias"):
                 raise ValueError("interpolate (domain-parallel): antialias=True is not "
                                  "supported over a split domain")
-            return interpolate(self.ctx, args[0] if args else kwargs["input"], **call)
-        if self.ctx.reduced and self.ctx.domain_size > 1:
-            args, kwargs = share_parameters(args, kwargs, self.ctx.domain_size)
+            return interpolate(ctx, args[0] if args else kwargs["input"], **call)
+        if func is F.interpolate and (empty := _meet.interpolate_to_empty(args, kwargs)) \
+                is not None:
+            return empty
+        # a parameter used on pooled features: its gradient is whole on every tile
+        on_pooled = ctx.dense if ctx.internal else TILE not in scan.kinds and ctx.pooled(kind)
+        if on_pooled and ctx.domain_size > 1:
+            args, kwargs = share_parameters(args, kwargs, ctx.domain_size)
         return func(*args, **kwargs)
 
 

@@ -127,7 +127,7 @@ def _pads(module: Any, k: int) -> list[tuple[int, int]]:
 
 def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """A ``ConvNd`` on this rank's tile: halo rows in, this rank's output rows out."""
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     k = len(module.kernel_size)
     where = f"{type(module).__name__} (domain-parallel)"
@@ -178,7 +178,7 @@ def _tuple(v: Any, k: int) -> tuple[int, ...]:
 
 def pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``MaxPoolNd`` / ``AvgPoolNd`` on this rank's tile (same scheme as `conv_forward`)."""
-    if ctx.reduced:
+    if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     name = type(module).__name__
     k = int(name[-2])

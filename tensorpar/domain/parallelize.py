@@ -16,7 +16,7 @@ from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _attention, _neuralop, _norms, _resample, _window
-from tensorpar.domain._flow import POOLED, TILE, tile_after_pooling_error
+from tensorpar.domain._flow import POOLED
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
@@ -61,6 +61,9 @@ _PADS: tuple[type, ...] = (
 _KNOWN_POINTWISE = frozenset({
     "diffusers.models.embeddings.Timesteps",  # sinusoidal embedding of the timestep
     "neuralop.layers.skip_connections.SoftGating",  # a per-channel weight (and bias)
+    "monai.networks.blocks.activation.Swish",  # MONAI's activations
+    "monai.networks.blocks.activation.MemoryEfficientSwish",
+    "monai.networks.blocks.activation.Mish",
 })
 """Leaf layers of other libraries, by qualified class name, that never see the image."""
 
@@ -162,7 +165,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         pointwise: more leaf layers to run as they are (types, class names or module
             names): layers that act on each point or never see the image. Built in: torch's
             activations, dropout, ``Linear``, ``Embedding``, ``Flatten``, diffusers'
-            ``Timesteps`` and neuraloperator's ``SoftGating``.
+            ``Timesteps``, neuraloperator's ``SoftGating`` and MONAI's ``Swish``,
+            ``MemoryEfficientSwish`` and ``Mish``.
         double_backward: keep every layer differentiable any number of times (a gradient
             penalty, a physics-informed loss on input derivatives). Default ``False``:
             convolutions on strips compute while their halo travels and the norms run
@@ -295,12 +299,14 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
                             f"keywords {extra})")
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
-        if own.reduced and kind == TILE:
-            raise tile_after_pooling_error(type(self).__name__)
-        pooled_before = own.reduced
-        with own.own_calls():  # its functional calls are tensorpar's own
-            out = fwd(self, own, x)
-        own.marks.mark(out, POOLED if own.reduced and not pooled_before else kind)
+        poolings, dense = own.poolings, own.dense
+        own.dense = own.pooled(kind)  # pooled features in: the dense layer
+        try:
+            with own.own_calls():  # its functional calls are tensorpar's own
+                out = fwd(self, own, x)
+        finally:
+            own.dense = dense
+        own.marks.mark(out, POOLED if own.poolings > poolings else kind)
         return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)

@@ -1,0 +1,133 @@
+"""Pooled features brought back into the tiles: squeeze-and-excitation, image pooling.
+
+A global pooling's output is replicated: every rank holds the whole pooled features, the
+layers after it run as dense, and its gradient is whole on every rank while it stays
+apart from the tiles (a head on it). A model may also bring it back: a gate multiplied
+into the tiles (squeeze-and-excitation), or the pooled features spread over the tile's
+points and concatenated with it (DeepLab's image-pooling branch). Each tile's use then
+gives the gradient of its own points only, a partial one: the dense gradient is its sum
+over the domain.
+
+So where that happens the pooled operand enters the tiles through `copy_to_group` over
+each split dim's group (the identity forward, the gradient summed over the domain
+backward): the pooled side's gradient is whole again on every rank, as a replicated
+tensor's must be (the parameters it reaches give their shares, `_shares`). The call's
+output is a tile.
+
+The sum needs a gradient of the same shape on every rank, so it goes where the pooled
+operand is still replicated: a gate of size 1 along every split dim (broadcast over the
+tile), or the input of a call that spreads it to the tile's extent (``F.interpolate`` to
+the tile's size, ``expand``, ``repeat``), whose output is then a tile. Whether such a
+call spreads to the tile (its output has every rank's tile size along each split dim) is
+agreed by all ranks in one small all-reduce, so that the sums run on every rank or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar._torch import tree_map
+from tensorpar.collectives.functional import all_reduce
+from tensorpar.collectives.regions import copy_to_group
+from tensorpar.domain._flow import POOLED, TILE, Scan, mixing_error, tensors_in
+from tensorpar.domain._layout import DomainContext
+
+__all__ = ["SPREADING", "interpolate_to_empty", "into_tiles", "spread_input",
+           "spreads_to_tiles"]
+
+SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
+                       torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile})
+"""Calls that spread their first argument over more points: to the tile's, perhaps."""
+
+
+def _enter_tiles(ctx: DomainContext, t: torch.Tensor) -> torch.Tensor:
+    for g in ctx.groups:
+        t = copy_to_group(t, group=g)
+    return t
+
+
+def _broadcast_over_tiles(ctx: DomainContext, t: torch.Tensor) -> bool:
+    """Whether ``t`` has size 1 (or no dim) at every split dim: the same on every tile."""
+    return all(t.dim() < -d or t.shape[d] == 1 for d in ctx.dims)
+
+
+def into_tiles(ctx: DomainContext, name: str, args: Sequence[Any], kwargs: dict[str, Any]
+               ) -> tuple[Any, Any] | None:
+    """A call taking tiles and pooled features: the pooled ones entered into the tiles.
+
+    ``None`` where no tile argument has the image's dims: pooled features meeting a
+    tile's partial reduction (a loss made of both parts) are left to `_flow.output_kind`.
+
+    Raises:
+        RuntimeError: a pooled operand with the tile's extent along a split dim that no
+            followed call spread (its gradient would differ in shape between ranks).
+    """
+    if not any(t.dim() == ctx.ndim and ctx.marks.kind_of(t) == TILE
+               for t in tensors_in((args, kwargs))):
+        return None
+
+    def enter(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or ctx.marks.kind_of(v) != POOLED:
+            return v
+        if not _broadcast_over_tiles(ctx, v):
+            raise mixing_error(name)
+        return _enter_tiles(ctx, v)
+    return tree_map(enter, args), tree_map(enter, kwargs)
+
+
+def spread_input(ctx: DomainContext, func: Any, args: Sequence[Any], scan: Scan
+                 ) -> torch.Tensor | None:
+    """The pooled first argument of a spreading call, entered into the tiles (else None)."""
+    if func not in SPREADING or scan.kinds != {POOLED} or not args:
+        return None
+    t = args[0]
+    if not isinstance(t, torch.Tensor) or ctx.marks.kind_of(t) != POOLED \
+            or t.dim() != ctx.ndim or not _broadcast_over_tiles(ctx, t):
+        return None
+    return _enter_tiles(ctx, t)
+
+
+def spreads_to_tiles(ctx: DomainContext, out: Any) -> bool:
+    """Whether every rank's ``out`` has its tile's size along each split dim (agreed).
+
+    A tile's size along a split dim is one of the splits recorded this forward (the
+    input's, or a converted layer's output's). One all-reduce of a flag per split and dim.
+    """
+    if not isinstance(out, torch.Tensor) or out.dim() != ctx.ndim:
+        return False
+    flags = [float(out.shape[d] == sizes[g.rank])
+             for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True))
+             for _, sizes in sorted(ctx.layouts[i].items())]
+    agreed = torch.tensor(flags, dtype=torch.float32, device=out.device)
+    for g in ctx.groups:
+        if not g.is_single:
+            agreed = all_reduce(agreed, op="min", backward="identity", group=g)
+    found = iter(agreed.tolist())
+    return all(any([next(found) == 1.0 for _ in ctx.layouts[i]])
+               for i in range(len(ctx.dims)))
+
+
+def interpolate_to_empty(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``F.interpolate`` to a size with a 0 (an empty tile's), which torch refuses.
+
+    The empty result stays joined to the input, so that its backward (a sum over the
+    domain, where the input entered the tiles) runs on this rank as on the others.
+    """
+    size = kwargs.get("size", args[1] if len(args) > 1 else None)
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or size is None:
+        return None
+    sizes = list(size) if isinstance(size, (tuple, list)) else [size] * (x.dim() - 2)
+    if 0 not in sizes:
+        return None
+    rest = {k: v for k, v in kwargs.items() if k not in ("input", "size", "scale_factor")}
+    rest.update(zip(("mode", "align_corners"), args[3:5], strict=False))
+    y: torch.Tensor = F.interpolate(x, size=[s or 1 for s in sizes], **rest)
+    for j, s in enumerate(sizes):
+        if s == 0:
+            y = y.narrow(2 + j, 0, 0)
+    return y
