@@ -265,3 +265,70 @@ def _pooling_to_two():
 
 def test_a_functional_pooling_to_other_sizes_is_refused():
     assert all(run_distributed(_pooling_to_two, 2, timeout=T))
+
+
+class MeanExcite(SqueezeExcite):
+    """Squeeze-and-excitation with the pooling written as a mean (timm's ``SqueezeExcite``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.out(y * torch.sigmoid(self.fc(y.mean((2, 3), keepdim=True))))
+
+
+class MeanHead(nn.Module):
+    """A head on ``torch.mean(x, dim=[-2, -1])``, with a channel softmax on the tiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.softmax(self.conv(x), dim=1)
+        return self.fc(torch.mean(y, dim=[-2, -1]))
+
+
+def _mean(name, sizes, mesh):
+    build = {"excite": MeanExcite, "head": MeanHead}[name]
+    if mesh:
+        return check(build, (2, 2, 7, 9), (-2, -1), ([4, 3], [5, 4]), mesh_shape=(2, 2),
+                     steps=2, replicated=name == "head")
+    return check(build, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2,
+                 replicated=name == "head")
+
+
+@pytest.mark.parametrize("name", ["excite", "head"])
+def test_a_global_pooling_written_as_a_mean_equals_dense(name):
+    assert max(run_distributed(_mean, 3, name, [3, 0, 4], False, timeout=T)) < 1e-10
+    assert max(run_distributed(_mean, 4, name, None, True, timeout=T)) < 1e-10
+
+
+class AlongSplit(nn.Module):
+    def __init__(self, call) -> None:
+        super().__init__()
+        self.conv, self.call = nn.Conv2d(2, 2, 3, padding=1), call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(self.conv(x))
+
+
+ALONG = {"softmax": lambda y: F.softmax(y, dim=-2), "amax": lambda y: y.amax((2, 3)),
+         "var": lambda y: y.var((2, 3)), "cumsum": lambda y: y.cumsum(2),
+         "mean_of_h_only": lambda y: y.mean(2)}
+
+
+def _along(name):
+    from tensorpar.nn import parallelize_domain
+    group = None
+    if name == "mean_of_h_only":  # 2 x 2 tiles: a mean over H leaves W split
+        from torch.distributed.device_mesh import init_device_mesh
+        group = init_device_mesh("cpu", (2, 2))
+    model = parallelize_domain(AlongSplit(ALONG[name]), dims=(-2, -1) if group else -2,
+                               group=group)
+    with pytest.raises(ValueError, match="tile's points alone"):
+        model(torch.randn(1, 2, 4, 5))
+    return True
+
+
+@pytest.mark.parametrize("name", list(ALONG))
+def test_calls_along_a_split_dim_are_refused(name):
+    assert all(run_distributed(_along, 4 if name == "mean_of_h_only" else 2, name, timeout=T))

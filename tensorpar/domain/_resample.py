@@ -15,28 +15,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from tensorpar.collectives.functional import all_reduce
-from tensorpar.domain import _meet, _pad
-from tensorpar.domain._attention import refuse_functional
-from tensorpar.domain._flow import (
-    POOLED,
-    TILE,
-    Kind,
-    Scan,
-    output_kind,
-    reads_only_metadata,
-    tensors_in,
-)
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
-from tensorpar.domain._shares import share_parameters
 from tensorpar.domain._window import EmptyOut, spatial_index
 
-__all__ = ["MODES", "conv_transpose_forward", "enter_functional_mode", "exit_functional_mode",
-           "global_pool_forward", "interpolate", "upsample_forward"]
+__all__ = ["MODES", "conv_transpose_forward", "global_mean", "global_pool_forward",
+           "interpolate", "upsample_forward"]
 
 MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear")
 
@@ -222,126 +209,21 @@ def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> tor
     """
     if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
-    return global_mean(ctx, x, int(type(module).__name__[-2]), type(module).__name__)
+    k = int(type(module).__name__[-2])
+    return global_mean(ctx, x, range(x.dim() - k, x.dim()), type(module).__name__)
 
 
-def global_mean(ctx: DomainContext, x: torch.Tensor, k: int, name: str) -> torch.Tensor:
-    """The mean of the tiles over their last ``k`` dims and the whole domain (see above)."""
-    dims = list(range(x.dim() - k, x.dim()))
+def global_mean(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: str,
+                keepdim: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The mean of the tiles over ``dims`` (every split dim among them) and the whole domain.
+
+    Replicated, as `global_pool_forward`'s; counts as a global pooling of the forward.
+    """
+    dims = sorted({d % x.dim() for d in dims})
     count = _global_count(ctx, x, dims, f"{name} (domain-parallel)")
-    total = x.sum(dims, keepdim=True)
+    total = x.sum(dims, keepdim=keepdim, dtype=dtype)
     for g in ctx.groups:
         if not g.is_single:
             total = all_reduce(total, backward="identity", group=g)
     ctx.poolings += 1
     return total / count
-
-
-class _FunctionalCalls(TorchFunctionMode):
-    """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted.
-
-    Every call's output is marked a tile or pooled features (`_flow`); where pooled
-    features meet the tiles, their gradient is summed over the domain (`_meet`); the
-    parameters a call on pooled features uses give shares (`share_parameters`).
-    """
-
-    def __init__(self, ctx: DomainContext) -> None:
-        super().__init__()
-        self.ctx = ctx
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        ctx = self.ctx
-        if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
-            return self._call(func, args, kwargs, _UNTRACKED)
-        scan = ctx.marks.scan(args, kwargs)
-        poolings = ctx.poolings
-        kind: Kind | None = None
-        entered = None
-        if POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func):
-            met = _meet.into_tiles(ctx, getattr(func, "__name__", str(func)), args, kwargs)
-            if met is not None:
-                args, kwargs = met
-                kind = TILE
-        else:
-            entered = _meet.spread_input(ctx, func, args, scan)
-        out = self._call(func, args, kwargs, scan)
-        if entered is not None:  # pooled features spread: to the tile's extent?
-            if _meet.spreads_to_tiles(ctx, out):
-                out = self._call(func, (entered, *args[1:]), kwargs, scan)
-                kind = TILE
-            else:
-                kind = POOLED
-        if scan.params and any(t.requires_grad for t in tensors_in(out)):
-            ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
-        if ctx.poolings > poolings:
-            kind = POOLED
-        elif kind is None:
-            kind = output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
-        ctx.marks.mark(out, kind)
-        if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
-            ctx.marks.mark(args[0], kind)
-        return out
-
-    def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
-              ) -> Any:
-        ctx = self.ctx
-        if TILE in scan.kinds and ctx.domain_size > 1:
-            refuse_functional(func)
-        kind = TILE if TILE in scan.kinds else POOLED if POOLED in scan.kinds else None
-        on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
-        if func is F.pad and on_tiles:
-            pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
-            pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
-            return _pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
-        if func in _ADAPTIVE_AVG and on_tiles:  # a global pooling written as a call
-            size = args[1] if len(args) > 1 else kwargs["output_size"]
-            k = _ADAPTIVE_AVG[func]
-            if any(s != 1 for s in (size if isinstance(size, (tuple, list)) else (size,) * k)):
-                raise ValueError(f"{func.__name__} (domain-parallel): only output size 1 (the "
-                                 f"mean over the whole domain) is converted, got {size!r}")
-            with ctx.own_calls():
-                return global_mean(ctx, args[0] if args else kwargs["input"], k,
-                                   func.__name__)
-        if func is F.interpolate and on_tiles:
-            names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
-            call = dict(zip(names, args[1:], strict=False))
-            call.update({n: kwargs[n] for n in names if n in kwargs})
-            if kwargs.get("antialias"):
-                raise ValueError("interpolate (domain-parallel): antialias=True is not "
-                                 "supported over a split domain")
-            return interpolate(ctx, args[0] if args else kwargs["input"], **call)
-        if func is F.interpolate and (empty := _meet.interpolate_to_empty(args, kwargs)) \
-                is not None:
-            return empty
-        # a parameter used on pooled features: its gradient is whole on every tile
-        on_pooled = ctx.dense if ctx.internal else TILE not in scan.kinds and ctx.pooled(kind)
-        if on_pooled and ctx.domain_size > 1:
-            args, kwargs = share_parameters(args, kwargs, ctx.domain_size)
-        return func(*args, **kwargs)
-
-
-_UNTRACKED = Scan(set(), 0, [])  # (never changed)
-_ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
-
-
-def _in_place(func: Any) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = y``)."""
-    name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
-
-
-def enter_functional_mode(ctx: DomainContext) -> None:
-    """Start converting functional calls (the model's entry)."""
-    mode = _FunctionalCalls(ctx)
-    mode.__enter__()  # type: ignore[no-untyped-call]
-    ctx.modes.append(mode)
-
-
-def exit_functional_mode(ctx: DomainContext) -> None:
-    """Stop converting functional calls (the model's exit, also after an exception)."""
-    if ctx.modes:
-        ctx.modes.pop().__exit__(None, None, None)
-    if not ctx.modes:
-        ctx.active = False

@@ -15,7 +15,7 @@ from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
-from tensorpar.domain import _attention, _neuralop, _norms, _resample, _window
+from tensorpar.domain import _attention, _calls, _neuralop, _norms, _resample, _window
 from tensorpar.domain._flow import POOLED
 from tensorpar.domain._layout import DomainContext
 
@@ -417,13 +417,13 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
         raise TypeError("parallelize_domain: the model's forward got no tensor argument "
                         "(the first one is the image tile)")
     ctx.begin(x)
-    _resample.enter_functional_mode(ctx)
+    _calls.enter_functional_mode(ctx)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _exit(model: nn.Module, args: object, output: object) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
-    _resample.exit_functional_mode(ctx)
+    _calls.exit_functional_mode(ctx)
 
 
 def domain_context(model: nn.Module) -> DomainContext:

@@ -1,0 +1,197 @@
+"""While a converted model runs: its functional calls followed, and converted on tiles.
+
+A torch function mode sees every call the model's forward makes outside the converted
+layers. It marks each output a tile or pooled features (`_flow`), converts ``F.pad``,
+``F.interpolate``, a global pooling written as ``F.adaptive_avg_pool2d(x, 1)`` or as a
+``mean`` over the split dims, refuses what would silently see the tile alone (attention,
+a softmax or a sort along a split dim), lets pooled features into the tiles (`_meet`),
+and gives the parameters used on pooled features their shares (`_shares`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from tensorpar.domain import _meet, _pad
+from tensorpar.domain._attention import refuse_functional
+from tensorpar.domain._flow import (
+    POOLED,
+    TILE,
+    Kind,
+    Scan,
+    output_kind,
+    reads_only_metadata,
+    tensors_in,
+)
+from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._resample import global_mean, interpolate
+from tensorpar.domain._shares import share_parameters
+
+__all__ = ["enter_functional_mode", "exit_functional_mode"]
+
+
+class _FunctionalCalls(TorchFunctionMode):
+    """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted.
+
+    Every call's output is marked a tile or pooled features (`_flow`); where pooled
+    features meet the tiles, their gradient is summed over the domain (`_meet`); the
+    parameters a call on pooled features uses give shares (`share_parameters`).
+    """
+
+    def __init__(self, ctx: DomainContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        ctx = self.ctx
+        if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
+            return self._call(func, args, kwargs, _UNTRACKED)
+        scan = ctx.marks.scan(args, kwargs)
+        poolings = ctx.poolings
+        kind: Kind | None = None
+        entered = None
+        if POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func):
+            met = _meet.into_tiles(ctx, getattr(func, "__name__", str(func)), args, kwargs)
+            if met is not None:
+                args, kwargs = met
+                kind = TILE
+        else:
+            entered = _meet.spread_input(ctx, func, args, scan)
+        out = self._call(func, args, kwargs, scan)
+        if entered is not None:  # pooled features spread: to the tile's extent?
+            if _meet.spreads_to_tiles(ctx, out):
+                out = self._call(func, (entered, *args[1:]), kwargs, scan)
+                kind = TILE
+            else:
+                kind = POOLED
+        if scan.params and any(t.requires_grad for t in tensors_in(out)):
+            ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
+        if ctx.poolings > poolings:
+            kind = POOLED
+        elif kind is None:
+            kind = output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
+        ctx.marks.mark(out, kind)
+        if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
+            ctx.marks.mark(args[0], kind)
+        return out
+
+    def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
+              ) -> Any:
+        ctx = self.ctx
+        if TILE in scan.kinds and ctx.domain_size > 1:
+            refuse_functional(func)
+        kind = TILE if TILE in scan.kinds else POOLED if POOLED in scan.kinds else None
+        on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
+        if func is F.pad and on_tiles:
+            pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
+            pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
+            return _pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
+        if func in _ADAPTIVE_AVG and on_tiles:  # a global pooling written as a call
+            size = args[1] if len(args) > 1 else kwargs["output_size"]
+            k = _ADAPTIVE_AVG[func]
+            if any(s != 1 for s in (size if isinstance(size, (tuple, list)) else (size,) * k)):
+                raise ValueError(f"{func.__name__} (domain-parallel): only output size 1 (the "
+                                 f"mean over the whole domain) is converted, got {size!r}")
+            x = args[0] if args else kwargs["input"]
+            with ctx.own_calls():
+                return global_mean(ctx, x, range(x.dim() - k, x.dim()), func.__name__)
+        if on_tiles and func in _ALONG_DIMS:
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, torch.Tensor) and (split := _split_dims_reduced(ctx, x, args,
+                                                                           kwargs)):
+                return self._reduce(func, x, split, args, kwargs)
+        if func is F.interpolate and on_tiles:
+            names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
+            call = dict(zip(names, args[1:], strict=False))
+            call.update({n: kwargs[n] for n in names if n in kwargs})
+            if kwargs.get("antialias"):
+                raise ValueError("interpolate (domain-parallel): antialias=True is not "
+                                 "supported over a split domain")
+            return interpolate(ctx, args[0] if args else kwargs["input"], **call)
+        if func is F.interpolate and (empty := _meet.interpolate_to_empty(args, kwargs)) \
+                is not None:
+            return empty
+        # a parameter used on pooled features: its gradient is whole on every tile
+        on_pooled = ctx.dense if ctx.internal else TILE not in scan.kinds and ctx.pooled(kind)
+        if on_pooled and ctx.domain_size > 1:
+            args, kwargs = share_parameters(args, kwargs, ctx.domain_size)
+        return func(*args, **kwargs)
+
+
+    def _reduce(self, func: Any, x: torch.Tensor, split: tuple[set[int], set[int]],
+                args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+        """A call along split dims of a tile: ``mean`` over all of them converted."""
+        dims, splits = split
+        name = getattr(func, "__name__", str(func))
+        if func not in _MEANS or not splits <= dims:
+            raise ValueError(
+                f"{name} (domain-parallel) along the split dim(s) {sorted(splits & dims)} of a "
+                f"tile would see the tile's points alone; only a mean over every split dim (a "
+                f"global pooling) is converted. Compute it before the split, or over the "
+                f"gathered tensor")
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        with self.ctx.own_calls():
+            return global_mean(self.ctx, x, sorted(dims), name, keepdim=bool(keepdim),
+                               dtype=kwargs.get("dtype"))
+
+
+def _split_dims_reduced(ctx: DomainContext, x: torch.Tensor, args: Sequence[Any],
+                        kwargs: dict[str, Any]) -> tuple[set[int], set[int]] | None:
+    """The dims a call along dims works on and the split ones (``None``: no split dim).
+
+    Only for a tile with the image's dims (after a reshape, which dims are split is not
+    known) and dims given as ints.
+    """
+    if x.dim() != ctx.ndim:
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        dims = {dim % x.dim()}
+    elif isinstance(dim, (tuple, list)) and dim and all(isinstance(d, int) for d in dim):
+        dims = {d % x.dim() for d in dim}
+    else:
+        return None  # (the whole tensor: a loss of the tile's part; or no dim)
+    splits = {x.dim() + d for d in ctx.dims}
+    return (dims, splits) if dims & splits else None
+
+
+_UNTRACKED = Scan(set(), 0, [])  # (never changed)
+_MEANS = frozenset({torch.mean, torch.Tensor.mean})
+_ALONG_DIMS = _MEANS | {
+    torch.var, torch.Tensor.var, torch.std, torch.Tensor.std, torch.var_mean, torch.std_mean,
+    torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max, torch.Tensor.max,
+    torch.min, torch.Tensor.min, torch.logsumexp, torch.Tensor.logsumexp, torch.median,
+    torch.Tensor.median, torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin,
+    torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax,
+    torch.Tensor.log_softmax, F.log_softmax, torch.cumsum, torch.Tensor.cumsum, torch.cumprod,
+    torch.Tensor.cumprod, torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort}
+"""Calls along dims that would see a tile's points alone along a split dim."""
+_ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = y``)."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+
+
+def enter_functional_mode(ctx: DomainContext) -> None:
+    """Start converting functional calls (the model's entry)."""
+    mode = _FunctionalCalls(ctx)
+    mode.__enter__()  # type: ignore[no-untyped-call]
+    ctx.modes.append(mode)
+
+
+def exit_functional_mode(ctx: DomainContext) -> None:
+    """Stop converting functional calls (the model's exit, also after an exception)."""
+    if ctx.modes:
+        ctx.modes.pop().__exit__(None, None, None)
+    if not ctx.modes:
+        ctx.active = False
