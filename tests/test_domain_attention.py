@@ -1,5 +1,6 @@
 """Attention over a split domain: diffusers' spatial self-attention (``Attention``, in
-``UNet2DModel``'s attention blocks and mid block) attends over every rank's points, float64
+``UNet2DModel``'s attention blocks and mid block) and MONAI's ``SpatialAttentionBlock`` (in
+``DiffusionModelUNet`` and ``AutoencoderKL``) attend over every rank's points, float64
 within 1e-10 of dense; attention the conversion does not know is refused, not run on the
 tile's points alone."""
 
@@ -314,3 +315,87 @@ def test_autoencoder_strips_and_tiles():
     assert max(run_distributed(_autoencoder, 3, ([7, 0, 5],), (-1,), None, timeout=T)) < TOL
     assert max(run_distributed(_autoencoder, 4, ([5, 7], [8, 4]), (-2, -1), (2, 2),
                                timeout=T)) < TOL
+
+
+def monai_diffusion_unet(spatial_dims=2):
+    from monai.networks.nets import DiffusionModelUNet
+    return DiffusionModelUNet(spatial_dims=spatial_dims, in_channels=1, out_channels=1,
+                              num_res_blocks=1, channels=(8, 16), attention_levels=(False, True),
+                              norm_num_groups=4, num_head_channels=8)
+
+
+class _Reconstruct(nn.Module):
+    """MONAI's AutoencoderKL through its mean latent (its sampled one draws noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from monai.networks.nets import AutoencoderKL
+        self.vae = AutoencoderKL(spatial_dims=2, in_channels=1, out_channels=1,
+                                 num_res_blocks=(1, 1), channels=(8, 16),
+                                 attention_levels=(False, True), norm_num_groups=4,
+                                 latent_channels=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vae.reconstruct(x)  # type: ignore[no-any-return]
+
+
+def _monai(name, shape, dims, splits, mesh, steps):
+    warnings.filterwarnings("ignore")
+    if name == "autoencoder":
+        return check(_Reconstruct, shape, dims, splits, mesh_shape=mesh, steps=steps, lr=0.01)
+    return check(lambda: monai_diffusion_unet(len(shape) - 2), shape, dims, splits,
+                 mesh_shape=mesh, extra=_timestep, steps=steps, lr=0.01)
+
+
+def test_monai_diffusion_unet_with_attention_two_ranks():
+    pytest.importorskip("monai")
+    assert max(run_distributed(_monai, 2, "unet", [2, 1, 16, 12], (-2,), ([9, 7],), None, 2,
+                               timeout=T)) < TOL
+
+
+@pytest.mark.slow
+def test_monai_diffusion_unet_3d_three_ranks_and_an_empty_tile():
+    pytest.importorskip("monai")
+    assert max(run_distributed(_monai, 3, "unet", [2, 1, 8, 6, 6], (-3,), ([5, 0, 3],), None,
+                               0, timeout=T)) < TOL
+
+
+@pytest.mark.slow
+def test_monai_autoencoder_strips_and_tiles():
+    pytest.importorskip("monai")
+    assert max(run_distributed(_monai, 2, "autoencoder", [2, 1, 12, 16], (-1,), ([7, 9],),
+                               None, 2, timeout=T)) < TOL
+    assert max(run_distributed(_monai, 4, "autoencoder", [2, 1, 12, 16], (-2, -1),
+                               ([5, 7], [9, 7]), (2, 2), 0, timeout=T)) < TOL
+
+
+class _Tokens(nn.Module):
+    """MONAI's SABlock on the tile's points, outside a SpatialAttentionBlock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from monai.networks.blocks import SABlock
+        self.attn = SABlock(hidden_size=4, num_heads=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x.flatten(2).transpose(1, 2))  # type: ignore[no-any-return]
+
+
+def _monai_refused(what):
+    from tensorpar.nn import parallelize_domain
+    if what == "tokens":
+        model: nn.Module = _Tokens()
+    else:
+        model = monai_diffusion_unet()
+        for m in model.modules():
+            if type(m).__name__ == "SABlock":
+                m.save_attn = True
+    with pytest.raises(ValueError, match="SABlock" if what == "tokens" else "save_attn"):
+        parallelize_domain(model, dims=-2)
+    return True
+
+
+@pytest.mark.parametrize("what", ["tokens", "saved_attention"])
+def test_monai_attention_not_converted_is_refused(what):
+    pytest.importorskip("monai")
+    assert all(run_distributed(_monai_refused, 2, what, timeout=T))

@@ -38,7 +38,7 @@ from tensorpar.context.attention import ring_attention
 from tensorpar.domain._flow import TILE
 from tensorpar.domain._layout import DomainContext
 
-__all__ = ["ATTENTION", "convert", "refusal", "refuse_functional"]
+__all__ = ["ATTENTION", "attend", "convert", "refusal", "refuse_functional"]
 
 ATTENTION = "diffusers.models.attention_processor.Attention"
 _DEFAULT_PROCESSOR = "AttnProcessor2_0"
@@ -110,7 +110,7 @@ class _DomainAttnProcessor:
         q, k, v = (t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2)
                    for t in (q, k, v))
         with ctx.own_calls():
-            out = _attend(ctx, x, q, k, v, where)
+            out = attend(ctx, x, q, k, v, where)
         ctx.marks.mark(out, TILE)
         out = out.transpose(1, 2).reshape(b, -1, out.shape[1] * out.shape[-1]).to(q.dtype)
         out = attn.to_out[1](attn.to_out[0](out))
@@ -120,7 +120,7 @@ class _DomainAttnProcessor:
         return out / attn.rescale_output_factor  # type: ignore[no-any-return]
 
 
-def _attend(ctx: DomainContext, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def attend(ctx: DomainContext, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, where: str) -> torch.Tensor:
     """Attention of this tile's queries over every rank's keys and values."""
     extents = list(x.shape[2:])  # the tile's points per spatial dim (keys gathered so far)

@@ -15,7 +15,7 @@ from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
-from tensorpar.domain import _attention, _calls, _neuralop, _norms, _resample, _window
+from tensorpar.domain import _attention, _calls, _monai, _neuralop, _norms, _resample, _window
 from tensorpar.domain._flow import POOLED
 from tensorpar.domain._layout import DomainContext
 
@@ -64,6 +64,7 @@ _KNOWN_POINTWISE = frozenset({
     "monai.networks.blocks.activation.Swish",  # MONAI's activations
     "monai.networks.blocks.activation.MemoryEfficientSwish",
     "monai.networks.blocks.activation.Mish",
+    "monai.networks.nets.autoencoderkl.AsymmetricPad",  # calls F.pad (converted)
 })
 """Leaf layers of other libraries, by qualified class name, that never see the image."""
 
@@ -93,7 +94,8 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
     """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
     label = f"{name or '<model>'} ({type(module).__name__})"
     why = _neuralop.refusal(module, _qualname(module), dims) \
-        or _attention.refusal(module, _qualname(module))
+        or _attention.refusal(module, _qualname(module)) \
+        or _monai.refusal(module, _qualname(module))
     if why is not None:
         return f"{label}: {why}"
     fwd = _forward_for(module)
@@ -140,16 +142,18 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     ``"same"``, ``"valid"``; padding modes zeros, circular, reflect, replicate),
     ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool`` to
     size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``BatchNorm``, ``GroupNorm``,
-    ``InstanceNorm``, ``LayerNorm``; diffusers' spatial self-attention (``Attention``:
-    ring attention over the domain's points); neuraloperator's 2-D ``SpectralConv`` split
-    along H (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings. Pointwise
-    layers run as they are. Any other leaf layer, and the neuraloperator options that
-    cannot be converted (``domain_padding``, ``complex_data``, resampling), are refused,
-    on every rank, before anything changes. ``F.interpolate`` and ``F.pad`` (also through
-    the padding layers) called inside a forward are converted while the
-    model runs; ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` on
-    tensors derived from the tile raise; other functional calls are not converted (see the
-    domain parallelism guide).
+    ``InstanceNorm``, ``LayerNorm``; diffusers' and MONAI's spatial self-attention
+    (``Attention``, ``SpatialAttentionBlock``: ring attention over the domain's points);
+    neuraloperator's 2-D ``SpectralConv`` split along H (a distributed real FFT,
+    `distributed_rfft2_apply`) and grid embeddings. Pointwise layers run as they are. Any
+    other leaf layer, and the neuraloperator options that cannot be converted
+    (``domain_padding``, ``complex_data``, resampling), are refused, on every rank, before
+    anything changes. ``F.interpolate``, ``F.pad`` (also through the padding layers) and a
+    ``mean`` over every split dim called inside a forward are converted while the model
+    runs; ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, and a softmax, sort
+    or reduction other than the mean along a split dim raise on tensors derived from the
+    tile; other functional calls are not converted (see the domain parallelism guide).
+    Pooled features may go back into the tiles (squeeze-and-excitation).
 
     The first tensor argument of the model's forward is the image input; other arguments
     (a timestep) pass through. Every tile's size along each split dim is exchanged once per
@@ -197,7 +201,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     groups = _groups(fn, dims_t, group)
     if getattr(model, _CTX, None) is not None:
         raise ValueError(f"{fn}: the model is already domain-parallel")
-    inside = _inside_converted(model)
+    inside = _inside_converted(model) | _monai.handled_inside(model)
     problems = [p for name, m in model.named_modules()
                 if id(m) not in inside and (p := _refusal(name, m, pointwise, dims_t))]
     if problems:
@@ -213,6 +217,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             _override(m, *conv, ctx)
         elif _qualname(m) == _attention.ATTENTION:
             _attention.convert(m, ctx)
+        elif _qualname(m) == _monai.SPATIAL_ATTENTION:
+            _monai.convert(m, ctx)
         # a converted layer's parameters include its children's (tltorch's spectral weight)
         if any(True for _ in m.parameters(recurse=conv is not None)):
             _hook_parameters(m, ctx, recurse=conv is not None)
