@@ -65,6 +65,7 @@ _KNOWN_POINTWISE = frozenset({
     "monai.networks.blocks.activation.MemoryEfficientSwish",
     "monai.networks.blocks.activation.Mish",
     "monai.networks.nets.autoencoderkl.AsymmetricPad",  # calls F.pad (converted)
+    "monai.networks.layers.simplelayers.ChannelPad",  # pads channels (or a 1x1 conv child)
 })
 """Leaf layers of other libraries, by qualified class name, that never see the image."""
 
