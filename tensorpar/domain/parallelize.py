@@ -171,7 +171,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             names): layers that act on each point or never see the image. Built in: torch's
             activations, dropout, ``Linear``, ``Embedding``, ``Flatten``, diffusers'
             ``Timesteps``, neuraloperator's ``SoftGating`` and MONAI's ``Swish``,
-            ``MemoryEfficientSwish`` and ``Mish``.
+            ``MemoryEfficientSwish``, ``Mish``, ``ChannelPad`` and ``AsymmetricPad``.
         double_backward: keep every layer differentiable any number of times (a gradient
             penalty, a physics-informed loss on input derivatives). Default ``False``:
             convolutions on strips compute while their halo travels and the norms run
