@@ -100,7 +100,7 @@ def _names(family="llama"):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2),
-                                              ("zero-bubble", 1)])
+                                              ("zero-bubble", 1), ("zero-bubble", 2)])
 def test_llama_equals_dense(schedule, virtual, world_size):
     if virtual * world_size > 4:
         pytest.skip("4 decoder layers fill at most 4 stages")

@@ -6,10 +6,10 @@ same number of microbatches, one step (every forward and backward) timed in inte
 rounds:
 
 - tensorpar: ``tensorpar.nn.pipeline`` with ``schedule="gpipe"``, ``"1f1b"``, ``"1f1b"``
-  with 2 virtual stages per rank (interleaved) and ``"zero-bubble"`` (ZB-H1, one stage
-  per rank);
+  with 2 virtual stages per rank (interleaved), ``"zero-bubble"`` (ZB-H1, one stage per
+  rank) and ``"zero-bubble"`` with 2 virtual stages per rank;
 - torch: ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and, beside
-  the zero-bubble case, ``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedules
+  both zero-bubble cases, ``ScheduleInterleavedZeroBubble`` (torch's zero-bubble schedules
   run 2 stages per rank) over ``PipelineStage``\\ s of the same blocks.
 
 The step time is the slowest rank's. ``compute`` is the time a rank takes for the same
@@ -18,7 +18,7 @@ with no communication (timed in the same round, while the other ranks do the sam
 bubble is ``1 - compute / step`` of the rank with the most compute, the stage that sets the
 pace: all of its step that is not its own arithmetic counts (idle waits, transfers,
 headers, Python overhead). Theory's ``(P - 1) / (V * m + P - 1)`` (zero-bubble:
-``(P - 1) / (3 m + P - 1)``, its clock with F, B and W a tick each) assumes equal stages;
+``(P - 1) / (3 V m + P - 1)``, its clock with F, B and W a tick each) assumes equal stages;
 these are not quite equal (the first stage computes no gradient for the batch, the last
 computes the loss), so a faster stage also waits for the slower one: the mean over the
 ranks of ``1 - compute / step`` (``idle``) counts that too. Both are given for both
@@ -47,7 +47,8 @@ SHAPE = {"width": 1024, "blocks_per_rank": 4, "rows": 64}
 
 CASES = (("gpipe", "gpipe", 1, "ScheduleGPipe", 1), ("1f1b", "1f1b", 1, "Schedule1F1B", 1),
          ("interleaved", "1f1b", 2, "ScheduleInterleaved1F1B", 2),
-         ("zero-bubble", "zero-bubble", 1, "ScheduleInterleavedZeroBubble", 2))
+         ("zero-bubble", "zero-bubble", 1, "ScheduleInterleavedZeroBubble", 2),
+         ("zero-bubble-interleaved", "zero-bubble", 2, "ScheduleInterleavedZeroBubble", 2))
 """``(name, tensorpar schedule, its virtual stages, torch schedule class, its virtual stages)``."""
 
 

@@ -353,14 +353,15 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
     print("(one training step of an nn.Sequential of Linear+GELU blocks, float32, sizes in "
           "tensorpar.bench.pipeline.SHAPE; torch: torch.distributed.pipelining's ScheduleGPipe "
           "/ Schedule1F1B / ScheduleInterleaved1F1B (2 virtual stages) / "
-          "ScheduleInterleavedZeroBubble (2 virtual stages; tensorpar's zero-bubble runs 1) "
+          "ScheduleInterleavedZeroBubble (2 virtual stages; beside tensorpar's zero-bubble "
+          "with 1 and with 2) "
           "on the same blocks; "
           "step: the slowest rank's, median over rounds; paired: median over rounds of the "
           "ratio within a round; compute: a rank's forwards and backwards of the same "
           "microbatches alone (no communication), slowest rank; bubble: 1 - compute / step "
           "of the rank with the most compute, in the same round, median over rounds "
           "(tensorpar's step, and torch's); theory: (P - 1) / (V m + P - 1) (zero-bubble: "
-          "(P - 1) / (3 m + P - 1)), for equal stages; idle: 1 - compute / step per rank, "
+          "(P - 1) / (3 V m + P - 1)), for equal stages; idle: 1 - compute / step per rank, "
           "mean over ranks (adds the faster stages' waits for the slower))")
     return results
 

@@ -88,12 +88,15 @@ class Pipeline(nn.Module):
         mine = [s for s in specs if s.index % g.size == g.rank]
         rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
         if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
+            even = -(-microbatches // g.size) * g.size
+            fix = f"use a number of microbatches divisible by {g.size}" \
+                if in_order(build_schedule(schedule, g.size, even, virtual_stages), g.size) \
+                else "use 3 or more ranks, virtual_stages=1 or schedule='1f1b'"
             raise CollectiveArgumentError(
                 f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
                 f"microbatches={microbatches}, activations and gradients travel the same way "
                 f"between two ranks in an order the receiver cannot follow without tags, "
-                f"which the {_backend(g)!r} backend ignores; use a number of microbatches "
-                f"divisible by {g.size}")
+                f"which the {_backend(g)!r} backend ignores; {fix}")
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
         # a parameter on two ranks' stages (an embedding tied to the LM head): the two
@@ -474,8 +477,9 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
             they need not divide it).
         schedule: ``"gpipe"``, ``"1f1b"`` (interleaved 1F1B when ``virtual_stages > 1``) or
             ``"zero-bubble"`` (ZB-H1: each backward split into the input's gradient and
-            the weights', run later where the rank would wait; one stage per rank; see
-            `tensorpar.pipeline.split_backward` for what it costs and does not run).
+            the weights', run later where the rank would wait; interleaved too when
+            ``virtual_stages > 1``; see `tensorpar.pipeline.split_backward` for what it
+            costs and does not run).
         loss_fn: ``(output, target) -> loss`` of a microbatch, mean-reduced over its rows;
             ``None`` for a transformers model: its own causal-LM loss (``labels``).
         virtual_stages: stages per rank (interleaving).

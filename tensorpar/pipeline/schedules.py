@@ -14,12 +14,14 @@ stages, stage ``k`` on rank ``k % P`` (round-robin), which is what interleaving 
 - ``"1f1b"``: after a warm-up, one forward then one backward; a rank holds at most
   ``P - rank`` microbatches' activations (interleaved 1F1B when ``V > 1``: microbatches
   in groups of ``P``, each group through the rank's stages in turn).
-- ``"zero-bubble"`` (ZB-H1, one stage per rank): 1F1B with each backward split in two,
-  ``B`` (the input's gradient, which the previous stage waits for) and ``W`` (the
-  weights' gradients, which no one waits for); a rank runs a ``W`` when it has nothing
-  else to run, or when ``cap`` of them are pending. On its clock F, B and W take a tick
-  each, and ``cap`` (0 to ``P``) is the smallest that gives the shortest step. A rank
-  holds at most ``P - rank + cap`` microbatches' activations (until their ``W``).
+- ``"zero-bubble"`` (ZB-H1): 1F1B with each backward split in two, ``B`` (the input's
+  gradient, which the previous stage waits for) and ``W`` (the weights' gradients, which
+  no one waits for); a rank runs a ``W`` when it has nothing else to run, or when ``cap``
+  of them are pending. On its clock F, B and W take a tick each, and ``cap`` (0 to ``P``)
+  is the smallest that gives the shortest step. A rank holds at most 1F1B's activations
+  plus ``cap`` (until their ``W``). With ``V > 1`` it is interleaved the same way (the
+  order of interleaved 1F1B, each backward split): with ``m >= P`` its idle fraction on
+  the clock is ``(P - 1) / (3 V m + P - 1)``, the warm-up's hops alone.
 """
 
 from __future__ import annotations
@@ -97,12 +99,11 @@ def timeline(schedule: str, ranks: int, microbatches: int, virtual_stages: int =
     ``"zero-bubble"`` is played for each ``cap`` of pending ``W`` (see the module doc).
 
     Raises:
-        CollectiveArgumentError: an unknown schedule, counts below 1, or
-            ``"zero-bubble"`` with ``virtual_stages > 1``.
+        CollectiveArgumentError: an unknown schedule, or counts below 1.
     """
     _check(schedule, ranks, microbatches, virtual_stages)
     if schedule == SPLIT:
-        plays = [_play(schedule, ranks, microbatches, 1, False, cap)
+        plays = [_play(schedule, ranks, microbatches, virtual_stages, False, cap)
                  for cap in range(ranks + 1)]
     else:
         plays = [_play(schedule, ranks, microbatches, virtual_stages, prefer)
@@ -132,10 +133,6 @@ def _check(schedule: str, ranks: int, microbatches: int, virtual_stages: int) ->
                         ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CollectiveArgumentError(f"pipeline: {name} must be an int >= 1, got {value!r}")
-    if schedule == SPLIT and virtual_stages > 1:
-        raise CollectiveArgumentError(
-            f"pipeline: schedule={SPLIT!r} runs one stage per rank (ZB-H1), got "
-            f"virtual_stages={virtual_stages}; use schedule='1f1b' to interleave")
 
 
 def _play(schedule: str, ranks: int, microbatches: int, virtual_stages: int,
@@ -211,8 +208,9 @@ def in_order(rows: list[list[Action]], ranks: int) -> bool:
 
     A backend that ignores tags (NCCL) pairs the transfers between two ranks in the order
     they are issued; gloo pairs them by tag and needs no such order. True for every
-    schedule here except interleaving on 2 ranks with an odd number of microbatches, where
-    activations and gradients travel the same way between the two ranks.
+    schedule here except interleaving on 2 ranks (1F1B with an odd number of microbatches,
+    zero-bubble with any), where activations and gradients travel the same way between the
+    two ranks.
     """
     last = len(rows) and max(a.stage for row in rows for a in row)
     sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
@@ -240,13 +238,13 @@ def bubble_fraction(ranks: int, microbatches: int, virtual_stages: int = 1, *,
     """The idle fraction of a step in theory.
 
     ``(P - 1) / (V * m + P - 1)`` for GPipe and (interleaved) 1F1B; for ``"zero-bubble"``
-    the idle fraction of its clock (F, B and W a tick each), ``(P - 1) / (3 m + P - 1)``
+    the idle fraction of its clock (F, B and W a tick each), ``(P - 1) / (3 V m + P - 1)``
     where the pending ``W`` fill every wait.
     """
     if schedule != SPLIT:
         return (ranks - 1) / (virtual_stages * microbatches + ranks - 1)
     rows = timeline(schedule, ranks, microbatches, virtual_stages)
-    return 1 - 3 * microbatches / _end(schedule, rows)
+    return 1 - 3 * microbatches * virtual_stages / _end(schedule, rows)
 
 
 def render(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> str:
