@@ -471,3 +471,27 @@ def _frozen_first_stage():
 @pytest.mark.timeout(60)
 def test_frozen_first_stage():
     run_distributed(_frozen_first_stage, 2, timeout=50)
+
+
+def _out_of_order_refused_without_tags():
+    from tensorpar.pipeline import pipe as pipe_module
+    real = pipe_module._backend
+    pipe_module._backend = lambda group: "nccl"  # a backend that pairs transfers by order
+    try:
+        messages = []
+        for schedule, microbatches in (("1f1b", 3), ("zero-bubble", 4)):
+            with pytest.raises(ValueError, match="cannot follow without tags") as err:
+                tp.nn.pipeline(sequential(), microbatches=microbatches, schedule=schedule,
+                               loss_fn=F.mse_loss, virtual_stages=2)
+            messages.append(str(err.value))
+        return messages
+    finally:
+        pipe_module._backend = real
+
+
+@pytest.mark.timeout(60)
+def test_an_order_a_backend_without_tags_cannot_follow_is_refused():
+    for odd_1f1b, zero_bubble in run_distributed(_out_of_order_refused_without_tags, 2,
+                                                 timeout=50):
+        assert "divisible by 2" in odd_1f1b
+        assert "3 or more ranks" in zero_bubble
