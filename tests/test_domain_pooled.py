@@ -135,7 +135,7 @@ def test_pooled_features_back_in_a_grid_of_tiles_equal_dense(name):
 
 
 class Unfollowed(nn.Module):
-    """Pooled features spread to the tile's shape through ``ones_like``: not followed."""
+    """Pooled features spread to the tile's shape by a fresh constant: not followed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -143,7 +143,7 @@ class Unfollowed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
-        spread = self.pool(y) * torch.ones_like(y)
+        spread = self.pool(y) * torch.ones(y.shape[-2:])
         return self.conv(torch.cat([y, spread], 1)[:, :2])
 
 
@@ -332,3 +332,23 @@ def _along(name):
 @pytest.mark.parametrize("name", list(ALONG))
 def test_calls_along_a_split_dim_are_refused(name):
     assert all(run_distributed(_along, 4 if name == "mean_of_h_only" else 2, name, timeout=T))
+
+
+class ConstantTileAfterPooling(SqueezeExcite):
+    """After a global pooling, a converted layer on ``torch.ones_like(tile)``: a tile still
+    (run as dense, the cut rows would see zero padding instead of the neighbour's ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.side(torch.ones_like(self.conv(x)))
+
+
+def _constant_tile(sizes):
+    return check(ConstantTileAfterPooling, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2)
+
+
+def test_a_constant_tile_made_after_a_pooling_is_a_tile():
+    assert max(run_distributed(_constant_tile, 3, [3, 0, 4], timeout=T)) < 1e-10

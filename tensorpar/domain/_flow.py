@@ -11,7 +11,8 @@ While a converted model runs, every tensor derived from the image tile is marked
 and every tensor derived from a global pooling's output (and not from a tile) is marked
 pooled: a converted layer marks its output, and the functional-call conversion marks the
 outputs of every other call from its inputs (`output_kind`; an in-place write marks its
-target). Tensors made otherwise (constants, the timestep, ``x.new_zeros``) are neither.
+target). Tensors made otherwise (constants, the timestep, ``x.new_zeros``) are neither;
+``torch.zeros_like(x)`` is what ``x`` is.
 The marks live for one forward, keyed by the tensor's identity.
 """
 
@@ -83,15 +84,16 @@ def output_kind(func: Any, args: Sequence[Any], out: Any, scan: Scan, marks: Mar
     """The kind of a call's output (raises where pooled features spread into tiles).
 
     A tensor argument that only gives a dtype, a device or a shape (``y.to(x)``,
-    ``x.new_zeros(...)``, ``torch.zeros_like(x)``) passes no mark on. Pooled features
+    ``x.new_zeros(...)``) passes no mark on; ``torch.zeros_like(x)`` has ``x``'s shape and
+    mark (a constant tile is a tile). Pooled features
     meeting a tile with the image's dims are `_meet`'s; here they meet a tile's partial
     reduction: allowed where nothing is broadcast over the tile's points (a loss made of
     a tile's partial sum plus a pooled one), refused where the pooled tensor is spread over
     more elements than it has. After the pooling a parameter is replicated data: what a
     call makes of it alone is pooled.
     """
-    if reads_only_metadata(func):
-        if getattr(func, "__name__", "") in ("to", "type_as") and args \
+    if reads_only_metadata(func):  # the first argument's shape (``_like``) or data (``to``)
+        if not getattr(func, "__name__", "").startswith("new_") and args \
                 and isinstance(args[0], torch.Tensor):
             return marks.kind_of(args[0])
         return None
