@@ -2,8 +2,9 @@
 
 A torch function mode sees every call the model's forward makes outside the converted
 layers. It marks each output a tile or pooled features (`_flow`), converts ``F.pad``,
-``F.interpolate``, a global pooling written as ``F.adaptive_avg_pool2d(x, 1)`` or as a
-``mean`` over the split dims, refuses what would silently see the tile alone (attention,
+``F.interpolate``, functional convolutions and poolings (as their layers), a global
+pooling written as ``F.adaptive_avg_pool2d(x, 1)`` or as a ``mean`` over the split dims,
+refuses what would silently see the tile alone (attention,
 a softmax or a sort along a split dim), lets pooled features into the tiles (`_meet`),
 and gives the parameters used on pooled features their shares (`_shares`).
 """
@@ -31,6 +32,7 @@ from tensorpar.domain._flow import (
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._resample import global_mean, interpolate
 from tensorpar.domain._shares import share_parameters
+from tensorpar.domain._window import conv_forward, pool_forward
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
 
@@ -102,6 +104,13 @@ class _FunctionalCalls(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             with ctx.own_calls():
                 return global_mean(ctx, x, range(x.dim() - k, x.dim()), func.__name__)
+        if on_tiles and func in _WITH_INDICES and TILE in scan.kinds:
+            raise ValueError(f"{func.__name__} (domain-parallel): the indices would be the "
+                             f"tile's; max pooling without indices is converted")
+        if on_tiles and (func in _CONVS or func in _POOLS) and TILE in scan.kinds:
+            layer = _as_layer(func, args, kwargs)  # a stencil: with its halo
+            with ctx.own_calls():
+                return (conv_forward if func in _CONVS else pool_forward)(layer, ctx, args[0])
         if on_tiles and func in _ALONG_DIMS:
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, torch.Tensor) and (split := _split_dims_reduced(ctx, x, args,
@@ -162,6 +171,68 @@ def _split_dims_reduced(ctx: DomainContext, x: torch.Tensor, args: Sequence[Any]
     return (dims, splits) if dims & splits else None
 
 
+class _Functional:
+    """A functional convolution's or pooling's arguments as its layer's attributes.
+
+    Made by `_as_layer` with a class of the layer's name (the converted forwards read the
+    dims and the kind from it).
+    """
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.__dict__.update(attrs)
+
+
+_LAYER_TYPES: dict[str, type[_Functional]] = {}
+
+
+def _as_layer(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> _Functional:
+    """``F.conv2d(x, w, ...)``, ``F.max_pool2d(x, 2)``... as the layer that would do it."""
+    names = ("input", *_CONVS.get(func, _POOLS.get(func, ("", 0, ())))[2])
+    given = dict(zip(names, args, strict=False)) | kwargs
+    if func in _CONVS:
+        k = _CONVS[func][1]
+        weight = given["weight"]
+        padding = given.get("padding", 0)
+        attrs = {"weight": weight, "bias": given.get("bias"),
+                 "stride": _per_dim(given.get("stride", 1), k),
+                 "padding": padding if isinstance(padding, str) else _per_dim(padding, k),
+                 "dilation": _per_dim(given.get("dilation", 1), k),
+                 "groups": given.get("groups", 1), "padding_mode": "zeros",
+                 "kernel_size": tuple(weight.shape[2:]), "out_channels": weight.shape[0]}
+        name = f"Conv{k}d"
+    else:
+        kind, k, _ = _POOLS[func]
+        if given.get("return_indices"):
+            raise ValueError(f"{func.__name__} (domain-parallel): return_indices=True (the "
+                             f"indices would be the tile's)")
+        attrs = {"kernel_size": given["kernel_size"], "stride": given.get("stride"),
+                 "padding": given.get("padding", 0), "dilation": given.get("dilation", 1),
+                 "ceil_mode": given.get("ceil_mode", False),
+                 "count_include_pad": given.get("count_include_pad", True),
+                 "divisor_override": given.get("divisor_override")}
+        name = f"{kind}{k}d"
+    layer_type = _LAYER_TYPES.setdefault(name, type(name, (_Functional,), {}))
+    return layer_type(attrs)
+
+
+def _per_dim(v: Any, k: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * k
+
+
+_CONV_ARGS = ("weight", "bias", "stride", "padding", "dilation", "groups")
+_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_AVG_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+             "divisor_override")
+_CONVS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
+    F.conv1d: ("Conv", 1, _CONV_ARGS), F.conv2d: ("Conv", 2, _CONV_ARGS),
+    F.conv3d: ("Conv", 3, _CONV_ARGS)}
+_POOLS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
+    F.max_pool1d: ("MaxPool", 1, _MAX_ARGS), F.max_pool2d: ("MaxPool", 2, _MAX_ARGS),
+    F.max_pool3d: ("MaxPool", 3, _MAX_ARGS), F.avg_pool1d: ("AvgPool", 1, _AVG_ARGS),
+    F.avg_pool2d: ("AvgPool", 2, _AVG_ARGS), F.avg_pool3d: ("AvgPool", 3, _AVG_ARGS)}
+"""Functional convolutions and poolings, converted on tiles as their layers."""
+_WITH_INDICES = frozenset({F.max_pool1d_with_indices, F.max_pool2d_with_indices,
+                           F.max_pool3d_with_indices})
 _UNTRACKED = Scan(set(), 0, [])  # (never changed)
 _MEANS = frozenset({torch.mean, torch.Tensor.mean})
 _ALONG_DIMS = _MEANS | {

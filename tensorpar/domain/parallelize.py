@@ -149,10 +149,11 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     `distributed_rfft2_apply`) and grid embeddings. Pointwise layers run as they are. Any
     other leaf layer, and the neuraloperator options that cannot be converted
     (``domain_padding``, ``complex_data``, resampling), are refused, on every rank, before
-    anything changes. ``F.interpolate``, ``F.pad`` (also through the padding layers) and a
-    ``mean`` over every split dim called inside a forward are converted while the model
-    runs; ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, and a softmax, sort
-    or reduction other than the mean along a split dim raise on tensors derived from the
+    anything changes. ``F.interpolate``, ``F.pad`` (also through the padding layers),
+    ``F.conv1d/2d/3d``, ``F.max_pool``/``F.avg_pool`` and a ``mean`` over every split dim
+    called inside a forward are converted while the model runs;
+    ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, and a softmax, sort or
+    reduction other than the mean along a split dim raise on tensors derived from the
     tile; other functional calls are not converted (see the domain parallelism guide).
     Pooled features may go back into the tiles (squeeze-and-excitation).
 
