@@ -43,7 +43,12 @@ def handled_inside(model: nn.Module) -> set[int]:
     Its ``SABlock`` and that block's rearrangements (einops layers, refused elsewhere).
     """
     return {id(d) for m in model.modules() if _qualname(m) == SPATIAL_ATTENTION
-            for d in (m.attn, m.attn.input_rearrange, m.attn.out_rearrange)}  # type: ignore[union-attr]
+            for d in (getattr(m, "attn", None), *_rearrangements(m)) if d is not None}
+
+
+def _rearrangements(block: nn.Module) -> tuple[Any, ...]:
+    attn = getattr(block, "attn", None)
+    return tuple(getattr(attn, name, None) for name in ("input_rearrange", "out_rearrange"))
 
 
 def refusal(module: nn.Module, qualname: str) -> str | None:
@@ -54,7 +59,11 @@ def refusal(module: nn.Module, qualname: str) -> str | None:
                 "over the tile's points alone")
     if qualname != SPATIAL_ATTENTION:
         return None
-    attn: Any = module.attn
+    attn: Any = getattr(module, "attn", None)
+    if attn is None or None in _rearrangements(module) \
+            or not hasattr(attn, "use_combined_linear"):
+        return ("SpatialAttentionBlock whose SABlock has no input_rearrange, "
+                "out_rearrange or use_combined_linear (another MONAI version): not converted")
     for name, why in (("causal", "causal attention"),
                       ("rel_positional_embedding", "relative positional embeddings"),
                       ("save_attn", "a saved attention matrix (save_attn)"),
