@@ -32,7 +32,7 @@ from tensorpar.domain._flow import (
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._resample import global_mean, interpolate
 from tensorpar.domain._shares import share_parameters
-from tensorpar.domain._window import conv_forward, pool_forward
+from tensorpar.domain._window import conv_forward, per_dim, pool_forward
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
 
@@ -194,9 +194,9 @@ def _as_layer(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> _Functi
         weight = given["weight"]
         padding = given.get("padding", 0)
         attrs = {"weight": weight, "bias": given.get("bias"),
-                 "stride": _per_dim(given.get("stride", 1), k),
-                 "padding": padding if isinstance(padding, str) else _per_dim(padding, k),
-                 "dilation": _per_dim(given.get("dilation", 1), k),
+                 "stride": per_dim(given.get("stride", 1), k),
+                 "padding": padding if isinstance(padding, str) else per_dim(padding, k),
+                 "dilation": per_dim(given.get("dilation", 1), k),
                  "groups": given.get("groups", 1), "padding_mode": "zeros",
                  "kernel_size": tuple(weight.shape[2:]), "out_channels": weight.shape[0]}
         name = f"Conv{k}d"
@@ -213,10 +213,6 @@ def _as_layer(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> _Functi
         name = f"{kind}{k}d"
     layer_type = _LAYER_TYPES.setdefault(name, type(name, (_Functional,), {}))
     return layer_type(attrs)
-
-
-def _per_dim(v: Any, k: int) -> tuple[int, ...]:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * k
 
 
 _CONV_ARGS = ("weight", "bias", "stride", "padding", "dilation", "groups")

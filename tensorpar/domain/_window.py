@@ -20,8 +20,8 @@ from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._overlap import overlap_applies, overlapped_conv
 from tensorpar.domain._rows import RowPlan, gather_rows, offsets
 
-__all__ = ["EmptyOut", "conv_forward", "fetch_window", "pool_forward", "spatial_index",
-           "window_len", "window_plans"]
+__all__ = ["EmptyOut", "conv_forward", "fetch_window", "per_dim", "pool_forward",
+           "spatial_index", "window_len", "window_plans"]
 
 Window = tuple[int, int, int, int, bool]
 """One spatial dim of a window: (extent - 1, stride, padding before, padding after, ceil)."""
@@ -172,7 +172,8 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
     return y
 
 
-def _tuple(v: Any, k: int) -> tuple[int, ...]:
+def per_dim(v: Any, k: int) -> tuple[int, ...]:
+    """``v`` for each of ``k`` dims (an int repeated, or a tuple/list as it is)."""
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * k
 
 
@@ -184,10 +185,10 @@ def pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
     k = int(name[-2])
     where = f"{name} (domain-parallel)"
     is_max = name.startswith("Max")
-    ksz = _tuple(module.kernel_size, k)
-    stride = _tuple(module.stride or module.kernel_size, k)
-    pad = _tuple(module.padding, k)
-    dil = _tuple(getattr(module, "dilation", 1), k)
+    ksz = per_dim(module.kernel_size, k)
+    stride = per_dim(module.stride or module.kernel_size, k)
+    pad = per_dim(module.padding, k)
+    dil = per_dim(getattr(module, "dilation", 1), k)
     ceil = bool(module.ceil_mode)
     ke = [dl * (kk - 1) for dl, kk in zip(dil, ksz, strict=False)]
     windows = [(ke[j], stride[j], pad[j], pad[j], ceil) for j in range(k)]
