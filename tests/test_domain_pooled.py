@@ -352,3 +352,97 @@ def _constant_tile(sizes):
 
 def test_a_constant_tile_made_after_a_pooling_is_a_tile():
     assert max(run_distributed(_constant_tile, 3, [3, 0, 4], timeout=T)) < 1e-10
+
+
+class ScaleComputedFirst(nn.Module):
+    """A parameter's function computed before the pooling (a logit scale), used on the head's
+    output after it: the gradient that reaches the parameter there is whole on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.scale, self.head = nn.Parameter(torch.tensor(0.3)), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale.exp()
+        return self.head(self.pool(self.conv(x)).flatten(1)) * scale
+
+
+class TimestepOnBothSides(nn.Module):
+    """A timestep embedding computed once at the top (as diffusion U-Nets do), added in a
+    block before a squeeze-and-excitation pooling and in one after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.before, self.after = nn.Linear(1, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.c1, self.c2 = nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 3, padding=1)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        emb = torch.tanh(self.embed(t))
+        y = self.c1(x) + self.before(emb)[:, :, None, None]
+        y = y * torch.sigmoid(self.fc(self.pool(y)))
+        return self.c2(y) + self.after(emb)[:, :, None, None]
+
+
+class MaskOnBothSides(nn.Module):
+    """A constant mask of the tile's size made before the pooling, convolved before and after
+    it: a tile both times (the same tensor takes the same road)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.mask = nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(1, 2, 3, padding=1)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(x.shape[0], 1, *x.shape[2:], dtype=x.dtype)
+        y = self.conv(x) + self.mask(ones)
+        y = y * torch.sigmoid(self.fc(self.pool(y)))
+        return y + self.mask(ones)
+
+
+def _used_on_both_sides(name, sizes):
+    extra = (lambda: (torch.randn(2, 1, dtype=torch.float64),)) if name == "timestep" else None
+    return check(BOTH_SIDES[name], (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2,
+                 extra=extra, replicated=name == "scale")
+
+
+BOTH_SIDES = {"scale": ScaleComputedFirst, "timestep": TimestepOnBothSides,
+              "mask": MaskOnBothSides}
+
+
+@pytest.mark.parametrize("name", list(BOTH_SIDES))
+def test_a_tensor_made_before_the_pooling_and_used_after_it_equals_dense(name):
+    assert max(run_distributed(_used_on_both_sides, 2, name, [4, 3], timeout=T)) < 1e-10
+    assert max(run_distributed(_used_on_both_sides, 3, name, [3, 0, 4], timeout=T)) < 1e-10
+
+
+class GateOnTokens(nn.Module):
+    """A gate multiplied into the tile's flattened tokens: refused (the tile's dims are gone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.out = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        tokens = y.flatten(2).transpose(1, 2)
+        gated = tokens * torch.sigmoid(self.pool(y).flatten(2).transpose(1, 2))
+        return self.out(y + gated.transpose(1, 2).reshape(b, c, h, w))
+
+
+def _gate_on_tokens(sizes):
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(GateOnTokens(), dims=-2)
+    rank = torch.distributed.get_rank()
+    with pytest.raises(RuntimeError, match="not followed"):
+        model(torch.randn(1, 2, sizes[rank], 6))
+    return True
+
+
+def test_a_refused_mix_raises_on_every_rank_also_with_an_empty_tile():
+    # the empty tile's rank sees no element spread, and must raise with the others
+    assert all(run_distributed(_gate_on_tokens, 3, [3, 0, 4], timeout=120))
+

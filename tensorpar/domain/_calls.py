@@ -16,22 +16,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tensorpar.domain import _meet, _pad
 from tensorpar.domain._attention import refuse_functional
 from tensorpar.domain._flow import (
+    EARLY,
     POOLED,
     TILE,
     Kind,
     Scan,
     output_kind,
     reads_only_metadata,
+    refuse_spread,
     tensors_in,
 )
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._resample import global_mean, interpolate
-from tensorpar.domain._shares import share_parameters
+from tensorpar.domain._shares import share_gradients
 from tensorpar.domain._window import conv_forward, per_dim, pool_forward
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
@@ -42,7 +45,8 @@ class _FunctionalCalls(TorchFunctionMode):
 
     Every call's output is marked a tile or pooled features (`_flow`); where pooled
     features meet the tiles, their gradient is summed over the domain (`_meet`); the
-    parameters a call on pooled features uses give shares (`share_parameters`).
+    parameters (and what is computed from them alone) a call on pooled features uses give
+    shares (`share_gradients`).
     """
 
     def __init__(self, ctx: DomainContext) -> None:
@@ -59,17 +63,19 @@ class _FunctionalCalls(TorchFunctionMode):
         poolings = ctx.poolings
         kind: Kind | None = None
         entered = None
-        if POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func):
-            met = _meet.into_tiles(ctx, getattr(func, "__name__", str(func)), args, kwargs)
+        name = getattr(func, "__name__", str(func))
+        mixed = POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func)
+        if mixed:
+            met = _meet.into_tiles(ctx, name, args, kwargs)
             if met is not None:
                 args, kwargs = met
                 kind = TILE
         else:
-            entered = _meet.spread_input(ctx, func, args, scan)
+            entered = _meet.spread_input(ctx, func, args, kwargs, scan)
         out = self._call(func, args, kwargs, scan)
         if entered is not None:  # pooled features spread: to the tile's extent?
             if _meet.spreads_to_tiles(ctx, out):
-                out = self._call(func, (entered, *args[1:]), kwargs, scan)
+                out = self._call(func, *entered, scan)
                 kind = TILE
             else:
                 kind = POOLED
@@ -77,8 +83,11 @@ class _FunctionalCalls(TorchFunctionMode):
             ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
         if ctx.poolings > poolings:
             kind = POOLED
+        elif kind is None and mixed:
+            device = next(tensors_in((args, kwargs))).device
+            refuse_spread(name, out, scan, lambda flag: _meet.on_any_rank(ctx, flag, device))
         elif kind is None:
-            kind = output_kind(func, args, out, scan, ctx.marks, ctx.reduced)
+            kind = output_kind(func, args, scan, ctx.marks, ctx.reduced)
         ctx.marks.mark(out, kind)
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
@@ -89,8 +98,9 @@ class _FunctionalCalls(TorchFunctionMode):
         ctx = self.ctx
         if TILE in scan.kinds and ctx.domain_size > 1:
             refuse_functional(func)
-        kind = TILE if TILE in scan.kinds else POOLED if POOLED in scan.kinds else None
+        kind = scan.road
         on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
+        tiled = TILE in scan.kinds or kind == EARLY  # (not a constant made after the pooling)
         if func is F.pad and on_tiles:
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
@@ -104,10 +114,10 @@ class _FunctionalCalls(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             with ctx.own_calls():
                 return global_mean(ctx, x, range(x.dim() - k, x.dim()), func.__name__)
-        if on_tiles and func in _WITH_INDICES and TILE in scan.kinds:
+        if on_tiles and func in _WITH_INDICES and tiled:
             raise ValueError(f"{func.__name__} (domain-parallel): the indices would be the "
                              f"tile's; max pooling without indices is converted")
-        if on_tiles and (func in _CONVS or func in _POOLS) and TILE in scan.kinds:
+        if on_tiles and (func in _CONVS or func in _POOLS) and tiled:
             layer = _as_layer(func, args, kwargs)  # a stencil: with its halo
             with ctx.own_calls():
                 return (conv_forward if func in _CONVS else pool_forward)(layer, ctx, args[0])
@@ -127,10 +137,15 @@ class _FunctionalCalls(TorchFunctionMode):
         if func is F.interpolate and (empty := _meet.interpolate_to_empty(args, kwargs)) \
                 is not None:
             return empty
-        # a parameter used on pooled features: its gradient is whole on every tile
-        on_pooled = ctx.dense if ctx.internal else TILE not in scan.kinds and ctx.pooled(kind)
-        if on_pooled and ctx.domain_size > 1:
-            args, kwargs = share_parameters(args, kwargs, ctx.domain_size)
+        # used on pooled features, a parameter's gradient is whole on every tile
+        if ctx.domain_size == 1:
+            pass
+        elif ctx.internal:  # (a converted layer's own calls: its parameters)
+            if ctx.dense:
+                args, kwargs = share_gradients(args, kwargs, ctx.domain_size, _is_parameter)
+        elif TILE not in scan.kinds and ctx.pooled(kind):
+            args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
+                                           lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)
 
 
@@ -229,7 +244,7 @@ _POOLS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
 """Functional convolutions and poolings, converted on tiles as their layers."""
 _WITH_INDICES = frozenset({F.max_pool1d_with_indices, F.max_pool2d_with_indices,
                            F.max_pool3d_with_indices})
-_UNTRACKED = Scan(set(), 0, [])  # (never changed)
+_UNTRACKED = Scan(set(), 0, [], False, False)  # (never changed)
 _MEANS = frozenset({torch.mean, torch.Tensor.mean})
 _ALONG_DIMS = _MEANS | {
     torch.var, torch.Tensor.var, torch.std, torch.Tensor.std, torch.var_mean, torch.std_mean,
@@ -241,6 +256,15 @@ _ALONG_DIMS = _MEANS | {
     torch.Tensor.cumprod, torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort}
 """Calls along dims that would see a tile's points alone along a split dim."""
 _ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) and t.requires_grad
+
+
+def _replicated_grad(ctx: DomainContext, t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or computed from them alone, and needs a gradient."""
+    return t.requires_grad and ctx.marks.kind_of(t) not in (TILE, POOLED)
 
 
 def _in_place(func: Any) -> bool:

@@ -11,27 +11,35 @@ While a converted model runs, every tensor derived from the image tile is marked
 and every tensor derived from a global pooling's output (and not from a tile) is marked
 pooled: a converted layer marks its output, and the functional-call conversion marks the
 outputs of every other call from its inputs (`output_kind`; an in-place write marks its
-target). Tensors made otherwise (constants, the timestep, ``x.new_zeros``) are neither;
-``torch.zeros_like(x)`` is what ``x`` is.
+target). ``torch.zeros_like(x)`` is what ``x`` is.
+
+The rest (the parameters, a timestep, constants, what is computed from them alone) are
+the same on every rank and take the side of what they meet. What is made of them in the
+forward before its first global pooling is marked early: it keeps the tiles' road into a
+converted layer after the pooling too (a mask of the tile's size made at the top), where
+a tensor made after the pooling takes the pooled features' road. Where such a tensor meets
+pooled features, the gradient that reaches it there is whole on every rank, and it gives
+a share (`_shares`), whether it is a parameter or computed from one.
 The marks live for one forward, keyed by the tensor's identity.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-__all__ = ["POOLED", "TILE", "Kind", "Marks", "Scan", "mixing_error", "output_kind",
-           "reads_only_metadata", "tensors_in"]
+__all__ = ["EARLY", "POOLED", "TILE", "Kind", "Marks", "Scan", "mixing_error", "output_kind",
+           "reads_only_metadata", "refuse_spread", "tensors_in"]
 
-Kind = Literal["tile", "pooled"]
+Kind = Literal["tile", "pooled", "early"]
 TILE: Kind = "tile"
 POOLED: Kind = "pooled"
+EARLY: Kind = "early"
 
 
 class Marks:
@@ -57,14 +65,18 @@ class Marks:
         return entry[1] if entry is not None and entry[0]() is t else None
 
     def scan(self, args: Any, kwargs: Any) -> Scan:
-        """The kinds among a call's arguments, the largest pooled one, the parameters."""
-        scan = Scan(set(), 0, [])
+        """What a call takes (see `Scan`)."""
+        scan = Scan(set(), 0, [], False, False)
         for t in tensors_in((args, kwargs)):
             kind = self.kind_of(t)
-            if kind is not None:
+            if kind == EARLY:
+                scan.early = True
+            elif kind is not None:
                 scan.kinds.add(kind)
                 if kind == POOLED:
                     scan.pooled_numel = max(scan.pooled_numel, t.numel())
+            if kind not in (TILE, POOLED) and t.requires_grad:
+                scan.replicated_grads = True
             if isinstance(t, nn.Parameter):
                 scan.params.append(t)
         return scan
@@ -72,41 +84,64 @@ class Marks:
 
 @dataclass
 class Scan:
-    """What a call takes: its tensors' kinds, its largest pooled tensor, its parameters."""
+    """What a call takes.
+
+    Attributes:
+        kinds: the tile and pooled marks among its tensors.
+        pooled_numel: the number of elements of its largest pooled tensor.
+        params: its parameters.
+        early: whether a tensor marked early is among them.
+        replicated_grads: whether a tensor that requires grad and is neither a tile nor
+            pooled (a parameter, a tensor computed from one) is among them.
+    """
 
     kinds: set[Kind]
     pooled_numel: int
     params: list[torch.Tensor]
+    early: bool
+    replicated_grads: bool
+
+    @property
+    def road(self) -> Kind | None:
+        """The kind whose road a call takes: a tile's, else pooled, else early, else none."""
+        return (TILE if TILE in self.kinds else POOLED if POOLED in self.kinds
+                else EARLY if self.early else None)
 
 
-def output_kind(func: Any, args: Sequence[Any], out: Any, scan: Scan, marks: Marks,
+def output_kind(func: Any, args: Sequence[Any], scan: Scan, marks: Marks,
                 reduced: bool) -> Kind | None:
-    """The kind of a call's output (raises where pooled features spread into tiles).
+    """The kind of a call's output, where tiles and pooled features do not both go in.
 
     A tensor argument that only gives a dtype, a device or a shape (``y.to(x)``,
     ``x.new_zeros(...)``) passes no mark on; ``torch.zeros_like(x)`` has ``x``'s shape and
-    mark (a constant tile is a tile). Pooled features
-    meeting a tile with the image's dims are `_meet`'s; here they meet a tile's partial
-    reduction: allowed where nothing is broadcast over the tile's points (a loss made of
-    a tile's partial sum plus a pooled one), refused where the pooled tensor is spread over
-    more elements than it has. After the pooling a parameter is replicated data: what a
-    call makes of it alone is pooled.
+    mark (a constant tile is a tile). After the pooling, what a call makes of parameters
+    (and of what needs their gradient) alone is pooled: its parameters gave their shares.
+    Before it, whatever is neither a tile nor pooled is early.
     """
+    kind: Kind | None = None
+    if POOLED in scan.kinds and TILE in scan.kinds:
+        return None  # (a partial reduction of both: see `refuse_spread`)
     if reads_only_metadata(func):  # the first argument's shape (``_like``) or data (``to``)
         if not getattr(func, "__name__", "").startswith("new_") and args \
                 and isinstance(args[0], torch.Tensor):
-            return marks.kind_of(args[0])
-        return None
-    name = getattr(func, "__name__", "")
-    if POOLED in scan.kinds and TILE in scan.kinds:
-        if any(t.numel() > scan.pooled_numel for t in tensors_in(out)):
-            raise mixing_error(name or str(func))
-        return None
-    if len(scan.kinds) == 1:
-        return next(iter(scan.kinds))
-    if reduced and scan.params:
-        return POOLED
-    return None
+            kind = marks.kind_of(args[0])
+    elif scan.kinds or scan.early:
+        kind = scan.road
+    elif reduced and scan.replicated_grads:
+        kind = POOLED
+    return EARLY if kind is None and not reduced else kind
+
+
+def refuse_spread(name: str, out: Any, scan: Scan, agree: Callable[[bool], bool]) -> None:
+    """Tiles and pooled features meeting in a tile's partial reduction (a loss of both parts).
+
+    Allowed where nothing is broadcast over the tile's points; refused where the pooled
+    tensor is spread over more elements than it has. ``agree`` makes the verdict every
+    rank's (an empty tile spreads nothing on its own rank).
+    """
+    spread = any(t.numel() > scan.pooled_numel for t in tensors_in(out))
+    if agree(spread):
+        raise mixing_error(name)
 
 
 def reads_only_metadata(func: Any) -> bool:

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar._torch import tree_map
-from tensorpar.collectives.functional import all_reduce
+from tensorpar.collectives.functional import ReduceOpName, all_reduce
 from tensorpar.collectives.regions import copy_to_group
 from tensorpar.domain._flow import POOLED, TILE, Scan, mixing_error, tensors_in
 from tensorpar.domain._layout import DomainContext
 
-__all__ = ["SPREADING", "interpolate_to_empty", "into_tiles", "spread_input",
+__all__ = ["SPREADING", "interpolate_to_empty", "into_tiles", "on_any_rank", "spread_input",
            "spreads_to_tiles"]
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
@@ -47,6 +47,7 @@ SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcas
 def _enter_tiles(ctx: DomainContext, t: torch.Tensor) -> torch.Tensor:
     for g in ctx.groups:
         t = copy_to_group(t, group=g)
+    ctx.marks.mark(t, POOLED)  # (the same values; its gradient is whole: no share)
     return t
 
 
@@ -79,16 +80,19 @@ def into_tiles(ctx: DomainContext, name: str, args: Sequence[Any], kwargs: dict[
     return tree_map(enter, args), tree_map(enter, kwargs)
 
 
-def spread_input(ctx: DomainContext, func: Any, args: Sequence[Any], scan: Scan
-                 ) -> torch.Tensor | None:
-    """The pooled first argument of a spreading call, entered into the tiles (else None)."""
-    if func not in SPREADING or scan.kinds != {POOLED} or not args:
+def spread_input(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                 scan: Scan) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A spreading call's arguments with its pooled input entered into the tiles (else None)."""
+    if func not in SPREADING or scan.kinds != {POOLED}:
         return None
-    t = args[0]
-    if not isinstance(t, torch.Tensor) or ctx.marks.kind_of(t) != POOLED \
-            or t.dim() != ctx.ndim or not _broadcast_over_tiles(ctx, t):
+    given = args[0] if args else kwargs.get("input")
+    if not isinstance(given, torch.Tensor) or ctx.marks.kind_of(given) != POOLED \
+            or given.dim() != ctx.ndim or not _broadcast_over_tiles(ctx, given):
         return None
-    return _enter_tiles(ctx, t)
+    entered = _enter_tiles(ctx, given)
+    if args:
+        return (entered, *args[1:]), kwargs
+    return tuple(args), {**kwargs, "input": entered}
 
 
 def spreads_to_tiles(ctx: DomainContext, out: Any) -> bool:
@@ -99,16 +103,25 @@ def spreads_to_tiles(ctx: DomainContext, out: Any) -> bool:
     """
     if not isinstance(out, torch.Tensor) or out.dim() != ctx.ndim:
         return False
-    flags = [float(out.shape[d] == sizes[g.rank])
+    flags = [out.shape[d] == sizes[g.rank]
              for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True))
              for _, sizes in sorted(ctx.layouts[i].items())]
-    agreed = torch.tensor(flags, dtype=torch.float32, device=out.device)
+    found = iter(_agreed(ctx, flags, "min", out.device))
+    return all(any([next(found) for _ in ctx.layouts[i]]) for i in range(len(ctx.dims)))
+
+
+def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of the domain (one small all-reduce)."""
+    return _agreed(ctx, [flag], "max", device)[0]
+
+
+def _agreed(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,
+            device: torch.device) -> list[bool]:
+    agreed = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=device)
     for g in ctx.groups:
         if not g.is_single:
-            agreed = all_reduce(agreed, op="min", backward="identity", group=g)
-    found = iter(agreed.tolist())
-    return all(any([next(found) == 1.0 for _ in ctx.layouts[i]])
-               for i in range(len(ctx.dims)))
+            agreed = all_reduce(agreed, op=op, backward="identity", group=g)
+    return [v == 1.0 for v in agreed.tolist()]
 
 
 def interpolate_to_empty(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
