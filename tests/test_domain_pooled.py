@@ -446,3 +446,73 @@ def test_a_refused_mix_raises_on_every_rank_also_with_an_empty_tile():
     # the empty tile's rank sees no element spread, and must raise with the others
     assert all(run_distributed(_gate_on_tokens, 3, [3, 0, 4], timeout=120))
 
+
+class GridAfterStride(nn.Module):
+    """Pooled features up-sampled to a fixed 2 x 2 grid for a dense head, after a strided
+    convolution: 2 rows is every rank's tile of the strided output (split [2, 2]), yet the
+    grid is pooled features, as in the dense model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.pool = nn.Conv2d(2, 4, 3, stride=2, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.head_conv, self.fc = nn.Conv2d(4, 2, 3, padding=1), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = F.interpolate(self.pool(self.down(x)), size=(2, 2), mode="nearest")
+        return self.fc(self.head_conv(grid).flatten(1))
+
+
+def _grid_after_stride():
+    return check(GridAfterStride, (2, 2, 7, 6), (-2,), ([4, 3],), steps=2, replicated=True)
+
+
+def test_a_fixed_grid_the_size_of_every_tile_stays_pooled():
+    assert max(run_distributed(_grid_after_stride, 2, timeout=T)) < 1e-10
+
+
+@pytest.mark.parametrize("name", ["image_pooling", "expanded", "gate_copied"])
+def test_pooled_features_spread_to_an_even_split_meet_the_tiles(name):
+    # every tile 4 rows: the spread's size alone does not tell a tile from a fixed grid
+    assert max(run_distributed(_exact, 2, name, [4, 4], timeout=T)) < 1e-10
+
+
+class ConvolvedSpread(ImagePooling):
+    """The image-pooling branch convolved after its spread, before it meets the tile."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = F.interpolate(self.proj(self.pool(x)), size=x.shape[-2:], mode="bilinear")
+        return self.out(torch.cat([self.branch(x), self.branch(pooled[:, :2])], 1))
+
+
+def _convolved_spread(sizes):
+    if len(set(sizes)) > 1:  # the sizes tell it is a tile
+        return check(ConvolvedSpread, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=1) < 1e-10
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(ConvolvedSpread(), dims=-2)
+    with pytest.raises(RuntimeError, match="meet the tile directly"):
+        model(torch.randn(1, 2, sizes[torch.distributed.get_rank()], 6))
+    return True
+
+
+@pytest.mark.parametrize("sizes", [[4, 3], [4, 4]])
+def test_a_spread_convolved_before_it_meets_the_tile(sizes):
+    assert all(run_distributed(_convolved_spread, 2, sizes, timeout=T))
+
+
+class AddedInPlace(TimestepOnBothSides):
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        emb = self.before(torch.tanh(self.embed(t)))
+        emb.add_(self.pool(self.c1(x)).flatten(1))  # its gradient would be whole on every rank
+        return emb
+
+
+def _added_in_place():
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(AddedInPlace(), dims=-2)
+    with pytest.raises(ValueError, match="Write out of place"):
+        model(torch.randn(1, 2, 4, 6), torch.randn(1, 1))
+    return True
+
+
+def test_pooled_features_added_in_place_into_a_parameters_function_are_refused():
+    assert all(run_distributed(_added_in_place, 2, timeout=T))

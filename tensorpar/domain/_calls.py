@@ -74,11 +74,11 @@ class _FunctionalCalls(TorchFunctionMode):
             entered = _meet.spread_input(ctx, func, args, kwargs, scan)
         out = self._call(func, args, kwargs, scan)
         if entered is not None:  # pooled features spread: to the tile's extent?
-            if _meet.spreads_to_tiles(ctx, out):
-                out = self._call(func, *entered, scan)
-                kind = TILE
-            else:
-                kind = POOLED
+            kind = POOLED
+            if (spread := _meet.spreads_to_tiles(ctx, out)) == TILE:
+                out, kind = self._call(func, *entered, scan), TILE
+            elif spread == POOLED:  # (or a fixed grid: a tile only where it meets one)
+                ctx.marks.keep_as_tiles(out, self._call(func, *entered, scan))
         if scan.params and any(t.requires_grad for t in tensors_in(out)):
             ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
         if ctx.poolings > poolings:

@@ -47,10 +47,21 @@ class Marks:
 
     def __init__(self) -> None:
         self._kinds: dict[int, tuple[weakref.ref[torch.Tensor], Kind]] = {}
+        self._as_tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
     def clear(self) -> None:
         """Forget every mark (a new forward)."""
         self._kinds.clear()
+        self._as_tiles.clear()
+
+    def keep_as_tiles(self, pooled: torch.Tensor, tiles: torch.Tensor) -> None:
+        """Remember ``tiles``: ``pooled`` computed as a tile, in case it meets one."""
+        self._as_tiles[id(pooled)] = (weakref.ref(pooled), tiles)
+
+    def as_tiles(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` computed as a tile (`keep_as_tiles`), else ``None``."""
+        entry = self._as_tiles.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def mark(self, value: Any, kind: Kind | None) -> None:
         """Mark every tensor in ``value`` (a tensor, or a tuple/list/dict of them)."""
@@ -173,4 +184,6 @@ def mixing_error(what: str) -> RuntimeError:
         f"(replicated on every rank), and the pooled operand is spread over the tile's points "
         f"in a way that is not followed: pooled features go back into the tiles where they "
         f"have size 1 along every split dim (a gate broadcast over the tile), or through "
-        f"F.interpolate, expand or repeat to the tile's size")
+        f"F.interpolate, expand or repeat to the tile's size; where every tile has the same "
+        f"size, that spread must meet the tile directly (its size alone does not tell a tile "
+        f"from a fixed grid of that size)")

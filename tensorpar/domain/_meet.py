@@ -20,6 +20,10 @@ tile), or the input of a call that spreads it to the tile's extent (``F.interpol
 the tile's size, ``expand``, ``repeat``), whose output is then a tile. Whether such a
 call spreads to the tile (its output has every rank's tile size along each split dim) is
 agreed by all ranks in one small all-reduce, so that the sums run on every rank or none.
+
+Where the tiles along a split dim are all of one size, the spread's size does not tell a
+tile from a fixed grid of that size (a head's): the output stays pooled, and its tile
+version is kept aside for the call where it meets a tile (`into_tiles`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from tensorpar._torch import tree_map
 from tensorpar.collectives.functional import ReduceOpName, all_reduce
 from tensorpar.collectives.regions import copy_to_group
-from tensorpar.domain._flow import POOLED, TILE, Scan, mixing_error, tensors_in
+from tensorpar.domain._flow import POOLED, TILE, Kind, Scan, mixing_error, tensors_in
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["SPREADING", "interpolate_to_empty", "into_tiles", "on_any_rank", "spread_input",
@@ -74,6 +78,8 @@ def into_tiles(ctx: DomainContext, name: str, args: Sequence[Any], kwargs: dict[
     def enter(v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or ctx.marks.kind_of(v) != POOLED:
             return v
+        if (as_tiles := ctx.marks.as_tiles(v)) is not None:
+            return as_tiles
         if not _broadcast_over_tiles(ctx, v):
             raise mixing_error(name)
         return _enter_tiles(ctx, v)
@@ -95,19 +101,28 @@ def spread_input(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dic
     return tuple(args), {**kwargs, "input": entered}
 
 
-def spreads_to_tiles(ctx: DomainContext, out: Any) -> bool:
+def spreads_to_tiles(ctx: DomainContext, out: Any) -> Kind | None:
     """Whether every rank's ``out`` has its tile's size along each split dim (agreed).
 
     A tile's size along a split dim is one of the splits recorded this forward (the
     input's, or a converted layer's output's). One all-reduce of a flag per split and dim.
+
+    Returns:
+        ``TILE`` where it does, and along some dim the tiles differ in size (so the sizes
+        came from the tiles); ``POOLED`` where it does only with tiles all of one size
+        (a fixed grid of that size would too); ``None`` where it does not.
     """
     if not isinstance(out, torch.Tensor) or out.dim() != ctx.ndim:
-        return False
-    flags = [out.shape[d] == sizes[g.rank]
-             for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True))
-             for _, sizes in sorted(ctx.layouts[i].items())]
-    found = iter(_agreed(ctx, flags, "min", out.device))
-    return all(any([next(found) for _ in ctx.layouts[i]]) for i in range(len(ctx.dims)))
+        return None
+    splits = [(d, g, sizes) for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True))
+              for _, sizes in sorted(ctx.layouts[i].items())]
+    found = _agreed(ctx, [out.shape[d] == sizes[g.rank] for d, g, sizes in splits], "min",
+                    out.device)
+    if not all(any(f for f, (d, _, _) in zip(found, splits, strict=True) if d == dim)
+               for dim in ctx.dims):
+        return None
+    told = any(f and len(set(sizes)) > 1 for f, (_, _, sizes) in zip(found, splits, strict=True))
+    return TILE if told else POOLED
 
 
 def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:
