@@ -516,3 +516,47 @@ def _added_in_place():
 
 def test_pooled_features_added_in_place_into_a_parameters_function_are_refused():
     assert all(run_distributed(_added_in_place, 2, timeout=T))
+
+
+class ParameterSpreadAfterPooling(SqueezeExcite):
+    """After the pooling, a parameter expanded to the tile's size and added to it: a
+    replicated tensor on the tile's points, its gradient partial (as before a pooling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, 4, 1, 1))
+        self.mix = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        gated = y * torch.sigmoid(self.fc(self.pool(y)))
+        return self.out(gated + self.mix(self.bias).expand(-1, -1, *y.shape[2:]))
+
+
+class EinsumGate(SqueezeExcite):
+    """The gate multiplied in with ``einsum`` (batch and channel subscripts only)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        gate = torch.sigmoid(self.fc(self.pool(y))).flatten(1)
+        return self.out(torch.einsum("bchw,bc->bchw", y, gate))
+
+
+class InterpolateByKeyword(ImagePooling):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = F.interpolate(input=self.proj(self.pool(x)), size=x.shape[-2:], mode="bilinear")
+        return self.out(torch.cat([self.branch(x), pooled], 1))
+
+
+MORE = {"parameter_spread": ParameterSpreadAfterPooling, "einsum": EinsumGate,
+        "keyword": InterpolateByKeyword}
+
+
+def _more(name, sizes):
+    return check(MORE[name], (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2)
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_ways_pooled_features_and_parameters_meet_the_tiles(name):
+    assert max(run_distributed(_more, 2, name, [4, 3], timeout=T)) < 1e-10
+    assert max(run_distributed(_more, 3, name, [3, 0, 4], timeout=T)) < 1e-10

@@ -66,7 +66,7 @@ class _FunctionalCalls(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         mixed = POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func)
         if mixed:
-            met = _meet.into_tiles(ctx, name, args, kwargs)
+            met = _meet.into_tiles(ctx, func, args, kwargs)
             if met is not None:
                 args, kwargs = met
                 kind = TILE
@@ -141,9 +141,9 @@ class _FunctionalCalls(TorchFunctionMode):
         if ctx.domain_size == 1:
             pass
         elif ctx.internal:  # (a converted layer's own calls: its parameters)
-            if ctx.dense:
+            if ctx.on_pooled:
                 args, kwargs = share_gradients(args, kwargs, ctx.domain_size, _is_parameter)
-        elif TILE not in scan.kinds and ctx.pooled(kind):
+        elif scan.kinds == {POOLED}:
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)

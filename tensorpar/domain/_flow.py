@@ -125,9 +125,8 @@ def output_kind(func: Any, args: Sequence[Any], scan: Scan, marks: Marks,
 
     A tensor argument that only gives a dtype, a device or a shape (``y.to(x)``,
     ``x.new_zeros(...)``) passes no mark on; ``torch.zeros_like(x)`` has ``x``'s shape and
-    mark (a constant tile is a tile). After the pooling, what a call makes of parameters
-    (and of what needs their gradient) alone is pooled: its parameters gave their shares.
-    Before it, whatever is neither a tile nor pooled is early.
+    mark (a constant tile is a tile). What is made of neither tiles nor pooled features is
+    early before the forward's first global pooling, and unmarked after it.
     """
     kind: Kind | None = None
     if POOLED in scan.kinds and TILE in scan.kinds:
@@ -138,8 +137,6 @@ def output_kind(func: Any, args: Sequence[Any], scan: Scan, marks: Marks,
             kind = marks.kind_of(args[0])
     elif scan.kinds or scan.early:
         kind = scan.road
-    elif reduced and scan.replicated_grads:
-        kind = POOLED
     return EARLY if kind is None and not reduced else kind
 
 

@@ -60,7 +60,7 @@ def _broadcast_over_tiles(ctx: DomainContext, t: torch.Tensor) -> bool:
     return all(t.dim() < -d or t.shape[d] == 1 for d in ctx.dims)
 
 
-def into_tiles(ctx: DomainContext, name: str, args: Sequence[Any], kwargs: dict[str, Any]
+def into_tiles(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
                ) -> tuple[Any, Any] | None:
     """A call taking tiles and pooled features: the pooled ones entered into the tiles.
 
@@ -74,16 +74,38 @@ def into_tiles(ctx: DomainContext, name: str, args: Sequence[Any], kwargs: dict[
     if not any(t.dim() == ctx.ndim and ctx.marks.kind_of(t) == TILE
                for t in tensors_in((args, kwargs))):
         return None
+    name = getattr(func, "__name__", str(func))
+    over_points = _einsum_over_points(ctx, args) if func is torch.einsum else None
 
     def enter(v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or ctx.marks.kind_of(v) != POOLED:
             return v
         if (as_tiles := ctx.marks.as_tiles(v)) is not None:
             return as_tiles
-        if not _broadcast_over_tiles(ctx, v):
+        broadcast = id(v) in over_points if over_points is not None else \
+            _broadcast_over_tiles(ctx, v)
+        if not broadcast:
             raise mixing_error(name)
         return _enter_tiles(ctx, v)
     return tree_map(enter, args), tree_map(enter, kwargs)
+
+
+def _einsum_over_points(ctx: DomainContext, args: Sequence[Any]) -> set[int] | None:
+    """The ids of ``einsum``'s operands whose subscripts name no split dim of its tiles.
+
+    Such an operand is broadcast over the tile's points, as a gate is (``"bchw,bc->bchw"``).
+    ``None`` where the subscripts are not read (an ellipsis, operands as a list).
+    """
+    if len(args) < 2 or not isinstance(args[0], str) or "..." in args[0]:
+        return None
+    inputs = args[0].replace(" ", "").split("->")[0].split(",")
+    operands = args[1:]
+    if len(inputs) != len(operands):
+        return None
+    split = {sub[ctx.ndim + d] for sub, t in zip(inputs, operands, strict=True)
+             if isinstance(t, torch.Tensor) and t.dim() == ctx.ndim == len(sub)
+             and ctx.marks.kind_of(t) == TILE for d in ctx.dims}
+    return {id(t) for sub, t in zip(inputs, operands, strict=True) if not split & set(sub)}
 
 
 def spread_input(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any],

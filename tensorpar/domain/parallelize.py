@@ -307,13 +307,14 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
                             f"keywords {extra})")
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
-        poolings, dense = own.poolings, own.dense
+        poolings, dense, on_pooled = own.poolings, own.dense, own.on_pooled
         own.dense = own.pooled(kind)  # pooled features in: the dense layer
+        own.on_pooled = kind == POOLED
         try:
             with own.own_calls():  # its functional calls are tensorpar's own
                 out = fwd(self, own, x)
         finally:
-            own.dense = dense
+            own.dense, own.on_pooled = dense, on_pooled
         own.marks.mark(out, POOLED if own.poolings > poolings else kind)
         return out
     module.__dict__[_CTX] = ctx
