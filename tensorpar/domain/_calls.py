@@ -33,6 +33,7 @@ from tensorpar.domain._flow import (
     tensors_in,
 )
 from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._points import follow, pairs_points, regroups
 from tensorpar.domain._resample import global_mean, interpolate
 from tensorpar.domain._shares import share_gradients
 from tensorpar.domain._window import conv_forward, per_dim, pool_forward
@@ -91,13 +92,57 @@ class _FunctionalCalls(TorchFunctionMode):
         ctx.marks.mark(out, kind)
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
+        if kind == TILE and (isinstance(out, (tuple, list))
+                             or (isinstance(out, torch.Tensor) and out.dim() != ctx.ndim)):
+            self._follow_points(func, args, kwargs, out)
         return out
+
+    def _points(self, t: Any) -> frozenset[int] | None:
+        """The dims of the tile ``t`` that hold the split dims' points (``None``: unknown)."""
+        ctx = self.ctx
+        if not isinstance(t, torch.Tensor) or ctx.marks.kind_of(t) != TILE:
+            return None
+        if t.dim() == ctx.ndim:
+            return frozenset(ctx.ndim + d for d in ctx.dims)
+        return ctx.marks.points(t)
+
+    def _follow_points(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                       out: Any) -> None:
+        """Record which dims of the reshaped tile ``out`` hold points (`_points`).
+
+        A sequence of tensors (``chunk``, ``split``): those with the input's dims hold
+        the points where it does.
+        """
+        ctx = self.ctx
+        x = args[0] if args else kwargs.get("input")
+        src = self._points(x)
+        if src is None or not isinstance(x, torch.Tensor):
+            return
+        if not isinstance(out, torch.Tensor):
+            for t in tensors_in(out):
+                if t.dim() == x.dim() != ctx.ndim:
+                    ctx.marks.hold_points(t, src)
+            return
+        held = follow(func, args, kwargs, src, x.shape, out)
+        if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
+            code = -1.0 if held is None else float(sum(1 << d for d in held))
+            if _meet.agreed_spread(ctx, code, out.device) or code < 0:
+                held = None
+        if held is not None:
+            ctx.marks.hold_points(out, held)
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:
         ctx = self.ctx
         if TILE in scan.kinds and ctx.domain_size > 1:
             refuse_functional(func)
+            if func in _PRODUCTS and pairs_points(args, [self._points(a) for a in args[:2]]):
+                raise ValueError(
+                    f"{getattr(func, '__name__', func)} (domain-parallel) of two tiles pairs "
+                    f"their points or sums over them (attention written by hand?): it would "
+                    f"see the tile's points alone. Attention over the domain is converted in "
+                    f"diffusers' and MONAI's attention blocks (tensorpar.context's "
+                    f"ring_attention for your own)")
         kind = scan.road
         on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
         tiled = TILE in scan.kinds or kind == EARLY  # (not a constant made after the pooling)
@@ -154,6 +199,12 @@ class _FunctionalCalls(TorchFunctionMode):
         """A call along split dims of a tile: ``mean`` over all of them converted."""
         dims, splits = split
         name = getattr(func, "__name__", str(func))
+        if x.dim() != self.ctx.ndim:
+            raise ValueError(
+                f"{name} (domain-parallel) along dim(s) {sorted(splits & dims)} of a reshaped "
+                f"tile, which hold the split dims' points, would see the tile's points alone; "
+                f"a global pooling is converted on the image's dims (x.mean((2, 3)), "
+                f"AdaptiveAvgPool to 1)")
         if func not in _MEANS or not splits <= dims:
             raise ValueError(
                 f"{name} (domain-parallel) along the split dim(s) {sorted(splits & dims)} of a "
@@ -170,11 +221,10 @@ def _split_dims_reduced(ctx: DomainContext, x: torch.Tensor, args: Sequence[Any]
                         kwargs: dict[str, Any]) -> tuple[set[int], set[int]] | None:
     """The dims a call along dims works on and the split ones (``None``: no split dim).
 
-    Only for a tile with the image's dims (after a reshape, which dims are split is not
-    known) and dims given as ints.
+    The split ones: of a tile with the image's dims, where the image has them; of a
+    reshaped tile, the dims holding their points (`_points`; ``None`` where not known).
+    Dims given as ints only.
     """
-    if x.dim() != ctx.ndim:
-        return None
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if isinstance(dim, int) and not isinstance(dim, bool):
         dims = {dim % x.dim()}
@@ -182,8 +232,8 @@ def _split_dims_reduced(ctx: DomainContext, x: torch.Tensor, args: Sequence[Any]
         dims = {d % x.dim() for d in dim}
     else:
         return None  # (the whole tensor: a loss of the tile's part; or no dim)
-    splits = {x.dim() + d for d in ctx.dims}
-    return (dims, splits) if dims & splits else None
+    splits = {x.dim() + d for d in ctx.dims} if x.dim() == ctx.ndim else ctx.marks.points(x)
+    return (dims, set(splits)) if splits and dims & splits else None
 
 
 class _Functional:
@@ -255,6 +305,9 @@ _ALONG_DIMS = _MEANS | {
     torch.Tensor.log_softmax, F.log_softmax, torch.cumsum, torch.Tensor.cumsum, torch.cumprod,
     torch.Tensor.cumprod, torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort}
 """Calls along dims that would see a tile's points alone along a split dim."""
+_PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                       torch.bmm, torch.Tensor.bmm})
+"""Products of two tensors: two tiles' may pair every point with every other."""
 _ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 
 

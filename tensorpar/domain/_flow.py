@@ -48,11 +48,22 @@ class Marks:
     def __init__(self) -> None:
         self._kinds: dict[int, tuple[weakref.ref[torch.Tensor], Kind]] = {}
         self._as_tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._points: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
 
     def clear(self) -> None:
         """Forget every mark (a new forward)."""
         self._kinds.clear()
         self._as_tiles.clear()
+        self._points.clear()
+
+    def hold_points(self, t: torch.Tensor, dims: frozenset[int]) -> None:
+        """Record the dims of the reshaped tile ``t`` that hold the split dims' points."""
+        self._points[id(t)] = (weakref.ref(t), dims)
+
+    def points(self, t: torch.Tensor) -> frozenset[int] | None:
+        """The dims of the reshaped tile ``t`` holding points (``None``: not known)."""
+        entry = self._points.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def keep_as_tiles(self, pooled: torch.Tensor, tiles: torch.Tensor) -> None:
         """Remember ``tiles``: ``pooled`` computed as a tile, in case it meets one."""

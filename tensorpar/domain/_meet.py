@@ -40,8 +40,8 @@ from tensorpar.collectives.regions import copy_to_group
 from tensorpar.domain._flow import POOLED, TILE, Kind, Scan, mixing_error, tensors_in
 from tensorpar.domain._layout import DomainContext
 
-__all__ = ["SPREADING", "interpolate_to_empty", "into_tiles", "on_any_rank", "spread_input",
-           "spreads_to_tiles"]
+__all__ = ["SPREADING", "agreed_spread", "interpolate_to_empty", "into_tiles", "on_any_rank",
+           "spread_input", "spreads_to_tiles"]
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
                        torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile})
@@ -150,6 +150,16 @@ def spreads_to_tiles(ctx: DomainContext, out: Any) -> Kind | None:
 def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` holds on any rank of the domain (one small all-reduce)."""
     return _agreed(ctx, [flag], "max", device)[0]
+
+
+def agreed_spread(ctx: DomainContext, value: float, device: torch.device) -> bool:
+    """Whether ``value`` differs between the domain's ranks (one small all-reduce)."""
+    t = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    for g in ctx.groups:
+        if not g.is_single:
+            t = all_reduce(t, op="max", backward="identity", group=g)
+    high, low = t.tolist()
+    return bool(high != -low)
 
 
 def _agreed(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,

@@ -1,0 +1,147 @@
+"""Which dims of a reshaped tile hold the split dims' points.
+
+A tile with the image's dims holds the split dims where the image does. A model may
+reshape it (``x.flatten(2).transpose(1, 2)``: tokens of ``(B, h * w, C)``), and then a
+reduction or an attention along the tokens would see the tile's points alone. So the
+functional-call conversion follows the dims through the reshapes it can read (`follow`:
+flatten, view and reshape, transpose, permute, movedim, unsqueeze, squeeze, and calls that
+keep the dims, such as a linear layer over the channels) and refuses, on a reshaped tile:
+
+- a reduction, softmax, sort or scan along a dim holding points (`split_dims_reduced`),
+- a product of two tiles that pairs every point with every other point
+  (``q @ k.transpose(-2, -1)``: attention scores over the tile alone) or sums over their
+  points (`pairs_points`).
+
+What it cannot read (a reshape that splits a dim holding points into several, a call
+that changes the number of dims otherwise) leaves the dims unknown: nothing is refused
+on that tensor, and the docs say so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Points", "follow", "pairs_points", "regroups"]
+
+Points = frozenset[int]
+
+
+def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
+           in_shape: Sequence[int], out: torch.Tensor) -> Points | None:
+    """The dims of ``out`` holding points, for ``func`` applied to a tile (``None``: unknown).
+
+    ``src``: the dims of the call's first argument, of shape ``in_shape``, holding points.
+    """
+    name = getattr(func, "__name__", "")
+    n_in, n_out = len(in_shape), out.dim()
+    rest = args[1:]
+    if name == "flatten":
+        start = _arg(rest, kwargs, 0, "start_dim", 0) % max(n_in, 1)
+        end = _arg(rest, kwargs, 1, "end_dim", -1) % max(n_in, 1)
+        return _moved(src, lambda d: d if d < start else start if d <= end
+                      else d - (end - start))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = (_arg(rest, kwargs, i, k, None) for i, k in ((0, "dim0"), (1, "dim1")))
+        if a is None or b is None:
+            return None
+        a, b = a % n_in, b % n_in
+        return _moved(src, lambda d: b if d == a else a if d == b else d)
+    if name == "permute":
+        order = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        order = [o % n_in for o in order]
+        return frozenset(order.index(d) for d in src)
+    if regroups(func, n_in, n_out):
+        return _regrouped(src, in_shape, out.shape)
+    if name == "unsqueeze":
+        at = _arg(rest, kwargs, 0, "dim", 0) % (n_in + 1)
+        return _moved(src, lambda d: d if d < at else d + 1)
+    if name == "squeeze" and n_out < n_in:
+        gone = [d for d in range(n_in) if in_shape[d] == 1 and d not in src]
+        kept = [d for d in range(n_in) if d not in gone]
+        return frozenset(kept.index(d) for d in src) if len(kept) == n_out else None
+    if name in ("movedim", "moveaxis"):
+        order = list(range(n_in))
+        a, b = _arg(rest, kwargs, 0, "source", None), _arg(rest, kwargs, 1, "destination", None)
+        if not isinstance(a, int) or not isinstance(b, int):
+            return None
+        order.insert(b % n_in, order.pop(a % n_in))
+        return frozenset(order.index(d) for d in src)
+    if n_out == n_in and not _reshapes(name):
+        return src  # the dims kept in place (pointwise, a linear layer over channels)
+    return None
+
+
+def regroups(func: Any, n_in: int, n_out: int) -> bool:
+    """Whether `follow` reads ``func``'s dims from the sizes.
+
+    The sizes differ between ranks: the caller agrees on the result.
+    """
+    name = getattr(func, "__name__", "")
+    return (name in ("view", "reshape") and n_out != n_in) or name == "unflatten"
+
+
+def pairs_points(args: Sequence[Any], points: Sequence[Points | None]) -> bool:
+    """Whether a product of two tiles pairs their points, or sums over them.
+
+    ``points``: the dims holding points of ``args[0]`` and ``args[1]`` (``None``: unknown).
+    ``a @ b`` keeps ``a``'s rows and ``b``'s columns (attention scores where both hold
+    points) and sums over ``a``'s columns and ``b``'s rows (a partial sum over the tile's
+    points where both hold them, such as linear attention's ``k.transpose(-2, -1) @ v``).
+    """
+    if len(points) < 2 or points[0] is None or points[1] is None:
+        return False
+    a, b = args[0], args[1]
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
+            or a.dim() < 2 or b.dim() < 2:
+        return False
+    return (a.dim() - 2 in points[0] and b.dim() - 1 in points[1]) or \
+        (a.dim() - 1 in points[0] and b.dim() - 2 in points[1])
+
+
+def _arg(rest: Sequence[Any], kwargs: dict[str, Any], i: int, key: str, default: Any) -> Any:
+    return rest[i] if len(rest) > i else kwargs.get(key, default)
+
+
+def _moved(src: Points, where: Any) -> Points:
+    return frozenset(where(d) for d in src)
+
+
+def _reshapes(name: str) -> bool:
+    return name in ("view", "reshape", "view_as", "reshape_as", "expand", "flatten",
+                    "unflatten", "permute", "transpose", "movedim", "roll", "flip")
+
+
+def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int]
+               ) -> Points | None:
+    """Points after a reshape: an output dim made of input dims holding points holds them.
+
+    Unknown where a dim holding points is split into several (which part holds them?).
+    """
+    out: set[int] = set()
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                if i >= len(in_shape):
+                    return None
+                gi.append(i)
+                pi *= in_shape[i]
+            else:
+                j += 1
+                if j >= len(out_shape):
+                    return None
+                gj.append(j)
+                pj *= out_shape[j]
+        held = [d for d in gi if d in src and in_shape[d] != 1]
+        if held:
+            if len([d for d in gj if out_shape[d] != 1]) > 1:
+                return None
+            out.update(d for d in gj if out_shape[d] != 1)
+        i, j = i + 1, j + 1
+    return frozenset(out)
