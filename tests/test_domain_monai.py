@@ -85,3 +85,23 @@ def _run(name):
 def test_monai_network_equals_dense(name):
     pytest.importorskip("monai")
     assert max(run_distributed(_run, 2, name, timeout=T)) < 1e-10
+
+
+def _resized_to_input(name):
+    warnings.filterwarnings("ignore")
+    import monai.networks.nets as N
+    build = {"RegUNet": lambda: N.RegUNet(spatial_dims=2, in_channels=1, num_channel_initial=4,
+                                          depth=2, out_channels=2),
+             "LocalNet": lambda: N.LocalNet(spatial_dims=2, in_channels=1,
+                                            num_channel_initial=4, extract_levels=(0, 1, 2),
+                                            out_channels=2)}[name]
+    # tiles of a multiple of 4 rows (the networks check that each level's size is even)
+    return check(_without_dropout(build), (2, 1, 32, 32), (-2,), ([20, 12],), steps=1,
+                 relative=True)
+
+
+@pytest.mark.parametrize("name", ["RegUNet", "LocalNet"])
+def test_monai_networks_resizing_to_the_inputs_shape_equal_dense(name):
+    # F.interpolate(..., size=x.shape[2:]) in their forward asks for the tile's size
+    pytest.importorskip("monai")
+    assert max(run_distributed(_resized_to_input, 2, name, timeout=T)) < 1e-10

@@ -34,7 +34,7 @@ from tensorpar.domain._flow import (
 )
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._points import follow, pairs_points, regroups
-from tensorpar.domain._resample import global_mean, interpolate
+from tensorpar.domain._resample import global_mean, interpolate, tile_sizes_to_domain
 from tensorpar.domain._shares import share_gradients
 from tensorpar.domain._window import conv_forward, per_dim, pool_forward
 
@@ -178,7 +178,10 @@ class _FunctionalCalls(TorchFunctionMode):
             if kwargs.get("antialias"):
                 raise ValueError("interpolate (domain-parallel): antialias=True is not "
                                  "supported over a split domain")
-            return interpolate(ctx, args[0] if args else kwargs["input"], **call)
+            x = args[0] if args else kwargs["input"]
+            call["size"] = tile_sizes_to_domain(ctx, x, call.get("size"), "interpolate "
+                                                "(domain-parallel)")
+            return interpolate(ctx, x, **call)
         if func is F.interpolate and (empty := _meet.interpolate_to_empty(args, kwargs)) \
                 is not None:
             return empty

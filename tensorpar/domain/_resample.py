@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.collectives.functional import all_reduce
+from tensorpar.comm._comm import exchange_ints
 from tensorpar.domain._layout import DomainContext, anchor_sizes
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._rows import gather_rows, offsets
 from tensorpar.domain._window import EmptyOut, spatial_index
 
 __all__ = ["MODES", "conv_transpose_forward", "global_mean", "global_pool_forward",
-           "interpolate", "upsample_forward"]
+           "interpolate", "tile_sizes_to_domain", "upsample_forward"]
 
 MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear")
 
@@ -60,6 +61,36 @@ def _power_of_two_ratio(out: int, n: int) -> int:
         return 0
     r = out // n
     return r if r & (r - 1) == 0 else 0
+
+
+def tile_sizes_to_domain(ctx: DomainContext, x: torch.Tensor, size: Any, where: str) -> Any:
+    """``F.interpolate``'s ``size`` in a forward, as the domain's sizes.
+
+    A size a forward reads from a tensor (``size=x.shape[-2:]``) is its tile's. Along each
+    split dim every rank's requested size is gathered (one small all-gather): sizes that
+    differ between ranks are tiles, and so is a size every rank asks for that is every
+    tile's size in a split of this forward (an even split); either way the output is split
+    as asked. Otherwise it is the whole domain's size (a constant).
+    """
+    if size is None or x.dim() < 3:
+        return size
+    k = x.dim() - 2
+    sizes = _per_dim(size, k)
+    js = spatial_index(ctx, x, k, where)
+    for i, (j, g) in enumerate(zip(js, ctx.groups, strict=True)):
+        if g.is_single or sizes[j] is None:
+            continue
+        every = tuple(r[0] for r in exchange_ints(g, [int(sizes[j])], x.device))
+        table = ctx.layouts[i]
+        if len(set(every)) == 1 and table.get(len(every) * every[0]) != every:
+            continue  # the same size on every rank, no tile's: the domain's
+        total = sum(every)
+        if table.setdefault(total, every) != every:
+            raise RuntimeError(f"{where}: the tiles ask for {list(every)} rows along dim "
+                               f"{ctx.dims[i]}, which is not this forward's split of {total} "
+                               f"rows, {list(table[total])}")
+        sizes[j] = total
+    return sizes if isinstance(size, (tuple, list, torch.Size)) else sizes[0]
 
 
 def interpolate(ctx: DomainContext, x: torch.Tensor, size: Any = None, scale_factor: Any = None,
