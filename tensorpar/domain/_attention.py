@@ -27,6 +27,7 @@ their inputs (`refuse_functional`, see `tensorpar.domain._flow`); on anything el
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from tensorpar.context.attention import ring_attention
 from tensorpar.domain._flow import TILE
 from tensorpar.domain._layout import DomainContext
 
-__all__ = ["ATTENTION", "attend", "convert", "refusal", "refuse_functional"]
+__all__ = ["ATTENTION", "attend", "convert", "per_point", "refusal", "refuse_functional"]
 
 ATTENTION = "diffusers.models.attention_processor.Attention"
 _DEFAULT_PROCESSOR = "AttnProcessor2_0"
@@ -144,11 +145,40 @@ def attend(ctx: DomainContext, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v)
 
 
+def per_point(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+              points: Callable[[Any], frozenset[int] | None]) -> bool:
+    """Whether functional attention on tiles runs along an axis that holds no split points.
+
+    Attention over each pixel's frames: the points are in the batch dims (`_points`
+    follows them through the reshapes), so every query's keys are on its own rank.
+    ``points(t)``: the dims of the tile ``t`` that hold points (``None``: unknown, or not a
+    tile). ``F.scaled_dot_product_attention`` takes ``(..., L, E)``,
+    ``F.multi_head_attention_forward`` ``(L, N, E)``.
+    """
+    if func not in _FUNCTIONAL_ATTENTION:
+        return False
+    names = ("query", "key", "value")
+    qkv = [args[i] if len(args) > i else kwargs.get(n) for i, n in enumerate(names)]
+    tiles = 0
+    for t in qkv:
+        if not isinstance(t, torch.Tensor):
+            continue
+        held = points(t)
+        batch = set(range(t.dim() - 2)) if func is F.scaled_dot_product_attention \
+            else {1} if t.dim() == 3 else set()
+        if held is None or not held <= batch:
+            return False
+        tiles += 1
+    return tiles > 0
+
+
 def refuse_functional(func: Any) -> None:
     """Refuse functional attention called on tiles (it would see the tile's points only)."""
     if func in _FUNCTIONAL_ATTENTION:
         raise RuntimeError(
             f"{func.__name__} on the tiles of a domain-parallel model would attend over "
             f"this tile's points only; attention over a split domain is converted for "
-            f"diffusers' Attention (or call tensorpar.nn.ring_attention on the tile's "
-            f"points yourself)")
+            f"diffusers' and MONAI's attention blocks (or call tensorpar.nn.ring_attention "
+            f"on the tile's points yourself). Attention along an axis that is not split "
+            f"(each pixel's frames) runs where the tile's reshape into the batch dims is "
+            f"followed (flatten, permute, reshape)")

@@ -20,7 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tensorpar.domain import _meet, _pad
-from tensorpar.domain._attention import refuse_functional
+from tensorpar.domain._attention import per_point, refuse_functional
 from tensorpar.domain._flow import (
     EARLY,
     POOLED,
@@ -92,8 +92,7 @@ class _FunctionalCalls(TorchFunctionMode):
         ctx.marks.mark(out, kind)
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
-        if kind == TILE and (isinstance(out, (tuple, list))
-                             or (isinstance(out, torch.Tensor) and out.dim() != ctx.ndim)):
+        if kind == TILE:
             self._follow_points(func, args, kwargs, out)
         return out
 
@@ -102,9 +101,11 @@ class _FunctionalCalls(TorchFunctionMode):
         ctx = self.ctx
         if not isinstance(t, torch.Tensor) or ctx.marks.kind_of(t) != TILE:
             return None
-        if t.dim() == ctx.ndim:
-            return frozenset(ctx.ndim + d for d in ctx.dims)
-        return ctx.marks.points(t)
+        held = ctx.marks.points(t)
+        return held if held is not None or t.dim() != ctx.ndim else self._image_points()
+
+    def _image_points(self) -> frozenset[int]:
+        return frozenset(self.ctx.ndim + d for d in self.ctx.dims)
 
     def _follow_points(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                        out: Any) -> None:
@@ -119,23 +120,33 @@ class _FunctionalCalls(TorchFunctionMode):
         if src is None or not isinstance(x, torch.Tensor):
             return
         if not isinstance(out, torch.Tensor):
+            n = x.dim()
+            if getattr(func, "__name__", "") in ("unbind", "__iter__"):  # ``q, k, v = t``
+                gone = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.dim()
+                if gone in src:
+                    return
+                src, n = frozenset(d - (d > gone) for d in src), n - 1
             for t in tensors_in(out):
-                if t.dim() == x.dim() != ctx.ndim:
+                if t.dim() == n and (n != ctx.ndim or src != self._image_points()):
                     ctx.marks.hold_points(t, src)
             return
         held = follow(func, args, kwargs, src, x.shape, out)
         if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
-            code = -1.0 if held is None else float(sum(1 << d for d in held))
-            if _meet.agreed_spread(ctx, code, out.device) or code < 0:
-                held = None
-        if held is not None:
+            # (an empty tile's sizes tell nothing: it takes the others')
+            mine = None if not x.numel() else -1.0 if held is None \
+                else float(sum(1 << d for d in held))
+            code = _meet.agreed_value(ctx, mine, out.device)
+            held = None if code is None or code < 0 else \
+                frozenset(d for d in range(out.dim()) if int(code) >> d & 1)
+        if held is not None and (out.dim() != ctx.ndim or held != self._image_points()):
             ctx.marks.hold_points(out, held)
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:
         ctx = self.ctx
         if TILE in scan.kinds and ctx.domain_size > 1:
-            refuse_functional(func)
+            if not per_point(func, args, kwargs, self._points):
+                refuse_functional(func)
             if func in _PRODUCTS and pairs_points(args, [self._points(a) for a in args[:2]]):
                 raise ValueError(
                     f"{getattr(func, '__name__', func)} (domain-parallel) of two tiles pairs "

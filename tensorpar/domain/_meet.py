@@ -28,6 +28,7 @@ version is kept aside for the call where it meets a tile (`into_tiles`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from tensorpar.collectives.regions import copy_to_group
 from tensorpar.domain._flow import POOLED, TILE, Kind, Scan, mixing_error, tensors_in
 from tensorpar.domain._layout import DomainContext
 
-__all__ = ["SPREADING", "agreed_spread", "interpolate_to_empty", "into_tiles", "on_any_rank",
+__all__ = ["SPREADING", "agreed_value", "interpolate_to_empty", "into_tiles", "on_any_rank",
            "spread_input", "spreads_to_tiles"]
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
@@ -152,14 +153,19 @@ def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:
     return _agreed(ctx, [flag], "max", device)[0]
 
 
-def agreed_spread(ctx: DomainContext, value: float, device: torch.device) -> bool:
-    """Whether ``value`` differs between the domain's ranks (one small all-reduce)."""
-    t = torch.tensor([value, -value], dtype=torch.float64, device=device)
+def agreed_value(ctx: DomainContext, value: float | None, device: torch.device
+                 ) -> float | None:
+    """The ``value`` every rank that gives one gives (``None``: they differ, or none gives).
+
+    One small all-reduce; a rank with ``value`` ``None`` abstains (an empty tile).
+    """
+    mine = [value, -value] if value is not None else [-math.inf, -math.inf]
+    t = torch.tensor(mine, dtype=torch.float64, device=device)
     for g in ctx.groups:
         if not g.is_single:
             t = all_reduce(t, op="max", backward="identity", group=g)
     high, low = t.tolist()
-    return bool(high != -low)
+    return float(high) if high == -low and high > -math.inf else None
 
 
 def _agreed(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,
