@@ -72,3 +72,42 @@ def _refused(how, sizes):
 def test_reductions_and_attention_along_the_tokens_are_refused(how):
     assert all(run_distributed(_refused, 2, how, [4, 3], timeout=T))
     assert all(run_distributed(_refused, 3, how, [3, 0, 4], timeout=T))
+
+
+class ChannelsLast(nn.Module):
+    """ConvNeXt's way: the tile permuted to channels-last for a LayerNorm and a linear
+    layer over the channels, then back (the same number of dims, another layout)."""
+
+    def __init__(self, softmax_over_rows: bool = False) -> None:
+        super().__init__()
+        self.softmax_over_rows = softmax_over_rows
+        self.conv, self.out = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+        self.norm, self.mlp = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).permute(0, 2, 3, 1)  # (B, H, W, C)
+        y = self.mlp(self.norm(y))
+        if self.softmax_over_rows:  # dim 1 holds the split rows here
+            y = torch.softmax(y, dim=1)
+        return self.out(y.permute(0, 3, 1, 2))
+
+
+def _channels_last(sizes):
+    return check(ChannelsLast, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2)
+
+
+def test_a_channels_last_block_equals_dense():
+    assert max(run_distributed(_channels_last, 2, [4, 3], timeout=T)) < 1e-10
+    assert max(run_distributed(_channels_last, 3, [3, 0, 4], timeout=T)) < 1e-10
+
+
+def _rows_softmax():
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(ChannelsLast(softmax_over_rows=True), dims=-2)
+    with pytest.raises(ValueError, match="points"):
+        model(torch.randn(1, 2, 4 + torch.distributed.get_rank(), 6))
+    return True
+
+
+def test_a_softmax_over_the_rows_of_a_permuted_tile_is_refused():
+    assert all(run_distributed(_rows_softmax, 2, timeout=T))

@@ -152,8 +152,8 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"{getattr(func, '__name__', func)} (domain-parallel) of two tiles pairs "
                     f"their points or sums over them (attention written by hand?): it would "
                     f"see the tile's points alone. Attention over the domain is converted in "
-                    f"diffusers' and MONAI's attention blocks (tensorpar.context's "
-                    f"ring_attention for your own)")
+                    f"diffusers' and MONAI's attention blocks (tensorpar.nn.ring_attention "
+                    f"for your own)")
         kind = scan.road
         on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
         tiled = TILE in scan.kinds or kind == EARLY  # (not a constant made after the pooling)
@@ -213,7 +213,7 @@ class _FunctionalCalls(TorchFunctionMode):
         """A call along split dims of a tile: ``mean`` over all of them converted."""
         dims, splits = split
         name = getattr(func, "__name__", str(func))
-        if x.dim() != self.ctx.ndim:
+        if self.ctx.marks.points(x) is not None:  # (not the image's layout)
             raise ValueError(
                 f"{name} (domain-parallel) along dim(s) {sorted(splits & dims)} of a reshaped "
                 f"tile, which hold the split dims' points, would see the tile's points alone; "
@@ -246,7 +246,9 @@ def _split_dims_reduced(ctx: DomainContext, x: torch.Tensor, args: Sequence[Any]
         dims = {d % x.dim() for d in dim}
     else:
         return None  # (the whole tensor: a loss of the tile's part; or no dim)
-    splits = {x.dim() + d for d in ctx.dims} if x.dim() == ctx.ndim else ctx.marks.points(x)
+    splits = ctx.marks.points(x)
+    if splits is None and x.dim() == ctx.ndim:
+        splits = frozenset(x.dim() + d for d in ctx.dims)
     return (dims, set(splits)) if splits and dims & splits else None
 
 

@@ -316,6 +316,9 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
         finally:
             own.dense, own.on_pooled = dense, on_pooled
         own.marks.mark(out, POOLED if own.poolings > poolings else kind)
+        held = own.marks.points(x)  # (a permuted tile: channels-last for a LayerNorm)
+        if held is not None and isinstance(out, torch.Tensor) and out.dim() == x.dim():
+            own.marks.hold_points(out, held)
         return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)
