@@ -51,8 +51,8 @@ def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
         return _moved(src, lambda d: b if d == a else a if d == b else d)
     if name == "permute":
         order = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
-        order = [o % n_in for o in order]
-        return frozenset(order.index(d) for d in src)
+        order = [o % n_in for o in (order or kwargs.get("dims", ()))]
+        return frozenset(order.index(d) for d in src) if len(order) == n_in else None
     if regroups(func, n_in, n_out):
         return _regrouped(src, in_shape, out.shape)
     if name == "unsqueeze":
@@ -110,8 +110,7 @@ def _moved(src: Points, where: Any) -> Points:
 
 
 def _reshapes(name: str) -> bool:
-    return name in ("view", "reshape", "view_as", "reshape_as", "expand", "flatten",
-                    "unflatten", "permute", "transpose", "movedim", "roll", "flip")
+    return name in ("view", "reshape", "view_as", "reshape_as", "unflatten")
 
 
 def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int]

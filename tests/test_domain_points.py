@@ -1,0 +1,52 @@
+"""Which dims of a reshaped tile hold the split dims' points (`tensorpar.domain._points`):
+each reshape a model writes, read from the call and the shapes alone."""
+
+import pytest
+import torch
+
+from tensorpar.domain._points import follow, pairs_points
+
+T = torch.Tensor
+x4 = torch.zeros(2, 3, 5, 7)  # (B, C, H, W), H split: points in dim 2
+
+
+@pytest.mark.parametrize("call, want", [
+    (lambda: (T.flatten, (x4, 2)), {2}),                      # (B, C, H * W)
+    (lambda: (T.flatten, (x4, 1)), {1}),                      # (B, C * H * W)
+    (lambda: (T.transpose, (x4, 1, 2)), {1}),
+    (lambda: (T.permute, (x4, 0, 2, 3, 1)), {1}),             # channels-last
+    (lambda: (T.permute, (x4, (0, 2, 3, 1))), {1}),
+    (lambda: (T.movedim, (x4, 1, -1)), {1}),
+    (lambda: (T.unsqueeze, (x4, 0)), {3}),
+    (lambda: (T.view, (x4, 2, 3, 35)), {2}),                  # H and W merged
+    (lambda: (T.reshape, (x4, 6, 35)), {1}),
+    (lambda: (T.reshape, (x4, 2, 3, 5, 7, 1)), {2}),          # a trailing 1
+    (lambda: (T.view, (x4, 2, 15, 7)), {1}),                  # C and H merged
+    (lambda: (torch.relu, (x4,)), {2}),                       # pointwise: in place
+])
+def test_reshapes_are_followed(call, want):
+    func, args = call()
+    out = func(*args)
+    assert follow(func, args, {}, frozenset({2}), x4.shape, out) == frozenset(want)
+
+
+def test_a_dim_holding_points_split_in_two_is_unknown():
+    tokens = torch.zeros(2, 35, 3)  # (B, H * W, C): which of (5, 7) holds the points?
+    out = tokens.view(2, 5, 7, 3)
+    assert follow(T.view, (tokens, 2, 5, 7, 3), {}, frozenset({1}), tokens.shape, out) is None
+
+
+def test_channel_splits_keep_the_points():
+    tokens = torch.zeros(2, 35, 12)
+    out = tokens.view(2, 35, 3, 4)  # heads
+    assert follow(T.view, (tokens, 2, 35, 3, 4), {}, frozenset({1}), tokens.shape,
+                  out) == frozenset({1})
+
+
+def test_products_that_pair_or_sum_the_points():
+    q = k = torch.zeros(2, 35, 4)  # tokens: points in dim 1
+    kt = k.transpose(1, 2)  # points in dim 2
+    assert pairs_points((q, kt), [frozenset({1}), frozenset({2})])  # q @ k^T: scores
+    assert pairs_points((kt, q), [frozenset({2}), frozenset({1})])  # k^T @ v: a sum
+    w = torch.zeros(4, 4)
+    assert not pairs_points((q, w), [frozenset({1}), None])  # a linear map of channels
