@@ -485,18 +485,13 @@ class ConvolvedSpread(ImagePooling):
 
 
 def _convolved_spread(sizes):
-    if len(set(sizes)) > 1:  # the sizes tell it is a tile
-        return check(ConvolvedSpread, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=1) < 1e-10
-    from tensorpar.nn import parallelize_domain
-    model = parallelize_domain(ConvolvedSpread(), dims=-2)
-    with pytest.raises(RuntimeError, match="meet the tile directly"):
-        model(torch.randn(1, 2, sizes[torch.distributed.get_rank()], 6))
-    return True
+    return check(ConvolvedSpread, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=1)
 
 
 @pytest.mark.parametrize("sizes", [[4, 3], [4, 4]])
 def test_a_spread_convolved_before_it_meets_the_tile(sizes):
-    assert all(run_distributed(_convolved_spread, 2, sizes, timeout=T))
+    # [4, 4]: the tiles' size does not tell a tile from a fixed grid; the meeting does
+    assert max(run_distributed(_convolved_spread, 2, sizes, timeout=T)) < 1e-10
 
 
 class AddedInPlace(TimestepOnBothSides):
@@ -560,3 +555,34 @@ def _more(name, sizes):
 def test_more_ways_pooled_features_and_parameters_meet_the_tiles(name):
     assert max(run_distributed(_more, 2, name, [4, 3], timeout=T)) < 1e-10
     assert max(run_distributed(_more, 3, name, [3, 0, 4], timeout=T)) < 1e-10
+
+
+class SpreadConvolved(nn.Module):
+    """The image-pooling branch spread to the tile's size and convolved: returned as the
+    output, or added to the tile after the convolution."""
+
+    def __init__(self, added: bool) -> None:
+        super().__init__()
+        self.added = added
+        self.conv, self.pool = nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.proj, self.out = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        spread = F.interpolate(self.proj(self.pool(y)), size=y.shape[-2:], mode="nearest")
+        if self.added:
+            return y + self.out(torch.relu(spread))
+        return self.out(spread) + 0 * y.sum()
+
+
+def _spread_convolved(added, sizes):
+    return check(lambda: SpreadConvolved(added), (2, 2, sum(sizes), 6), (-2,), (sizes,),
+                 steps=2)
+
+
+@pytest.mark.parametrize("added", [False, True])
+@pytest.mark.parametrize("sizes", [[4, 3], [4, 4]])
+def test_a_spread_convolved_after_it_equals_dense(added, sizes):
+    # an even split: the spread is a tile or a fixed grid, told where it meets a tile or
+    # where the model returns it as an image
+    assert max(run_distributed(_spread_convolved, 2, added, sizes, timeout=T)) < 1e-10

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tensorpar._torch import tree_map
 from tensorpar.domain import _meet, _pad
 from tensorpar.domain._attention import per_point, refuse_functional
 from tensorpar.domain._flow import (
@@ -80,6 +81,9 @@ class _FunctionalCalls(TorchFunctionMode):
                 out, kind = self._call(func, *entered, scan), TILE
             elif spread == POOLED:  # (or a fixed grid: a tile only where it meets one)
                 ctx.marks.keep_as_tiles(out, self._call(func, *entered, scan))
+        if (scan.kinds == {POOLED} or (mixed and kind is None)) and entered is None \
+                and ctx.poolings == poolings:
+            self._as_tiles_too(func, args, kwargs, scan, out)
         if scan.params and any(t.requires_grad for t in tensors_in(out)):
             ctx.used(scan.params)  # (not a read of a parameter's dtype or shape)
         if ctx.poolings > poolings:
@@ -95,6 +99,29 @@ class _FunctionalCalls(TorchFunctionMode):
         if kind == TILE:
             self._follow_points(func, args, kwargs, out)
         return out
+
+    def _as_tiles_too(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                      scan: Scan, out: Any) -> None:
+        """A call on a spread that may be a tile (`_meet`): also on its tile version."""
+        marks = self.ctx.marks
+        if not isinstance(out, torch.Tensor) or not any(
+                marks.as_tiles(t) is not None for t in tensors_in((args, kwargs))):
+            return
+
+        def tiles(v: Any) -> Any:
+            return marks.as_tiles(v) if isinstance(v, torch.Tensor) \
+                and marks.as_tiles(v) is not None else v
+        args, kwargs = tree_map(tiles, args), tree_map(tiles, kwargs)
+        try:  # the other pooled operands go into its tiles, where they can
+            met = _meet.into_tiles(self.ctx, func, args, kwargs)
+        except RuntimeError:
+            return  # (they cannot: it stays pooled features alone)
+        if met is not None:
+            args, kwargs = met
+        tiles_out = self._call(func, args, kwargs, Scan({TILE}, 0, scan.params, False, False))
+        if isinstance(tiles_out, torch.Tensor):
+            marks.mark(tiles_out, TILE)
+            marks.keep_as_tiles(out, tiles_out)
 
     def _points(self, t: Any) -> frozenset[int] | None:
         """The dims of the tile ``t`` that hold the split dims' points (``None``: unknown)."""

@@ -192,6 +192,4 @@ def mixing_error(what: str) -> RuntimeError:
         f"(replicated on every rank), and the pooled operand is spread over the tile's points "
         f"in a way that is not followed: pooled features go back into the tiles where they "
         f"have size 1 along every split dim (a gate broadcast over the tile), or through "
-        f"F.interpolate, expand or repeat to the tile's size; where every tile has the same "
-        f"size, that spread must meet the tile directly (its size alone does not tell a tile "
-        f"from a fixed grid of that size)")
+        f"F.interpolate, expand or repeat to the tile's size")

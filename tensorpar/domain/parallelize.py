@@ -16,7 +16,7 @@ from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _attention, _calls, _monai, _neuralop, _norms, _resample, _window
-from tensorpar.domain._flow import POOLED
+from tensorpar.domain._flow import POOLED, TILE
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
@@ -307,21 +307,32 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
                             f"keywords {extra})")
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
-        poolings, dense, on_pooled = own.poolings, own.dense, own.on_pooled
-        own.dense = own.pooled(kind)  # pooled features in: the dense layer
-        own.on_pooled = kind == POOLED
-        try:
-            with own.own_calls():  # its functional calls are tensorpar's own
-                out = fwd(self, own, x)
-        finally:
-            own.dense, own.on_pooled = dense, on_pooled
+        poolings = own.poolings
+        out = _run_layer(self, fwd, own, x, own.pooled(kind), kind == POOLED)
         own.marks.mark(out, POOLED if own.poolings > poolings else kind)
+        if (as_tiles := own.marks.as_tiles(x)) is not None and own.poolings == poolings:
+            # (a spread that may be a tile: the layer on its tile version too, see `_meet`)
+            tiles_out = _run_layer(self, fwd, own, as_tiles, False, False)
+            own.marks.mark(tiles_out, TILE)
+            own.marks.keep_as_tiles(out, tiles_out)
         held = own.marks.points(x)  # (a permuted tile: channels-last for a LayerNorm)
         if held is not None and isinstance(out, torch.Tensor) and out.dim() == x.dim():
             own.marks.hold_points(out, held)
         return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)
+
+
+def _run_layer(module: nn.Module, fwd: Forward, ctx: DomainContext, x: torch.Tensor,
+               dense: bool, on_pooled: bool) -> torch.Tensor:
+    """A converted layer's forward, as the dense layer (pooled features in) or on tiles."""
+    before = ctx.dense, ctx.on_pooled
+    ctx.dense, ctx.on_pooled = dense, on_pooled
+    try:
+        with ctx.own_calls():  # its functional calls are tensorpar's own
+            return fwd(module, ctx, x)
+    finally:
+        ctx.dense, ctx.on_pooled = before
 
 
 def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = False) -> None:
@@ -433,9 +444,14 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _exit(model: nn.Module, args: object, output: object) -> None:
+def _exit(model: nn.Module, args: object, output: object) -> object:
     ctx: DomainContext = model.__dict__[_CTX]
     _calls.exit_functional_mode(ctx)
+    if isinstance(output, torch.Tensor) and output.dim() == ctx.ndim:
+        # pooled features spread to a size every (equal) tile has, never told apart from
+        # a fixed grid by a tile they met: an image is the tiles' (see `_meet`)
+        return ctx.marks.as_tiles(output)
+    return None
 
 
 def domain_context(model: nn.Module) -> DomainContext:
