@@ -586,3 +586,55 @@ def test_a_spread_convolved_after_it_equals_dense(added, sizes):
     # an even split: the spread is a tile or a fixed grid, told where it meets a tile or
     # where the model returns it as an image
     assert max(run_distributed(_spread_convolved, 2, added, sizes, timeout=T)) < 1e-10
+
+
+class EmbeddingThroughLayers(nn.Module):
+    """A timestep embedding made at the top, of shape (B, C, 1, 1), through a converted
+    1x1 convolution (before or after the pooling) and a BatchNorm1d, into the gate and the
+    head: replicated data, run as the dense layers."""
+
+    def __init__(self, project_first: bool) -> None:
+        super().__init__()
+        self.project_first = project_first
+        self.embed = nn.Linear(1, 4)
+        self.conv, self.pool = nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.proj, self.out = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 2, 3, padding=1)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        emb = F.silu(self.embed(t))
+        projected = self.proj(emb[:, :, None, None]) if self.project_first else None
+        y = self.conv(x)
+        pooled = self.pool(y)
+        if projected is None:
+            projected = self.proj(emb[:, :, None, None])
+        gate = torch.sigmoid(pooled + projected + self.norm(emb)[:, :, None, None])
+        return self.out(y * gate)
+
+
+class WeightNormGate(SqueezeExcite):
+    """The gate's linear layer weight-normalised (a parametrization: never sees the image)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        gate = torch.sigmoid(self.lin(self.pool(y).flatten(1)))
+        return self.out(y * gate[:, :, None, None])
+
+
+def _replicated_inputs(name, sizes):
+    build = {"embedding_first": lambda: EmbeddingThroughLayers(True),
+             "embedding_after": lambda: EmbeddingThroughLayers(False),
+             "weight_norm": WeightNormGate}[name]
+    extra = (lambda: (torch.randn(2, 1, dtype=torch.float64),)) if "embedding" in name \
+        else None
+    return check(build, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2, extra=extra)
+
+
+@pytest.mark.parametrize("name", ["embedding_first", "embedding_after", "weight_norm"])
+def test_replicated_data_through_converted_layers_equals_dense(name):
+    assert max(run_distributed(_replicated_inputs, 2, name, [4, 3], timeout=T)) < 1e-10
+    assert max(run_distributed(_replicated_inputs, 3, name, [3, 0, 4], timeout=T)) < 1e-10

@@ -182,7 +182,8 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"diffusers' and MONAI's attention blocks (tensorpar.nn.ring_attention "
                     f"for your own)")
         kind = scan.road
-        on_tiles = ctx.active and not ctx.internal and not ctx.pooled(kind)
+        on_tiles = ctx.active and not ctx.internal and func in _CONVERTED \
+            and not _meet.runs_dense(ctx, kind, args[0] if args else kwargs.get("input"))
         tiled = TILE in scan.kinds or kind == EARLY  # (not a constant made after the pooling)
         if func is F.pad and on_tiles:
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
@@ -352,6 +353,9 @@ _PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul_
                        torch.bmm, torch.Tensor.bmm})
 """Products of two tensors: two tiles' may pair every point with every other."""
 _ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+_CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE_AVG, *_WITH_INDICES, *_CONVS,
+                        *_POOLS, *_ALONG_DIMS})
+"""The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
 
 
 def _is_parameter(t: torch.Tensor) -> bool:

@@ -42,7 +42,7 @@ from tensorpar.domain._flow import POOLED, TILE, Kind, Scan, mixing_error, tenso
 from tensorpar.domain._layout import DomainContext
 
 __all__ = ["SPREADING", "agreed_value", "interpolate_to_empty", "into_tiles", "on_any_rank",
-           "spread_input", "spreads_to_tiles"]
+           "runs_dense", "spread_input", "spreads_to_tiles"]
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
                        torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile})
@@ -146,6 +146,25 @@ def spreads_to_tiles(ctx: DomainContext, out: Any) -> Kind | None:
         return None
     told = any(f and len(set(sizes)) > 1 for f, (_, _, sizes) in zip(found, splits, strict=True))
     return TILE if told else POOLED
+
+
+def runs_dense(ctx: DomainContext, kind: Kind | None, t: Any) -> bool:
+    """Whether a converted layer or call given ``t`` runs as the dense one.
+
+    Pooled features do (and what is made from nothing after the pooling); tiles do not. A
+    replicated tensor made before the pooling (`_flow`'s early mark) is a tile where it has
+    the image's dims and more than one row along some split dim on some rank (a mask of
+    the tile's size; agreed in one small all-reduce, as a 1-row tile looks alike), else
+    replicated data (a timestep embedding of shape ``(B, C, 1, 1)`` through a 1x1 conv).
+    """
+    if ctx.pooled(kind):
+        return True
+    if kind == TILE or not isinstance(t, torch.Tensor):
+        return False
+    if t.dim() != ctx.ndim:
+        return True
+    wide = any(t.shape[d] != 1 for d in ctx.dims)
+    return not on_any_rank(ctx, wide, t.device)
 
 
 def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:

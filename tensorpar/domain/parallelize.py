@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from tensorpar._torch import is_fsdp_module, queue_engine_callback
 from tensorpar.collectives.functional import all_reduce
@@ -18,6 +19,7 @@ from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _attention, _calls, _monai, _neuralop, _norms, _resample, _window
 from tensorpar.domain._flow import POOLED, TILE
 from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._meet import runs_dense
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
 
@@ -85,8 +87,14 @@ def _forward_for(module: nn.Module) -> tuple[Forward, tuple[str, ...]] | None:
 
 
 def _inside_converted(model: nn.Module) -> set[int]:
-    """The modules inside a converted layer: they run as part of its forward."""
-    return {id(d) for m in model.modules() if _forward_for(m) is not None
+    """The modules that need no conversion of their own.
+
+    Those inside a converted layer (they run as part of its forward), and the
+    parametrizations' (``weight_norm``, ``spectral_norm``: they make a weight from
+    parameters and never see the image).
+    """
+    return {id(d) for m in model.modules()
+            if _forward_for(m) is not None or isinstance(m, parametrize.ParametrizationList)
             for d in m.modules() if d is not m}
 
 
@@ -308,7 +316,7 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
         poolings = own.poolings
-        out = _run_layer(self, fwd, own, x, own.pooled(kind), kind == POOLED)
+        out = _run_layer(self, fwd, own, x, runs_dense(own, kind, x), kind == POOLED)
         own.marks.mark(out, POOLED if own.poolings > poolings else kind)
         if (as_tiles := own.marks.as_tiles(x)) is not None and own.poolings == poolings:
             # (a spread that may be a tile: the layer on its tile version too, see `_meet`)
