@@ -575,17 +575,36 @@ class SpreadConvolved(nn.Module):
         return self.out(spread) + 0 * y.sum()
 
 
-def _spread_convolved(added, sizes):
-    return check(lambda: SpreadConvolved(added), (2, 2, sum(sizes), 6), (-2,), (sizes,),
-                 steps=2)
+class SpreadPooledAgain(SpreadConvolved):
+    """The convolved spread pooled again for a gate: at an even split, refused."""
+
+    def __init__(self) -> None:
+        super().__init__(added=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        spread = F.interpolate(self.proj(self.pool(y)), size=y.shape[-2:], mode="nearest")
+        return y * torch.sigmoid(self.pool(self.out(spread)))
 
 
-@pytest.mark.parametrize("added", [False, True])
+def _spread_convolved(how, sizes):
+    build = {"returned": lambda: SpreadConvolved(False), "added": lambda: SpreadConvolved(True),
+             "pooled_again": SpreadPooledAgain}[how]
+    if how != "added" and len(set(sizes)) == 1:
+        # an even split: a tile or a fixed grid of that size? Nothing tells; refused
+        from tensorpar.nn import parallelize_domain
+        model = parallelize_domain(build(), dims=-2)
+        with pytest.raises(ValueError, match="cannot be told"):
+            model(torch.randn(1, 2, sizes[torch.distributed.get_rank()], 6))
+        return 0.0
+    return check(build, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2)
+
+
+@pytest.mark.parametrize("how", ["returned", "added", "pooled_again"])
 @pytest.mark.parametrize("sizes", [[4, 3], [4, 4]])
-def test_a_spread_convolved_after_it_equals_dense(added, sizes):
-    # an even split: the spread is a tile or a fixed grid, told where it meets a tile or
-    # where the model returns it as an image
-    assert max(run_distributed(_spread_convolved, 2, added, sizes, timeout=T)) < 1e-10
+def test_a_spread_convolved_after_it(how, sizes):
+    # uneven: a tile at once; even: told where it meets a tile, else refused
+    assert max(run_distributed(_spread_convolved, 2, how, sizes, timeout=T)) < 1e-10
 
 
 class EmbeddingThroughLayers(nn.Module):
@@ -638,3 +657,114 @@ def _replicated_inputs(name, sizes):
 def test_replicated_data_through_converted_layers_equals_dense(name):
     assert max(run_distributed(_replicated_inputs, 2, name, [4, 3], timeout=T)) < 1e-10
     assert max(run_distributed(_replicated_inputs, 3, name, [3, 0, 4], timeout=T)) < 1e-10
+
+
+def _unfollowed_one_row(sizes):
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(Unfollowed(), dims=-2)
+    with pytest.raises(RuntimeError, match="not followed"):
+        model(torch.randn(1, 2, sizes[torch.distributed.get_rank()], 6))
+    return True
+
+
+def test_a_refused_spread_raises_on_every_rank_with_a_one_row_tile():
+    # the 1-row tile's rank sees a pooled operand of size 1 there, a gate's shape
+    assert all(run_distributed(_unfollowed_one_row, 2, [1, 3], timeout=120))
+
+
+class SpreadNormalised(ImagePooling):
+    """The image-pooling branch spread, then a BatchNorm, then joined to the tile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spread = F.interpolate(self.proj(self.pool(x)), size=x.shape[-2:], mode="nearest")
+        return self.out(torch.cat([self.branch(x), self.norm(spread)], 1))
+
+
+def _spread_normalised(sizes):
+    # check() compares the running statistics with dense's too
+    return check(SpreadNormalised, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2)
+
+
+@pytest.mark.parametrize("sizes", [[4, 3], [4, 4]])
+def test_a_norm_on_a_spread_updates_its_statistics_once(sizes):
+    assert max(run_distributed(_spread_normalised, 2, sizes, timeout=T)) < 1e-10
+
+
+class LossTerms(nn.Module):
+    """A loss made in the forward of a tile's part and pooled parts, summed in any order,
+    with a term of parameters alone (a weight penalty)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.enc, self.seg = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+        self.pool, self.cls, self.aux = nn.AdaptiveAvgPool2d(1), nn.Linear(4, 3), nn.Linear(4, 2)
+        self.logvar = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(self.enc(x))
+        p = self.pool(f).flatten(1)
+        seg, cls, aux = self.seg(f).pow(2).sum(), self.cls(p).pow(2).sum(), self.aux(p).pow(2).sum()
+        if self.how == "weighted":  # the mixed loss times a learned weight: refused
+            return (seg + cls) * torch.exp(-self.logvar) + self.logvar
+        return (seg + cls) + aux + self.aux.weight.pow(2).sum() + self.logvar
+
+
+def _loss_terms(how, sizes):
+    import copy
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    dense = LossTerms(how).double()
+    x = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64)
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    tile = x.narrow(2, sum(sizes[:rank]), sizes[rank])
+    if how == "weighted":
+        with pytest.raises(ValueError, match="only sums"):
+            model(tile)
+        return 0.0
+    dense(x).backward()
+    model(tile).backward()
+    return max(float((p.grad - q.grad).abs().max()) for p, q in
+               zip(model.parameters(), dense.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("how", ["summed", "weighted"])
+def test_a_loss_of_several_tile_and_pooled_terms(how):
+    assert max(run_distributed(_loss_terms, 2, how, [5, 4], timeout=T)) < 1e-10
+    assert max(run_distributed(_loss_terms, 3, how, [3, 0, 4], timeout=T)) < 1e-10
+
+
+class LearnedGridHead(nn.Module):
+    """A learned 4 x 4 grid (a parameter) activated at the top, convolved after the pooling:
+    replicated data, the dense layer (its 4 rows are no tile's, or every tile's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grid = nn.Parameter(torch.randn(1, 4, 4, 4))
+        self.conv, self.pool = nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.head, self.fc = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = torch.tanh(self.grid)
+        pooled = self.pool(self.conv(x))
+        return self.fc((self.head(grid) * pooled).flatten(1))
+
+
+def _learned_grid(sizes):
+    return check(LearnedGridHead, (2, 2, sum(sizes), 6), (-2,), (sizes,), steps=2,
+                 replicated=True)
+
+
+@pytest.mark.parametrize("sizes", [[4, 3], [4, 4], [3, 0, 4]])
+def test_a_learned_grid_convolved_after_the_pooling_equals_dense(sizes):
+    # [4, 3]: one rank's tile is 4 rows, the other's not (a rank-by-rank reading hung)
+    assert max(run_distributed(_learned_grid, len(sizes), sizes, timeout=T)) < 1e-10
+
+
+def test_a_mask_at_one_row_tiles_is_a_tile():
+    assert max(run_distributed(_used_on_both_sides, 2, "mask", [1, 1], timeout=T)) < 1e-10

@@ -24,6 +24,7 @@ from tensorpar.domain import _meet, _pad
 from tensorpar.domain._attention import per_point, refuse_functional
 from tensorpar.domain._flow import (
     EARLY,
+    PARTIAL,
     POOLED,
     TILE,
     Kind,
@@ -62,6 +63,8 @@ class _FunctionalCalls(TorchFunctionMode):
         if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
+        if PARTIAL in scan.kinds:
+            return self._on_partial(func, args, kwargs, scan)
         poolings = ctx.poolings
         kind: Kind | None = None
         entered = None
@@ -91,6 +94,7 @@ class _FunctionalCalls(TorchFunctionMode):
         elif kind is None and mixed:
             device = next(tensors_in((args, kwargs))).device
             refuse_spread(name, out, scan, lambda flag: _meet.on_any_rank(ctx, flag, device))
+            kind = PARTIAL
         elif kind is None:
             kind = output_kind(func, args, scan, ctx.marks, ctx.reduced)
         ctx.marks.mark(out, kind)
@@ -98,6 +102,32 @@ class _FunctionalCalls(TorchFunctionMode):
             ctx.marks.mark(args[0], kind)
         if kind == TILE:
             self._follow_points(func, args, kwargs, out)
+        return out
+
+    def _on_partial(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
+                    ) -> Any:
+        """A call on a loss of tile and pooled parts (`_flow.PARTIAL`).
+
+        Each rank's loss is a partial one, summed over the ranks by the backward: a sum may
+        add pooled terms (whole on every rank, as they are) and terms computed from
+        parameters alone, which give a share; anything else combined with what needs a
+        gradient and is not the tile's would count it once per tile, and raises.
+        """
+        ctx = self.ctx
+
+        def replicated(t: torch.Tensor) -> bool:
+            return t.requires_grad and ctx.marks.kind_of(t) not in (TILE, PARTIAL)
+        if any(replicated(t) for t in tensors_in((args, kwargs))):
+            if func not in _SUMS:
+                raise ValueError(
+                    f"{getattr(func, '__name__', func)} (domain-parallel) of a loss made of a "
+                    f"tile's part and pooled parts with pooled features or parameters: each "
+                    f"rank's loss is summed over the ranks, so only sums may add to it (weight "
+                    f"each part before adding it)")
+            args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
+                                           lambda t: _replicated_grad(ctx, t))
+        out = func(*args, **kwargs)
+        ctx.marks.mark(out, PARTIAL)
         return out
 
     def _as_tiles_too(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
@@ -118,10 +148,14 @@ class _FunctionalCalls(TorchFunctionMode):
             return  # (they cannot: it stays pooled features alone)
         if met is not None:
             args, kwargs = met
+        pending = [u for t in tensors_in((args, kwargs)) for u in marks.pending(t)]
+        poolings = self.ctx.poolings
         tiles_out = self._call(func, args, kwargs, Scan({TILE}, 0, scan.params, False, False))
+        if self.ctx.poolings > poolings:
+            raise _meet.ambiguous_spread("a global pooling")
         if isinstance(tiles_out, torch.Tensor):
             marks.mark(tiles_out, TILE)
-            marks.keep_as_tiles(out, tiles_out)
+            marks.keep_as_tiles(out, tiles_out, pending)
 
     def _points(self, t: Any) -> frozenset[int] | None:
         """The dims of the tile ``t`` that hold the split dims' points (``None``: unknown)."""
@@ -358,13 +392,20 @@ _CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE_AVG, *_WITH_INDICES, *_
 """The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
 
 
+_SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+                   torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+                   torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__,
+                   torch.Tensor.sub_, torch.sum, torch.Tensor.sum, torch.cat, torch.stack})
+"""Calls that only add their tensors up (a loss's terms)."""
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) and t.requires_grad
 
 
 def _replicated_grad(ctx: DomainContext, t: torch.Tensor) -> bool:
     """Whether ``t`` is a parameter or computed from them alone, and needs a gradient."""
-    return t.requires_grad and ctx.marks.kind_of(t) not in (TILE, POOLED)
+    return t.requires_grad and ctx.marks.kind_of(t) not in (TILE, POOLED, PARTIAL)
 
 
 def _in_place(func: Any) -> bool:

@@ -33,13 +33,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["EARLY", "POOLED", "TILE", "Kind", "Marks", "Scan", "mixing_error", "output_kind",
-           "reads_only_metadata", "refuse_spread", "tensors_in"]
+__all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "Kind", "Marks", "Scan", "mixing_error",
+           "output_kind", "reads_only_metadata", "refuse_spread", "tensors_in"]
 
-Kind = Literal["tile", "pooled", "early"]
+Kind = Literal["tile", "pooled", "early", "partial"]
 TILE: Kind = "tile"
 POOLED: Kind = "pooled"
 EARLY: Kind = "early"
+PARTIAL: Kind = "partial"
+"""A tile's partial reduction combined with pooled features on each rank (a loss of both
+parts, summed over the ranks by the backward): combined further only by sums."""
 
 
 class Marks:
@@ -47,7 +50,8 @@ class Marks:
 
     def __init__(self) -> None:
         self._kinds: dict[int, tuple[weakref.ref[torch.Tensor], Kind]] = {}
-        self._as_tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._as_tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor,
+                                        list[Callable[[], None]]]] = {}
         self._points: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
 
     def clear(self) -> None:
@@ -65,14 +69,31 @@ class Marks:
         entry = self._points.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
-    def keep_as_tiles(self, pooled: torch.Tensor, tiles: torch.Tensor) -> None:
-        """Remember ``tiles``: ``pooled`` computed as a tile, in case it meets one."""
-        self._as_tiles[id(pooled)] = (weakref.ref(pooled), tiles)
+    def keep_as_tiles(self, pooled: torch.Tensor, tiles: torch.Tensor,
+                      pending: Sequence[Callable[[], None]] = ()) -> None:
+        """Remember ``tiles``: ``pooled`` computed as a tile, in case it meets one.
+
+        ``pending``: what taking the tile version does (a norm's running statistics as its
+        tile version left them), see `take_tiles`.
+        """
+        self._as_tiles[id(pooled)] = (weakref.ref(pooled), tiles, list(pending))
 
     def as_tiles(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` computed as a tile (`keep_as_tiles`), else ``None``."""
         entry = self._as_tiles.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
+
+    def pending(self, t: torch.Tensor) -> list[Callable[[], None]]:
+        """What taking ``t``'s tile version does (`keep_as_tiles`)."""
+        entry = self._as_tiles.get(id(t))
+        return entry[2] if entry is not None and entry[0]() is t else []
+
+    def take_tiles(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s tile version, taken (its pending updates done), else ``None``."""
+        tiles = self.as_tiles(t)
+        for update in self.pending(t):
+            update()
+        return tiles
 
     def mark(self, value: Any, kind: Kind | None) -> None:
         """Mark every tensor in ``value`` (a tensor, or a tuple/list/dict of them)."""
@@ -97,7 +118,7 @@ class Marks:
                 scan.kinds.add(kind)
                 if kind == POOLED:
                     scan.pooled_numel = max(scan.pooled_numel, t.numel())
-            if kind not in (TILE, POOLED) and t.requires_grad:
+            if kind not in (TILE, POOLED, PARTIAL) and t.requires_grad:
                 scan.replicated_grads = True
             if isinstance(t, nn.Parameter):
                 scan.params.append(t)

@@ -41,8 +41,8 @@ from tensorpar.collectives.regions import copy_to_group
 from tensorpar.domain._flow import POOLED, TILE, Kind, Scan, mixing_error, tensors_in
 from tensorpar.domain._layout import DomainContext
 
-__all__ = ["SPREADING", "agreed_value", "interpolate_to_empty", "into_tiles", "on_any_rank",
-           "runs_dense", "spread_input", "spreads_to_tiles"]
+__all__ = ["SPREADING", "agreed_value", "ambiguous_spread", "interpolate_to_empty", "into_tiles",
+           "on_any_rank", "runs_dense", "spread_input", "spreads_to_tiles"]
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
                        torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile})
@@ -77,16 +77,21 @@ def into_tiles(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[
         return None
     name = getattr(func, "__name__", str(func))
     over_points = _einsum_over_points(ctx, args) if func is torch.einsum else None
+    pooled = [t for t in tensors_in((args, kwargs))
+              if ctx.marks.kind_of(t) == POOLED and ctx.marks.as_tiles(t) is None]
+    refused = not all(id(t) in over_points if over_points is not None
+                      else _broadcast_over_tiles(ctx, t) for t in pooled)
+    if any(1 in sizes for table in ctx.layouts for sizes in table.values()):
+        # a pooled operand spread to a 1-row tile's size has size 1 there: agree
+        refused = on_any_rank(ctx, refused, pooled[0].device) if pooled else refused
+    if refused:
+        raise mixing_error(name)
 
     def enter(v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or ctx.marks.kind_of(v) != POOLED:
             return v
-        if (as_tiles := ctx.marks.as_tiles(v)) is not None:
+        if (as_tiles := ctx.marks.take_tiles(v)) is not None:
             return as_tiles
-        broadcast = id(v) in over_points if over_points is not None else \
-            _broadcast_over_tiles(ctx, v)
-        if not broadcast:
-            raise mixing_error(name)
         return _enter_tiles(ctx, v)
     return tree_map(enter, args), tree_map(enter, kwargs)
 
@@ -148,23 +153,37 @@ def spreads_to_tiles(ctx: DomainContext, out: Any) -> Kind | None:
     return TILE if told else POOLED
 
 
+def ambiguous_spread(what: str) -> ValueError:
+    """A spread that may be a tile or a fixed grid reached ``what`` without meeting a tile."""
+    return ValueError(
+        f"parallelize_domain: pooled features spread to the size every tile has along a split "
+        f"dim (an even split) reach {what} without meeting a tile: whether they are a tile or "
+        f"a fixed grid of that size cannot be told. Join them to a tile first, or spread them "
+        f"to a size no tile has")
+
+
 def runs_dense(ctx: DomainContext, kind: Kind | None, t: Any) -> bool:
     """Whether a converted layer or call given ``t`` runs as the dense one.
 
     Pooled features do (and what is made from nothing after the pooling); tiles do not. A
-    replicated tensor made before the pooling (`_flow`'s early mark) is a tile where it has
-    the image's dims and more than one row along some split dim on some rank (a mask of
-    the tile's size; agreed in one small all-reduce, as a 1-row tile looks alike), else
-    replicated data (a timestep embedding of shape ``(B, C, 1, 1)`` through a 1x1 conv).
+    replicated tensor made before the pooling (`_flow`'s early mark) runs as dense where it
+    is computed from parameters (a learned grid), lacks the image's dims, or has size 1 along
+    every spatial dim (an embedding ``(B, C, 1, 1)`` through a 1x1 conv); otherwise (a
+    constant, a mask made from the input's shape) it is a tile where every rank's has a
+    tile's size along each split dim, agreed in one small all-reduce (1-row tiles and
+    fixed grids look alike on one rank).
     """
     if ctx.pooled(kind):
         return True
     if kind == TILE or not isinstance(t, torch.Tensor):
         return False
-    if t.dim() != ctx.ndim:
+    if t.dim() != ctx.ndim or t.requires_grad:
         return True
-    wide = any(t.shape[d] != 1 for d in ctx.dims)
-    return not on_any_rank(ctx, wide, t.device)
+    wide = any(t.shape[s] != 1 for s in range(2, t.dim()))
+    fits = all(any(t.shape[d] == sizes[g.rank] for sizes in ctx.layouts[i].values())
+               for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True)))
+    any_wide, any_misfit = _agreed(ctx, [wide, not fits], "max", t.device)
+    return not (any_wide and not any_misfit)
 
 
 def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:

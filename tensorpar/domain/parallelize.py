@@ -19,7 +19,7 @@ from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain import _attention, _calls, _monai, _neuralop, _norms, _resample, _window
 from tensorpar.domain._flow import POOLED, TILE
 from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._meet import runs_dense
+from tensorpar.domain._meet import ambiguous_spread, runs_dense
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
 
@@ -316,19 +316,38 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
         poolings = own.poolings
+        as_tiles = own.marks.as_tiles(x)
+        buffers = list(self.buffers(recurse=False)) if as_tiles is not None else []
+        before = [b.clone() for b in buffers]
         out = _run_layer(self, fwd, own, x, runs_dense(own, kind, x), kind == POOLED)
         own.marks.mark(out, POOLED if own.poolings > poolings else kind)
-        if (as_tiles := own.marks.as_tiles(x)) is not None and own.poolings == poolings:
-            # (a spread that may be a tile: the layer on its tile version too, see `_meet`)
+        if as_tiles is not None and own.poolings == poolings:
+            # (a spread that may be a tile: the layer on its tile version too, see `_meet`;
+            # its running statistics stay the first run's until the tile version is taken)
+            first = [b.clone() for b in buffers]
+            _copy_into(buffers, before)
             tiles_out = _run_layer(self, fwd, own, as_tiles, False, False)
+            if own.poolings > poolings:
+                raise ambiguous_spread(f"a global pooling ({type(self).__name__})")
+            second = [b.clone() for b in buffers]
+            _copy_into(buffers, first)
             own.marks.mark(tiles_out, TILE)
-            own.marks.keep_as_tiles(out, tiles_out)
+            pending = [*own.marks.pending(x)]
+            if buffers:
+                pending.append(functools.partial(_copy_into, buffers, second))
+            own.marks.keep_as_tiles(out, tiles_out, pending)
         held = own.marks.points(x)  # (a permuted tile: channels-last for a LayerNorm)
         if held is not None and isinstance(out, torch.Tensor) and out.dim() == x.dim():
             own.marks.hold_points(out, held)
         return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)
+
+
+def _copy_into(buffers: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for b, v in zip(buffers, values, strict=True):
+            b.copy_(v)
 
 
 def _run_layer(module: nn.Module, fwd: Forward, ctx: DomainContext, x: torch.Tensor,
@@ -452,14 +471,14 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _exit(model: nn.Module, args: object, output: object) -> object:
+def _exit(model: nn.Module, args: object, output: object) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
     _calls.exit_functional_mode(ctx)
-    if isinstance(output, torch.Tensor) and output.dim() == ctx.ndim:
-        # pooled features spread to a size every (equal) tile has, never told apart from
-        # a fixed grid by a tile they met: an image is the tiles' (see `_meet`)
-        return ctx.marks.as_tiles(output)
-    return None
+    # an image of pooled features spread to a size every (equal) tile has, never told
+    # apart from a fixed grid by a tile they met (see `_meet`)
+    if isinstance(output, torch.Tensor) and output.dim() == ctx.ndim \
+            and ctx.marks.as_tiles(output) is not None:
+        raise ambiguous_spread("the model's output")
 
 
 def domain_context(model: nn.Module) -> DomainContext:
