@@ -23,7 +23,13 @@ agreed by all ranks in one small all-reduce, so that the sums run on every rank 
 
 Where the tiles along a split dim are all of one size, the spread's size does not tell a
 tile from a fixed grid of that size (a head's): the output stays pooled, and its tile
-version is kept aside for the call where it meets a tile (`into_tiles`).
+version is kept aside, carried through the layers and calls after it, for the call where
+it meets a tile (`into_tiles`). One that reaches a global pooling or the model's output
+as an image first raises (`ambiguous_spread`).
+
+This module also decides the road of replicated data given alone to a converted layer
+(`runs_dense`), and holds the small agreements that keep shape-based decisions the same
+on every rank.
 """
 
 from __future__ import annotations
