@@ -150,7 +150,7 @@ class _FunctionalCalls(TorchFunctionMode):
             args, kwargs = met
         pending = [u for t in tensors_in((args, kwargs)) for u in marks.pending(t)]
         poolings = self.ctx.poolings
-        tiles_out = self._call(func, args, kwargs, Scan({TILE}, 0, scan.params, False, False))
+        tiles_out = self._call(func, args, kwargs, Scan({TILE}, 0, scan.params, False))
         if self.ctx.poolings > poolings:
             raise _meet.ambiguous_spread("a global pooling")
         if isinstance(tiles_out, torch.Tensor):
@@ -372,7 +372,7 @@ _POOLS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
 """Functional convolutions and poolings, converted on tiles as their layers."""
 _WITH_INDICES = frozenset({F.max_pool1d_with_indices, F.max_pool2d_with_indices,
                            F.max_pool3d_with_indices})
-_UNTRACKED = Scan(set(), 0, [], False, False)  # (never changed)
+_UNTRACKED = Scan(set(), 0, [], False)  # (never changed)
 _MEANS = frozenset({torch.mean, torch.Tensor.mean})
 _ALONG_DIMS = _MEANS | {
     torch.var, torch.Tensor.var, torch.std, torch.Tensor.std, torch.var_mean, torch.std_mean,

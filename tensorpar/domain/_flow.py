@@ -109,7 +109,7 @@ class Marks:
 
     def scan(self, args: Any, kwargs: Any) -> Scan:
         """What a call takes (see `Scan`)."""
-        scan = Scan(set(), 0, [], False, False)
+        scan = Scan(set(), 0, [], False)
         for t in tensors_in((args, kwargs)):
             kind = self.kind_of(t)
             if kind == EARLY:
@@ -118,8 +118,6 @@ class Marks:
                 scan.kinds.add(kind)
                 if kind == POOLED:
                     scan.pooled_numel = max(scan.pooled_numel, t.numel())
-            if kind not in (TILE, POOLED, PARTIAL) and t.requires_grad:
-                scan.replicated_grads = True
             if isinstance(t, nn.Parameter):
                 scan.params.append(t)
         return scan
@@ -134,15 +132,12 @@ class Scan:
         pooled_numel: the number of elements of its largest pooled tensor.
         params: its parameters.
         early: whether a tensor marked early is among them.
-        replicated_grads: whether a tensor that requires grad and is neither a tile nor
-            pooled (a parameter, a tensor computed from one) is among them.
     """
 
     kinds: set[Kind]
     pooled_numel: int
     params: list[torch.Tensor]
     early: bool
-    replicated_grads: bool
 
     @property
     def road(self) -> Kind | None:

@@ -204,21 +204,23 @@ def agreed_value(ctx: DomainContext, value: float | None, device: torch.device
     One small all-reduce; a rank with ``value`` ``None`` abstains (an empty tile).
     """
     mine = [value, -value] if value is not None else [-math.inf, -math.inf]
-    t = torch.tensor(mine, dtype=torch.float64, device=device)
-    for g in ctx.groups:
-        if not g.is_single:
-            t = all_reduce(t, op="max", backward="identity", group=g)
-    high, low = t.tolist()
-    return float(high) if high == -low and high > -math.inf else None
+    high, low = _all_reduced(ctx, mine, "max", device)
+    return high if high == -low and high > -math.inf else None
 
 
 def _agreed(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,
             device: torch.device) -> list[bool]:
-    agreed = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=device)
+    return [v == 1.0 for v in _all_reduced(ctx, [float(f) for f in flags], op, device)]
+
+
+def _all_reduced(ctx: DomainContext, values: Sequence[float], op: ReduceOpName,
+                 device: torch.device) -> list[float]:
+    """``values`` reduced with ``op`` over every split dim's group (one small all-reduce each)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     for g in ctx.groups:
         if not g.is_single:
-            agreed = all_reduce(agreed, op=op, backward="identity", group=g)
-    return [v == 1.0 for v in agreed.tolist()]
+            t = all_reduce(t, op=op, backward="identity", group=g)
+    return [float(v) for v in t.tolist()]
 
 
 def interpolate_to_empty(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
