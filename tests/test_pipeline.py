@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+import math
 
 import pytest
 import torch
@@ -452,7 +453,11 @@ def test_benchmark_suite_runs():
     assert [r["case"] for r in rows] == ["gpipe", "1f1b", "interleaved", "zero-bubble",
                                          "zero-bubble-interleaved"]
     for r in rows:
-        assert r["tensorpar"] > 0 and r["torch"] > 0 and 0 <= r["bubble"] < 1
+        assert r["tensorpar"] > 0 and r["torch"] > 0 and r["compute"] > 0
+        # 1 - compute / step: below 1 always; its sign is the machine's (at this toy size on a
+        # loaded machine the compute-only pass can take longer than the step it is paired with)
+        for key in ("bubble", "torch_bubble", "idle", "torch_idle"):
+            assert math.isfinite(r[key]) and r[key] < 1, (key, r)
     assert rows[1]["bubble_theory"] == pytest.approx(1 / 5)
 
 

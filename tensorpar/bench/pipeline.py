@@ -22,7 +22,9 @@ headers, Python overhead). Theory's ``(P - 1) / (V * m + P - 1)`` (zero-bubble:
 these are not quite equal (the first stage computes no gradient for the batch, the last
 computes the loss), so a faster stage also waits for the slower one: the mean over the
 ranks of ``1 - compute / step`` (``idle``) counts that too. Both are given for both
-libraries.
+libraries. Each is the median of per-round figures; on a small model and a busy machine a
+round's compute-only pass can take longer than its step, and the figure then is negative:
+it is reported as measured.
 """
 
 from __future__ import annotations
