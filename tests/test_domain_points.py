@@ -4,7 +4,7 @@ each reshape a model writes, read from the call and the shapes alone."""
 import pytest
 import torch
 
-from tensorpar.domain._points import follow, pairs_points
+from tensorpar.domain._points import ALL, einsum_points, follow, pairs_points, reduced_dims
 
 T = torch.Tensor
 x4 = torch.zeros(2, 3, 5, 7)  # (B, C, H, W), H split: points in dim 2
@@ -50,3 +50,45 @@ def test_products_that_pair_or_sum_the_points():
     assert pairs_points((kt, q), [frozenset({2}), frozenset({1})])  # k^T @ v: a sum
     w = torch.zeros(4, 4)
     assert not pairs_points((q, w), [frozenset({1}), None])  # a linear map of channels
+
+
+@pytest.mark.parametrize("call, want", [
+    (lambda: (T.mean, (x4, -1)), {2}),                        # over W: H moves nowhere
+    (lambda: (T.mean, (x4, 1)), {1}),                         # over C: H moves up
+    (lambda: (T.amax, (x4, (0, 3))), {1}),
+    (lambda: (T.sum, (x4, 3), {"keepdim": True}), {2}),
+    (lambda: (torch.linalg.vector_norm, (x4, 2, 1)), {1}),   # dim is the third argument
+    (lambda: (torch.softmax, (x4, 1)), {2}),                  # along C: the dims kept
+    (lambda: (T.mean, (x4, 2)), None),                        # along the points
+    (lambda: (T.mean, (x4,)), None),                          # the whole tensor
+])
+def test_reductions_along_other_dims_are_followed(call, want):
+    func, args, *rest = call()
+    kwargs = rest[0] if rest else {}
+    out = func(*args, **kwargs)
+    held = follow(func, args, kwargs, frozenset({2}), x4.shape, out)
+    assert held == (None if want is None else frozenset(want))
+
+
+def test_reduced_dims_read_from_the_call():
+    assert reduced_dims(T.mean, (x4, (2, -1)), {}, 4) == frozenset({2, 3})
+    assert reduced_dims(T.sum, (x4,), {}, 4) == ALL
+    assert reduced_dims(T.sort, (x4,), {}, 4) == frozenset({3})  # its default: the last
+    assert reduced_dims(torch.max, (x4, x4), {}, 4) is None  # elementwise
+    assert reduced_dims(torch.relu, (x4,), {}, 4) is None
+
+
+def test_einsum_subscripts_name_the_points():
+    tile = torch.zeros(2, 3, 5, 7)
+    image = {id(tile): frozenset({2})}
+
+    def points(t):
+        return image.get(id(t))
+    w = torch.zeros(4, 3)
+    assert einsum_points(("bchw,dc->bdhw", tile, w), points) == (frozenset({2}), False)
+    assert einsum_points(("bchw->bwhc", tile), points) == (frozenset({2}), False)
+    assert einsum_points(("bchw,bdhw->bcdhw", tile, tile), points) == (frozenset({3}), False)
+    assert einsum_points(("bchw,bdgw->bcdhg", tile, tile), points)[1]  # points paired
+    assert einsum_points(("bchw,bdhw->bcd", tile, tile), points)[1]  # summed over
+    assert einsum_points(("bchw->bc", tile), points)[1]
+    assert einsum_points(("...hw,dc->...dhw", tile, w), points) == (None, False)  # not read

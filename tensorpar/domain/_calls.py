@@ -3,10 +3,11 @@
 A torch function mode sees every call the model's forward makes outside the converted
 layers. It marks each output a tile or pooled features (`_flow`), converts ``F.pad``,
 ``F.interpolate``, functional convolutions and poolings (as their layers), a global
-pooling written as ``F.adaptive_avg_pool2d(x, 1)`` or as a ``mean`` over the split dims,
-refuses what would silently see the tile alone (attention,
-a softmax or a sort along a split dim), lets pooled features into the tiles (`_meet`),
-and gives the parameters used on pooled features their shares (`_shares`).
+pooling written as ``F.adaptive_avg_pool2d(x, 1)``, a ``sum`` or ``mean`` over every split
+point (`_reductions`), refuses what would silently see the tile alone (attention, any
+other reduction, a softmax or a sort along the points), lets pooled features into the
+tiles (`_meet`), and gives the parameters used on pooled features their shares
+(`_shares`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,17 @@ from tensorpar.domain._flow import (
     tensors_in,
 )
 from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._points import follow, pairs_points, regroups
-from tensorpar.domain._resample import global_mean, interpolate, tile_sizes_to_domain
+from tensorpar.domain._points import (
+    ALL,
+    after_reduction,
+    einsum_points,
+    follow,
+    pairs_points,
+    reduced_dims,
+    regroups,
+)
+from tensorpar.domain._reductions import over_domain, reduce_tile
+from tensorpar.domain._resample import interpolate, tile_sizes_to_domain
 from tensorpar.domain._shares import share_gradients
 from tensorpar.domain._window import conv_forward, per_dim, pool_forward
 
@@ -176,9 +186,20 @@ class _FunctionalCalls(TorchFunctionMode):
         the points where it does.
         """
         ctx = self.ctx
+        if func is torch.einsum:  # its subscripts name the dims
+            held, _ = einsum_points(args, self._points)
+            if isinstance(out, torch.Tensor) and held is not None:
+                self._hold(out, held)
+            return
         x = args[0] if args else kwargs.get("input")
         src = self._points(x)
         if src is None or not isinstance(x, torch.Tensor):
+            return
+        if not isinstance(out, torch.Tensor) and \
+                (dims := reduced_dims(func, args, kwargs, x.dim())) is not None:
+            for t in tensors_in(out):  # ``values, indices = x.max(-1)``
+                if (held := after_reduction(src, dims, x.dim(), t.dim())) is not None:
+                    self._hold(t, held)
             return
         if not isinstance(out, torch.Tensor):
             n = x.dim()
@@ -199,8 +220,13 @@ class _FunctionalCalls(TorchFunctionMode):
             code = _meet.agreed_value(ctx, mine, out.device)
             held = None if code is None or code < 0 else \
                 frozenset(d for d in range(out.dim()) if int(code) >> d & 1)
-        if held is not None and (out.dim() != ctx.ndim or held != self._image_points()):
-            ctx.marks.hold_points(out, held)
+        if held is not None:
+            self._hold(out, held)
+
+    def _hold(self, t: torch.Tensor, held: frozenset[int]) -> None:
+        """Record the dims of ``t`` holding points, where they are not the image's."""
+        if t.dim() != self.ctx.ndim or held != self._image_points():
+            self.ctx.marks.hold_points(t, held)
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:
@@ -208,11 +234,12 @@ class _FunctionalCalls(TorchFunctionMode):
         if TILE in scan.kinds and ctx.domain_size > 1:
             if not per_point(func, args, kwargs, self._points):
                 refuse_functional(func)
-            if func in _PRODUCTS and pairs_points(args, [self._points(a) for a in args[:2]]):
+            if ((func in _PRODUCTS and pairs_points(args, [self._points(a) for a in args[:2]]))
+                    or (func is torch.einsum and einsum_points(args, self._points)[1])):
                 raise ValueError(
-                    f"{getattr(func, '__name__', func)} (domain-parallel) of two tiles pairs "
-                    f"their points or sums over them (attention written by hand?): it would "
-                    f"see the tile's points alone. Attention over the domain is converted in "
+                    f"{getattr(func, '__name__', func)} (domain-parallel) pairs two tiles' "
+                    f"points or sums a tile over its points (attention written by hand?): it "
+                    f"would see the tile's points alone. Attention over the domain is converted in "
                     f"diffusers' and MONAI's attention blocks (tensorpar.nn.ring_attention "
                     f"for your own)")
         kind = scan.road
@@ -231,7 +258,7 @@ class _FunctionalCalls(TorchFunctionMode):
                                  f"mean over the whole domain) is converted, got {size!r}")
             x = args[0] if args else kwargs["input"]
             with ctx.own_calls():
-                return global_mean(ctx, x, range(x.dim() - k, x.dim()), func.__name__)
+                return over_domain(ctx, x, range(x.dim() - k, x.dim()), func.__name__)
         if on_tiles and func in _WITH_INDICES and tiled:
             raise ValueError(f"{func.__name__} (domain-parallel): the indices would be the "
                              f"tile's; max pooling without indices is converted")
@@ -239,11 +266,9 @@ class _FunctionalCalls(TorchFunctionMode):
             layer = _as_layer(func, args, kwargs)  # a stencil: with its halo
             with ctx.own_calls():
                 return (conv_forward if func in _CONVS else pool_forward)(layer, ctx, args[0])
-        if on_tiles and func in _ALONG_DIMS:
-            x = args[0] if args else kwargs.get("input")
-            if isinstance(x, torch.Tensor) and (split := _split_dims_reduced(ctx, x, args,
-                                                                           kwargs)):
-                return self._reduce(func, x, split, args, kwargs)
+        if TILE in scan.kinds and ctx.active and not ctx.internal and ctx.domain_size > 1 \
+                and (reduced := self._reduce(func, args, kwargs)) is not None:
+            return reduced
         if func is F.interpolate and on_tiles:
             names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
             call = dict(zip(names, args[1:], strict=False))
@@ -270,48 +295,22 @@ class _FunctionalCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-    def _reduce(self, func: Any, x: torch.Tensor, split: tuple[set[int], set[int]],
-                args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor:
-        """A call along split dims of a tile: ``mean`` over all of them converted."""
-        dims, splits = split
-        name = getattr(func, "__name__", str(func))
-        if self.ctx.marks.points(x) is not None:  # (not the image's layout)
-            raise ValueError(
-                f"{name} (domain-parallel) along dim(s) {sorted(splits & dims)} of a reshaped "
-                f"tile, which hold the split dims' points, would see the tile's points alone; "
-                f"a global pooling is converted on the image's dims (x.mean((2, 3)), "
-                f"AdaptiveAvgPool to 1)")
-        if func not in _MEANS or not splits <= dims:
-            raise ValueError(
-                f"{name} (domain-parallel) along the split dim(s) {sorted(splits & dims)} of a "
-                f"tile would see the tile's points alone; only a mean over every split dim (a "
-                f"global pooling) is converted. Compute it before the split, or over the "
-                f"gathered tensor")
-        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    def _reduce(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
+                ) -> torch.Tensor | None:
+        """A reduction of a tile along its points: the domain's sum or mean (`_reductions`).
+
+        ``None`` where ``func`` is no reduction along the points (it runs as it is).
+        """
+        x = args[0] if args else kwargs.get("input")
+        points = self._points(x)
+        if not points or not isinstance(x, torch.Tensor):
+            return None
+        dims = reduced_dims(func, args, kwargs, x.dim())
+        if dims is None or (dims != ALL and not dims & points):  # type: ignore[operator]
+            return None
+        image = self.ctx.marks.points(x) is None
         with self.ctx.own_calls():
-            return global_mean(self.ctx, x, sorted(dims), name, keepdim=bool(keepdim),
-                               dtype=kwargs.get("dtype"))
-
-
-def _split_dims_reduced(ctx: DomainContext, x: torch.Tensor, args: Sequence[Any],
-                        kwargs: dict[str, Any]) -> tuple[set[int], set[int]] | None:
-    """The dims a call along dims works on and the split ones (``None``: no split dim).
-
-    The split ones: of a tile with the image's dims, where the image has them; of a
-    reshaped tile, the dims holding their points (`_points`; ``None`` where not known).
-    Dims given as ints only.
-    """
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    if isinstance(dim, int) and not isinstance(dim, bool):
-        dims = {dim % x.dim()}
-    elif isinstance(dim, (tuple, list)) and dim and all(isinstance(d, int) for d in dim):
-        dims = {d % x.dim() for d in dim}
-    else:
-        return None  # (the whole tensor: a loss of the tile's part; or no dim)
-    splits = ctx.marks.points(x)
-    if splits is None and x.dim() == ctx.ndim:
-        splits = frozenset(x.dim() + d for d in ctx.dims)
-    return (dims, set(splits)) if splits and dims & splits else None
+            return reduce_tile(self.ctx, func, x, dims, points, image, args, kwargs)
 
 
 class _Functional:
@@ -373,22 +372,12 @@ _POOLS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
 _WITH_INDICES = frozenset({F.max_pool1d_with_indices, F.max_pool2d_with_indices,
                            F.max_pool3d_with_indices})
 _UNTRACKED = Scan(set(), 0, [], False)  # (never changed)
-_MEANS = frozenset({torch.mean, torch.Tensor.mean})
-_ALONG_DIMS = _MEANS | {
-    torch.var, torch.Tensor.var, torch.std, torch.Tensor.std, torch.var_mean, torch.std_mean,
-    torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.max, torch.Tensor.max,
-    torch.min, torch.Tensor.min, torch.logsumexp, torch.Tensor.logsumexp, torch.median,
-    torch.Tensor.median, torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin,
-    torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax,
-    torch.Tensor.log_softmax, F.log_softmax, torch.cumsum, torch.Tensor.cumsum, torch.cumprod,
-    torch.Tensor.cumprod, torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort}
-"""Calls along dims that would see a tile's points alone along a split dim."""
 _PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                        torch.bmm, torch.Tensor.bmm})
 """Products of two tensors: two tiles' may pair every point with every other."""
 _ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 _CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE_AVG, *_WITH_INDICES, *_CONVS,
-                        *_POOLS, *_ALONG_DIMS})
+                        *_POOLS})
 """The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
 
 

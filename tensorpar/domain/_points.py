@@ -12,6 +12,10 @@ keep the dims, such as a linear layer over the channels) and refuses, on a resha
   (``q @ k.transpose(-2, -1)``: attention scores over the tile alone) or sums over their
   points (`pairs_points`).
 
+Reductions along other dims (``x.mean(-1)`` over an unsplit W) are followed too, so that
+one done in steps (``x.mean(-1).mean(-1)``) is still seen along the points, and so is
+``einsum`` (`einsum_points`: its subscripts name the dims).
+
 What it cannot read (a reshape that splits a dim holding points into several, a call
 that changes the number of dims otherwise) leaves the dims unknown: nothing is refused
 on that tensor, and the docs say so.
@@ -19,14 +23,34 @@ on that tensor, and the docs say so.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["Points", "follow", "pairs_points", "regroups"]
+__all__ = ["ALL", "Points", "einsum_points", "follow", "pairs_points", "reduced_dims",
+           "regroups"]
 
 Points = frozenset[int]
+ALL = -1
+"""`reduced_dims` of a call over the whole tensor (no dim given)."""
+
+_DIM_AT: dict[str, tuple[int, int | None]] = {
+    **{name: (1, None) for name in (
+        "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
+        "std", "var", "var_mean", "std_mean", "logsumexp", "median", "nanmedian", "argmax",
+        "argmin", "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin",
+        "logcumsumexp", "count_nonzero", "all", "any")},
+    **{name: (1, -1) for name in ("mode", "sort", "argsort")},
+    **{name: (2, None) for name in ("norm", "linalg_vector_norm", "quantile", "nanquantile")},
+    **{name: (2, -1) for name in ("kthvalue", "topk", "diff")},
+    "normalize": (2, 1)}
+"""Calls along dims: the position of ``dim`` among the arguments, and its default."""
+_WHOLE = frozenset({
+    "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
+    "std", "var", "var_mean", "std_mean", "median", "nanmedian", "argmax", "argmin", "norm",
+    "linalg_vector_norm", "quantile", "nanquantile", "count_nonzero", "all", "any"})
+"""Those that reduce the whole tensor where no dim is given."""
 
 
 def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
@@ -69,9 +93,75 @@ def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
             return None
         order.insert(b % n_in, order.pop(a % n_in))
         return frozenset(order.index(d) for d in src)
+    if (dims := reduced_dims(func, args, kwargs, n_in)) is not None:
+        return after_reduction(src, dims, n_in, n_out)
     if n_out == n_in and not _reshapes(name):
         return src  # the dims kept in place (pointwise, a linear layer over channels)
     return None
+
+
+def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: int
+                 ) -> frozenset[int] | int | None:
+    """The dims a call along dims works on (`ALL`: the whole tensor; ``None``: not one).
+
+    ``torch.max(x, y)`` (a tensor where the dim goes) is elementwise: ``None``.
+    """
+    name = getattr(func, "__name__", "")
+    if name not in _DIM_AT:
+        return None
+    at, default = _DIM_AT[name]
+    dim = args[at] if len(args) > at else kwargs.get("dim", default)
+    if dim is None:
+        return ALL if name in _WHOLE else None
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        dim = (dim,)
+    if not isinstance(dim, (tuple, list)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in dim):
+        return None
+    if not dim:  # ``x.sum(())``, ``x.mean([])``: the whole tensor
+        return ALL if name in _WHOLE else None
+    return frozenset(d % max(ndim, 1) for d in dim)
+
+
+def after_reduction(src: Points, dims: frozenset[int] | int, n_in: int, n_out: int
+                    ) -> Points | None:
+    """The dims holding points after a reduction along ``dims`` (none of them)."""
+    if dims == ALL or not isinstance(dims, frozenset) or dims & src:
+        return None  # (along the points: converted or refused before it runs)
+    if n_out == n_in:  # ``keepdim``, or a softmax or a scan
+        return src
+    if n_out == n_in - len(dims):
+        return _moved(src, lambda d: d - sum(1 for r in dims if r < d))
+    return None
+
+
+def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
+                  ) -> tuple[Points | None, bool]:
+    """``einsum``'s output dims holding points, and whether it pairs or sums over them.
+
+    ``points(t)``: the dims of the tile ``t`` holding points (``None``: not a tile, or not
+    known). A subscript at a dim holding points names the points; an output that lacks
+    one sums over them, and two tiles whose points have different subscripts pair every
+    point with every other (``"bchw,bdgw->bcdhg"``). ``(None, False)`` where the
+    subscripts are not read (an ellipsis, operands as a list).
+    """
+    if len(args) < 2 or not isinstance(args[0], str) or "..." in args[0] \
+            or "->" not in args[0]:
+        return None, False
+    inputs, output = args[0].replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(args) - 1:
+        return None, False
+    named: list[set[str]] = []
+    for sub, t in zip(subscripts, args[1:], strict=True):
+        held = points(t)
+        if held is not None and isinstance(t, torch.Tensor) and len(sub) == t.dim():
+            named.append({sub[d] for d in held})
+    if not named:
+        return None, False
+    every = set().union(*named)
+    refused = any(n != named[0] for n in named) or not every <= set(output)
+    return frozenset(output.index(s) for s in every if s in output), refused
 
 
 def regroups(func: Any, n_in: int, n_out: int) -> bool:

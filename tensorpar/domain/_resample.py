@@ -16,15 +16,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.domain._layout import DomainContext, anchor_sizes
-from tensorpar.domain._norms import _global_count
+from tensorpar.domain._reductions import over_domain
 from tensorpar.domain._rows import gather_rows, offsets
 from tensorpar.domain._window import EmptyOut, spatial_index
 
-__all__ = ["MODES", "conv_transpose_forward", "global_mean", "global_pool_forward",
-           "interpolate", "tile_sizes_to_domain", "upsample_forward"]
+__all__ = ["MODES", "conv_transpose_forward", "global_pool_forward", "interpolate",
+           "tile_sizes_to_domain", "upsample_forward"]
 
 MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear")
 
@@ -241,20 +240,4 @@ def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> tor
     if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     k = int(type(module).__name__[-2])
-    return global_mean(ctx, x, range(x.dim() - k, x.dim()), type(module).__name__)
-
-
-def global_mean(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: str,
-                keepdim: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The mean of the tiles over ``dims`` (every split dim among them) and the whole domain.
-
-    Replicated, as `global_pool_forward`'s; counts as a global pooling of the forward.
-    """
-    dims = sorted({d % x.dim() for d in dims})
-    count = _global_count(ctx, x, dims, f"{name} (domain-parallel)")
-    total = x.sum(dims, keepdim=keepdim, dtype=dtype)
-    for g in ctx.groups:
-        if not g.is_single:
-            total = all_reduce(total, backward="identity", group=g)
-    ctx.poolings += 1
-    return total / count
+    return over_domain(ctx, x, range(x.dim() - k, x.dim()), type(module).__name__)

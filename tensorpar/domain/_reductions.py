@@ -1,0 +1,88 @@
+"""Reductions of a tile along its split points, inside a converted model's forward.
+
+A reduction along a dim holding the split dims' points (the image's split dims, or where
+`_points` followed them through reshapes and earlier reductions) would see the tile's
+points alone. A ``sum`` or ``mean`` over every dim holding points is the domain's: the
+tiles' sums added over the ranks (the gradient passes straight back to each tile, as a
+global pooling's), a mean divided by the domain's count. ``x.mean()`` over the whole tile
+is the domain's mean too; ``x.sum()`` is left as the tile's part of a loss (summed over the
+ranks by ``backward``), and so are ``all``/``any``/``count_nonzero`` of the whole tile
+(checks, with no gradient). Any other reduction along the points raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorpar.collectives.functional import all_reduce
+from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._norms import _global_count
+from tensorpar.domain._points import ALL, Points
+
+__all__ = ["over_domain", "reduce_tile"]
+
+_CONVERTED = frozenset({"sum", "mean"})
+_TILE_PART = frozenset({"sum", "nansum", "all", "any", "count_nonzero"})
+"""Of the whole tile: left as they are."""
+
+
+def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[int] | int,
+                points: Points, image: bool, args: Sequence[Any], kwargs: dict[str, Any]
+                ) -> torch.Tensor | None:
+    """A reduction of the tile ``x`` along ``dims``, some holding ``points``.
+
+    ``image``: ``x`` has the image's dims (its points where the image has them). Returns
+    the domain's sum or mean, or ``None`` where the call runs on the tile as it is.
+
+    Raises:
+        ValueError: a reduction along the points that would see the tile's alone.
+    """
+    name = getattr(func, "__name__", str(func))
+    whole = dims == ALL
+    if whole and name in _TILE_PART:
+        return None
+    every = set(range(x.dim())) if whole else set(dims)  # type: ignore[arg-type]
+    if name in _CONVERTED and points <= every:
+        keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 else False))
+        return over_domain(ctx, x, sorted(every), name, mean=name == "mean", image=image,
+                           keepdim=keepdim and not whole, dtype=kwargs.get("dtype"))
+    along = "the whole tile" if whole else f"dim(s) {sorted(points & every)} of a tile"
+    raise ValueError(
+        f"{name} (domain-parallel) along {along}, which hold the split dims' points, would "
+        f"see the tile's points alone; only a sum or a mean over every dim holding them is "
+        f"converted (x.mean((2, 3)), x.sum((2, 3)), x.flatten(2).mean(-1), x.mean()). "
+        f"Compute it before the split, or over the gathered tensor")
+
+
+def over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: str, *,
+                mean: bool = True, image: bool = True, keepdim: bool = True,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum (or mean) of the tiles over ``dims`` (every dim holding points among them).
+
+    Replicated (every rank holds it whole); counts as a global pooling of the forward.
+    ``image``: ``x`` has the image's dims, whose split sizes this forward recorded;
+    otherwise the count is the ranks' counts added up (one small all-reduce).
+    """
+    dims = sorted({d % x.dim() for d in dims})
+    total = x.sum(dims, keepdim=keepdim, dtype=dtype)
+    for g in ctx.groups:
+        if not g.is_single:
+            total = all_reduce(total, backward="identity", group=g)
+    ctx.poolings += 1
+    if not mean:
+        return total
+    if image:
+        count = _global_count(ctx, x, dims, f"{name} (domain-parallel)")
+    else:
+        mine = 1
+        for d in dims:
+            mine *= x.shape[d]
+        every = torch.tensor([float(mine)], dtype=torch.float64, device=total.device)
+        for g in ctx.groups:
+            if not g.is_single:
+                every = all_reduce(every, group=g)
+        count = int(every.item())
+    return total / count

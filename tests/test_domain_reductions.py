@@ -1,0 +1,120 @@
+"""Reductions of a tile inside a converted model's forward: a sum or mean over every split
+point is the domain's (also in steps, after a reshape, over the whole tile); any other
+reduction along a split point, and an ``einsum`` that pairs two tiles' points or sums over
+them, raises on every rank, also with an empty tile; reductions along other dims are
+followed, so a later one along the points is still seen."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.testing import run_distributed
+from tests._domain_check import check
+
+pytestmark = pytest.mark.timeout(600)
+T = 300
+Head = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class Reduced(nn.Module):
+    """A convolution, then ``head(self, features)``: the reduction under test."""
+
+    def __init__(self, head: Head) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+        self.mix = nn.Parameter(torch.randn(4, 4) / 2)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self, self.conv(x))
+
+
+CONVERTED: dict[str, Head] = {
+    "sum over the image's dims": lambda m, y: m.fc(y.sum((2, 3))),
+    "mean in steps": lambda m, y: m.fc(y.mean(-1).mean(-1)),
+    "std along the rows, then mean": lambda m, y: m.fc(y.std(-1).mean(-1)),
+    "sum then mean": lambda m, y: m.fc(y.sum(2, keepdim=True).mean(-1).squeeze(-1)),
+    "mean over tokens": lambda m, y: m.fc(y.flatten(2).mean(-1)),
+    "sum over tokens, channels last": lambda m, y: m.fc(y.flatten(2).transpose(1, 2).sum(1)),
+    "mean of the whole tile": lambda m, y: m.fc(y.square().transpose(1, 3)).mean(),
+    "einsum over channels, then mean in steps":
+        lambda m, y: m.fc(torch.einsum("bchw,dc->bdhw", y, m.mix).mean(-1).mean(-1)),
+    "einsum of two tiles, point by point":
+        lambda m, y: torch.einsum("bchw,bdhw->bcdhw", y, y).sum((1, 2)),
+}
+"""Each equals dense: the output pooled (whole on every rank) or still a tile."""
+
+
+def _converted(case, sizes):
+    pooled = case not in ("einsum of two tiles, point by point",)
+    return check(lambda: Reduced(CONVERTED[case]), (2, 2, sum(sizes), 5), (-2,), (sizes,),
+                 steps=2, replicated=pooled)
+
+
+@pytest.mark.parametrize("case", sorted(CONVERTED))
+def test_sums_and_means_over_every_point_equal_dense(case):
+    assert max(run_distributed(_converted, 2, case, [5, 7], timeout=T)) < 1e-10
+    assert max(run_distributed(_converted, 3, case, [4, 0, 8], timeout=T)) < 1e-10
+
+
+REFUSED: dict[str, Head] = {
+    "amax in steps": lambda m, y: m.fc(y.amax(-1).amax(-1)),
+    "mean then std": lambda m, y: m.fc(y.mean(-1).std(-1)),
+    "vector norm over the image's dims":
+        lambda m, y: m.fc(torch.linalg.vector_norm(y, dim=(2, 3))),
+    "normalize along rows": lambda m, y: F.normalize(y, dim=2),
+    "amax of the whole tile": lambda m, y: y / y.abs().amax(),
+    "norm of the whole tile": lambda m, y: y.norm(),
+    "max over tokens": lambda m, y: m.fc(y.flatten(2).max(-1).values),
+    "topk along rows": lambda m, y: y.topk(2, dim=2).values,
+    "logsumexp in steps": lambda m, y: m.fc(y.logsumexp(-1).logsumexp(-1)),
+    "einsum pairing two tiles' points": lambda m, y: torch.einsum("bchw,bdgw->bcdhg", y, y),
+    "einsum summing two tiles over points": lambda m, y: torch.einsum("bchw,bdhw->bcd", y, y),
+    "einsum summing a tile over points": lambda m, y: m.fc(torch.einsum("bchw->bc", y)),
+}
+"""Each would see the tile's points alone."""
+
+
+def _refused(case, sizes):
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(Reduced(REFUSED[case]).double(), dims=-2)
+    x = torch.randn(2, 2, sizes[torch.distributed.get_rank()], 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="points"):
+        model(x)
+    return True
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_other_reductions_along_the_points_are_refused(case):
+    assert all(run_distributed(_refused, 2, case, [5, 7], timeout=T))
+    assert all(run_distributed(_refused, 3, case, [4, 0, 8], timeout=T))
+
+
+def _mesh(case):
+    return check(lambda: Reduced(CONVERTED[case]), (1, 2, 6, 7), (-2, -1), ([2, 4], [4, 3]),
+                 mesh_shape=(2, 2), replicated=True)
+
+
+@pytest.mark.parametrize("case", ["sum over the image's dims", "mean over tokens",
+                                  "mean of the whole tile"])
+def test_over_every_point_of_a_mesh(case):
+    assert max(run_distributed(_mesh, 4, case, timeout=T)) < 1e-10
+
+
+def _mesh_refused():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensorpar.nn import parallelize_domain
+    mesh = init_device_mesh("cpu", (2, 2))
+    model = parallelize_domain(Reduced(lambda m, y: m.fc(y.sum(-1).sum(-1))), dims=(-2, -1),
+                               group=mesh)
+    with pytest.raises(ValueError, match="points"):  # the first sum is over W alone
+        model(torch.randn(1, 2, 3, 4))
+    return True
+
+
+def test_a_sum_over_some_split_dims_of_a_mesh_is_refused():
+    assert all(run_distributed(_mesh_refused, 4, timeout=T))
