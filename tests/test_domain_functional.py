@@ -69,3 +69,38 @@ def _with_indices():
 
 def test_functional_max_pooling_with_indices_is_refused():
     assert all(run_distributed(_with_indices, 2, timeout=T))
+
+
+class PadToMultiple(nn.Module):
+    """Pads the rows to a multiple of 8 read from the shape: the tile's, not the domain's."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.conv, self.fixed = nn.Conv2d(2, 2, 3, padding=1), fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = 2 if self.fixed else -x.shape[-2] % 8
+        return self.conv(F.pad(x, (1, 0, 0, rows)))
+
+
+def _pad_from_shape(sizes):
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(PadToMultiple(), dims=-2)
+    x = torch.randn(1, 2, sizes[torch.distributed.get_rank()], 5)
+    with pytest.raises(ValueError, match="pad the split dim by different amounts"):
+        model(x)
+    return True
+
+
+@pytest.mark.parametrize("sizes", [[8, 5], [5, 7], [6, 0, 7]])
+def test_pads_that_differ_between_ranks_are_refused(sizes):
+    # (they were computed from the tile's shape; [8, 5] hung: one rank did not pad at all)
+    assert all(run_distributed(_pad_from_shape, len(sizes), sizes, timeout=60))
+
+
+def _fixed_pad(sizes):
+    return check(lambda: PadToMultiple(fixed=True), (1, 2, sum(sizes), 5), (-2,), (sizes,))
+
+
+def test_a_pad_every_rank_gives_alike_equals_dense():
+    assert max(run_distributed(_fixed_pad, 3, [6, 0, 7], timeout=T)) < 1e-10

@@ -203,9 +203,19 @@ def agreed_value(ctx: DomainContext, value: float | None, device: torch.device
 
     One small all-reduce; a rank with ``value`` ``None`` abstains (an empty tile).
     """
-    mine = [value, -value] if value is not None else [-math.inf, -math.inf]
-    high, low = _all_reduced(ctx, mine, "max", device)
-    return high if high == -low and high > -math.inf else None
+    agreed = agreed_values(ctx, None if value is None else [value], 1, device)
+    return None if agreed is None else agreed[0]
+
+
+def agreed_values(ctx: DomainContext, values: Sequence[float] | None, n: int,
+                  device: torch.device) -> list[float] | None:
+    """`agreed_value` of ``n`` values at once (``None`` unless every one agrees)."""
+    mine = [*values, *(-v for v in values)] if values is not None else [-math.inf] * (2 * n)
+    every = _all_reduced(ctx, mine, "max", device)
+    high, low = every[:n], every[n:]
+    if all(h == -lo and h > -math.inf for h, lo in zip(high, low, strict=True)):
+        return high
+    return None
 
 
 def _agreed(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._meet import agreed_values
 from tensorpar.domain._rows import gather_rows, offsets
 
 __all__ = ["pad"]
@@ -29,7 +30,7 @@ def pad(ctx: DomainContext, x: torch.Tensor, pad: Sequence[int], mode: str = "co
     where = f"pad(mode={mode!r}) (domain-parallel)"
     if len(pad) % 2:
         raise ValueError(f"{where}: pad has an odd number of entries: {tuple(pad)}")
-    local = list(pad)
+    local, pad = list(pad), _agreed(ctx, x, pad, where)
     for i, d in enumerate(ctx.dims):
         j = -1 - d  # F.pad's pairs run from the last dim
         if 2 * j + 1 >= len(pad) or not (pad[2 * j] or pad[2 * j + 1]):
@@ -52,6 +53,33 @@ def pad(ctx: DomainContext, x: torch.Tensor, pad: Sequence[int], mode: str = "co
     if x.numel() == 0:  # an empty tile: nothing to mirror (torch refuses), only the shape
         return F.pad(x, local)
     return F.pad(x, local, mode=mode, value=value)
+
+
+def _agreed(ctx: DomainContext, x: torch.Tensor, pad: Sequence[int], where: str
+            ) -> list[int]:
+    """``pad`` where every rank pads the split dims alike (one small all-reduce).
+
+    A rank with an empty tile takes the others' (it may have read its amounts from its
+    size).
+
+    Raises:
+        ValueError: the ranks pad a split dim by different amounts (read from the tile's
+            size?): the padded domain would not be the dense one.
+    """
+    at = [k for d in ctx.dims for k in (-2 - 2 * d, -1 - 2 * d) if k < len(pad)]
+    if not at or ctx.domain_size == 1:
+        return list(pad)
+    mine = None if x.numel() == 0 else [float(pad[k]) for k in at]
+    agreed = agreed_values(ctx, mine, len(at), x.device)
+    if agreed is None:
+        raise ValueError(
+            f"{where}: the ranks pad the split dim by different amounts ({tuple(pad)} on this "
+            f"rank); amounts computed from the tile's shape (x.shape[-2]) see the tile's size, "
+            f"not the domain's. Pad before the split, or compute them from the domain's size")
+    out = list(pad)
+    for k, v in zip(at, agreed, strict=True):
+        out[k] = int(v)
+    return out
 
 
 def _edges_grown(sizes: Sequence[int], before: int, after: int) -> tuple[int, ...]:
