@@ -768,3 +768,27 @@ def test_a_learned_grid_convolved_after_the_pooling_equals_dense(sizes):
 
 def test_a_mask_at_one_row_tiles_is_a_tile():
     assert max(run_distributed(_used_on_both_sides, 2, "mask", [1, 1], timeout=T)) < 1e-10
+
+
+class FastWeights(nn.Module):
+    """`SqueezeExcite` run by ``torch.func.functional_call`` with weights computed from
+    parameters (a scaled copy): its head, a converted 1x1 convolution on pooled features,
+    gets plain tensors where its parameters were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.scale = SqueezeExcite(), nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = {k: v * self.scale for k, v in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, weights, (x,))
+
+
+def _fast_weights(sizes):
+    return check(FastWeights, (2, 2, sum(sizes), 5), (-2,), (sizes,), steps=2)
+
+
+def test_weights_given_by_functional_call_on_pooled_features_give_shares():
+    # (the head's gradient was counted once per tile: 2x dense at 2 ranks)
+    assert max(run_distributed(_fast_weights, 2, [5, 7], timeout=T)) < 1e-10
+    assert max(run_distributed(_fast_weights, 3, [4, 0, 8], timeout=T)) < 1e-10

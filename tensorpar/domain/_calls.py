@@ -288,7 +288,9 @@ class _FunctionalCalls(TorchFunctionMode):
             pass
         elif ctx.internal:  # (a converted layer's own calls: its parameters)
             if ctx.on_pooled:
-                args, kwargs = share_gradients(args, kwargs, ctx.domain_size, _is_parameter)
+                args, kwargs = share_gradients(
+                    args, kwargs, ctx.domain_size,
+                    lambda t: _is_parameter(t) or (t.requires_grad and id(t) in ctx.layer_weights))
         elif scan.kinds == {POOLED}:
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))

@@ -57,6 +57,7 @@ class DomainContext:
         self.poolings = 0  # global poolings made this forward
         self.dense = False  # the running converted layer's input is not a tile: it runs as dense
         self.on_pooled = False  # ... and is pooled: its parameters give shares (`_shares`)
+        self.layer_weights: frozenset[int] = frozenset()  # ids of that layer's parameters
         self.ndim = 0  # the image input's number of dims (this forward)
         self.ran: set[int] = set()  # id(module) of the modules the last forward used
         self.owners: dict[int, set[int]] = {}  # id(parameter) -> id(module)s holding it

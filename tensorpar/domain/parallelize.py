@@ -353,13 +353,15 @@ def _copy_into(buffers: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
 def _run_layer(module: nn.Module, fwd: Forward, ctx: DomainContext, x: torch.Tensor,
                dense: bool, on_pooled: bool) -> torch.Tensor:
     """A converted layer's forward, as the dense layer (pooled features in) or on tiles."""
-    before = ctx.dense, ctx.on_pooled
+    before = ctx.dense, ctx.on_pooled, ctx.layer_weights
     ctx.dense, ctx.on_pooled = dense, on_pooled
+    # (the tensors in its parameters' places: plain ones under torch.func.functional_call)
+    ctx.layer_weights = frozenset(map(id, module.parameters())) if on_pooled else frozenset()
     try:
         with ctx.own_calls():  # its functional calls are tensorpar's own
             return fwd(module, ctx, x)
     finally:
-        ctx.dense, ctx.on_pooled = before
+        ctx.dense, ctx.on_pooled, ctx.layer_weights = before
 
 
 def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = False) -> None:
