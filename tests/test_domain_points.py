@@ -4,7 +4,7 @@ each reshape a model writes, read from the call and the shapes alone."""
 import pytest
 import torch
 
-from tensorpar.domain._points import ALL, einsum_points, follow, pairs_points, reduced_dims
+from tensorpar.domain._points import einsum_points, follow, pairs_points, reduced_dims
 
 T = torch.Tensor
 x4 = torch.zeros(2, 3, 5, 7)  # (B, C, H, W), H split: points in dim 2
@@ -72,7 +72,7 @@ def test_reductions_along_other_dims_are_followed(call, want):
 
 def test_reduced_dims_read_from_the_call():
     assert reduced_dims(T.mean, (x4, (2, -1)), {}, 4) == frozenset({2, 3})
-    assert reduced_dims(T.sum, (x4,), {}, 4) == ALL
+    assert reduced_dims(T.sum, (x4,), {}, 4) == frozenset({0, 1, 2, 3})  # the whole
     assert reduced_dims(T.sort, (x4,), {}, 4) == frozenset({3})  # its default: the last
     assert reduced_dims(torch.max, (x4, x4), {}, 4) is None  # elementwise
     assert reduced_dims(torch.relu, (x4,), {}, 4) is None

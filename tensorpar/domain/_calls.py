@@ -37,7 +37,6 @@ from tensorpar.domain._flow import (
 )
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._points import (
-    ALL,
     after_reduction,
     einsum_points,
     follow,
@@ -296,7 +295,6 @@ class _FunctionalCalls(TorchFunctionMode):
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)
 
-
     def _reduce(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
                 ) -> torch.Tensor | None:
         """A reduction of a tile along its points: the domain's sum or mean (`_reductions`).
@@ -308,7 +306,7 @@ class _FunctionalCalls(TorchFunctionMode):
         if not points or not isinstance(x, torch.Tensor):
             return None
         dims = reduced_dims(func, args, kwargs, x.dim())
-        if dims is None or (dims != ALL and not dims & points):  # type: ignore[operator]
+        if dims is None or not dims & points:
             return None
         image = self.ctx.marks.points(x) is None
         with self.ctx.own_calls():

@@ -28,12 +28,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALL", "Points", "einsum_points", "follow", "pairs_points", "reduced_dims",
-           "regroups"]
+__all__ = ["Points", "after_reduction", "einsum_points", "follow", "pairs_points",
+           "reduced_dims", "regroups"]
 
 Points = frozenset[int]
-ALL = -1
-"""`reduced_dims` of a call over the whole tensor (no dim given)."""
 
 _DIM_AT: dict[str, tuple[int, int | None]] = {
     **{name: (1, None) for name in (
@@ -101,8 +99,8 @@ def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
 
 
 def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: int
-                 ) -> frozenset[int] | int | None:
-    """The dims a call along dims works on (`ALL`: the whole tensor; ``None``: not one).
+                 ) -> frozenset[int] | None:
+    """The dims a call along dims works on (every dim: the whole tensor; ``None``: not one).
 
     ``torch.max(x, y)`` (a tensor where the dim goes) is elementwise: ``None``.
     """
@@ -112,21 +110,21 @@ def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: i
     at, default = _DIM_AT[name]
     dim = args[at] if len(args) > at else kwargs.get("dim", default)
     if dim is None:
-        return ALL if name in _WHOLE else None
+        return frozenset(range(ndim)) if name in _WHOLE else None
     if isinstance(dim, int) and not isinstance(dim, bool):
         dim = (dim,)
     if not isinstance(dim, (tuple, list)) or not all(
             isinstance(d, int) and not isinstance(d, bool) for d in dim):
         return None
     if not dim:  # ``x.sum(())``, ``x.mean([])``: the whole tensor
-        return ALL if name in _WHOLE else None
+        return frozenset(range(ndim)) if name in _WHOLE else None
     return frozenset(d % max(ndim, 1) for d in dim)
 
 
-def after_reduction(src: Points, dims: frozenset[int] | int, n_in: int, n_out: int
+def after_reduction(src: Points, dims: frozenset[int], n_in: int, n_out: int
                     ) -> Points | None:
     """The dims holding points after a reduction along ``dims`` (none of them)."""
-    if dims == ALL or not isinstance(dims, frozenset) or dims & src:
+    if dims & src:
         return None  # (along the points: converted or refused before it runs)
     if n_out == n_in:  # ``keepdim``, or a softmax or a scan
         return src

@@ -20,7 +20,7 @@ import torch
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._norms import _global_count
-from tensorpar.domain._points import ALL, Points
+from tensorpar.domain._points import Points
 
 __all__ = ["over_domain", "reduce_tile"]
 
@@ -29,7 +29,7 @@ _TILE_PART = frozenset({"sum", "nansum", "all", "any", "count_nonzero"})
 """Of the whole tile: left as they are."""
 
 
-def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[int] | int,
+def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[int],
                 points: Points, image: bool, args: Sequence[Any], kwargs: dict[str, Any]
                 ) -> torch.Tensor | None:
     """A reduction of the tile ``x`` along ``dims``, some holding ``points``.
@@ -41,15 +41,14 @@ def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[
         ValueError: a reduction along the points that would see the tile's alone.
     """
     name = getattr(func, "__name__", str(func))
-    whole = dims == ALL
+    whole = dims == frozenset(range(x.dim()))
     if whole and name in _TILE_PART:
         return None
-    every = set(range(x.dim())) if whole else set(dims)  # type: ignore[arg-type]
-    if name in _CONVERTED and points <= every:
+    if name in _CONVERTED and points <= dims:
         keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 else False))
-        return over_domain(ctx, x, sorted(every), name, mean=name == "mean", image=image,
-                           keepdim=keepdim and not whole, dtype=kwargs.get("dtype"))
-    along = "the whole tile" if whole else f"dim(s) {sorted(points & every)} of a tile"
+        return over_domain(ctx, x, sorted(dims), name, mean=name == "mean", image=image,
+                           keepdim=keepdim, dtype=kwargs.get("dtype"))
+    along = "the whole tile" if whole else f"dim(s) {sorted(points & dims)} of a tile"
     raise ValueError(
         f"{name} (domain-parallel) along {along}, which hold the split dims' points, would "
         f"see the tile's points alone; only a sum or a mean over every dim holding them is "
