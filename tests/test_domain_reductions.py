@@ -66,6 +66,9 @@ REFUSED: dict[str, Head] = {
     "vector norm over the image's dims":
         lambda m, y: m.fc(torch.linalg.vector_norm(y, dim=(2, 3))),
     "normalize along rows": lambda m, y: F.normalize(y, dim=2),
+    "matrix norm of each channel": lambda m, y: m.fc(torch.linalg.matrix_norm(y)),
+    "linalg norm over the image's dims": lambda m, y: m.fc(torch.linalg.norm(y, dim=(2, 3))),
+    "var of the whole tile, unbiased as a flag": lambda m, y: y / y.var(False),
     "amax of the whole tile": lambda m, y: y / y.abs().amax(),
     "norm of the whole tile": lambda m, y: y.norm(),
     "max over tokens": lambda m, y: m.fc(y.flatten(2).max(-1).values),

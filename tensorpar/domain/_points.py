@@ -33,21 +33,23 @@ __all__ = ["Points", "after_reduction", "einsum_points", "follow", "pairs_points
 
 Points = frozenset[int]
 
-_DIM_AT: dict[str, tuple[int, int | None]] = {
+_DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
     **{name: (1, None) for name in (
         "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
         "std", "var", "var_mean", "std_mean", "logsumexp", "median", "nanmedian", "argmax",
         "argmin", "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin",
         "logcumsumexp", "count_nonzero", "all", "any")},
     **{name: (1, -1) for name in ("mode", "sort", "argsort")},
-    **{name: (2, None) for name in ("norm", "linalg_vector_norm", "quantile", "nanquantile")},
+    **{name: (2, None) for name in ("norm", "linalg_vector_norm", "linalg_norm", "quantile",
+                                    "nanquantile")},
     **{name: (2, -1) for name in ("kthvalue", "topk", "diff")},
-    "normalize": (2, 1)}
+    "normalize": (2, 1), "linalg_matrix_norm": (2, (-2, -1))}
 """Calls along dims: the position of ``dim`` among the arguments, and its default."""
 _WHOLE = frozenset({
     "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
     "std", "var", "var_mean", "std_mean", "median", "nanmedian", "argmax", "argmin", "norm",
-    "linalg_vector_norm", "quantile", "nanquantile", "count_nonzero", "all", "any"})
+    "linalg_vector_norm", "linalg_norm", "quantile", "nanquantile", "count_nonzero", "all",
+    "any"})
 """Those that reduce the whole tensor where no dim is given."""
 
 
@@ -109,7 +111,7 @@ def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: i
         return None
     at, default = _DIM_AT[name]
     dim = args[at] if len(args) > at else kwargs.get("dim", default)
-    if dim is None:
+    if dim is None or isinstance(dim, bool):  # (``x.var(False)``: unbiased, the whole)
         return frozenset(range(ndim)) if name in _WHOLE else None
     if isinstance(dim, int) and not isinstance(dim, bool):
         dim = (dim,)
