@@ -711,6 +711,14 @@ class LossTerms(nn.Module):
         seg, cls, aux = self.seg(f).pow(2).sum(), self.cls(p).pow(2).sum(), self.aux(p).pow(2).sum()
         if self.how == "weighted":  # the mixed loss times a learned weight: refused
             return (seg + cls) * torch.exp(-self.logvar) + self.logvar
+        if self.how == "sqrt":  # an L2 norm of the tile's part alone: refused
+            return torch.sqrt(seg)
+        if self.how == "squared":
+            return (seg + cls) ** 2
+        if self.how == "product":  # of two tile parts
+            return seg * f.sum()
+        if self.how == "scaled":  # linear: kept
+            return 0.5 * (seg / 7 - f.abs().sum()) + aux
         return (seg + cls) + aux + self.aux.weight.pow(2).sum() + self.logvar
 
 
@@ -723,17 +731,24 @@ def _loss_terms(how, sizes):
     from tensorpar.nn import parallelize_domain
     model = parallelize_domain(copy.deepcopy(dense), dims=-2)
     tile = x.narrow(2, sum(sizes[:rank]), sizes[rank])
-    if how == "weighted":
-        with pytest.raises(ValueError, match="only sums"):
+    if how in REFUSED_LOSSES:
+        with pytest.raises(ValueError, match=REFUSED_LOSSES[how]):
             model(tile)
         return 0.0
     dense(x).backward()
     model(tile).backward()
-    return max(float((p.grad - q.grad).abs().max()) for p, q in
-               zip(model.parameters(), dense.parameters(), strict=True))
+    return max(float((p.grad - q.grad).abs().max()) if q.grad is not None
+               else float(p.grad is not None)  # (unused in dense: unused here too)
+               for p, q in zip(model.parameters(), dense.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("how", ["summed", "weighted"])
+REFUSED_LOSSES = {"weighted": "only sums", "sqrt": "summed over the ranks",
+                  "squared": "summed over the ranks", "product": "summed over the ranks"}
+"""Each rank's loss is its part, summed over the ranks by backward: a function of it that is
+not linear (or a product of two parts) would differ from dense, silently."""
+
+
+@pytest.mark.parametrize("how", ["summed", "scaled", *REFUSED_LOSSES])
 def test_a_loss_of_several_tile_and_pooled_terms(how):
     assert max(run_distributed(_loss_terms, 2, how, [5, 4], timeout=T)) < 1e-10
     assert max(run_distributed(_loss_terms, 3, how, [3, 0, 4], timeout=T)) < 1e-10

@@ -30,6 +30,7 @@ from tensorpar.domain._flow import (
     TILE,
     Kind,
     Scan,
+    not_linear,
     output_kind,
     reads_only_metadata,
     refuse_spread,
@@ -73,7 +74,10 @@ class _FunctionalCalls(TorchFunctionMode):
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
         if PARTIAL in scan.kinds:
-            return self._on_partial(func, args, kwargs, scan)
+            if not self._spreads_partial(args, kwargs):
+                return self._on_partial(func, args, kwargs, scan)
+            # (``image + 0 * x.sum()``: no loss; the sum as the tile's it is)
+            scan.kinds = (scan.kinds - {PARTIAL}) | {TILE}
         poolings = ctx.poolings
         kind: Kind | None = None
         entered = None
@@ -106,6 +110,8 @@ class _FunctionalCalls(TorchFunctionMode):
             kind = PARTIAL
         elif kind is None:
             kind = output_kind(func, args, scan, ctx.marks, ctx.reduced)
+            if kind == TILE and self._sums_the_tile(func, args, kwargs):
+                kind = PARTIAL  # a loss of the tile's part
         ctx.marks.mark(out, kind)
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
@@ -115,29 +121,46 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def _on_partial(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
                     ) -> Any:
-        """A call on a loss of tile and pooled parts (`_flow.PARTIAL`).
+        """A call on a loss of the tile's part, alone or with pooled parts (`_flow.PARTIAL`).
 
         Each rank's loss is a partial one, summed over the ranks by the backward: a sum may
         add pooled terms (whole on every rank, as they are) and terms computed from
         parameters alone, which give a share; anything else combined with what needs a
-        gradient and is not the tile's would count it once per tile, and raises.
+        gradient and is not the tile's would count it once per tile, and raises; so does a
+        function of it that is not linear (`not_linear`: ``sqrt(loss)``, ``loss ** 2``).
         """
         ctx = self.ctx
+        name = getattr(func, "__name__", func)
+        if not_linear(func, args, lambda v: isinstance(v, torch.Tensor)
+                      and ctx.marks.kind_of(v) == PARTIAL):
+            raise ValueError(
+                f"{name} (domain-parallel) of a loss made in the forward from a tile's part "
+                f"(x.sum() of a tile): each rank's loss is its part, summed over the ranks by "
+                f"backward, and {name} of a part is not its share of {name} of the whole. Sum "
+                f"over the split dims first (x.sum((2, 3)) and x.mean() are the domain's), or "
+                f"apply {name} to the loss outside the model")
 
         def replicated(t: torch.Tensor) -> bool:
             return t.requires_grad and ctx.marks.kind_of(t) not in (TILE, PARTIAL)
         if any(replicated(t) for t in tensors_in((args, kwargs))):
             if func not in _SUMS:
                 raise ValueError(
-                    f"{getattr(func, '__name__', func)} (domain-parallel) of a loss made of a "
-                    f"tile's part and pooled parts with pooled features or parameters: each "
-                    f"rank's loss is summed over the ranks, so only sums may add to it (weight "
-                    f"each part before adding it)")
+                    f"{name} (domain-parallel) of a loss made of a tile's part and pooled "
+                    f"parts with pooled features or parameters: each rank's loss is summed "
+                    f"over the ranks, so only sums may add to it (weight each part before "
+                    f"adding it)")
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t))
         out = func(*args, **kwargs)
         ctx.marks.mark(out, PARTIAL)
         return out
+
+    def _spreads_partial(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether a call broadcasts a loss of parts (`PARTIAL`) over a larger tensor."""
+        marks = self.ctx.marks
+        sizes = [(marks.kind_of(t) == PARTIAL, t.numel()) for t in tensors_in((args, kwargs))]
+        return max((n for partial, n in sizes if not partial), default=0) > \
+            max(n for partial, n in sizes if partial)
 
     def _as_tiles_too(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                       scan: Scan, out: Any) -> None:
@@ -294,6 +317,14 @@ class _FunctionalCalls(TorchFunctionMode):
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)
+
+    def _sums_the_tile(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether ``func`` sums a tile over every dim (its part of a loss)."""
+        x = args[0] if args else kwargs.get("input")
+        if getattr(func, "__name__", "") not in ("sum", "nansum") or not self._points(x) \
+                or not isinstance(x, torch.Tensor):
+            return False
+        return reduced_dims(func, args, kwargs, x.dim()) == frozenset(range(x.dim()))
 
     def _reduce(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
                 ) -> torch.Tensor | None:

@@ -34,15 +34,29 @@ import torch
 from torch import nn
 
 __all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "Kind", "Marks", "Scan", "mixing_error",
-           "output_kind", "reads_only_metadata", "refuse_spread", "tensors_in"]
+           "not_linear", "output_kind", "reads_only_metadata", "refuse_spread", "tensors_in"]
 
 Kind = Literal["tile", "pooled", "early", "partial"]
 TILE: Kind = "tile"
 POOLED: Kind = "pooled"
 EARLY: Kind = "early"
 PARTIAL: Kind = "partial"
-"""A tile's partial reduction combined with pooled features on each rank (a loss of both
-parts, summed over the ranks by the backward): combined further only by sums."""
+"""A sum of the whole tile (a loss of the tile's part), alone or combined with pooled
+features on each rank (a loss of both parts): summed over the ranks by the backward, so
+combined further only by sums and scalings (`not_linear`)."""
+
+_NOT_LINEAR = frozenset({
+    "pow", "rpow", "ipow", "sqrt", "rsqrt", "log", "log2", "log10", "log1p", "exp", "exp2",
+    "expm1", "sigmoid", "logsigmoid", "tanh", "relu", "gelu", "silu", "elu", "leaky_relu",
+    "softplus", "hardtanh", "threshold", "abs", "square", "reciprocal", "clamp", "clamp_min",
+    "clamp_max", "clip", "maximum", "minimum", "fmax", "fmin", "max", "min", "amax", "amin",
+    "sin", "cos", "tan", "sinh", "cosh", "atan", "atan2", "erf", "sign", "floor", "ceil",
+    "round", "logaddexp", "logsumexp", "softmax", "log_softmax", "norm", "linalg_vector_norm",
+    "where", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"})
+"""Calls whose result for a part is not that part's share of the result for the whole."""
+_PRODUCTS = frozenset({"mul", "rmul", "imul", "multiply", "matmul", "rmatmul", "outer",
+                       "dot", "bmm", "mm", "einsum"})
+_QUOTIENTS = frozenset({"div", "truediv", "itruediv", "divide", "true_divide", "floordiv"})
 
 
 class Marks:
@@ -199,6 +213,25 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from tensors_in(v)
+
+
+def not_linear(func: Any, args: Sequence[Any], partial: Callable[[Any], bool]) -> bool:
+    """Whether ``func`` of a loss of parts (`PARTIAL`) is not the sum of its parts' results.
+
+    A non-linear function of it, a product of two parts, or a part as a divisor.
+    ``partial(v)``: whether the argument ``v`` is such a loss.
+    """
+    name = getattr(func, "__name__", "").strip("_")
+    if name in _NOT_LINEAR:
+        return True
+    parts = [partial(a) for a in args]
+    if name in _PRODUCTS:
+        return sum(parts) > 1
+    if name in _QUOTIENTS:
+        return len(parts) > 1 and parts[1]
+    if name == "rtruediv" or name == "rdiv":  # ``2 / loss``: ``loss`` comes first
+        return bool(parts) and parts[0]
+    return False
 
 
 def mixing_error(what: str) -> RuntimeError:
