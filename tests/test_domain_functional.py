@@ -104,3 +104,23 @@ def _fixed_pad(sizes):
 
 def test_a_pad_every_rank_gives_alike_equals_dense():
     assert max(run_distributed(_fixed_pad, 3, [6, 0, 7], timeout=T)) < 1e-10
+
+
+class MinRows(nn.Module):
+    """Pads a tile to at least 4 rows: 0 on every rank with rows, 4 on an empty one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 0, 0, max(0, 4 - x.shape[-2]))))
+
+
+def _min_rows(sizes):
+    return check(MinRows, (1, 2, sum(sizes), 5), (-2,), (sizes,))
+
+
+def test_an_empty_tile_takes_the_agreed_pad():
+    # (the empty rank padded itself to 4 rows and raised; the others hung)
+    assert max(run_distributed(_min_rows, 3, [8, 0, 8], timeout=60)) < 1e-10

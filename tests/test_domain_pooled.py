@@ -807,3 +807,29 @@ def test_weights_given_by_functional_call_on_pooled_features_give_shares():
     # (the head's gradient was counted once per tile: 2x dense at 2 ranks)
     assert max(run_distributed(_fast_weights, 2, [5, 7], timeout=T)) < 1e-10
     assert max(run_distributed(_fast_weights, 3, [4, 0, 8], timeout=T)) < 1e-10
+
+
+class PooledHyperWeights(nn.Module):
+    """A 1x1 convolution on pooled features run with weights computed from them (a
+    hypernetwork): the weights' gradient is whole on every rank, no share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        self.hyper, self.out = nn.Linear(4, 16), nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        z = y.mean((2, 3), keepdim=True)
+        w = self.hyper(z.mean(0).flatten()).view(4, 4, 1, 1)
+        g = torch.func.functional_call(self.fc, {"weight": w, "bias": self.fc.bias}, (z,))
+        return self.out(y * torch.sigmoid(g))
+
+
+def _hyper(sizes):
+    return check(PooledHyperWeights, (2, 2, sum(sizes), 5), (-2,), (sizes,), steps=2)
+
+
+def test_weights_computed_from_pooled_features_give_no_share():
+    # (their gradient was divided by the number of tiles: 0.5x dense at 2 ranks)
+    assert max(run_distributed(_hyper, 2, [5, 7], timeout=T)) < 1e-10

@@ -44,12 +44,25 @@ CONVERTED: dict[str, Head] = {
         lambda m, y: m.fc(torch.einsum("bchw,dc->bdhw", y, m.mix).mean(-1).mean(-1)),
     "einsum of two tiles, point by point":
         lambda m, y: torch.einsum("bchw,bdhw->bcdhw", y, y).sum((1, 2)),
+    "mean given axis=": lambda m, y: m.fc(y.mean(axis=(2, 3))),
+    "channel mean given axis=": lambda m, y: y * y.mean(axis=1, keepdims=True),
+    "channel amax given axis=": lambda m, y: y.amax(axis=1, keepdim=True) * y,
+    "elementwise max given other=": lambda m, y: torch.max(y, other=y.flip(1)),
+    "a same-rank view, then a mean": lambda m, y: m.fc(
+        y.reshape(y.shape[0], 1, 4, -1).mean(-1).squeeze(1)),
+    "stacked, then a mean": lambda m, y: m.fc(torch.stack([y, 2 * y], 1).mean((-2, -1))[:, 1]),
+    "a channel picked, then a mean": lambda m, y: m.fc(y[:, 0:1].expand_as(y).mean((-2, -1))),
+    "a channel indexed, then a mean": lambda m, y: m.fc(y[:, :, None].mean((-2, -1))[:, :, 0]),
 }
 """Each equals dense: the output pooled (whole on every rank) or still a tile."""
 
 
+_TILES_OUT = ("einsum of two tiles, point by point", "channel mean given axis=",
+              "channel amax given axis=", "elementwise max given other=")
+
+
 def _converted(case, sizes):
-    pooled = case not in ("einsum of two tiles, point by point",)
+    pooled = case not in _TILES_OUT
     return check(lambda: Reduced(CONVERTED[case]), (2, 2, sum(sizes), 5), (-2,), (sizes,),
                  steps=2, replicated=pooled)
 
@@ -58,6 +71,8 @@ def _converted(case, sizes):
 def test_sums_and_means_over_every_point_equal_dense(case):
     assert max(run_distributed(_converted, 2, case, [5, 7], timeout=T)) < 1e-10
     assert max(run_distributed(_converted, 3, case, [4, 0, 8], timeout=T)) < 1e-10
+    # a one-row tile: a reshape's points read from its sizes, every rank's verdict
+    assert max(run_distributed(_converted, 2, case, [1, 11], timeout=T)) < 1e-10
 
 
 REFUSED: dict[str, Head] = {
@@ -77,6 +92,10 @@ REFUSED: dict[str, Head] = {
     "einsum pairing two tiles' points": lambda m, y: torch.einsum("bchw,bdgw->bcdhg", y, y),
     "einsum summing two tiles over points": lambda m, y: torch.einsum("bchw,bdhw->bcd", y, y),
     "einsum summing a tile over points": lambda m, y: m.fc(torch.einsum("bchw->bc", y)),
+    "amax given axis=": lambda m, y: m.fc(y.amax(axis=(2, 3))),
+    "mse_loss, mean": lambda m, y: F.mse_loss(y, torch.zeros_like(y)),
+    "a tile over its own sum": lambda m, y: y / y.sum(),
+    "a tile times its own sum": lambda m, y: y * y.sum(),
 }
 """Each would see the tile's points alone."""
 
@@ -85,7 +104,7 @@ def _refused(case, sizes):
     from tensorpar.nn import parallelize_domain
     model = parallelize_domain(Reduced(REFUSED[case]).double(), dims=-2)
     x = torch.randn(2, 2, sizes[torch.distributed.get_rank()], 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match="points"):
+    with pytest.raises(ValueError, match="points|part"):
         model(x)
     return True
 

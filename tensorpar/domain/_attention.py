@@ -113,6 +113,7 @@ class _DomainAttnProcessor:
         with ctx.own_calls():
             out = attend(ctx, x, q, k, v, where)
         ctx.marks.mark(out, TILE)
+        ctx.marks.hold_points(out, frozenset({2}))  # (B, heads, points, head dim)
         out = out.transpose(1, 2).reshape(b, -1, out.shape[1] * out.shape[-1]).to(q.dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         out = out.transpose(-1, -2).reshape(residual.shape)

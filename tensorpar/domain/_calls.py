@@ -39,13 +39,20 @@ from tensorpar.domain._flow import (
 from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._points import (
     after_reduction,
+    cut_dim,
     einsum_points,
     follow,
+    indexed_dims,
     pairs_points,
     reduced_dims,
     regroups,
 )
-from tensorpar.domain._reductions import over_domain, reduce_tile
+from tensorpar.domain._reductions import (
+    loss_reduction,
+    over_domain,
+    reduce_tile,
+    refuse_mean_loss,
+)
 from tensorpar.domain._resample import interpolate, tile_sizes_to_domain
 from tensorpar.domain._shares import share_gradients
 from tensorpar.domain._window import conv_forward, per_dim, pool_forward
@@ -76,6 +83,8 @@ class _FunctionalCalls(TorchFunctionMode):
         if PARTIAL in scan.kinds:
             if not self._spreads_partial(args, kwargs):
                 return self._on_partial(func, args, kwargs, scan)
+            if not_linear(func, args, lambda v: isinstance(v, torch.Tensor)):
+                raise _not_linear_error(func)  # (``x / x.sum()``: a tile over its part)
             # (``image + 0 * x.sum()``: no loss; the sum as the tile's it is)
             scan.kinds = (scan.kinds - {PARTIAL}) | {TILE}
         poolings = ctx.poolings
@@ -133,12 +142,7 @@ class _FunctionalCalls(TorchFunctionMode):
         name = getattr(func, "__name__", func)
         if not_linear(func, args, lambda v: isinstance(v, torch.Tensor)
                       and ctx.marks.kind_of(v) == PARTIAL):
-            raise ValueError(
-                f"{name} (domain-parallel) of a loss made in the forward from a tile's part "
-                f"(x.sum() of a tile): each rank's loss is its part, summed over the ranks by "
-                f"backward, and {name} of a part is not its share of {name} of the whole. Sum "
-                f"over the split dims first (x.sum((2, 3)) and x.mean() are the domain's), or "
-                f"apply {name} to the loss outside the model")
+            raise _not_linear_error(func)
 
         def replicated(t: torch.Tensor) -> bool:
             return t.requires_grad and ctx.marks.kind_of(t) not in (TILE, PARTIAL)
@@ -158,9 +162,12 @@ class _FunctionalCalls(TorchFunctionMode):
     def _spreads_partial(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether a call broadcasts a loss of parts (`PARTIAL`) over a larger tensor."""
         marks = self.ctx.marks
-        sizes = [(marks.kind_of(t) == PARTIAL, t.numel()) for t in tensors_in((args, kwargs))]
-        return max((n for partial, n in sizes if not partial), default=0) > \
-            max(n for partial, n in sizes if partial)
+        sizes = [(marks.kind_of(t) == PARTIAL, (t.dim(), t.numel()))
+                 for t in tensors_in((args, kwargs))]
+        largest = max(n for partial, n in sizes if partial)  # (more dims, or more elements:
+        # an empty tile has more dims)
+        return any(n[0] > largest[0] or n[1] > largest[1] for partial, n in sizes
+                   if not partial)
 
     def _as_tiles_too(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                       scan: Scan, out: Any) -> None:
@@ -214,6 +221,16 @@ class _FunctionalCalls(TorchFunctionMode):
                 self._hold(out, held)
             return
         x = args[0] if args else kwargs.get("input")
+        name = getattr(func, "__name__", "")
+        if name in ("stack", "cat", "concat", "concatenate") and isinstance(x, (tuple, list)) \
+                and isinstance(out, torch.Tensor):  # the first tile's points
+            src = next((p for t in x if (p := self._points(t))), None)
+            if src is not None and name == "stack":  # a new dim at ``dim``
+                at = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
+                src = frozenset(d + (d >= at) for d in src)
+            if src is not None:
+                self._hold(out, src)
+            return
         src = self._points(x)
         if src is None or not isinstance(x, torch.Tensor):
             return
@@ -236,8 +253,10 @@ class _FunctionalCalls(TorchFunctionMode):
             return
         held = follow(func, args, kwargs, src, x.shape, out)
         if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
-            # (an empty tile's sizes tell nothing: it takes the others')
-            mine = None if not x.numel() else -1.0 if held is None \
+            # (an empty tile's sizes tell nothing, nor do a one-row tile's: it takes the
+            # others')
+            mine = None if not x.numel() or all(x.shape[d] <= 1 for d in src) \
+                else -1.0 if held is None \
                 else float(sum(1 << d for d in held))
             code = _meet.agreed_value(ctx, mine, out.device)
             held = None if code is None or code < 0 else \
@@ -256,6 +275,16 @@ class _FunctionalCalls(TorchFunctionMode):
         if TILE in scan.kinds and ctx.domain_size > 1:
             if not per_point(func, args, kwargs, self._points):
                 refuse_functional(func)
+            if loss_reduction(func, kwargs) == "mean" and self._points(
+                    args[0] if args else kwargs.get("input")):
+                raise refuse_mean_loss(getattr(func, "__name__", str(func)))
+            if (cut := self._cut_dim(func, args, kwargs)) is not None:
+                raise ValueError(
+                    f"{getattr(func, '__name__', func)} (domain-parallel) along dim {cut} of a "
+                    f"tile, which holds the split dims' points, would cut, move or join the "
+                    f"tile's rows as if they were the domain's (a slice, roll, flip, chunk or "
+                    f"cat along a split dim is not converted); do it before the split, or on "
+                    f"the gathered tensor")
             if ((func in _PRODUCTS and pairs_points(args, [self._points(a) for a in args[:2]]))
                     or (func is torch.einsum and einsum_points(args, self._points)[1])):
                 raise ValueError(
@@ -312,19 +341,37 @@ class _FunctionalCalls(TorchFunctionMode):
             if ctx.on_pooled:
                 args, kwargs = share_gradients(
                     args, kwargs, ctx.domain_size,
-                    lambda t: _is_parameter(t) or (t.requires_grad and id(t) in ctx.layer_weights))
+                    lambda t: _is_parameter(t)
+                    or (id(t) in ctx.layer_weights and _replicated_grad(ctx, t)))
         elif scan.kinds == {POOLED}:
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)
 
+    def _cut_dim(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
+        """`cut_dim`, agreed by the ranks for a slice where a tile is empty."""
+        cut = cut_dim(func, args, kwargs, self._points)
+        name = getattr(func, "__name__", "")
+        if name not in ("__getitem__", "__setitem__") or len(args) < 2 \
+                or not any(0 in sizes for table in self.ctx.layouts for sizes in table.values()):
+            return cut
+        x, ctx = args[0], self.ctx
+        held = self._points(x)
+        sliced = indexed_dims(args[1], x.shape, held)[1] if held else None
+        if sliced is None:
+            return cut
+        on_any = _meet.on_any_rank(ctx, cut is not None, x.device)  # (one small all-reduce)
+        return cut if cut is not None else sliced if on_any else None
+
     def _sums_the_tile(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether ``func`` sums a tile over every dim (its part of a loss)."""
         x = args[0] if args else kwargs.get("input")
-        if getattr(func, "__name__", "") not in ("sum", "nansum") or not self._points(x) \
-                or not isinstance(x, torch.Tensor):
+        if not self._points(x) or not isinstance(x, torch.Tensor):
             return False
-        return reduced_dims(func, args, kwargs, x.dim()) == frozenset(range(x.dim()))
+        if loss_reduction(func, kwargs) == "sum":
+            return True
+        return getattr(func, "__name__", "") in ("sum", "nansum") and \
+            reduced_dims(func, args, kwargs, x.dim()) == frozenset(range(x.dim()))
 
     def _reduce(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
                 ) -> torch.Tensor | None:
@@ -417,6 +464,16 @@ _SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tens
                    torch.Tensor.__iadd__, torch.Tensor.add_, torch.Tensor.__isub__,
                    torch.Tensor.sub_, torch.sum, torch.Tensor.sum, torch.cat, torch.stack})
 """Calls that only add their tensors up (a loss's terms)."""
+
+
+def _not_linear_error(func: Any) -> ValueError:
+    name = getattr(func, "__name__", func)
+    return ValueError(
+        f"{name} (domain-parallel) of a loss made in the forward from a tile's part (x.sum() "
+        f"of a tile): each rank's loss is its part, summed over the ranks by backward, and "
+        f"{name} of a part is not its share of {name} of the whole. Sum over the split dims "
+        f"first (x.sum((2, 3)) and x.mean() are the domain's), or apply {name} to the loss "
+        f"outside the model")
 
 
 def _is_parameter(t: torch.Tensor) -> bool:

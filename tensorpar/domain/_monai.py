@@ -96,6 +96,7 @@ def convert(module: nn.Module, ctx: DomainContext) -> None:
         with ctx.own_calls():  # (B, heads, points, head dim)
             out = attend(ctx, h, q, k, v, where)
         ctx.marks.mark(out, TILE)
+        ctx.marks.hold_points(out, frozenset({2}))
         out = attn.drop_output(attn.out_proj(attn.out_rearrange(out)))
         return out.transpose(1, 2).reshape(shape) + residual  # type: ignore[no-any-return]
     module.forward = types.MethodType(forward, module)

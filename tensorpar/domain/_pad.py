@@ -30,16 +30,19 @@ def pad(ctx: DomainContext, x: torch.Tensor, pad: Sequence[int], mode: str = "co
     where = f"pad(mode={mode!r}) (domain-parallel)"
     if len(pad) % 2:
         raise ValueError(f"{where}: pad has an odd number of entries: {tuple(pad)}")
-    local, pad = list(pad), _agreed(ctx, x, pad, where)
+    pad = _agreed(ctx, x, pad, where)
+    local = list(pad)
     for i, d in enumerate(ctx.dims):
         j = -1 - d  # F.pad's pairs run from the last dim
-        if 2 * j + 1 >= len(pad) or not (pad[2 * j] or pad[2 * j + 1]):
+        if 2 * j + 1 >= len(pad):
+            continue
+        local[2 * j] = local[2 * j + 1] = 0  # (the split dims: padded by the row gather)
+        if not (pad[2 * j] or pad[2 * j + 1]):
             continue  # this split dim is not padded
         before, after = pad[2 * j], pad[2 * j + 1]
         if before < 0 or after < 0:
             raise ValueError(f"{where}: a negative pad crops split dim {d} ({before}, {after}), "
                              f"which may take rows of several tiles; not converted")
-        local[2 * j] = local[2 * j + 1] = 0
         sizes = ctx.sizes_of(i, x.shape[d], where, x.device)
         padded = _edges_grown(sizes, before, after)
         split = ctx.out_sizes(i, sum(padded), lambda: padded)  # noqa: B023 (called at once)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Points", "after_reduction", "einsum_points", "follow", "pairs_points",
-           "reduced_dims", "regroups"]
+__all__ = ["Points", "after_reduction", "cut_dim", "einsum_points", "follow", "indexed_dims",
+           "pairs_points", "reduced_dims", "regroups"]
 
 Points = frozenset[int]
 
@@ -79,6 +79,8 @@ def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
         return frozenset(order.index(d) for d in src) if len(order) == n_in else None
     if regroups(func, n_in, n_out):
         return _regrouped(src, in_shape, out.shape)
+    if name == "__getitem__" and len(args) > 1:
+        return _indexed_points(args[1], n_in, src)
     if name == "unsqueeze":
         at = _arg(rest, kwargs, 0, "dim", 0) % (n_in + 1)
         return _moved(src, lambda d: d if d < at else d + 1)
@@ -107,10 +109,10 @@ def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: i
     ``torch.max(x, y)`` (a tensor where the dim goes) is elementwise: ``None``.
     """
     name = getattr(func, "__name__", "")
-    if name not in _DIM_AT:
+    if name not in _DIM_AT or "other" in kwargs:  # (``torch.max(x, other=y)``: elementwise)
         return None
     at, default = _DIM_AT[name]
-    dim = args[at] if len(args) > at else kwargs.get("dim", default)
+    dim = args[at] if len(args) > at else kwargs.get("dim", kwargs.get("axis", default))
     if dim is None or isinstance(dim, bool):  # (``x.var(False)``: unbiased, the whole)
         return frozenset(range(ndim)) if name in _WHOLE else None
     if isinstance(dim, int) and not isinstance(dim, bool):
@@ -133,6 +135,115 @@ def after_reduction(src: Points, dims: frozenset[int], n_in: int, n_out: int
     if n_out == n_in - len(dims):
         return _moved(src, lambda d: d - sum(1 for r in dims if r < d))
     return None
+
+
+_CUTS: dict[str, tuple[int, str, int | tuple[int, ...] | None]] = {
+    **{name: (1, "dim", None) for name in (
+        "narrow", "narrow_copy", "select", "index_select", "gather", "index_add", "index_copy",
+        "index_fill", "scatter", "scatter_add", "scatter_reduce")},
+    **{name: (1, "dim", 0) for name in ("unbind",)},
+    **{name: (2, "dim", 0) for name in ("chunk", "split", "tensor_split")},
+    "take_along_dim": (2, "dim", None), "repeat_interleave": (2, "dim", None),
+    "roll": (2, "dims", None), "flip": (1, "dims", None), "rot90": (2, "dims", (0, 1))}
+"""Calls that cut, move or pick rows along a dim: where the dim is, and its default
+(``None``: the flattened tensor, every dim)."""
+_JOINS = frozenset({"cat", "concat", "concatenate"})
+
+
+def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+            points: Callable[[Any], Points | None]) -> int | None:
+    """The dim holding points along which ``func`` cuts, moves or joins a tile's rows.
+
+    ``None`` where it does not (or where that is not read). ``points(t)``: the dims of the
+    tile ``t`` holding points. A slice that keeps every row (``x[:, :, :h]`` of an
+    ``h``-row tile) is no cut.
+    """
+    name = getattr(func, "__name__", "")
+    if name in _JOINS:  # ``torch.cat(tensors, dim)``
+        tensors = args[0] if args else kwargs.get("tensors", ())
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        for t in tensors if isinstance(tensors, (tuple, list)) else ():
+            held = points(t)
+            if held and isinstance(dim, int) and dim % t.dim() in held:
+                return int(dim % t.dim())
+        return None
+    x = args[0] if args else kwargs.get("input")
+    held = points(x)
+    if not held or not isinstance(x, torch.Tensor):
+        return None
+    if name in ("__getitem__", "__setitem__") and len(args) > 1:
+        return indexed_dims(args[1], x.shape, held)[0]
+    if func is torch.nn.functional.unfold:  # im2col over the last two dims
+        return next((d for d in (x.dim() - 2, x.dim() - 1) if d in held), None)
+    if func is torch.Tensor.unfold:  # windows along ``dimension``
+        name = "narrow"
+    if name not in _CUTS:
+        return None
+    at, key, default = _CUTS[name]
+    dim = args[at] if len(args) > at else kwargs.get(key, default)
+    dims = range(x.dim()) if dim is None else (dim,) if isinstance(dim, int) else dim
+    if not isinstance(dims, (range, tuple, list)):
+        return None
+    cut: int | None = next((d % x.dim() for d in dims
+                            if isinstance(d, int) and d % x.dim() in held), None)
+    return cut
+
+
+def _indexed_points(index: Any, n_in: int, src: Points) -> Points | None:
+    """The dims of ``x[index]`` holding points (slices, ints and ``None`` read; the rest not)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(not (it is None or it is Ellipsis or isinstance(it, (int, slice)))
+           or isinstance(it, bool) for it in items):
+        return None  # (an index tensor or a list: advanced indexing)
+    used = sum(1 for it in items if it is not None and it is not Ellipsis)
+    held: set[int] = set()
+    d = out = 0
+    for item in items:
+        if item is None:
+            out += 1
+        elif item is Ellipsis:
+            for k in range(d, d + n_in - used):
+                held.update({out + k - d} if k in src else ())
+            out, d = out + n_in - used, d + n_in - used
+        elif isinstance(item, int):
+            if d in src:
+                return None  # (a cut: refused before it runs)
+            d += 1
+        else:
+            held.update({out} if d in src else ())
+            d, out = d + 1, out + 1
+    held.update(out + k - d for k in range(d, n_in) if k in src)  # (the dims after the index)
+    return frozenset(held)
+
+
+def indexed_dims(index: Any, shape: Sequence[int], held: Points
+                 ) -> tuple[int | None, int | None]:
+    """The dim holding points that ``x[index]`` cuts, and the first one it slices.
+
+    A cut: an int, an index tensor or a slice that leaves out rows. A slice of an empty
+    tile keeps every row it has: the ranks agree on slices where a tile is empty.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    used = sum(t.dim() if isinstance(t, torch.Tensor) and t.dtype == torch.bool else 1
+               for t in items if t is not None and t is not Ellipsis)
+    d, cut, sliced = 0, None, None
+    for item in items:
+        if item is None:
+            continue
+        if item is Ellipsis:
+            d += len(shape) - used
+            continue
+        span = item.dim() if isinstance(item, torch.Tensor) and item.dtype == torch.bool else 1
+        for k in range(d, min(d + span, len(shape))):
+            if k not in held:
+                continue
+            if isinstance(item, slice):
+                sliced = k if sliced is None else sliced
+                if item.indices(shape[k]) == (0, shape[k], 1):
+                    continue
+            cut = k if cut is None else cut
+        d += span
+    return cut, sliced
 
 
 def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
@@ -170,7 +281,7 @@ def regroups(func: Any, n_in: int, n_out: int) -> bool:
     The sizes differ between ranks: the caller agrees on the result.
     """
     name = getattr(func, "__name__", "")
-    return (name in ("view", "reshape") and n_out != n_in) or name == "unflatten"
+    return name in ("view", "reshape", "unflatten")
 
 
 def pairs_points(args: Sequence[Any], points: Sequence[Points | None]) -> bool:

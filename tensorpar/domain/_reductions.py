@@ -22,7 +22,7 @@ from tensorpar.domain._layout import DomainContext
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._points import Points
 
-__all__ = ["over_domain", "reduce_tile"]
+__all__ = ["loss_reduction", "over_domain", "reduce_tile", "refuse_mean_loss"]
 
 _CONVERTED = frozenset({"sum", "mean"})
 _TILE_PART = frozenset({"sum", "nansum", "all", "any", "count_nonzero"})
@@ -45,7 +45,8 @@ def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[
     if whole and name in _TILE_PART:
         return None
     if name in _CONVERTED and points <= dims:
-        keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 else False))
+        keepdim = bool(kwargs.get("keepdim", kwargs.get("keepdims",
+                                                        args[2] if len(args) > 2 else False)))
         return over_domain(ctx, x, sorted(dims), name, mean=name == "mean", image=image,
                            keepdim=keepdim, dtype=kwargs.get("dtype"))
     along = "the whole tile" if whole else f"dim(s) {sorted(points & dims)} of a tile"
@@ -54,6 +55,35 @@ def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[
         f"see the tile's points alone; only a sum or a mean over every dim holding them is "
         f"converted (x.mean((2, 3)), x.sum((2, 3)), x.flatten(2).mean(-1), x.mean()). "
         f"Compute it before the split, or over the gathered tensor")
+
+
+_LOSSES = frozenset({
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
+    "gaussian_nll_loss", "soft_margin_loss", "multilabel_soft_margin_loss",
+    "hinge_embedding_loss", "margin_ranking_loss", "cosine_embedding_loss"})
+"""``torch.nn.functional``'s losses with a ``reduction``."""
+
+
+def loss_reduction(func: Any, kwargs: dict[str, Any]) -> str | None:
+    """A loss function's ``reduction`` (``None``: ``func`` is none of them).
+
+    Read where given by name (``F.mse_loss(y, t, reduction="sum")``); the default is
+    ``"mean"``.
+    """
+    if getattr(func, "__name__", "") not in _LOSSES or \
+            getattr(func, "__module__", "") != "torch.nn.functional":
+        return None
+    return str(kwargs.get("reduction", "mean"))
+
+
+def refuse_mean_loss(name: str) -> ValueError:
+    """A loss averaged over a tile's points alone."""
+    return ValueError(
+        f"{name} (domain-parallel) with reduction='mean' of a tile would average the tile's "
+        f"points alone; give reduction='sum' (the tile's part of a loss, summed over the "
+        f"ranks by backward: divide it by the domain's count) or reduction='none' and take "
+        f".mean() of it (the domain's mean)")
 
 
 def over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: str, *,
