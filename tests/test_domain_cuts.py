@@ -43,6 +43,10 @@ REFUSED: dict[str, Cut] = {
     "unfold": lambda y: F.fold(F.unfold(y, 3, padding=1), y.shape[-2:], 3, padding=1),
     "windows of rows": lambda y: y.unfold(2, 1, 1).squeeze(-1),
     "a row written": lambda y: y.index_fill(2, torch.tensor([0]), 0.0),
+    "a slice bounded by a number": lambda y: y[:, :, :5],
+    "flip with the dims apart": lambda y: y.flip(3, 2),
+    "cat given axis=": lambda y: torch.cat([y, y], axis=2),
+    "stack given axis=, then flip": lambda y: torch.stack([y, 2 * y], axis=-1).flip(2).sum(-1),
 }
 """Each would treat the tile's rows as the domain's."""
 
@@ -70,6 +74,8 @@ KEPT: dict[str, Cut] = {
     "chunk and cat of the channels": lambda y: torch.cat(y.chunk(2, dim=1)[::-1], dim=1),
     "a channel picked": lambda y: y[:, 1:2] * y,
     "stack and unbind of the channels": lambda y: torch.stack(y.unbind(1)[::-1], dim=1),
+    "windows of columns given dimension=": lambda y: y.unfold(dimension=3, size=1,
+                                                              step=1).squeeze(-1),
 }
 """Along other dims (or no cut at all): each equals dense."""
 

@@ -572,7 +572,7 @@ class SpreadConvolved(nn.Module):
         spread = F.interpolate(self.proj(self.pool(y)), size=y.shape[-2:], mode="nearest")
         if self.added:
             return y + self.out(torch.relu(spread))
-        return self.out(spread) + 0 * y.sum()
+        return self.out(spread) + 0 * y.mean()
 
 
 class SpreadPooledAgain(SpreadConvolved):

@@ -96,6 +96,8 @@ REFUSED: dict[str, Head] = {
     "mse_loss, mean": lambda m, y: F.mse_loss(y, torch.zeros_like(y)),
     "a tile over its own sum": lambda m, y: y / y.sum(),
     "a tile times its own sum": lambda m, y: y * y.sum(),
+    "a tile minus its own sum": lambda m, y: y - y.sum(),
+    "a tile plus its kept-dims sum": lambda m, y: y + 0.5 * y.sum(dim=(0, 1, 2, 3), keepdim=True),
 }
 """Each would see the tile's points alone."""
 
@@ -104,7 +106,7 @@ def _refused(case, sizes):
     from tensorpar.nn import parallelize_domain
     model = parallelize_domain(Reduced(REFUSED[case]).double(), dims=-2)
     x = torch.randn(2, 2, sizes[torch.distributed.get_rank()], 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match="points|part"):
+    with pytest.raises(ValueError, match=r"points|part"):
         model(x)
     return True
 

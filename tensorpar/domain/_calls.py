@@ -81,12 +81,9 @@ class _FunctionalCalls(TorchFunctionMode):
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
         if PARTIAL in scan.kinds:
-            if not self._spreads_partial(args, kwargs):
-                return self._on_partial(func, args, kwargs, scan)
-            if not_linear(func, args, lambda v: isinstance(v, torch.Tensor)):
-                raise _not_linear_error(func)  # (``x / x.sum()``: a tile over its part)
-            # (``image + 0 * x.sum()``: no loss; the sum as the tile's it is)
-            scan.kinds = (scan.kinds - {PARTIAL}) | {TILE}
+            if self._spreads_partial(args, kwargs):  # (``x - x.sum()``, ``x / x.sum()``)
+                raise _not_linear_error(func)
+            return self._on_partial(func, args, kwargs, scan)
         poolings = ctx.poolings
         kind: Kind | None = None
         entered = None
@@ -160,14 +157,17 @@ class _FunctionalCalls(TorchFunctionMode):
         return out
 
     def _spreads_partial(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-        """Whether a call broadcasts a loss of parts (`PARTIAL`) over a larger tensor."""
+        """Whether a call broadcasts a loss of parts (`PARTIAL`) over a tensor of another shape.
+
+        Read from shapes every rank has alike: a kept-dims sum ``(1, 1, 1, 1)`` against an
+        empty tile ``(1, C, 0, W)`` is a spread there too.
+        """
         marks = self.ctx.marks
-        sizes = [(marks.kind_of(t) == PARTIAL, (t.dim(), t.numel()))
-                 for t in tensors_in((args, kwargs))]
-        largest = max(n for partial, n in sizes if partial)  # (more dims, or more elements:
-        # an empty tile has more dims)
-        return any(n[0] > largest[0] or n[1] > largest[1] for partial, n in sizes
-                   if not partial)
+        tensors = list(tensors_in((args, kwargs)))
+        parts = [t for t in tensors if marks.kind_of(t) == PARTIAL]
+        widest = max(parts, key=lambda t: t.dim())
+        return any(t.dim() > widest.dim() or (t.dim() == widest.dim() and t.shape != widest.shape)
+                   for t in tensors if marks.kind_of(t) != PARTIAL and marks.kind_of(t) == TILE)
 
     def _as_tiles_too(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                       scan: Scan, out: Any) -> None:
@@ -226,7 +226,8 @@ class _FunctionalCalls(TorchFunctionMode):
                 and isinstance(out, torch.Tensor):  # the first tile's points
             src = next((p for t in x if (p := self._points(t))), None)
             if src is not None and name == "stack":  # a new dim at ``dim``
-                at = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
+                at = (args[1] if len(args) > 1
+                      else kwargs.get("dim", kwargs.get("axis", 0))) % out.dim()
                 src = frozenset(d + (d >= at) for d in src)
             if src is not None:
                 self._hold(out, src)
@@ -349,11 +350,13 @@ class _FunctionalCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _cut_dim(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
-        """`cut_dim`, agreed by the ranks for a slice where a tile is empty."""
+        """`cut_dim`, agreed by the ranks for a bounded slice of a dim holding points.
+
+        Whether it keeps every row reads the tile's size, which differs between ranks.
+        """
         cut = cut_dim(func, args, kwargs, self._points)
         name = getattr(func, "__name__", "")
-        if name not in ("__getitem__", "__setitem__") or len(args) < 2 \
-                or not any(0 in sizes for table in self.ctx.layouts for sizes in table.values()):
+        if name not in ("__getitem__", "__setitem__") or len(args) < 2:
             return cut
         x, ctx = args[0], self.ctx
         held = self._points(x)

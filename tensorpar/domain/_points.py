@@ -161,7 +161,7 @@ def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     name = getattr(func, "__name__", "")
     if name in _JOINS:  # ``torch.cat(tensors, dim)``
         tensors = args[0] if args else kwargs.get("tensors", ())
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
         for t in tensors if isinstance(tensors, (tuple, list)) else ():
             held = points(t)
             if held and isinstance(dim, int) and dim % t.dim() in held:
@@ -180,7 +180,10 @@ def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     if name not in _CUTS:
         return None
     at, key, default = _CUTS[name]
-    dim = args[at] if len(args) > at else kwargs.get(key, default)
+    dim = args[at] if len(args) > at else kwargs.get(key, kwargs.get(
+        "dimension" if func is torch.Tensor.unfold else "axis", default))
+    if name == "flip" and len(args) > 2:  # ``x.flip(3, 2)``
+        dim = tuple(args[1:])
     dims = range(x.dim()) if dim is None else (dim,) if isinstance(dim, int) else dim
     if not isinstance(dims, (range, tuple, list)):
         return None
@@ -238,6 +241,8 @@ def indexed_dims(index: Any, shape: Sequence[int], held: Points
             if k not in held:
                 continue
             if isinstance(item, slice):
+                if item == slice(None):
+                    continue  # ``:``: every row, on every rank
                 sliced = k if sliced is None else sliced
                 if item.indices(shape[k]) == (0, shape[k], 1):
                     continue
