@@ -717,8 +717,8 @@ class LossTerms(nn.Module):
             return (seg + cls) ** 2
         if self.how == "product":  # of two tile parts
             return seg * f.sum()
-        if self.how == "scaled":  # linear: kept
-            return 0.5 * (seg / 7 - f.abs().sum()) + aux
+        if self.how == "scaled":  # linear: kept (``.to(f)`` reads f's dtype alone)
+            return (0.5 * (seg / 7 - f.abs().sum()) + aux).to(f)
         return (seg + cls) + aux + self.aux.weight.pow(2).sum() + self.logvar
 
 

@@ -81,7 +81,8 @@ class _FunctionalCalls(TorchFunctionMode):
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
         if PARTIAL in scan.kinds:
-            if self._spreads_partial(args, kwargs):  # (``x - x.sum()``, ``x / x.sum()``)
+            if not reads_only_metadata(func) and self._spreads_partial(args, kwargs):
+                # (``x - x.sum()``, ``x / x.sum()``)
                 raise _not_linear_error(func)
             return self._on_partial(func, args, kwargs, scan)
         poolings = ctx.poolings
