@@ -355,16 +355,16 @@ class _FunctionalCalls(TorchFunctionMode):
 
         Whether it keeps every row reads the tile's size, which differs between ranks.
         """
-        cut = cut_dim(func, args, kwargs, self._points)
-        name = getattr(func, "__name__", "")
-        if name not in ("__getitem__", "__setitem__") or len(args) < 2:
-            return cut
-        x, ctx = args[0], self.ctx
+        if getattr(func, "__name__", "") not in ("__getitem__", "__setitem__") or len(args) < 2:
+            return cut_dim(func, args, kwargs, self._points)
+        x = args[0]
         held = self._points(x)
-        sliced = indexed_dims(args[1], x.shape, held)[1] if held else None
+        if not held or not isinstance(x, torch.Tensor):
+            return None
+        cut, sliced = indexed_dims(args[1], x.shape, held)
         if sliced is None:
             return cut
-        on_any = _meet.on_any_rank(ctx, cut is not None, x.device)  # (one small all-reduce)
+        on_any = _meet.on_any_rank(self.ctx, cut is not None, x.device)  # (one all-reduce)
         return cut if cut is not None else sliced if on_any else None
 
     def _sums_the_tile(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

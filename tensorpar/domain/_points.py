@@ -115,7 +115,7 @@ def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: i
     dim = args[at] if len(args) > at else kwargs.get("dim", kwargs.get("axis", default))
     if dim is None or isinstance(dim, bool):  # (``x.var(False)``: unbiased, the whole)
         return frozenset(range(ndim)) if name in _WHOLE else None
-    if isinstance(dim, int) and not isinstance(dim, bool):
+    if isinstance(dim, int):
         dim = (dim,)
     if not isinstance(dim, (tuple, list)) or not all(
             isinstance(d, int) and not isinstance(d, bool) for d in dim):
@@ -155,8 +155,7 @@ def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     """The dim holding points along which ``func`` cuts, moves or joins a tile's rows.
 
     ``None`` where it does not (or where that is not read). ``points(t)``: the dims of the
-    tile ``t`` holding points. A slice that keeps every row (``x[:, :, :h]`` of an
-    ``h``-row tile) is no cut.
+    tile ``t`` holding points. Indexing (``x[i]``, ``x[i] = v``): `indexed_dims`.
     """
     name = getattr(func, "__name__", "")
     if name in _JOINS:  # ``torch.cat(tensors, dim)``
@@ -171,8 +170,6 @@ def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     held = points(x)
     if not held or not isinstance(x, torch.Tensor):
         return None
-    if name in ("__getitem__", "__setitem__") and len(args) > 1:
-        return indexed_dims(args[1], x.shape, held)[0]
     if func is torch.nn.functional.unfold:  # im2col over the last two dims
         return next((d for d in (x.dim() - 2, x.dim() - 1) if d in held), None)
     if func is torch.Tensor.unfold:  # windows along ``dimension``

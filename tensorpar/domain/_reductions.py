@@ -12,6 +12,7 @@ ranks by ``backward``), and so are ``all``/``any``/``count_nonzero`` of the whol
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._meet import _all_reduced
 from tensorpar.domain._norms import _global_count
 from tensorpar.domain._points import Points
 
@@ -105,13 +107,7 @@ def over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: 
         return total
     if image:
         count = _global_count(ctx, x, dims, f"{name} (domain-parallel)")
-    else:
-        mine = 1
-        for d in dims:
-            mine *= x.shape[d]
-        every = torch.tensor([float(mine)], dtype=torch.float64, device=total.device)
-        for g in ctx.groups:
-            if not g.is_single:
-                every = all_reduce(every, group=g)
-        count = int(every.item())
+    else:  # (the ranks' counts added up)
+        mine = math.prod(x.shape[d] for d in dims)
+        count = int(_all_reduced(ctx, [float(mine)], "sum", total.device)[0])
     return total / count
