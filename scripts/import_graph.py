@@ -26,6 +26,8 @@ LAYERS = [["_torch", "errors", "_not_data"], ["comm"], ["placeholder", "collabor
           ["validation"], ["hierarchical"], ["collectives"], ["ddp"],
           ["nn", "domain", "context", "pipeline", "launch"], ["testing", "bench", "__init__"]]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Inside a package: its sub-packages, lowest first (its own modules stand above them all).
+INNER = {"domain": ["_tiles", "_layers", "_forward"]}
 PACKAGE = ROOT / "tensorpar"
 TORCH_PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z_]+)*\._[a-z][A-Za-z_]*")
 # Reading the validation switch is deciding a call's mode: the switch and validation, the
@@ -45,6 +47,23 @@ def package_of(module: str) -> str:
     """The first name below ``tensorpar`` (a package, or a top-level module)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
+
+
+def inner_level(module: str) -> int | None:
+    """A module's place in its package's `INNER` order (``None``: the package has none)."""
+    parts = module.split(".")
+    order = INNER.get(parts[1]) if len(parts) > 1 else None
+    if order is None:
+        return None
+    return order.index(parts[2]) if len(parts) > 3 and parts[2] in order else len(order)
+
+
+def runs_back_up(a: str, b: str) -> bool:
+    """Whether ``a`` importing ``b`` runs from a lower layer (or sub-package) to a higher one."""
+    if package_of(a) != package_of(b):
+        return LEVEL.get(package_of(a), 99) < LEVEL.get(package_of(b), 99)
+    low, high = inner_level(a), inner_level(b)
+    return low is not None and high is not None and low < high
 
 
 def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
@@ -125,7 +144,7 @@ def main() -> int:
         print("  " + " <-> ".join(c))
     back = collections.Counter(
         (package_of(a), package_of(b)) for a, targets in graph.items() for b in targets
-        if LEVEL.get(package_of(a), 99) < LEVEL.get(package_of(b), 99))
+        if runs_back_up(a, b))
     print(f"arrows back up (a lower layer importing a higher one): {sum(back.values())}")
     for (a, b), n in sorted(back.items()):
         print(f"  {a} -> {b}: {n}")

@@ -146,7 +146,7 @@ def _strided_stack():
 
 def _strided(sizes):
     """Largest difference from dense, and how many convolutions took the overlapped path."""
-    from tensorpar.domain import _overlap
+    from tensorpar.domain._tiles import overlap as _overlap
 
     taken = [0]
     apply = _overlap._HaloConv.apply

@@ -1,10 +1,10 @@
-"""Which dims of a reshaped tile hold the split dims' points (`tensorpar.domain._points`):
+"""Which dims of a reshaped tile hold the split dims' points (`tensorpar.domain._forward.points`):
 each reshape a model writes, read from the call and the shapes alone."""
 
 import pytest
 import torch
 
-from tensorpar.domain._points import einsum_points, follow, pairs_points, reduced_dims
+from tensorpar.domain._forward.points import einsum_points, follow, pairs_points, reduced_dims
 
 T = torch.Tensor
 x4 = torch.zeros(2, 3, 5, 7)  # (B, C, H, W), H split: points in dim 2

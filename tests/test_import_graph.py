@@ -14,3 +14,18 @@ def test_the_import_graph_has_no_circle_and_no_arrow_back_up():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "circles: 0" in done.stdout and "arrows back up (a lower layer importing a " \
         "higher one): 0" in done.stdout, done.stdout
+
+
+def test_a_sub_package_importing_one_above_it_runs_back_up():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    tiles, layers = "tensorpar.domain._tiles.agree", "tensorpar.domain._layers.pad"
+    assert graph.runs_back_up(tiles, layers)
+    assert not graph.runs_back_up(layers, tiles)
+    assert graph.runs_back_up(tiles, "tensorpar.domain.parallelize")
+    assert not graph.runs_back_up("tensorpar.domain.parallelize", "tensorpar.domain._forward.calls")
+    assert graph.runs_back_up("tensorpar.comm._group", "tensorpar.domain.halo")
+    assert not graph.runs_back_up("tensorpar.nn.layers.linear", "tensorpar.nn.state.checkpoint")

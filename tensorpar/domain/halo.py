@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from tensorpar.comm._group import GroupLike, resolve_group
-from tensorpar.domain._rows import gather_rows, offsets, plan_rows
+from tensorpar.domain._tiles.rows import gather_rows, offsets, plan_rows
 
 __all__ = ["halo_exchange"]
 

@@ -16,10 +16,11 @@ from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
-from tensorpar.domain import _attention, _calls, _monai, _neuralop, _norms, _resample, _window
-from tensorpar.domain._flow import POOLED, TILE
-from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._meet import ambiguous_spread, runs_dense
+from tensorpar.domain._forward import calls
+from tensorpar.domain._forward.meet import ambiguous_spread, runs_dense
+from tensorpar.domain._layers import attention, monai, neuralop, norms, resample, window
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import POOLED, TILE
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
 
@@ -28,19 +29,19 @@ _CTX = "_tensorpar_domain"
 Forward = Callable[[Any, DomainContext, torch.Tensor], torch.Tensor]
 
 _CONVERT: list[tuple[tuple[type, ...], Forward]] = [
-    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), _window.conv_forward),
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), window.conv_forward),
     ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
-     _resample.conv_transpose_forward),
+     resample.conv_transpose_forward),
     ((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
-     _window.pool_forward),
+     window.pool_forward),
     ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
-     _resample.global_pool_forward),
-    ((nn.Upsample,), _resample.upsample_forward),
+     resample.global_pool_forward),
+    ((nn.Upsample,), resample.upsample_forward),
     ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
-     _norms.batch_norm_forward),
-    ((nn.GroupNorm,), _norms.group_norm_forward),
-    ((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), _norms.instance_norm_forward),
-    ((nn.LayerNorm,), _norms.layer_norm_forward),
+     norms.batch_norm_forward),
+    ((nn.GroupNorm,), norms.group_norm_forward),
+    ((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), norms.instance_norm_forward),
+    ((nn.LayerNorm,), norms.layer_norm_forward),
 ]
 
 _POINTWISE: tuple[type, ...] = (
@@ -83,7 +84,7 @@ def _forward_for(module: nn.Module) -> tuple[Forward, tuple[str, ...]] | None:
             base: Any = next(t for t in type(module).__mro__ if t in types_)
             if type(module).forward is base.forward:
                 return fwd, ()
-    return _neuralop.CONVERT.get(_qualname(module))
+    return neuralop.CONVERT.get(_qualname(module))
 
 
 def _inside_converted(model: nn.Module) -> set[int]:
@@ -102,9 +103,9 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
              dims: tuple[int, ...]) -> str | None:
     """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
     label = f"{name or '<model>'} ({type(module).__name__})"
-    why = _neuralop.refusal(module, _qualname(module), dims) \
-        or _attention.refusal(module, _qualname(module)) \
-        or _monai.refusal(module, _qualname(module))
+    why = neuralop.refusal(module, _qualname(module), dims) \
+        or attention.refusal(module, _qualname(module)) \
+        or monai.refusal(module, _qualname(module))
     if why is not None:
         return f"{label}: {why}"
     fwd = _forward_for(module)
@@ -128,8 +129,8 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
     if isinstance(module, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) \
             and module.track_running_stats:
         return f"{label}: track_running_stats=True"
-    if isinstance(module, nn.Upsample) and module.mode not in _resample.MODES:
-        return f"{label}: mode={module.mode!r} (supported: {', '.join(_resample.MODES)})"
+    if isinstance(module, nn.Upsample) and module.mode not in resample.MODES:
+        return f"{label}: mode={module.mode!r} (supported: {', '.join(resample.MODES)})"
     return None
 
 
@@ -211,7 +212,7 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     groups = _groups(fn, dims_t, group)
     if getattr(model, _CTX, None) is not None:
         raise ValueError(f"{fn}: the model is already domain-parallel")
-    inside = _inside_converted(model) | _monai.handled_inside(model)
+    inside = _inside_converted(model) | monai.handled_inside(model)
     problems = [p for name, m in model.named_modules()
                 if id(m) not in inside and (p := _refusal(name, m, pointwise, dims_t))]
     if problems:
@@ -225,10 +226,10 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         conv = _forward_for(m)
         if conv is not None:
             _override(m, *conv, ctx)
-        elif _qualname(m) == _attention.ATTENTION:
-            _attention.convert(m, ctx)
-        elif _qualname(m) == _monai.SPATIAL_ATTENTION:
-            _monai.convert(m, ctx)
+        elif _qualname(m) == attention.ATTENTION:
+            attention.convert(m, ctx)
+        elif _qualname(m) == monai.SPATIAL_ATTENTION:
+            monai.convert(m, ctx)
         # a converted layer's parameters include its children's (tltorch's spectral weight)
         if any(True for _ in m.parameters(recurse=conv is not None)):
             _hook_parameters(m, ctx, recurse=conv is not None)
@@ -322,7 +323,7 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
         out = _run_layer(self, fwd, own, x, runs_dense(own, kind, x), kind == POOLED)
         own.marks.mark(out, POOLED if own.poolings > poolings else kind)
         if as_tiles is not None and own.poolings == poolings:
-            # (a spread that may be a tile: the layer on its tile version too, see `_meet`;
+            # (a spread that may be a tile: the layer on its tile version too, see `meet`;
             # its running statistics stay the first run's until the tile version is taken)
             first = [b.clone() for b in buffers]
             _copy_into(buffers, before)
@@ -370,7 +371,7 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
     A parameter used before any global pooling sees only this rank's points: its gradient
     is partial (the dense one is the sum over the domain). A use after it (a head on the
     pooled, replicated features) gives the whole gradient on every rank; the functional-call
-    conversion divides that by the number of tiles (`tensorpar.domain._shares`), so every
+    conversion divides that by the number of tiles (`tensorpar.domain._forward.shares`), so every
     gradient is a sum over the domain, whichever side of the pooling each use is on.
 
     The sums are made once, at the end of the backward pass, for every such parameter in
@@ -469,15 +470,15 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
         raise TypeError("parallelize_domain: the model's forward got no tensor argument "
                         "(the first one is the image tile)")
     ctx.begin(x)
-    _calls.enter_functional_mode(ctx)
+    calls.enter_functional_mode(ctx)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _exit(model: nn.Module, args: object, output: object) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
-    _calls.exit_functional_mode(ctx)
+    calls.exit_functional_mode(ctx)
     # an image of pooled features spread to a size every (equal) tile has, never told
-    # apart from a fixed grid by a tile they met (see `_meet`)
+    # apart from a fixed grid by a tile they met (see `meet`)
     if isinstance(output, torch.Tensor) and output.dim() == ctx.ndim \
             and ctx.marks.as_tiles(output) is not None:
         raise ambiguous_spread("the model's output")

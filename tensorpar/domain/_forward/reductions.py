@@ -1,7 +1,7 @@
 """Reductions of a tile along its split points, inside a converted model's forward.
 
 A reduction along a dim holding the split dims' points (the image's split dims, or where
-`_points` followed them through reshapes and earlier reductions) would see the tile's
+`points` followed them through reshapes and earlier reductions) would see the tile's
 points alone. A ``sum`` or ``mean`` over every dim holding points is the domain's: the
 tiles' sums added over the ranks (the gradient passes straight back to each tile, as a
 global pooling's), a mean divided by the domain's count. ``x.mean()`` over the whole tile
@@ -12,19 +12,16 @@ ranks by ``backward``), and so are ``all``/``any``/``count_nonzero`` of the whol
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tensorpar.collectives.functional import all_reduce
-from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._meet import _all_reduced
-from tensorpar.domain._norms import _global_count
-from tensorpar.domain._points import Points
+from tensorpar.domain._forward.points import Points
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.sums import over_domain
 
-__all__ = ["loss_reduction", "over_domain", "reduce_tile", "refuse_mean_loss"]
+__all__ = ["loss_reduction", "reduce_tile", "refuse_mean_loss"]
 
 _CONVERTED = frozenset({"sum", "mean"})
 _TILE_PART = frozenset({"sum", "nansum", "all", "any", "count_nonzero"})
@@ -88,26 +85,3 @@ def refuse_mean_loss(name: str) -> ValueError:
         f".mean() of it (the domain's mean)")
 
 
-def over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: str, *,
-                mean: bool = True, image: bool = True, keepdim: bool = True,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The sum (or mean) of the tiles over ``dims`` (every dim holding points among them).
-
-    Replicated (every rank holds it whole); counts as a global pooling of the forward.
-    ``image``: ``x`` has the image's dims, whose split sizes this forward recorded;
-    otherwise the count is the ranks' counts added up (one small all-reduce).
-    """
-    dims = sorted({d % x.dim() for d in dims})
-    total = x.sum(dims, keepdim=keepdim, dtype=dtype)
-    for g in ctx.groups:
-        if not g.is_single:
-            total = all_reduce(total, backward="identity", group=g)
-    ctx.poolings += 1
-    if not mean:
-        return total
-    if image:
-        count = _global_count(ctx, x, dims, f"{name} (domain-parallel)")
-    else:  # (the ranks' counts added up)
-        mine = math.prod(x.shape[d] for d in dims)
-        count = int(_all_reduced(ctx, [float(mine)], "sum", total.device)[0])
-    return total / count

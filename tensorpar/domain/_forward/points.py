@@ -23,7 +23,7 @@ on that tensor, and the docs say so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -189,30 +189,48 @@ def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     return cut
 
 
+def _index_walk(index: Any, n_in: int) -> Iterator[tuple[int, int | None, Any]]:
+    """``x[index]`` dim by dim: each input dim, its output dim (``None``: cut), its item.
+
+    The dims after the index come with ``slice(None)``; a boolean mask spans its dims.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+
+    def span(item: Any) -> int:
+        return item.dim() if isinstance(item, torch.Tensor) and item.dtype == torch.bool else 1
+
+    used = sum(span(it) for it in items if it is not None and it is not Ellipsis)
+    d = out = 0
+    for item in items:
+        if item is None:
+            out += 1
+            continue
+        if item is Ellipsis:
+            for _ in range(n_in - used):
+                yield d, out, slice(None)
+                d, out = d + 1, out + 1
+            continue
+        keeps = isinstance(item, slice)
+        for _ in range(span(item)):
+            yield d, out if keeps else None, item
+            d += 1
+        out += keeps
+    for k in range(d, n_in):
+        yield k, out + k - d, slice(None)
+
+
 def _indexed_points(index: Any, n_in: int, src: Points) -> Points | None:
     """The dims of ``x[index]`` holding points (slices, ints and ``None`` read; the rest not)."""
     items = index if isinstance(index, tuple) else (index,)
     if any(not (it is None or it is Ellipsis or isinstance(it, (int, slice)))
            or isinstance(it, bool) for it in items):
         return None  # (an index tensor or a list: advanced indexing)
-    used = sum(1 for it in items if it is not None and it is not Ellipsis)
     held: set[int] = set()
-    d = out = 0
-    for item in items:
-        if item is None:
-            out += 1
-        elif item is Ellipsis:
-            for k in range(d, d + n_in - used):
-                held.update({out + k - d} if k in src else ())
-            out, d = out + n_in - used, d + n_in - used
-        elif isinstance(item, int):
-            if d in src:
+    for k, out, _ in _index_walk(index, n_in):
+        if k in src:
+            if out is None:
                 return None  # (a cut: refused before it runs)
-            d += 1
-        else:
-            held.update({out} if d in src else ())
-            d, out = d + 1, out + 1
-    held.update(out + k - d for k in range(d, n_in) if k in src)  # (the dims after the index)
+            held.add(out)
     return frozenset(held)
 
 
@@ -223,28 +241,17 @@ def indexed_dims(index: Any, shape: Sequence[int], held: Points
     A cut: an int, an index tensor or a slice that leaves out rows. A slice of an empty
     tile keeps every row it has: the ranks agree on slices where a tile is empty.
     """
-    items = index if isinstance(index, tuple) else (index,)
-    used = sum(t.dim() if isinstance(t, torch.Tensor) and t.dtype == torch.bool else 1
-               for t in items if t is not None and t is not Ellipsis)
-    d, cut, sliced = 0, None, None
-    for item in items:
-        if item is None:
+    cut, sliced = None, None
+    for k, _, item in _index_walk(index, len(shape)):
+        if k >= len(shape) or k not in held:
             continue
-        if item is Ellipsis:
-            d += len(shape) - used
-            continue
-        span = item.dim() if isinstance(item, torch.Tensor) and item.dtype == torch.bool else 1
-        for k in range(d, min(d + span, len(shape))):
-            if k not in held:
+        if isinstance(item, slice):
+            if item == slice(None):
+                continue  # ``:``: every row, on every rank
+            sliced = k if sliced is None else sliced
+            if item.indices(shape[k]) == (0, shape[k], 1):
                 continue
-            if isinstance(item, slice):
-                if item == slice(None):
-                    continue  # ``:``: every row, on every rank
-                sliced = k if sliced is None else sliced
-                if item.indices(shape[k]) == (0, shape[k], 1):
-                    continue
-            cut = k if cut is None else cut
-        d += span
+        cut = k if cut is None else cut
     return cut, sliced
 
 

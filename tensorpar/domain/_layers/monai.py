@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorpar.domain._attention import attend
-from tensorpar.domain._flow import TILE
-from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._layers.attention import attend
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import TILE
 
 __all__ = ["SA_BLOCK", "SPATIAL_ATTENTION", "convert", "handled_inside", "refusal"]
 

@@ -34,8 +34,8 @@ import torch
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
-from tensorpar.domain._flow import POOLED, TILE, Kind, Marks
-from tensorpar.domain._rows import RowPlan, offsets, plan_rows
+from tensorpar.domain._tiles.marks import POOLED, TILE, Kind, Marks
+from tensorpar.domain._tiles.rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
 
 __all__ = ["DomainContext", "anchor_sizes"]
@@ -56,7 +56,7 @@ class DomainContext:
         self.layouts: list[dict[int, tuple[int, ...]]] = [{} for _ in dims]
         self.poolings = 0  # global poolings made this forward
         self.dense = False  # the running converted layer's input is not a tile: it runs as dense
-        self.on_pooled = False  # ... and is pooled: its parameters give shares (`_shares`)
+        self.on_pooled = False  # ... and is pooled: its parameters give shares (`shares`)
         self.layer_weights: frozenset[int] = frozenset()  # ids of that layer's parameters
         self.ndim = 0  # the image input's number of dims (this forward)
         self.ran: set[int] = set()  # id(module) of the modules the last forward used
@@ -70,7 +70,7 @@ class DomainContext:
         self.fsdp = False  # fully_shard_domain: FSDP2's reduction sums over the domain
         self.internal = False  # a converted layer's own functional calls are running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
-        self.marks = Marks()  # this forward's tiles and pooled features (`_flow`)
+        self.marks = Marks()  # this forward's tiles and pooled features (`marks`)
         self._plans: dict[Any, RowPlan] = {}
 
     @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Batch, group and instance norm over a split domain with one exchange each way.
 
-The general path (`tensorpar.domain._norms`) builds the statistics from autograd ops: two
+The general path (`tensorpar.domain._layers.norms`) builds the statistics from autograd ops: two
 all-reduces forward (the mean, then the squared deviations), two backward, and a handful
 of passes over the tile each way. This Function does what a fused kernel does:
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from tensorpar.comm._comm import all_gather_into
 from tensorpar.comm._group import Group
-from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._tiles.layout import DomainContext
 
 __all__ = ["fused_norm"]
 

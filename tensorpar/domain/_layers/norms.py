@@ -14,30 +14,12 @@ from typing import Any
 
 import torch
 
-from tensorpar.collectives.functional import all_reduce
-from tensorpar.domain._fused_norm import fused_norm
-from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._layers.fused_norm import fused_norm
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.sums import global_count, sum_over_domain
 
 __all__ = ["batch_norm_forward", "group_norm_forward", "instance_norm_forward",
-           "layer_norm_forward", "sum_over_domain"]
-
-
-def sum_over_domain(ctx: DomainContext, t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over every rank of the domain (backward: the gradients summed too)."""
-    for g in ctx.groups:
-        if not g.is_single:
-            t = all_reduce(t, backward="sum", group=g)
-    return t
-
-
-def _global_count(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str) -> int:
-    count = 1
-    split = {x.dim() + d: i for i, d in enumerate(ctx.dims)}
-    for dim in dims:
-        i = split.get(dim)
-        count *= x.shape[dim] if i is None else sum(
-            ctx.sizes_of(i, x.shape[dim], where, x.device))
-    return count
+           "layer_norm_forward"]
 
 
 def moments(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str
@@ -47,7 +29,7 @@ def moments(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str
     The sums are float64 (``sum(dtype=)``: no float64 copy of the tile is kept for the
     backward); the centred tile stays in ``x``'s dtype. Mean and variance keep ``dims``.
     """
-    count = _global_count(ctx, x, dims, where)
+    count = global_count(ctx, x, dims, where)
     mean = sum_over_domain(ctx, x.sum(dims, keepdim=True, dtype=torch.float64)) / count
     centred = x - mean.to(x.dtype)
     var = sum_over_domain(ctx, (centred * centred).sum(dims, keepdim=True,
@@ -75,7 +57,7 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     where = f"{type(module).__name__} (domain-parallel)"
     dims = [0, *range(2, x.dim())]
     if ctx.fast:  # one exchange each way, torch's kernel (see _fused_norm)
-        count = _global_count(ctx, x, dims, where)
+        count = global_count(ctx, x, dims, where)
         y, mean, var = fused_norm(ctx, x.reshape(x.shape[0], x.shape[1], -1), module.weight,
                                   module.bias, module.eps, count)
         _update_running(module, mean, var, count)
@@ -110,7 +92,7 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     g = module.num_groups
     xg = x.reshape(n, g, c // g, *x.shape[2:])
     if ctx.fast:
-        count = _global_count(ctx, xg, list(range(2, xg.dim())), where)
+        count = global_count(ctx, xg, list(range(2, xg.dim())), where)
         w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
             else (None, None)
         y, _, _ = fused_norm(ctx, x.reshape(1, n * c, -1), w, b, module.eps, count, c // g)
@@ -129,7 +111,7 @@ def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> t
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     if ctx.fast:
-        count = _global_count(ctx, x, list(range(2, x.dim())), where)
+        count = global_count(ctx, x, list(range(2, x.dim())), where)
         n = x.shape[0]
         w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
             else (None, None)

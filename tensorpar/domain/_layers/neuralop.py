@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from tensorpar.context.fft import distributed_rfft2_apply
-from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._window import EmptyOut
+from tensorpar.domain._layers.window import EmptyOut
+from tensorpar.domain._tiles.layout import DomainContext
 
 __all__ = ["CONVERT", "REFUSE", "refusal"]
 

@@ -20,7 +20,7 @@ and mid block) is converted by giving it a processor that does what its default 
 Attention the conversion does not know would attend over the tile's points alone,
 silently: ``F.scaled_dot_product_attention`` and ``F.multi_head_attention_forward`` (what
 ``nn.MultiheadAttention`` calls) are refused when a tensor derived from the tile is among
-their inputs (`refuse_functional`, see `tensorpar.domain._flow`); on anything else
+their inputs (`refuse_functional`, see `tensorpar.domain._tiles.marks`); on anything else
 (conditioning tokens, features after a global pooling) they run as they are.
 """
 
@@ -36,8 +36,8 @@ from torch import nn
 
 from tensorpar.collectives.functional import all_gather
 from tensorpar.context.attention import ring_attention
-from tensorpar.domain._flow import TILE
-from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import TILE
 
 __all__ = ["ATTENTION", "attend", "convert", "per_point", "refusal", "refuse_functional"]
 
@@ -150,7 +150,7 @@ def per_point(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
               points: Callable[[Any], frozenset[int] | None]) -> bool:
     """Whether functional attention on tiles runs along an axis that holds no split points.
 
-    Attention over each pixel's frames: the points are in the batch dims (`_points`
+    Attention over each pixel's frames: the points are in the batch dims (`points`
     follows them through the reshapes), so every query's keys are on its own rank.
     ``points(t)``: the dims of the tile ``t`` that hold points (``None``: unknown, or not a
     tile). ``F.scaled_dot_product_attention`` takes ``(..., L, E)``,

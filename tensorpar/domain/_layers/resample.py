@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.comm._comm import exchange_ints
-from tensorpar.domain._layout import DomainContext, anchor_sizes
-from tensorpar.domain._reductions import over_domain
-from tensorpar.domain._rows import gather_rows, offsets
-from tensorpar.domain._window import EmptyOut, spatial_index
+from tensorpar.domain._layers.window import EmptyOut, spatial_index
+from tensorpar.domain._tiles.layout import DomainContext, anchor_sizes
+from tensorpar.domain._tiles.rows import gather_rows, offsets
+from tensorpar.domain._tiles.sums import over_domain
 
 __all__ = ["MODES", "conv_transpose_forward", "global_pool_forward", "interpolate",
            "tile_sizes_to_domain", "upsample_forward"]

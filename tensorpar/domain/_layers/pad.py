@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._meet import agreed_values
-from tensorpar.domain._rows import gather_rows, offsets
+from tensorpar.domain._tiles.agree import agreed_values
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.rows import gather_rows, offsets
 
 __all__ = ["pad"]
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from tensorpar.comm._compiling import autocast_on
 from tensorpar.comm._group import Group
-from tensorpar.domain._layout import DomainContext, anchor_sizes
-from tensorpar.domain._overlap import overlap_applies, overlapped_conv
-from tensorpar.domain._rows import RowPlan, gather_rows, offsets
+from tensorpar.domain._tiles.layout import DomainContext, anchor_sizes
+from tensorpar.domain._tiles.overlap import overlap_applies, overlapped_conv
+from tensorpar.domain._tiles.rows import RowPlan, gather_rows, offsets
 
 __all__ = ["EmptyOut", "conv_forward", "fetch_window", "per_dim", "pool_forward",
            "spatial_index", "window_len", "window_plans"]
@@ -105,12 +105,14 @@ class EmptyOut(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shape: tuple[int, ...], *deps: torch.Tensor | None) -> torch.Tensor:
+        """Zeros of ``shape``, joined to ``deps`` (the layer's inputs and parameters)."""
         ctx.specs = [None if t is None else (t.shape, t.dtype, t.device) for t in deps]
         first = next(t for t in deps if t is not None)
         return first.new_zeros(shape)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Zero gradients for every input (the backward of the exchanges still runs)."""
         return (None, *[None if s is None else torch.zeros(s[0], dtype=s[1], device=s[2])
                         for s in ctx.specs])
 

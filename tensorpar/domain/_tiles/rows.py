@@ -94,6 +94,7 @@ class RowPlan:
 
     @property
     def n_out(self) -> int:
+        """The number of rows this rank holds after the exchange."""
         return len(self.lower) + self.run[1] - self.run[0] + len(self.upper)
 
     @property

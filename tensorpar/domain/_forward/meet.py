@@ -11,7 +11,7 @@ over the domain.
 So where that happens the pooled operand enters the tiles through `copy_to_group` over
 each split dim's group (the identity forward, the gradient summed over the domain
 backward): the pooled side's gradient is whole again on every rank, as a replicated
-tensor's must be (the parameters it reaches give their shares, `_shares`). The call's
+tensor's must be (the parameters it reaches give their shares, `shares`). The call's
 output is a tile.
 
 The sum needs a gradient of the same shape on every rank, so it goes where the pooled
@@ -28,13 +28,11 @@ it meets a tile (`into_tiles`). One that reaches a global pooling or the model's
 as an image first raises (`ambiguous_spread`).
 
 This module also decides the road of replicated data given alone to a converted layer
-(`runs_dense`), and holds the small agreements that keep shape-based decisions the same
-on every rank.
+(`runs_dense`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,13 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar._torch import tree_map
-from tensorpar.collectives.functional import ReduceOpName, all_reduce
 from tensorpar.collectives.regions import copy_to_group
-from tensorpar.domain._flow import POOLED, TILE, Kind, Scan, mixing_error, tensors_in
-from tensorpar.domain._layout import DomainContext
+from tensorpar.domain._forward.flow import mixing_error
+from tensorpar.domain._tiles.agree import agreed_flags, on_any_rank
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import POOLED, TILE, Kind, Scan, tensors_in
 
-__all__ = ["SPREADING", "agreed_value", "ambiguous_spread", "interpolate_to_empty", "into_tiles",
-           "on_any_rank", "runs_dense", "spread_input", "spreads_to_tiles"]
+__all__ = ["SPREADING", "ambiguous_spread", "interpolate_to_empty", "into_tiles", "runs_dense",
+           "spread_input", "spreads_to_tiles"]
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
                        torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile})
@@ -72,7 +71,7 @@ def into_tiles(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[
     """A call taking tiles and pooled features: the pooled ones entered into the tiles.
 
     ``None`` where no tile argument has the image's dims: pooled features meeting a
-    tile's partial reduction (a loss made of both parts) are left to `_flow.output_kind`.
+    tile's partial reduction (a loss made of both parts) are left to `flow.output_kind`.
 
     Raises:
         RuntimeError: a pooled operand with the tile's extent along a split dim that no
@@ -150,7 +149,7 @@ def spreads_to_tiles(ctx: DomainContext, out: Any) -> Kind | None:
         return None
     splits = [(d, g, sizes) for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True))
               for _, sizes in sorted(ctx.layouts[i].items())]
-    found = _agreed(ctx, [out.shape[d] == sizes[g.rank] for d, g, sizes in splits], "min",
+    found = agreed_flags(ctx, [out.shape[d] == sizes[g.rank] for d, g, sizes in splits], "min",
                     out.device)
     if not all(any(f for f, (d, _, _) in zip(found, splits, strict=True) if d == dim)
                for dim in ctx.dims):
@@ -172,7 +171,7 @@ def runs_dense(ctx: DomainContext, kind: Kind | None, t: Any) -> bool:
     """Whether a converted layer or call given ``t`` runs as the dense one.
 
     Pooled features do (and what is made from nothing after the pooling); tiles do not. A
-    replicated tensor made before the pooling (`_flow`'s early mark) runs as dense where it
+    replicated tensor made before the pooling (the early mark, `marks`) runs as dense where it
     is computed from parameters (a learned grid), lacks the image's dims, or has size 1 along
     every spatial dim (an embedding ``(B, C, 1, 1)`` through a 1x1 conv); otherwise (a
     constant, a mask made from the input's shape) it is a tile where every rank's has a
@@ -188,49 +187,8 @@ def runs_dense(ctx: DomainContext, kind: Kind | None, t: Any) -> bool:
     wide = any(t.shape[s] != 1 for s in range(2, t.dim()))
     fits = all(any(t.shape[d] == sizes[g.rank] for sizes in ctx.layouts[i].values())
                for i, (d, g) in enumerate(zip(ctx.dims, ctx.groups, strict=True)))
-    any_wide, any_misfit = _agreed(ctx, [wide, not fits], "max", t.device)
+    any_wide, any_misfit = agreed_flags(ctx, [wide, not fits], "max", t.device)
     return not (any_wide and not any_misfit)
-
-
-def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on any rank of the domain (one small all-reduce)."""
-    return _agreed(ctx, [flag], "max", device)[0]
-
-
-def agreed_value(ctx: DomainContext, value: float | None, device: torch.device
-                 ) -> float | None:
-    """The ``value`` every rank that gives one gives (``None``: they differ, or none gives).
-
-    One small all-reduce; a rank with ``value`` ``None`` abstains (an empty tile).
-    """
-    agreed = agreed_values(ctx, None if value is None else [value], 1, device)
-    return None if agreed is None else agreed[0]
-
-
-def agreed_values(ctx: DomainContext, values: Sequence[float] | None, n: int,
-                  device: torch.device) -> list[float] | None:
-    """`agreed_value` of ``n`` values at once (``None`` unless every one agrees)."""
-    mine = [*values, *(-v for v in values)] if values is not None else [-math.inf] * (2 * n)
-    every = _all_reduced(ctx, mine, "max", device)
-    high, low = every[:n], every[n:]
-    if all(h == -lo and h > -math.inf for h, lo in zip(high, low, strict=True)):
-        return high
-    return None
-
-
-def _agreed(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,
-            device: torch.device) -> list[bool]:
-    return [v == 1.0 for v in _all_reduced(ctx, [float(f) for f in flags], op, device)]
-
-
-def _all_reduced(ctx: DomainContext, values: Sequence[float], op: ReduceOpName,
-                 device: torch.device) -> list[float]:
-    """``values`` reduced with ``op`` over every split dim's group (one small all-reduce each)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    for g in ctx.groups:
-        if not g.is_single:
-            t = all_reduce(t, op=op, backward="identity", group=g)
-    return [float(v) for v in t.tolist()]
 
 
 def interpolate_to_empty(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:

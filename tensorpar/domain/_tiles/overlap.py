@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.comm._group import Group
-from tensorpar.domain._rows import (
+from tensorpar.domain._tiles.rows import (
     RowPlan,
     halo_pool,
     row_index,

@@ -1,13 +1,13 @@
 """While a converted model runs: its functional calls followed, and converted on tiles.
 
 A torch function mode sees every call the model's forward makes outside the converted
-layers. It marks each output a tile or pooled features (`_flow`), converts ``F.pad``,
+layers. It marks each output a tile or pooled features (`marks`), converts ``F.pad``,
 ``F.interpolate``, functional convolutions and poolings (as their layers), a global
 pooling written as ``F.adaptive_avg_pool2d(x, 1)``, a ``sum`` or ``mean`` over every split
-point (`_reductions`), refuses what would silently see the tile alone (attention, any
+point (`reductions`), refuses what would silently see the tile alone (attention, any
 other reduction, a softmax or a sort along the points), lets pooled features into the
-tiles (`_meet`), and gives the parameters used on pooled features their shares
-(`_shares`).
+tiles (`meet`), and gives the parameters used on pooled features their shares
+(`shares`).
 """
 
 from __future__ import annotations
@@ -21,23 +21,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tensorpar._torch import tree_map
-from tensorpar.domain import _meet, _pad
-from tensorpar.domain._attention import per_point, refuse_functional
-from tensorpar.domain._flow import (
-    EARLY,
-    PARTIAL,
-    POOLED,
-    TILE,
-    Kind,
-    Scan,
+from tensorpar.domain._forward import meet
+from tensorpar.domain._forward.flow import (
     not_linear,
     output_kind,
     reads_only_metadata,
     refuse_spread,
-    tensors_in,
 )
-from tensorpar.domain._layout import DomainContext
-from tensorpar.domain._points import (
+from tensorpar.domain._forward.points import (
     after_reduction,
     cut_dim,
     einsum_points,
@@ -47,15 +38,16 @@ from tensorpar.domain._points import (
     reduced_dims,
     regroups,
 )
-from tensorpar.domain._reductions import (
-    loss_reduction,
-    over_domain,
-    reduce_tile,
-    refuse_mean_loss,
-)
-from tensorpar.domain._resample import interpolate, tile_sizes_to_domain
-from tensorpar.domain._shares import share_gradients
-from tensorpar.domain._window import conv_forward, per_dim, pool_forward
+from tensorpar.domain._forward.reductions import loss_reduction, reduce_tile, refuse_mean_loss
+from tensorpar.domain._forward.shares import share_gradients
+from tensorpar.domain._layers import pad
+from tensorpar.domain._layers.attention import per_point, refuse_functional
+from tensorpar.domain._layers.resample import interpolate, tile_sizes_to_domain
+from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
+from tensorpar.domain._tiles import agree
+from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import EARLY, PARTIAL, POOLED, TILE, Kind, Scan, tensors_in
+from tensorpar.domain._tiles.sums import over_domain
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
 
@@ -63,8 +55,8 @@ __all__ = ["enter_functional_mode", "exit_functional_mode"]
 class _FunctionalCalls(TorchFunctionMode):
     """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted.
 
-    Every call's output is marked a tile or pooled features (`_flow`); where pooled
-    features meet the tiles, their gradient is summed over the domain (`_meet`); the
+    Every call's output is marked a tile or pooled features (`marks`); where pooled
+    features meet the tiles, their gradient is summed over the domain (`meet`); the
     parameters (and what is computed from them alone) a call on pooled features uses give
     shares (`share_gradients`).
     """
@@ -91,16 +83,16 @@ class _FunctionalCalls(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         mixed = POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func)
         if mixed:
-            met = _meet.into_tiles(ctx, func, args, kwargs)
+            met = meet.into_tiles(ctx, func, args, kwargs)
             if met is not None:
                 args, kwargs = met
                 kind = TILE
         else:
-            entered = _meet.spread_input(ctx, func, args, kwargs, scan)
+            entered = meet.spread_input(ctx, func, args, kwargs, scan)
         out = self._call(func, args, kwargs, scan)
         if entered is not None:  # pooled features spread: to the tile's extent?
             kind = POOLED
-            if (spread := _meet.spreads_to_tiles(ctx, out)) == TILE:
+            if (spread := meet.spreads_to_tiles(ctx, out)) == TILE:
                 out, kind = self._call(func, *entered, scan), TILE
             elif spread == POOLED:  # (or a fixed grid: a tile only where it meets one)
                 ctx.marks.keep_as_tiles(out, self._call(func, *entered, scan))
@@ -113,7 +105,7 @@ class _FunctionalCalls(TorchFunctionMode):
             kind = POOLED
         elif kind is None and mixed:
             device = next(tensors_in((args, kwargs))).device
-            refuse_spread(name, out, scan, lambda flag: _meet.on_any_rank(ctx, flag, device))
+            refuse_spread(name, out, scan, lambda flag: agree.on_any_rank(ctx, flag, device))
             kind = PARTIAL
         elif kind is None:
             kind = output_kind(func, args, scan, ctx.marks, ctx.reduced)
@@ -128,7 +120,7 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def _on_partial(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
                     ) -> Any:
-        """A call on a loss of the tile's part, alone or with pooled parts (`_flow.PARTIAL`).
+        """A call on a loss of the tile's part, alone or with pooled parts (`marks.PARTIAL`).
 
         Each rank's loss is a partial one, summed over the ranks by the backward: a sum may
         add pooled terms (whole on every rank, as they are) and terms computed from
@@ -172,7 +164,7 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def _as_tiles_too(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                       scan: Scan, out: Any) -> None:
-        """A call on a spread that may be a tile (`_meet`): also on its tile version."""
+        """A call on a spread that may be a tile (`meet`): also on its tile version."""
         marks = self.ctx.marks
         if not isinstance(out, torch.Tensor) or not any(
                 marks.as_tiles(t) is not None for t in tensors_in((args, kwargs))):
@@ -183,7 +175,7 @@ class _FunctionalCalls(TorchFunctionMode):
                 and marks.as_tiles(v) is not None else v
         args, kwargs = tree_map(tiles, args), tree_map(tiles, kwargs)
         try:  # the other pooled operands go into its tiles, where they can
-            met = _meet.into_tiles(self.ctx, func, args, kwargs)
+            met = meet.into_tiles(self.ctx, func, args, kwargs)
         except RuntimeError:
             return  # (they cannot: it stays pooled features alone)
         if met is not None:
@@ -192,7 +184,7 @@ class _FunctionalCalls(TorchFunctionMode):
         poolings = self.ctx.poolings
         tiles_out = self._call(func, args, kwargs, Scan({TILE}, 0, scan.params, False))
         if self.ctx.poolings > poolings:
-            raise _meet.ambiguous_spread("a global pooling")
+            raise meet.ambiguous_spread("a global pooling")
         if isinstance(tiles_out, torch.Tensor):
             marks.mark(tiles_out, TILE)
             marks.keep_as_tiles(out, tiles_out, pending)
@@ -210,7 +202,7 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def _follow_points(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                        out: Any) -> None:
-        """Record which dims of the reshaped tile ``out`` hold points (`_points`).
+        """Record which dims of the reshaped tile ``out`` hold points (`points`).
 
         A sequence of tensors (``chunk``, ``split``): those with the input's dims hold
         the points where it does.
@@ -260,7 +252,7 @@ class _FunctionalCalls(TorchFunctionMode):
             mine = None if not x.numel() or all(x.shape[d] <= 1 for d in src) \
                 else -1.0 if held is None \
                 else float(sum(1 << d for d in held))
-            code = _meet.agreed_value(ctx, mine, out.device)
+            code = agree.agreed_value(ctx, mine, out.device)
             held = None if code is None or code < 0 else \
                 frozenset(d for d in range(out.dim()) if int(code) >> d & 1)
         if held is not None:
@@ -297,12 +289,12 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"for your own)")
         kind = scan.road
         on_tiles = ctx.active and not ctx.internal and func in _CONVERTED \
-            and not _meet.runs_dense(ctx, kind, args[0] if args else kwargs.get("input"))
+            and not meet.runs_dense(ctx, kind, args[0] if args else kwargs.get("input"))
         tiled = TILE in scan.kinds or kind == EARLY  # (not a constant made after the pooling)
         if func is F.pad and on_tiles:
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
-            return _pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
+            return pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
         if func in _ADAPTIVE_AVG and on_tiles:  # a global pooling written as a call
             size = args[1] if len(args) > 1 else kwargs["output_size"]
             k = _ADAPTIVE_AVG[func]
@@ -333,7 +325,7 @@ class _FunctionalCalls(TorchFunctionMode):
             call["size"] = tile_sizes_to_domain(ctx, x, call.get("size"), "interpolate "
                                                 "(domain-parallel)")
             return interpolate(ctx, x, **call)
-        if func is F.interpolate and (empty := _meet.interpolate_to_empty(args, kwargs)) \
+        if func is F.interpolate and (empty := meet.interpolate_to_empty(args, kwargs)) \
                 is not None:
             return empty
         # used on pooled features, a parameter's gradient is whole on every tile
@@ -364,7 +356,7 @@ class _FunctionalCalls(TorchFunctionMode):
         cut, sliced = indexed_dims(args[1], x.shape, held)
         if sliced is None:
             return cut
-        on_any = _meet.on_any_rank(self.ctx, cut is not None, x.device)  # (one all-reduce)
+        on_any = agree.on_any_rank(self.ctx, cut is not None, x.device)  # (one all-reduce)
         return cut if cut is not None else sliced if on_any else None
 
     def _sums_the_tile(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -379,7 +371,7 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def _reduce(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
                 ) -> torch.Tensor | None:
-        """A reduction of a tile along its points: the domain's sum or mean (`_reductions`).
+        """A reduction of a tile along its points: the domain's sum or mean (`reductions`).
 
         ``None`` where ``func`` is no reduction along the points (it runs as it is).
         """

@@ -1,0 +1,5 @@
+"""The converted layers' forwards on a tile, built on `_tiles`.
+
+Windows (convolutions and poolings), norms, resampling, pads, attention blocks and
+neural-operator spectral layers.
+"""
