@@ -2,7 +2,8 @@
 internals are read.
 
     python scripts/import_graph.py            # a report
-    python scripts/import_graph.py --check    # exit 1 on a circle, an arrow back up,
+    python scripts/import_graph.py --check    # exit 1 on a circle (of modules, or of sibling
+                                              # folders), an arrow back up,
                                               # importlib, torch internals outside _torch,
                                               # or the validation switch read too widely
 
@@ -121,6 +122,23 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def folder_circles(graph: dict[str, set[str]], folder: dict[str, str]) -> list[list[str]]:
+    """Circles among the sub-folders of one package (``nn/layers`` <-> ``nn/state``).
+
+    A circle of modules across folders is already a circle; this finds folders that import
+    each other through different modules, so that neither can be read without the other.
+    """
+    between: dict[str, set[str]] = collections.defaultdict(set)
+    for a, targets in graph.items():
+        for b in targets:
+            fa, fb = folder[a], folder[b]
+            if fa != fb and fa.count("/") >= 2 and fa.rpartition("/")[0] == fb.rpartition("/")[0]:
+                between[fa].add(fb)
+    for f in set(folder.values()):
+        between.setdefault(f, set())
+    return circles(dict(between))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
@@ -132,6 +150,8 @@ def main() -> int:
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
     found = circles(graph)
+    folder = {m: str(p.parent.relative_to(ROOT)) for m, p in files.items()}
+    found_folders = folder_circles(graph, folder)
     per_folder = collections.Counter(str(p.parent.relative_to(ROOT)) for p in files.values())
     texts = {m: p.read_text() for m, p in files.items()}
     validate = sorted(m for m, t in texts.items() if SWITCH_READ.search(t))
@@ -141,6 +161,9 @@ def main() -> int:
     print(f"{len(files)} modules; {sum(len(v) for v in graph.values())} import arrows")
     print(f"circles: {len(found)}")
     for c in found:
+        print("  " + " <-> ".join(c))
+    print(f"circles between sibling folders: {len(found_folders)}")
+    for c in found_folders:
         print("  " + " <-> ".join(c))
     back = collections.Counter(
         (package_of(a), package_of(b)) for a, targets in graph.items() for b in targets
@@ -163,7 +186,7 @@ def main() -> int:
     for m, names in sorted(private.items()):
         print(f"  {m}: {', '.join(names)}")
     print(f"modules using importlib: {len(importlib)} {importlib}")
-    broken = (found or back or importlib or set(private) - {"tensorpar._torch"}
+    broken = (found or found_folders or back or importlib or set(private) - {"tensorpar._torch"}
               or len(validate) > MAX_SWITCH_READERS)
     return 1 if args.check and broken else 0
 

@@ -40,7 +40,7 @@ from tensorpar.errors import (
 from tensorpar.hierarchical import topology as topology
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.launch import init_distributed
-from tensorpar.nn.plans.convert import full_state_dict, load_full_state_dict, parallelize
+from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.state.checkpoint import load_sharded_state_dict, sharded_state_dict
 from tensorpar.nn.state.optim_checkpoint import (
     load_sharded_optimizer_state_dict,

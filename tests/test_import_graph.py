@@ -29,3 +29,21 @@ def test_a_sub_package_importing_one_above_it_runs_back_up():
     assert not graph.runs_back_up("tensorpar.domain.parallelize", "tensorpar.domain._forward.calls")
     assert graph.runs_back_up("tensorpar.comm._group", "tensorpar.domain.halo")
     assert not graph.runs_back_up("tensorpar.nn.layers.linear", "tensorpar.nn.state.checkpoint")
+
+
+def test_sibling_folders_importing_each_other_are_a_circle():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    folder = {"tensorpar.nn.layers.linear": "tensorpar/nn/layers",
+              "tensorpar.nn.state.checkpoint": "tensorpar/nn/state",
+              "tensorpar.nn.state.replica_check": "tensorpar/nn/state",
+              "tensorpar.nn.layers._shard": "tensorpar/nn/layers"}
+    one_way = {"tensorpar.nn.layers.linear": {"tensorpar.nn.state.replica_check"},
+               "tensorpar.nn.state.checkpoint": set(), "tensorpar.nn.state.replica_check": set(),
+               "tensorpar.nn.layers._shard": set()}
+    assert graph.folder_circles(one_way, folder) == []
+    both = {**one_way, "tensorpar.nn.state.checkpoint": {"tensorpar.nn.layers._shard"}}
+    assert graph.folder_circles(both, folder) == [["tensorpar/nn/layers", "tensorpar/nn/state"]]

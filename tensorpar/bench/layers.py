@@ -41,7 +41,7 @@ from einops import rearrange
 from torch import nn
 
 from tensorpar._torch import reset_compiler
-from tensorpar.nn.plans.convert import parallelize
+from tensorpar.nn.convert import parallelize
 
 __all__ = ["profile_steps", "run_rank", "WORKLOADS"]
 

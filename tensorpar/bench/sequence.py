@@ -198,7 +198,7 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
     from tensorpar.bench._timing import time_side_by_side
     from tensorpar.comm._comm import CommCounter
     from tensorpar.nn import plan_from_transformers
-    from tensorpar.nn.plans.convert import parallelize
+    from tensorpar.nn.convert import parallelize
 
     sizes = dict(SIZES if sizes is None else sizes)
     world = dist.get_world_size()

@@ -18,6 +18,8 @@ from tensorpar.domain import (
     halo_exchange,
     parallelize_domain,
 )
+from tensorpar.nn import convert as convert
+from tensorpar.nn.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.experts import ExpertParallel, ParallelExperts
 from tensorpar.nn.hf import checks as hf_checks  # noqa: F401
 from tensorpar.nn.hf import experts as hf_experts  # noqa: F401
@@ -37,11 +39,9 @@ from tensorpar.nn.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.nn.layers.loss import vocab_parallel_cross_entropy
 from tensorpar.nn.layers.modules import Gather, Scatter
 from tensorpar.nn.layers.random import ParallelRNG
-from tensorpar.nn.plans import convert as convert
 from tensorpar.nn.plans import inplace_styles as inplace_styles
 from tensorpar.nn.plans import plan as plan
 from tensorpar.nn.plans import sequence_plan as sequence_plan
-from tensorpar.nn.plans.convert import full_state_dict, load_full_state_dict, parallelize
 from tensorpar.nn.plans.plan import (
     Builder,
     Colwise,

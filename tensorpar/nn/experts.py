@@ -17,8 +17,8 @@ from tensorpar.nn._expert_route import (
     grouped_linear,
     sum_grads_over_ranks,
 )
-from tensorpar.nn.layers._shard import shard_of
 from tensorpar.nn.layers.linear import ShardedLayer
+from tensorpar.nn.state._shards import shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.validation import check
 

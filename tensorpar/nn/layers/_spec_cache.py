@@ -17,7 +17,7 @@ from tensorpar.collectives._split import SplitSpec
 from tensorpar.collectives._symmetric import _GatherFromGroup, _SplitToGroup
 from tensorpar.collectives.regions import gather_from_group, split_spec, split_to_group
 from tensorpar.nn.layers._path import LayerPath, layer_path
-from tensorpar.nn.layers._shard import AnyShard
+from tensorpar.nn.state._shards import AnyShard
 
 __all__ = ["SpecCache"]
 

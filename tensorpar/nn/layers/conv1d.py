@@ -16,9 +16,9 @@ from torch import nn
 from tensorpar.collectives.regions import gather_from_group
 from tensorpar.comm._group import GroupLike
 from tensorpar.nn.layers._column_fn import column_linear
-from tensorpar.nn.layers._shard import AnyShard, Shard, shard_of
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.layers.linear import ShardedLayer, column_shard, row_output
+from tensorpar.nn.state._shards import AnyShard, Shard, shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D"]

@@ -12,8 +12,8 @@ from torch import nn
 from tensorpar.collectives.functional import gather, scatter
 from tensorpar.collectives.regions import gather_from_group, reduce_from_group
 from tensorpar.comm._group import GroupLike
-from tensorpar.nn.layers._shard import Shard, shard_of
 from tensorpar.nn.sequence import SequenceShards
+from tensorpar.nn.state._shards import Shard, shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.placeholder import TensorPlaceholder
 

@@ -15,7 +15,9 @@ from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm._group import Group, GroupLike
 from tensorpar.nn.layers._column_fn import SharedInput, column_linear
 from tensorpar.nn.layers._row_fn import row_linear
-from tensorpar.nn.layers._shard import (
+from tensorpar.nn.layers._spec_cache import SpecCache
+from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
+from tensorpar.nn.state._shards import (
     AnyShard,
     Shard,
     gather_shards,
@@ -23,8 +25,6 @@ from tensorpar.nn.layers._shard import (
     scatter_shards,
     shard_of,
 )
-from tensorpar.nn.layers._spec_cache import SpecCache
-from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.placeholder import TensorPlaceholder
 

@@ -1,5 +1,5 @@
 """Plans.
 
-The style classes (configuration as data), their matching and checks, and the converter that
-applies them.
+The style classes (configuration as data), their matching and checks. The converter that
+applies them is `tensorpar.nn.convert`.
 """

@@ -1,5 +1,5 @@
 """Parameter state.
 
-Tags, sharded and full checkpoints, optimizer state, gradient clipping, partial gradients,
-replica checks.
+Shard arithmetic (who holds which slice of a dim), tags, sharded and full checkpoints,
+optimizer state, gradient clipping, partial gradients, replica checks.
 """

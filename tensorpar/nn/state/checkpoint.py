@@ -21,8 +21,8 @@ from torch import nn
 from tensorpar._torch import DISABLED_TORCH_FUNCTION, local_offsets
 from tensorpar.collectives.functional import broadcast
 from tensorpar.comm._group import Group
-from tensorpar.nn.layers._shard import Piece, gather_shards, scatter_shards
 from tensorpar.nn.state._params import retag, sharded_layers
+from tensorpar.nn.state._shards import Piece, gather_shards, scatter_shards
 from tensorpar.placeholder import TensorPlaceholder
 
 __all__ = ["ShardAtOffset", "load_sharded_state_dict", "sharded_state_dict"]
