@@ -102,7 +102,7 @@ def test_paired_ratio_cancels_drift() -> None:
     """Turn by turn the case is 5% slower, while the machine slows down 4x partway through."""
     import torch
 
-    from tensorpar.bench._timing import paired_ratio
+    from tensorpar.bench.workloads._timing import paired_ratio
 
     speed = torch.tensor([1.0] * 4 + [4.0] * 5, dtype=torch.float64)
     baseline = speed * torch.tensor([1.0, 1.02, 0.98, 1.01, 1.0, 0.99, 1.03, 1.0, 0.97])

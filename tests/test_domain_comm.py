@@ -97,7 +97,7 @@ def test_saved_activations_per_rank(world):
 
 
 def _bench_rows():
-    from tensorpar.bench import domain as bench
+    from tensorpar.bench.workloads import domain as bench
 
     threads = torch.get_num_threads()
     try:

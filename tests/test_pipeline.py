@@ -441,7 +441,7 @@ def test_schedule_bubble_is_theory(schedule, virtual, ranks, microbatches):
 
 
 def _bench_rows():
-    from tensorpar.bench import pipeline as bench
+    from tensorpar.bench.workloads import pipeline as bench
 
     return bench.run_rank(4, 1, {"width": 16, "blocks_per_rank": 4, "rows": 2})
 

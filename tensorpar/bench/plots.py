@@ -57,7 +57,7 @@ def _collectives(plt: Any, rows: list[dict[str, Any]], title: str) -> Any:
     worlds = sorted({r["world_size"] for r in rows})
     fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.2), squeeze=False,
                              sharey=True)
-    # the paired ratios where the run has them (see `tensorpar.bench._timing.paired_ratio`)
+    # the paired ratios where the run has them (see `workloads._timing.paired_ratio`)
     paired = all("paired_ratio" in r for r in rows)
     ratio, spread = ("paired_ratio", "paired_noise") if paired else ("ratio", "noise")
     for ax, world in zip(axes[0], worlds, strict=True):

@@ -4,7 +4,7 @@ Runs the suites of ``python -m tensorpar.bench`` one after another with the sett
 run (each suite's defaults) or, with ``--quick``, small sizes and few rounds for a smoke run.
 A live display (``rich``) shows the suite and case under way and the time spent; the suites'
 own tables print above it as each suite ends. What each suite measures, and how (interleaved
-cases, the slowest rank's time, medians: `tensorpar.bench._timing`), is unchanged.
+cases, the slowest rank's time, medians: `tensorpar.bench.workloads._timing`), is unchanged.
 
 Outputs:
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from tensorpar.bench._timing import format_table
 from tensorpar.bench.summary import summary_tables
+from tensorpar.bench.workloads._timing import format_table
 
 __all__ = ["QUICK", "machine", "main", "planned_cases", "run_all", "unavailable"]
 
@@ -67,11 +67,11 @@ def planned_cases(suite: str, settings: dict[str, Any]) -> int:
     if suite in ("scatter-gather", "collectives"):
         return worlds * len(settings["mib"])
     if suite == "reducer":
-        from tensorpar.bench.reducer import MEMORY_VARIANTS
+        from tensorpar.bench.workloads.reducer import MEMORY_VARIANTS
 
         return worlds * len(settings["models"]) * (1 + len(MEMORY_VARIANTS))
     if suite == "layers":
-        from tensorpar.bench.layers import WORKLOADS
+        from tensorpar.bench.workloads.layers import WORKLOADS
 
         return worlds * (len(WORKLOADS) + 1)  # + the sequence-parallel row
     return 1  # hierarchical: one cluster job
@@ -89,7 +89,7 @@ def unavailable(suite: str) -> str | None:
     if suite != "hierarchical":
         return None
     try:
-        from tensorpar.bench import hierarchical  # noqa: F401
+        from tensorpar.bench.workloads import hierarchical  # noqa: F401
         from tensorpar.testing import _netns
 
         _netns.check_privileges(need_tc=True)

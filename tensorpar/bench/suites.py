@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tensorpar.bench._timing import format_table
+from tensorpar.bench.workloads._timing import format_table
 from tensorpar.testing import run_distributed
 
 __all__ = ["DEFAULTS", "SUITES"]
@@ -27,7 +27,7 @@ def _run(args: argparse.Namespace, label: str, fn: Callable[..., Any], world: in
 
 
 def _scatter_gather(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import scatter_gather
+    from tensorpar.bench.workloads import scatter_gather
 
     results = []
     for world in args.world_sizes:
@@ -56,7 +56,7 @@ def _x(ratio: float | None) -> str:
 
 
 def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import collectives
+    from tensorpar.bench.workloads import collectives
 
     results: list[dict[str, Any]] = []
     for world in args.world_sizes:
@@ -110,10 +110,10 @@ def _mib(kib: int) -> str:
 
 def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
     if getattr(args, "cluster", None):  # across simulated machines (needs root)
-        from tensorpar.bench import reducer_cluster
+        from tensorpar.bench.workloads import reducer_cluster
 
         return reducer_cluster.suite(args)
-    from tensorpar.bench import reducer
+    from tensorpar.bench.workloads import reducer
 
     timings: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
@@ -164,7 +164,7 @@ def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import layers
+    from tensorpar.bench.workloads import layers
 
     results = []
     top = getattr(args, "profile", None) or 0
@@ -250,11 +250,11 @@ def _print_host_work(results: list[dict[str, Any]]) -> None:
 
 def _sequence(args: argparse.Namespace, sizes: dict[str, int] | None = None
               ) -> list[dict[str, Any]]:
-    """The sequence-parallel rows of the layers suite (`tensorpar.bench.sequence`).
+    """The sequence-parallel rows of the layers suite (`tensorpar.bench.workloads.sequence`).
 
-    ``sizes``: the model and batch (`tensorpar.bench.sequence.SIZES` when ``None``).
+    ``sizes``: the model and batch (`tensorpar.bench.workloads.sequence.SIZES` when ``None``).
     """
-    from tensorpar.bench import sequence
+    from tensorpar.bench.workloads import sequence
 
     return [_run(args, f"tp {tp}, llama sequence parallel", sequence.run_rank, tp,
                  args.rounds, sizes)[0] for tp in args.world_sizes]
@@ -285,7 +285,7 @@ def _print_sequence(rows: list[dict[str, Any]]) -> None:
 def _regather(args: argparse.Namespace, sizes: dict[str, int] | None = None
               ) -> list[dict[str, Any]]:
     """The regather suite: ``sizes`` as in `_sequence`."""
-    from tensorpar.bench import regather
+    from tensorpar.bench.workloads import regather
 
     rows = [_run(args, f"tp {tp}, regather overlap", regather.run_rank, tp, args.rounds,
                  sizes)[0] for tp in args.world_sizes]
@@ -310,7 +310,7 @@ def _regather(args: argparse.Namespace, sizes: dict[str, int] | None = None
 
 
 def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import moe
+    from tensorpar.bench.workloads import moe
 
     results = []
     for world in args.world_sizes:
@@ -324,17 +324,17 @@ def _moe(args: argparse.Namespace) -> list[dict[str, Any]]:
         [[r["tokens"], r["routing"], r["world_size"], r["max_rows"], _ms(r["expert_parallel"]),
           _ms(r["replicated"]), _ms(r["floor"]), _x(r["expert_parallel/floor"]),
           _x(r["floor_again/floor"]), _x(r["expert_parallel/replicated"])] for r in results]))
-    print("(one Mixtral experts layer, forward+backward, float32, sizes in tensorpar.bench.moe."
-          "SHAPE; max rows: the most token-expert rows any rank computes; floor: this rank's "
-          "experts' compute + raw all-to-alls of the same bytes (local tokens: the dispatch "
-          "and the return, and their mirrors; replicated tokens: the per-token sums to every "
-          "peer, and the gradient rows); paired: median over rounds of the ratio within "
-          "a round)")
+    print("(one Mixtral experts layer, forward+backward, float32, sizes in "
+          "tensorpar.bench.workloads.moe.SHAPE; max rows: the most token-expert rows any rank "
+          "computes; floor: this rank's experts' compute + raw all-to-alls of the same bytes "
+          "(local tokens: the dispatch and the return, and their mirrors; replicated tokens: "
+          "the per-token sums to every peer, and the gradient rows); paired: median over "
+          "rounds of the ratio within a round)")
     return results
 
 
 def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import pipeline
+    from tensorpar.bench.workloads import pipeline
 
     results: list[dict[str, Any]] = []
     for world in args.world_sizes:
@@ -351,8 +351,8 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"{r['bubble'] - r['bubble_theory']:+.3f}", f"{r['idle']:.3f}",
           f"{r['torch_idle']:.3f}"] for r in results]))
     print("(one training step of an nn.Sequential of Linear+GELU blocks, float32, sizes in "
-          "tensorpar.bench.pipeline.SHAPE; torch: torch.distributed.pipelining's ScheduleGPipe "
-          "/ Schedule1F1B / ScheduleInterleaved1F1B (2 virtual stages) / "
+          "tensorpar.bench.workloads.pipeline.SHAPE; torch: torch.distributed.pipelining's "
+          "ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (2 virtual stages) / "
           "ScheduleInterleavedZeroBubble (2 virtual stages; beside tensorpar's zero-bubble "
           "with 1 and with 2) "
           "on the same blocks; "
@@ -367,8 +367,8 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _domain(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Domain parallelism (`tensorpar.bench.domain`): strips against the ideal."""
-    from tensorpar.bench import domain
+    """Domain parallelism (`tensorpar.bench.workloads.domain`): strips against the ideal."""
+    from tensorpar.bench.workloads import domain
 
     results = [_run(args, f"{world} ranks, {name}", domain.run_rank, world, name, args.size,
                     args.rounds)[0]
@@ -407,13 +407,13 @@ def _domain(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _hierarchical(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import hierarchical
+    from tensorpar.bench.workloads import hierarchical
 
     return hierarchical.suite(args)
 
 
 def _context(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from tensorpar.bench import context
+    from tensorpar.bench.workloads import context
 
     rows: list[dict[str, Any]] = []
     for world in args.world_sizes:
@@ -431,12 +431,12 @@ def _context(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"{r['saved'] / 2**20:.2f}",
           f"{r['saved'] * r['world_size'] / r['dense_saved']:.2f}"] for r in rows]))
     notes = sorted({r["torch_note"] for r in rows if r["torch_note"]})
-    print(f"(forward+backward, float32, causal, zigzag layout; sizes in tensorpar.bench.context "
-          f"LAYER and LLAMA; ideal: this rank's queries against the keys they see computed "
-          f"locally in one go (compute) plus the ring's key/value hops at the hop time measured "
-          f"in the same run; paired: median over rounds of the ratio within a round; saved: "
-          f"bytes autograd keeps per rank, parameters excluded. torch cp: "
-          f"{'; '.join(notes) or 'ran'})")
+    print(f"(forward+backward, float32, causal, zigzag layout; sizes in "
+          f"tensorpar.bench.workloads.context LAYER and LLAMA; ideal: this rank's queries "
+          f"against the keys they see computed locally in one go (compute) plus the ring's "
+          f"key/value hops at the hop time measured in the same run; paired: median over "
+          f"rounds of the ratio within a round; saved: bytes autograd keeps per rank, "
+          f"parameters excluded. torch cp: {'; '.join(notes) or 'ran'})")
     return rows
 
 

@@ -230,7 +230,7 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
     With ``profile`` > 0, ``profile`` holds this rank's `profile_steps` of tensorpar and the
     floor (the one figure that differs between ranks).
     """
-    from tensorpar.bench._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import time_side_by_side
 
     blocks, dim, hidden, batch, seq = WORKLOADS[workload]
     shape = (batch, seq, dim) if seq else (batch, dim)

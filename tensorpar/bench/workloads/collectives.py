@@ -129,7 +129,7 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     loop timings. Rows with ``table="uneven_all_to_all"`` carry ``tensorpar``, ``padded`` and
     ``p2p``.
     """
-    from tensorpar.bench._timing import (
+    from tensorpar.bench.workloads._timing import (
         back_to_back_samples,
         calls_within,
         paired_ratio,

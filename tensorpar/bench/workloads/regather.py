@@ -8,7 +8,7 @@ by side, in interleaved rounds, paired within each round:
 
 - ``step_sync``, ``step_overlap``, ``step_sync_again`` (in this order in every round, one
   model, its ``overlap`` switched between the cases): one forward+backward of the Llama
-  stack of `tensorpar.bench.sequence` (`SIZES`), parallelised with
+  stack of `tensorpar.bench.workloads.sequence` (`SIZES`), parallelised with
   ``plan_from_transformers(model, sequence_parallel="regather")``; the synchronous step is
   timed twice, before and after the overlapped one (the run's noise, and the cost of the
   position in the round);
@@ -107,7 +107,7 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
 
     Args:
         rounds: timed rounds (each runs every case once).
-        sizes: the model and batch (`tensorpar.bench.sequence.SIZES` when ``None``).
+        sizes: the model and batch (`tensorpar.bench.workloads.sequence.SIZES` when ``None``).
 
     Returns:
         Median seconds of each case, the paired ratios (medians over rounds of the ratio
@@ -117,8 +117,8 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
         ones (``step_sync_again/step_sync``, ``layer_sync_again/layer_sync``), with ``tp``,
         ``rounds`` and ``sizes``.
     """
-    from tensorpar.bench._timing import time_side_by_side
-    from tensorpar.bench.sequence import SIZES, _loss, _model
+    from tensorpar.bench.workloads._timing import time_side_by_side
+    from tensorpar.bench.workloads.sequence import SIZES, _loss, _model
     from tensorpar.nn import plan_from_transformers
     from tensorpar.nn.convert import parallelize
 

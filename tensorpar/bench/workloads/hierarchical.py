@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorpar.bench import reducer_cluster
-from tensorpar.bench._timing import format_table
+from tensorpar.bench.workloads import reducer_cluster
+from tensorpar.bench.workloads._timing import format_table
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.testing.cluster import SimulatedCluster, link_bytes

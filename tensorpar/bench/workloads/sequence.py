@@ -195,7 +195,7 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
         and ``floor_collectives``: the collectives of one step (``"kind nbytes"`` -> count)
         that tensorpar issued and that the floor issues, which should be the same.
     """
-    from tensorpar.bench._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import time_side_by_side
     from tensorpar.comm._comm import CommCounter
     from tensorpar.nn import plan_from_transformers
     from tensorpar.nn.convert import parallelize

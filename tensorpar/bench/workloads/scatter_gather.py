@@ -13,7 +13,7 @@ from tensorpar.placeholder import TensorPlaceholder
 
 def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
     """One rank's part: float32 tensor of ``nbytes`` scattered from 0 and gathered back."""
-    from tensorpar.bench._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import time_side_by_side
 
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tensorpar
-from tensorpar.bench._timing import time_side_by_side
+from tensorpar.bench.workloads._timing import time_side_by_side
 from tensorpar.nn import parallelize_domain
 
 __all__ = ["WORKLOADS", "run_rank"]

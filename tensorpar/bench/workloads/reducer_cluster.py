@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from tensorpar.bench._timing import format_table, time_side_by_side
+from tensorpar.bench.workloads._timing import format_table, time_side_by_side
 from tensorpar.ddp.reducer import BucketedAllReduce
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.hierarchical.topology import Topology

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tensorpar.bench._timing import time_side_by_side
+from tensorpar.bench.workloads._timing import time_side_by_side
 from tensorpar.comm._group import resolve_group
 from tensorpar.context._ring import RingSpec, _Transfer, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout

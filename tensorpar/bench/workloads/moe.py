@@ -87,7 +87,7 @@ def _traffic(local: bool, routes: list[tuple[torch.Tensor, torch.Tensor]], start
 def run_rank(tokens_layout: str, routing: str, rounds: int,
              shape: dict[str, int] | None = None) -> dict[str, Any]:
     """Time the three implementations; every rank returns the same figures."""
-    from tensorpar.bench._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import time_side_by_side
     from tensorpar.nn._expert_route import grouped_linear
 
     s = {**SHAPE, **(shape or {})}

@@ -156,7 +156,7 @@ def run_rank(name: str, rounds: int) -> dict[str, Any]:
     for the variants), ``tp_over_ddp``, ``exposed_<variant>`` (variant - no_comm) and
     ``exposed_<variant>_over_raw`` (exposed / raw_all_reduce).
     """
-    from tensorpar.bench._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import time_side_by_side
 
     models, steps, reducers = _make_steps(name)
     check_parity(models, steps)
