@@ -18,7 +18,15 @@ from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain._forward import calls
 from tensorpar.domain._forward.meet import ambiguous_spread, runs_dense
-from tensorpar.domain._layers import attention, monai, neuralop, norms, resample, window
+from tensorpar.domain._layers import (
+    attention,
+    monai,
+    neuralop,
+    norms,
+    resample,
+    shuffle,
+    window,
+)
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import POOLED, TILE
 
@@ -37,6 +45,7 @@ _CONVERT: list[tuple[tuple[type, ...], Forward]] = [
     ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
      resample.global_pool_forward),
     ((nn.Upsample,), resample.upsample_forward),
+    ((nn.PixelShuffle, nn.PixelUnshuffle), shuffle.shuffle_forward),
     ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
      norms.batch_norm_forward),
     ((nn.GroupNorm,), norms.group_norm_forward),
@@ -151,7 +160,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     Converted: ``Conv1d/2d/3d`` (any kernel, stride, dilation, groups, padding ints,
     ``"same"``, ``"valid"``; padding modes zeros, circular, reflect, replicate),
     ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool`` to
-    size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``BatchNorm``, ``GroupNorm``,
+    size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``PixelShuffle`` and
+    ``PixelUnshuffle`` (split along H or W), ``BatchNorm``, ``GroupNorm``,
     ``InstanceNorm``, ``LayerNorm``; diffusers' and MONAI's spatial self-attention
     (``Attention``, ``SpatialAttentionBlock``: ring attention over the domain's points);
     neuraloperator's 2-D ``SpectralConv`` split along H (a distributed real FFT,
@@ -159,8 +169,9 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     other leaf layer, and the neuraloperator options that cannot be converted
     (``domain_padding``, ``complex_data``, resampling), are refused, on every rank, before
     anything changes. ``F.interpolate``, ``F.pad`` (also through the padding layers),
-    ``F.conv1d/2d/3d``, ``F.max_pool``/``F.avg_pool`` and a ``mean`` over every split dim
-    called inside a forward are converted while the model runs;
+    ``F.pixel_shuffle``, ``F.pixel_unshuffle``, ``F.conv1d/2d/3d``,
+    ``F.max_pool``/``F.avg_pool`` and a ``mean`` over every split dim called inside a
+    forward are converted while the model runs;
     ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, and a softmax, sort or
     reduction other than the mean along a split dim raise on tensors derived from the
     tile; other functional calls are not converted (see the domain parallelism guide).

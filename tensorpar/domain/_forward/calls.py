@@ -43,6 +43,7 @@ from tensorpar.domain._forward.shares import share_gradients
 from tensorpar.domain._layers import pad
 from tensorpar.domain._layers.attention import per_point, refuse_functional
 from tensorpar.domain._layers.resample import interpolate, tile_sizes_to_domain
+from tensorpar.domain._layers.shuffle import pixel_shuffle
 from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
 from tensorpar.domain._tiles import agree
 from tensorpar.domain._tiles.layout import DomainContext
@@ -314,6 +315,13 @@ class _FunctionalCalls(TorchFunctionMode):
         if TILE in scan.kinds and ctx.active and not ctx.internal and ctx.domain_size > 1 \
                 and (reduced := self._reduce(func, args, kwargs)) is not None:
             return reduced
+        if func in _SHUFFLES and on_tiles and tiled:
+            up = func is F.pixel_shuffle
+            given = dict(zip(("input", "factor"), args, strict=False)) | kwargs
+            factor = given["factor" if "factor" in given else
+                           "upscale_factor" if up else "downscale_factor"]
+            with ctx.own_calls():
+                return pixel_shuffle(ctx, given["input"], int(factor), up=up)
         if func is F.interpolate and on_tiles:
             names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
             call = dict(zip(names, args[1:], strict=False))
@@ -450,8 +458,9 @@ _PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul_
                        torch.bmm, torch.Tensor.bmm})
 """Products of two tensors: two tiles' may pair every point with every other."""
 _ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+_SHUFFLES = frozenset({F.pixel_shuffle, F.pixel_unshuffle})
 _CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE_AVG, *_WITH_INDICES, *_CONVS,
-                        *_POOLS})
+                        *_POOLS, *_SHUFFLES})
 """The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
 
 
