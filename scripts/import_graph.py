@@ -56,7 +56,7 @@ def inner_level(module: str) -> int | None:
     order = INNER.get(parts[1]) if len(parts) > 1 else None
     if order is None:
         return None
-    return order.index(parts[2]) if len(parts) > 3 and parts[2] in order else len(order)
+    return order.index(parts[2]) if len(parts) > 2 and parts[2] in order else len(order)
 
 
 def runs_back_up(a: str, b: str) -> bool:

@@ -311,7 +311,7 @@ class AlongSplit(nn.Module):
         return self.call(self.conv(x))
 
 
-ALONG = {"softmax": lambda y: F.softmax(y, dim=-2), "amax": lambda y: y.amax((2, 3)),
+ALONG = {"softmax": lambda y: F.softmax(y, dim=-2), "max_with_indices": lambda y: y.max(2)[0],
          "var": lambda y: y.var((2, 3)), "cumsum": lambda y: y.cumsum(2),
          "mean_of_h_only": lambda y: y.mean(2)}
 

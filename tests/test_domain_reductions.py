@@ -1,8 +1,9 @@
 """Reductions of a tile inside a converted model's forward: a sum or mean over every split
-point is the domain's (also in steps, after a reshape, over the whole tile); any other
-reduction along a split point, and an ``einsum`` that pairs two tiles' points or sums over
-them, raises on every rank, also with an empty tile; reductions along other dims are
-followed, so a later one along the points is still seen."""
+point is the domain's (also in steps, after a reshape, over the whole tile; the largest
+and smallest values: `test_domain_extremes.py`); any other reduction along a split point,
+and an ``einsum`` that pairs two tiles' points or sums over them, raises on every rank,
+also with an empty tile; reductions along other dims are followed, so a later one along
+the points is still seen."""
 
 from collections.abc import Callable
 
@@ -76,7 +77,6 @@ def test_sums_and_means_over_every_point_equal_dense(case):
 
 
 REFUSED: dict[str, Head] = {
-    "amax in steps": lambda m, y: m.fc(y.amax(-1).amax(-1)),
     "mean then std": lambda m, y: m.fc(y.mean(-1).std(-1)),
     "vector norm over the image's dims":
         lambda m, y: m.fc(torch.linalg.vector_norm(y, dim=(2, 3))),
@@ -84,7 +84,6 @@ REFUSED: dict[str, Head] = {
     "matrix norm of each channel": lambda m, y: m.fc(torch.linalg.matrix_norm(y)),
     "linalg norm over the image's dims": lambda m, y: m.fc(torch.linalg.norm(y, dim=(2, 3))),
     "var of the whole tile, unbiased as a flag": lambda m, y: y / y.var(False),
-    "amax of the whole tile": lambda m, y: y / y.abs().amax(),
     "norm of the whole tile": lambda m, y: y.norm(),
     "max over tokens": lambda m, y: m.fc(y.flatten(2).max(-1).values),
     "topk along rows": lambda m, y: y.topk(2, dim=2).values,
@@ -92,7 +91,6 @@ REFUSED: dict[str, Head] = {
     "einsum pairing two tiles' points": lambda m, y: torch.einsum("bchw,bdgw->bcdhg", y, y),
     "einsum summing two tiles over points": lambda m, y: torch.einsum("bchw,bdhw->bcd", y, y),
     "einsum summing a tile over points": lambda m, y: m.fc(torch.einsum("bchw->bc", y)),
-    "amax given axis=": lambda m, y: m.fc(y.amax(axis=(2, 3))),
     "mse_loss, mean": lambda m, y: F.mse_loss(y, torch.zeros_like(y)),
     "a tile over its own sum": lambda m, y: y / y.sum(),
     "a tile times its own sum": lambda m, y: y * y.sum(),

@@ -124,6 +124,27 @@ def test_a_length_the_unshuffle_does_not_divide_raises_on_every_rank():
     assert all("pixel_unshuffle" in e and "11" in e for e in out), out
 
 
+SHAPES_TORCH_REFUSES = {
+    "unshuffle of an odd width": (lambda: nn.Sequential(
+        nn.PixelUnshuffle(2), nn.Conv2d(8, 1, 3, padding=1)), (1, 2, 4, 5), "dim -1"),
+    "shuffle of 3 channels": (lambda: nn.Sequential(
+        nn.PixelShuffle(2), nn.Conv2d(1, 1, 3, padding=1)), (1, 3, 4, 4), "channels"),
+}
+
+
+def _torch_refuses(case, sizes):
+    build, shape, _ = SHAPES_TORCH_REFUSES[case]
+    return _refused(build, shape, -2, sizes)
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES_TORCH_REFUSES))
+def test_a_shape_torch_refuses_raises_on_every_rank_an_empty_tile_too(case):
+    # (an empty tile's rank would not have run torch's check, and waited in the next
+    # layer's exchange for ranks that raised)
+    out = run_distributed(_torch_refuses, 2, case, [0, 4], timeout=60)
+    assert all(SHAPES_TORCH_REFUSES[case][2] in e for e in out), out
+
+
 class VolumeShuffle(nn.Module):
     def __init__(self) -> None:
         super().__init__()

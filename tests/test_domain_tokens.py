@@ -55,8 +55,8 @@ class HandAttention(nn.Module):
             return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
         if self.how == "linear":  # q (k^T v): a sum over the points
             return q @ torch.bmm(k.transpose(1, 2), v)
-        if self.how == "token_max":  # along the points
-            return y.flatten(2).amax(-1)
+        if self.how == "token_max":  # along the points, with the tile's indices
+            return y.flatten(2).max(-1).values
         return torch.softmax(y.flatten(2), dim=-1)  # along the points
 
 

@@ -47,3 +47,14 @@ def test_sibling_folders_importing_each_other_are_a_circle():
     assert graph.folder_circles(one_way, folder) == []
     both = {**one_way, "tensorpar.nn.state.checkpoint": {"tensorpar.nn.layers._shard"}}
     assert graph.folder_circles(both, folder) == [["tensorpar/nn/layers", "tensorpar/nn/state"]]
+
+
+def test_a_sub_package_s_own_init_takes_its_sub_package_s_place():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    assert not graph.runs_back_up("tensorpar.domain._layers.pad", "tensorpar.domain._tiles")
+    assert not graph.runs_back_up("tensorpar.domain._tiles.rows", "tensorpar.domain._tiles")
+    assert graph.runs_back_up("tensorpar.domain._tiles", "tensorpar.domain._forward.calls")

@@ -42,8 +42,8 @@ _CONVERT: list[tuple[tuple[type, ...], Forward]] = [
      resample.conv_transpose_forward),
     ((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
      window.pool_forward),
-    ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
-     resample.global_pool_forward),
+    ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+      nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d), resample.global_pool_forward),
     ((nn.Upsample,), resample.upsample_forward),
     ((nn.PixelShuffle, nn.PixelUnshuffle), shuffle.shuffle_forward),
     ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
@@ -130,7 +130,11 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
                f"image or acts on each point, name it in pointwise=)"
     if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and module.return_indices:
         return f"{label}: return_indices=True (the indices would be the tile's)"
-    if isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+    if isinstance(module, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)) \
+            and module.return_indices:
+        return f"{label}: return_indices=True (the indices would be the tile's)"
+    if isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+                           nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
         size = module.output_size
         sizes = size if isinstance(size, (tuple, list)) else (size,)
         if any(s != 1 for s in sizes):
@@ -159,10 +163,10 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
 
     Converted: ``Conv1d/2d/3d`` (any kernel, stride, dilation, groups, padding ints,
     ``"same"``, ``"valid"``; padding modes zeros, circular, reflect, replicate),
-    ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool`` to
-    size 1, ``Upsample`` (nearest; linear/bilinear/trilinear), ``PixelShuffle`` and
-    ``PixelUnshuffle`` (split along H or W), ``BatchNorm``, ``GroupNorm``,
-    ``InstanceNorm``, ``LayerNorm``; diffusers' and MONAI's spatial self-attention
+    ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool``
+    and ``AdaptiveMaxPool`` to size 1, ``Upsample`` (nearest; linear/bilinear/trilinear),
+    ``PixelShuffle`` and ``PixelUnshuffle`` (split along H or W), ``BatchNorm``,
+    ``GroupNorm``, ``InstanceNorm``, ``LayerNorm``; diffusers' and MONAI's spatial self-attention
     (``Attention``, ``SpatialAttentionBlock``: ring attention over the domain's points);
     neuraloperator's 2-D ``SpectralConv`` split along H (a distributed real FFT,
     `distributed_rfft2_apply`) and grid embeddings. Pointwise layers run as they are. Any

@@ -48,7 +48,7 @@ from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
 from tensorpar.domain._tiles import agree
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import EARLY, PARTIAL, POOLED, TILE, Kind, Scan, tensors_in
-from tensorpar.domain._tiles.sums import over_domain
+from tensorpar.domain._tiles.sums import extreme_over_domain, over_domain
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
 
@@ -296,15 +296,22 @@ class _FunctionalCalls(TorchFunctionMode):
             pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
             pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
             return pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
-        if func in _ADAPTIVE_AVG and on_tiles:  # a global pooling written as a call
+        if func in _ADAPTIVE and on_tiles:  # a global pooling written as a call
             size = args[1] if len(args) > 1 else kwargs["output_size"]
-            k = _ADAPTIVE_AVG[func]
+            k, largest = _ADAPTIVE[func]
             if any(s != 1 for s in (size if isinstance(size, (tuple, list)) else (size,) * k)):
                 raise ValueError(f"{func.__name__} (domain-parallel): only output size 1 (the "
-                                 f"mean over the whole domain) is converted, got {size!r}")
+                                 f"whole domain's) is converted, got {size!r}")
+            if (args[2] if len(args) > 2 else kwargs.get("return_indices")) or \
+                    func in _WITH_INDICES:
+                raise ValueError(f"{func.__name__} (domain-parallel): the indices would be "
+                                 f"the tile's; a pooling without indices is converted")
             x = args[0] if args else kwargs["input"]
+            dims = range(x.dim() - k, x.dim())
             with ctx.own_calls():
-                return over_domain(ctx, x, range(x.dim() - k, x.dim()), func.__name__)
+                if largest:
+                    return extreme_over_domain(ctx, x, dims, func.__name__, first=True)
+                return over_domain(ctx, x, dims, func.__name__)
         if on_tiles and func in _WITH_INDICES and tiled:
             raise ValueError(f"{func.__name__} (domain-parallel): the indices would be the "
                              f"tile's; max pooling without indices is converted")
@@ -452,14 +459,22 @@ _POOLS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
     F.avg_pool2d: ("AvgPool", 2, _AVG_ARGS), F.avg_pool3d: ("AvgPool", 3, _AVG_ARGS)}
 """Functional convolutions and poolings, converted on tiles as their layers."""
 _WITH_INDICES = frozenset({F.max_pool1d_with_indices, F.max_pool2d_with_indices,
-                           F.max_pool3d_with_indices})
+                           F.max_pool3d_with_indices, F.adaptive_max_pool1d_with_indices,
+                           F.adaptive_max_pool2d_with_indices,
+                           F.adaptive_max_pool3d_with_indices})
 _UNTRACKED = Scan(set(), 0, [], False)  # (never changed)
 _PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                        torch.bmm, torch.Tensor.bmm})
 """Products of two tensors: two tiles' may pair every point with every other."""
-_ADAPTIVE_AVG = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+_ADAPTIVE = {F.adaptive_avg_pool1d: (1, False), F.adaptive_avg_pool2d: (2, False),
+             F.adaptive_avg_pool3d: (3, False), F.adaptive_max_pool1d: (1, True),
+             F.adaptive_max_pool2d: (2, True), F.adaptive_max_pool3d: (3, True),
+             F.adaptive_max_pool1d_with_indices: (1, True),
+             F.adaptive_max_pool2d_with_indices: (2, True),
+             F.adaptive_max_pool3d_with_indices: (3, True)}
+"""Global poolings written as calls: their spatial dims, and whether they take the max."""
 _SHUFFLES = frozenset({F.pixel_shuffle, F.pixel_unshuffle})
-_CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE_AVG, *_WITH_INDICES, *_CONVS,
+_CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE, *_WITH_INDICES, *_CONVS,
                         *_POOLS, *_SHUFFLES})
 """The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
 

@@ -7,7 +7,10 @@ tiles' sums added over the ranks (the gradient passes straight back to each tile
 global pooling's), a mean divided by the domain's count. ``x.mean()`` over the whole tile
 is the domain's mean too; ``x.sum()`` is left as the tile's part of a loss (summed over the
 ranks by ``backward``), and so are ``all``/``any``/``count_nonzero`` of the whole tile
-(checks, with no gradient). Any other reduction along the points raises.
+(checks, with no gradient). An ``amax``/``amin`` over every dim holding points, and
+``max()``/``min()`` of the whole tile, is the domain's largest or smallest value (its
+gradient shared by every point equal to it, as torch's). Any other reduction along the
+points raises (``max``/``min`` along a dim too: their indices would be the tile's).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from tensorpar.domain._forward.points import Points
 from tensorpar.domain._tiles.layout import DomainContext
-from tensorpar.domain._tiles.sums import over_domain
+from tensorpar.domain._tiles.sums import extreme_over_domain, over_domain
 
 __all__ = ["loss_reduction", "reduce_tile", "refuse_mean_loss"]
 
@@ -43,17 +46,22 @@ def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[
     whole = dims == frozenset(range(x.dim()))
     if whole and name in _TILE_PART:
         return None
+    keepdim = bool(kwargs.get("keepdim", kwargs.get("keepdims",
+                                                    args[2] if len(args) > 2 else False)))
     if name in _CONVERTED and points <= dims:
-        keepdim = bool(kwargs.get("keepdim", kwargs.get("keepdims",
-                                                        args[2] if len(args) > 2 else False)))
         return over_domain(ctx, x, sorted(dims), name, mean=name == "mean", image=image,
                            keepdim=keepdim, dtype=kwargs.get("dtype"))
+    of_whole = name in ("max", "min") and whole and len(args) < 2 and not kwargs  # x.max()
+    if points <= dims and (name in ("amax", "amin") or of_whole):
+        return extreme_over_domain(ctx, x, sorted(dims), name, largest=name.endswith("max"),
+                                   keepdim=keepdim)
     along = "the whole tile" if whole else f"dim(s) {sorted(points & dims)} of a tile"
     raise ValueError(
         f"{name} (domain-parallel) along {along}, which hold the split dims' points, would "
-        f"see the tile's points alone; only a sum or a mean over every dim holding them is "
-        f"converted (x.mean((2, 3)), x.sum((2, 3)), x.flatten(2).mean(-1), x.mean()). "
-        f"Compute it before the split, or over the gathered tensor")
+        f"see the tile's points alone; only a sum, a mean, an amax or an amin over every dim "
+        f"holding them is converted (x.mean((2, 3)), x.sum((2, 3)), x.flatten(2).amax(-1), "
+        f"x.mean(), x.max()), not indices. Compute it before the split, or over the "
+        f"gathered tensor")
 
 
 _LOSSES = frozenset({

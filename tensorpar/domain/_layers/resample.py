@@ -20,7 +20,7 @@ from tensorpar.comm._comm import exchange_ints
 from tensorpar.domain._layers.window import EmptyOut, spatial_index
 from tensorpar.domain._tiles.layout import DomainContext, anchor_sizes
 from tensorpar.domain._tiles.rows import gather_rows, offsets
-from tensorpar.domain._tiles.sums import over_domain
+from tensorpar.domain._tiles.sums import extreme_over_domain, over_domain
 
 __all__ = ["MODES", "conv_transpose_forward", "global_pool_forward", "interpolate",
            "tile_sizes_to_domain", "upsample_forward"]
@@ -232,12 +232,18 @@ def conv_transpose_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> 
 
 
 def global_pool_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
-    """``AdaptiveAvgPoolNd`` to size 1: the mean over the whole domain, on every rank.
+    """``AdaptiveAvgPoolNd`` / ``AdaptiveMaxPoolNd`` to size 1, over the whole domain.
 
-    The result is replicated (every rank holds it whole) and what follows runs dense. Its
-    gradient passes straight back to each tile (a replicated loss counts once).
+    The mean, or the largest value (its gradient to the first point holding it, in the
+    domain's row-major order, as dense), on every rank. The result is replicated (every
+    rank holds it whole) and what follows runs dense. Its gradient passes straight back to
+    the tiles (a replicated loss counts once).
     """
     if ctx.dense:
         return type(module).forward(module, x)  # type: ignore[no-any-return]
-    k = int(type(module).__name__[-2])
-    return over_domain(ctx, x, range(x.dim() - k, x.dim()), type(module).__name__)
+    name = type(module).__name__
+    k = int(name[-2])
+    dims = range(x.dim() - k, x.dim())
+    if name.startswith("AdaptiveMax"):
+        return extreme_over_domain(ctx, x, dims, name, first=True)
+    return over_domain(ctx, x, dims, name)

@@ -48,7 +48,15 @@ def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool) -> t
     if x.dim() < 3:
         raise ValueError(f"{where}: expects at least 3 dims, got a tile of shape "
                          f"{tuple(x.shape)}")
-    spatial_index(ctx, x, 2, where)  # (a split dim outside H, W would be the channels')
+    js = spatial_index(ctx, x, 2, where)  # (a split dim outside H, W would be the channels')
+    # what torch checks, checked on every rank alike (an empty tile would not raise)
+    if up and x.shape[-3] % (r * r):
+        raise ValueError(f"{where}: {x.shape[-3]} channels are not divisible by the upscale "
+                         f"factor squared, {r * r}")
+    for j in range(2):
+        if not up and j not in js and x.shape[x.dim() - 2 + j] % r:
+            raise ValueError(f"{where}: dim {j - 2} has {x.shape[x.dim() - 2 + j]} rows, not "
+                             f"divisible by the downscale factor {r}")
     crops = []
     for i, d in enumerate(ctx.dims):
         sizes_in = ctx.sizes_of(i, x.shape[d], where, x.device)
