@@ -105,3 +105,21 @@ def test_monai_networks_resizing_to_the_inputs_shape_equal_dense(name):
     # F.interpolate(..., size=x.shape[2:]) in their forward asks for the tile's size
     pytest.importorskip("monai")
     assert max(run_distributed(_resized_to_input, 2, name, timeout=T)) < 1e-10
+
+
+def _pixelshuffle_unet(dims):
+    warnings.filterwarnings("ignore")
+    import monai.networks.nets as N
+
+    def build():
+        return N.BasicUNet(spatial_dims=dims, in_channels=1, out_channels=2,
+                           features=(4, 4, 4, 4, 4, 4), upsample="pixelshuffle")
+    shape = (1, 1, 32, 16) if dims == 2 else (1, 1, 32, 16, 16)
+    return check(build, shape, (-dims,), ([14, 18],), steps=1, relative=True)
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_basic_unet_with_pixel_shuffle_up_sampling_equals_dense(dims):
+    # uneven tiles: each level's shuffle fetches the rows of the split recorded for its length
+    pytest.importorskip("monai")
+    assert max(run_distributed(_pixelshuffle_unet, 2, dims, timeout=T)) < 1e-10

@@ -182,3 +182,22 @@ def test_blocks_inside_the_tiles_move_no_rows_and_straddling_ones_move_theirs():
     # entry's split [5, 7] back, so rank 0 sends its third unshuffled row (8 x 3: 96 bytes);
     # each gradient goes back the other way
     assert run_distributed(_moved_bytes, 2, [5, 7], timeout=T) == [48 + 96, 96 + 48]
+
+
+def _subpixel(dims, sizes):
+    from monai.networks.blocks import SubpixelUpsample
+
+    def build():
+        return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1) if dims == 3 else
+                             nn.Conv2d(1, 2, 3, padding=1),
+                             SubpixelUpsample(dims, 2, 2, scale_factor=2))
+    shape = (2, 1, sum(sizes), 5) if dims == 2 else (1, 1, sum(sizes), 4, 3)
+    return check(build, shape, (-dims,), (sizes,), steps=2, relative=True)
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_monai_s_subpixel_upsampling_equals_dense(dims):
+    # (MONAI shuffles with reshapes of its own, which a tile could not follow)
+    pytest.importorskip("monai")
+    assert max(run_distributed(_subpixel, 3, dims, [3, 0, 4], timeout=T)) < 1e-10
+    assert max(run_distributed(_subpixel, 2, dims, [1, 6], timeout=T)) < 1e-10

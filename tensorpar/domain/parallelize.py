@@ -166,19 +166,20 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     ``ConvTranspose1d/2d/3d``, ``MaxPool``/``AvgPool`` (with padding), ``AdaptiveAvgPool``
     and ``AdaptiveMaxPool`` to size 1, ``Upsample`` (nearest; linear/bilinear/trilinear),
     ``PixelShuffle`` and ``PixelUnshuffle`` (split along H or W), ``BatchNorm``,
-    ``GroupNorm``, ``InstanceNorm``, ``LayerNorm``; diffusers' and MONAI's spatial self-attention
-    (``Attention``, ``SpatialAttentionBlock``: ring attention over the domain's points);
-    neuraloperator's 2-D ``SpectralConv`` split along H (a distributed real FFT,
-    `distributed_rfft2_apply`) and grid embeddings. Pointwise layers run as they are. Any
-    other leaf layer, and the neuraloperator options that cannot be converted
-    (``domain_padding``, ``complex_data``, resampling), are refused, on every rank, before
-    anything changes. ``F.interpolate``, ``F.pad`` (also through the padding layers),
-    ``F.pixel_shuffle``, ``F.pixel_unshuffle``, ``F.conv1d/2d/3d``,
-    ``F.max_pool``/``F.avg_pool`` and a ``mean`` over every split dim called inside a
-    forward are converted while the model runs;
+    ``GroupNorm``, ``InstanceNorm``, ``LayerNorm``; diffusers' and MONAI's spatial
+    self-attention (``Attention``, ``SpatialAttentionBlock``: ring attention over the
+    domain's points); MONAI's ``SubpixelUpsample``; neuraloperator's 2-D ``SpectralConv``
+    split along H (a distributed real FFT, `distributed_rfft2_apply`) and grid embeddings.
+    Pointwise layers run as they are. Any other leaf layer, and the neuraloperator options
+    that cannot be converted (``domain_padding``, ``complex_data``, resampling), are
+    refused, on every rank, before anything changes. ``F.interpolate``, ``F.pad`` (also
+    through the padding layers), ``F.pixel_shuffle``, ``F.pixel_unshuffle``,
+    ``F.conv1d/2d/3d``, ``F.max_pool``/``F.avg_pool``, ``F.adaptive_avg_pool`` and
+    ``F.adaptive_max_pool`` to size 1, and a ``sum``, ``mean``, ``amax`` or ``amin`` over
+    every split dim called inside a forward are converted while the model runs;
     ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, and a softmax, sort or
-    reduction other than the mean along a split dim raise on tensors derived from the
-    tile; other functional calls are not converted (see the domain parallelism guide).
+    other reduction along a split dim raise on tensors derived from the tile; other
+    functional calls are not converted (see the domain parallelism guide).
     Pooled features may go back into the tiles (squeeze-and-excitation).
 
     The first tensor argument of the model's forward is the image input; other arguments
@@ -245,6 +246,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
             attention.convert(m, ctx)
         elif _qualname(m) == monai.SPATIAL_ATTENTION:
             monai.convert(m, ctx)
+        elif _qualname(m) == monai.SUBPIXEL:
+            monai.convert_subpixel(m, ctx)
         # a converted layer's parameters include its children's (tltorch's spectral weight)
         if any(True for _ in m.parameters(recurse=conv is not None)):
             _hook_parameters(m, ctx, recurse=conv is not None)

@@ -1,4 +1,4 @@
-"""MONAI's spatial self-attention block over a split domain.
+"""MONAI's spatial self-attention block and sub-pixel up-sampling over a split domain.
 
 ``SpatialAttentionBlock`` (the attention of MONAI's ``DiffusionModelUNet`` and
 ``AutoencoderKL``) normalises the image with a ``GroupNorm``, flattens its points into a
@@ -13,6 +13,11 @@ Refused at the conversion: causal attention, relative positional embeddings, a s
 attention matrix (``save_attn``), attention dropout and an ``attention_dtype``. An
 ``SABlock`` outside such a block (a vision transformer's tokens) is refused too: which
 points its sequence holds is not known.
+
+``SubpixelUpsample`` (``BasicUNet(upsample="pixelshuffle")``, ``UpSample(mode=
+"pixelshuffle")``) shuffles with MONAI's own ``pixelshuffle`` (reshapes a tile could not
+follow): the converted block runs it through `shuffle.pixel_shuffle`, between its
+convolution and its pad-and-pool (both converted as layers).
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ import torch
 from torch import nn
 
 from tensorpar.domain._layers.attention import attend
+from tensorpar.domain._layers.shuffle import pixel_shuffle
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import TILE
 
-__all__ = ["SA_BLOCK", "SPATIAL_ATTENTION", "convert", "handled_inside", "refusal"]
+__all__ = ["SA_BLOCK", "SPATIAL_ATTENTION", "SUBPIXEL", "convert", "convert_subpixel",
+           "handled_inside", "refusal"]
 
 SPATIAL_ATTENTION = "monai.networks.blocks.spatialattention.SpatialAttentionBlock"
 SA_BLOCK = "monai.networks.blocks.selfattention.SABlock"
+SUBPIXEL = "monai.networks.blocks.upsample.SubpixelUpsample"
 
 
 def _qualname(module: nn.Module) -> str:
@@ -99,4 +107,21 @@ def convert(module: nn.Module, ctx: DomainContext) -> None:
         ctx.marks.hold_points(out, frozenset({2}))
         out = attn.drop_output(attn.out_proj(attn.out_rearrange(out)))
         return out.transpose(1, 2).reshape(shape) + residual  # type: ignore[no-any-return]
+    module.forward = types.MethodType(forward, module)
+
+
+def convert_subpixel(module: nn.Module, ctx: DomainContext) -> None:
+    """Give MONAI's ``SubpixelUpsample`` its domain-parallel forward."""
+    from monai.networks.utils import pixelshuffle  # (MONAI is there: this is its block)
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        if ctx.pooled(ctx.marks.kind_of(x)):  # pooled (replicated) features: as dense
+            return type(self).forward(self, x)  # type: ignore[no-any-return]
+        x = self.conv_block(x)
+        k, r = self.dimensions, self.scale_factor
+        with ctx.own_calls():
+            x = pixel_shuffle(ctx, x, r, up=True, k=k,
+                              local=lambda t: pixelshuffle(t, k, r))
+        ctx.marks.mark(x, TILE)
+        return self.pad_pool(x)  # type: ignore[no-any-return]
     module.forward = types.MethodType(forward, module)

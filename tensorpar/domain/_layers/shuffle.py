@@ -1,7 +1,8 @@
 """Pixel shuffle and unshuffle over a split domain (depth-to-space, space-to-depth).
 
 ``pixel_shuffle(x, r)`` turns each pixel's ``r * r`` channel groups into an ``r x r`` block
-of output pixels; ``pixel_unshuffle`` does the reverse. Both act on the last two dims only.
+of output pixels; ``pixel_unshuffle`` does the reverse. Both act on the last two dims only
+(MONAI's ``SubpixelUpsample`` shuffles the last 1, 2 or 3 dims the same way).
 Output row ``o`` of a shuffle comes from input row ``o // r``; output row ``o`` of an
 unshuffle from input rows ``[o * r, o * r + r)``. Each rank fetches the input rows its output
 rows come from (a block that straddles two tiles needs rows from both), runs the dense
@@ -15,6 +16,7 @@ input row it comes from (a shuffle multiplies every tile by ``r``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +38,12 @@ def shuffle_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.T
     return pixel_shuffle(ctx, x, module.downscale_factor, up=False)
 
 
-def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool) -> torch.Tensor:
+def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool, k: int = 2,
+                  local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``F.pixel_shuffle(x, r)`` (``up``) or ``F.pixel_unshuffle(x, r)`` of the tiles.
+
+    ``k``, ``local``: a shuffle over the last ``k`` dims, the same channel order, done on
+    the fetched rows by ``local`` (MONAI's N-dimensional ``pixelshuffle``).
 
     Raises:
         ValueError: a split dim that is not one of the last two, or (unshuffle) a domain
@@ -45,17 +51,17 @@ def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool) -> t
     """
     name = "pixel_shuffle" if up else "pixel_unshuffle"
     where = f"{name} (domain-parallel)"
-    if x.dim() < 3:
-        raise ValueError(f"{where}: expects at least 3 dims, got a tile of shape "
+    if x.dim() < k + 1:
+        raise ValueError(f"{where}: expects at least {k + 1} dims, got a tile of shape "
                          f"{tuple(x.shape)}")
-    js = spatial_index(ctx, x, 2, where)  # (a split dim outside H, W would be the channels')
+    js = spatial_index(ctx, x, k, where)  # (a split dim outside them would be the channels')
     # what torch checks, checked on every rank alike (an empty tile would not raise)
-    if up and x.shape[-3] % (r * r):
-        raise ValueError(f"{where}: {x.shape[-3]} channels are not divisible by the upscale "
-                         f"factor squared, {r * r}")
-    for j in range(2):
-        if not up and j not in js and x.shape[x.dim() - 2 + j] % r:
-            raise ValueError(f"{where}: dim {j - 2} has {x.shape[x.dim() - 2 + j]} rows, not "
+    if up and x.shape[-k - 1] % r**k:
+        raise ValueError(f"{where}: {x.shape[-k - 1]} channels are not divisible by the "
+                         f"upscale factor to the power {k}, {r**k}")
+    for j in range(k):
+        if not up and j not in js and x.shape[x.dim() - k + j] % r:
+            raise ValueError(f"{where}: dim {j - k} has {x.shape[x.dim() - k + j]} rows, not "
                              f"divisible by the downscale factor {r}")
     crops = []
     for i, d in enumerate(ctx.dims):
@@ -83,11 +89,13 @@ def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool) -> t
         start = oo[g.rank] - wants[g.rank][0] * r if up and sizes_out[g.rank] else 0
         crops.append((d, start, sizes_out[g.rank]))
     if x.numel():
-        y = F.pixel_shuffle(x, r) if up else F.pixel_unshuffle(x, r)
+        y = local(x) if local is not None else \
+            F.pixel_shuffle(x, r) if up else F.pixel_unshuffle(x, r)
     else:  # (torch returns an empty input's shape unchanged: the right one, still joined)
-        c, h, w = x.shape[-3:]
-        shape = (c // (r * r), h * r, w * r) if up else (c * r * r, h // r, w // r)
-        y = x.reshape(*x.shape[:-3], *shape)
+        c, points = x.shape[-k - 1], x.shape[-k:]
+        shape = (c // r**k, *(n * r for n in points)) if up else \
+            (c * r**k, *(n // r for n in points))
+        y = x.reshape(*x.shape[:-k - 1], *shape)
     for d, start, length in crops:
         if start or y.shape[d] != length:
             y = y.narrow(y.dim() + d, start, length)
