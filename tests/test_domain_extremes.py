@@ -179,3 +179,71 @@ def _refused(case, sizes):
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_indices_and_other_sizes_are_refused_on_every_rank(case):
     assert all(run_distributed(_refused, 3, case, [4, 0, 8], timeout=T))
+
+
+class Untrained(nn.Module):
+    """A reduction of the input itself (integers, flags, NaN: no gradient needed)."""
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(1, 1, 1), head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x))
+
+
+VALUES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "integers": lambda y: (y * 4).long().amax((2, 3)),
+    "integer min": lambda y: (y * 4).long().amin((2, 3)),
+    "flags": lambda y: (y > 2.5).amax((2, 3)),
+    "no flag set": lambda y: (y > 50).max(),
+    "a NaN": lambda y: torch.where(y == y.amax(), float("nan"), y).amax((2, 3)),
+    "a NaN pooled": lambda y: F.adaptive_max_pool2d(
+        torch.where(y == y.amin(), float("nan"), y), 1),  # (the NaN is not the largest)
+}
+
+
+def _values(case, sizes):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    dense = Untrained(VALUES[case]).double()
+    par = parallelize_domain(Untrained(VALUES[case]).double(), dims=-2)
+    par.load_state_dict(dense.state_dict())
+    x = torch.randn(1, 1, sum(sizes), 3, dtype=torch.float64)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        want = dense(x)
+        got = par(x.narrow(-2, sum(sizes[:rank]), sizes[rank]))
+    return got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()) and \
+        torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("case", sorted(VALUES))
+def test_integers_flags_and_nans_equal_dense_an_empty_tile_too(case):
+    # (an empty tile's fill was -inf: an integer tile raised alone, a flag read True; a
+    # NaN on a rank other than the first was dropped by the all-reduce)
+    for sizes in ([0, 5], [2, 3], [5, 0], [2, 0, 3]):
+        assert all(run_distributed(_values, len(sizes), case, sizes, timeout=T)), sizes
+
+
+def _double_backward(case):
+    import torch.distributed as dist
+
+    model = parallelize_domain(Reduced(CASES[case]).double(), dims=-2)
+    sizes = [0, 5]
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    tile = x.narrow(-2, sum(sizes[:dist.get_rank()]), sizes[dist.get_rank()])
+    tile.requires_grad_(True)
+    out = model(tile)
+    try:
+        (g,) = torch.autograd.grad(out.sum(), tile, create_graph=True)
+        torch.autograd.grad((g**2).sum(), tile, allow_unused=True)
+    except RuntimeError as e:
+        return "differentiable once" in str(e)
+    return False
+
+
+@pytest.mark.parametrize("case", ["a tile over its largest magnitude", "max pooling layer"])
+def test_a_second_derivative_raises_on_every_rank(case):
+    assert all(run_distributed(_double_backward, 2, case, timeout=T))

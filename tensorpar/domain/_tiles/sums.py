@@ -107,21 +107,30 @@ def _over_domain(ctx: DomainContext, t: torch.Tensor, op: ReduceOpName) -> torch
 class _Extreme(torch.autograd.Function):
     """The domain's largest or smallest value over some dims (see `extreme_over_domain`).
 
-    Forward: each tile's, then the ranks' (one small all-reduce); then either the count of
-    points equal to it (summed over the ranks) or the domain index of the first one (the
-    ranks' smallest). The backward needs no communication.
+    Forward: each tile's, then the ranks' (one small all-reduce; a NaN anywhere is the
+    result); then either the count of points equal to it (summed over the ranks) or the
+    domain index of the first one (the ranks' smallest). The backward needs no
+    communication. Differentiable once (a second derivative raises).
     """
 
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool,
                 largest: bool, order: tuple[tuple[int, ...], tuple[int, ...]] | None,
                 ctx: DomainContext) -> torch.Tensor:
-        fill = -math.inf if largest else math.inf
+        kept = [1 if d in dims else n for d, n in enumerate(x.shape)]
         if x.numel():
-            mine = x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
-        else:  # (an empty tile: nothing of its own)
-            mine = x.new_full([1 if d in dims else n for d, n in enumerate(x.shape)], fill)
-        best = _over_domain(ctx, mine.double(), "max" if largest else "min")
+            mine = (x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True))
+            mine = mine.double()
+        else:  # (an empty tile: nothing of its own, whatever the dtype)
+            mine = torch.full(kept, -math.inf if largest else math.inf, dtype=torch.float64,
+                              device=x.device)
+        best = _over_domain(ctx, mine, "max" if largest else "min")
+        if x.is_floating_point():  # (a NaN anywhere is the result, as dense: the
+            # all-reduce's max keeps it only where the first rank holds it)
+            nan = x.isnan().any(dims, keepdim=True) if x.numel() else \
+                torch.zeros(kept, dtype=torch.bool, device=x.device)
+            nan = _over_domain(ctx, nan.double(), "max") > 0
+            best = torch.where(nan, math.nan, best)
         fctx.dims, fctx.keepdim, fctx.shape, fctx.first = dims, keepdim, x.shape, order
         if order is not None:
             fctx.save_for_backward(*_first_point(x, len(dims), order, best, ctx))
@@ -134,6 +143,9 @@ class _Extreme(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError("the domain's largest or smallest value (domain-parallel) is "
+                               "differentiable once")
         shape = fctx.shape
         if not fctx.keepdim:
             for d in fctx.dims:
