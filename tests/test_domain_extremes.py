@@ -14,6 +14,7 @@ from torch import nn
 
 from tensorpar.nn import parallelize_domain
 from tensorpar.testing import run_distributed
+from tests import test_domain_reductions as reductions
 from tests._domain_check import check
 
 pytestmark = pytest.mark.timeout(600)
@@ -21,17 +22,12 @@ T = 300
 Head = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
-class Reduced(nn.Module):
-    """A convolution, then ``head(self, features)``."""
+class Reduced(reductions.Reduced):
+    """A convolution, then ``head(self, features)``; with a global max pooling to call."""
 
     def __init__(self, head: Head) -> None:
-        super().__init__()
-        self.conv, self.fc = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+        super().__init__(head)
         self.pool = nn.AdaptiveMaxPool2d(1)
-        self.head = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self, self.conv(x))
 
 
 def _dead(y: torch.Tensor) -> torch.Tensor:
