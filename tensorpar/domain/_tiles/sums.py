@@ -59,7 +59,6 @@ def over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: 
     return total / count
 
 
-
 def extreme_over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: str,
                         *, largest: bool = True, keepdim: bool = True, first: bool = False
                         ) -> torch.Tensor:
@@ -124,13 +123,14 @@ class _Extreme(torch.autograd.Function):
         else:  # (an empty tile: nothing of its own, whatever the dtype)
             mine = torch.full(kept, -math.inf if largest else math.inf, dtype=torch.float64,
                               device=x.device)
-        best = _over_domain(ctx, mine, "max" if largest else "min")
-        if x.is_floating_point():  # (a NaN anywhere is the result, as dense: the
-            # all-reduce's max keeps it only where the first rank holds it)
-            nan = x.isnan().any(dims, keepdim=True) if x.numel() else \
-                torch.zeros(kept, dtype=torch.bool, device=x.device)
-            nan = _over_domain(ctx, nan.double(), "max") > 0
-            best = torch.where(nan, math.nan, best)
+        # a NaN anywhere is the result, as dense (the all-reduce's max keeps one only where
+        # the first rank holds it): a flag beside the value, in the same all-reduce
+        nan = x.isnan().any(dims, keepdim=True) if x.numel() and x.is_floating_point() \
+            else torch.zeros(kept, dtype=torch.bool, device=x.device)
+        sign = 1.0 if largest else -1.0  # (a min keeps -1 where any rank has a NaN)
+        both = _over_domain(ctx, torch.stack([mine, nan.double() * sign]),
+                            "max" if largest else "min")
+        best = torch.where(both[1] != 0, math.nan, both[0])
         fctx.dims, fctx.keepdim, fctx.shape, fctx.first = dims, keepdim, x.shape, order
         if order is not None:
             fctx.save_for_backward(*_first_point(x, len(dims), order, best, ctx))
