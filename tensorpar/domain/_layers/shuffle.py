@@ -46,8 +46,9 @@ def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool, k: i
     the fetched rows by ``local`` (MONAI's N-dimensional ``pixelshuffle``).
 
     Raises:
-        ValueError: a split dim that is not one of the last two, or (unshuffle) a domain
-            length ``r`` does not divide; on every rank alike.
+        ValueError: a split dim that is not one of the last ``k``, a shape torch refuses
+            (channels, or an unsplit dim, the factor does not divide), or (unshuffle) a
+            domain length ``r`` does not divide; on every rank alike.
     """
     name = "pixel_shuffle" if up else "pixel_unshuffle"
     where = f"{name} (domain-parallel)"
@@ -91,7 +92,7 @@ def pixel_shuffle(ctx: DomainContext, x: torch.Tensor, r: int, *, up: bool, k: i
     if x.numel():
         y = local(x) if local is not None else \
             F.pixel_shuffle(x, r) if up else F.pixel_unshuffle(x, r)
-    else:  # (torch returns an empty input's shape unchanged: the right one, still joined)
+    else:  # (torch would return an empty input's shape unchanged: the output's, joined)
         c, points = x.shape[-k - 1], x.shape[-k:]
         shape = (c // r**k, *(n * r for n in points)) if up else \
             (c * r**k, *(n // r for n in points))
