@@ -12,7 +12,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tensorpar._torch import is_fsdp_module, queue_engine_callback
-from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
@@ -27,6 +26,7 @@ from tensorpar.domain._layers import (
     shuffle,
     window,
 )
+from tensorpar.domain._tiles.agree import over_groups
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import POOLED, TILE
 
@@ -458,9 +458,7 @@ def _finish(ctx: DomainContext) -> None:
             reached = torch.tensor([float(i in kept) for i, _ in some]).to(dtype)
             flat = torch.cat([kept[i].reshape(-1).to(dtype) if i in kept else
                               p.new_zeros(p.numel()) for i, p in some] + [reached])
-            for g in ctx.groups:
-                if not g.is_single:
-                    flat = all_reduce(flat, backward="identity", group=g)
+            flat = over_groups(ctx, flat)
             *parts, counts = flat.split([p.numel() for _, p in some] + [len(some)])
             for (_, p), part, count in zip(some, parts, counts.tolist(), strict=True):
                 if count == 0:

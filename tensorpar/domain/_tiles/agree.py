@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from tensorpar.collectives.functional import ReduceOpName, all_reduce
+from tensorpar.collectives.functional import BackwardMode, ReduceOpName, all_reduce
 from tensorpar.domain._tiles.layout import DomainContext
 
-__all__ = ["agreed_flags", "agreed_value", "agreed_values", "all_reduced", "on_any_rank"]
+__all__ = ["agreed_flags", "agreed_value", "agreed_values", "all_reduced", "on_any_rank",
+           "over_groups"]
 
 
 def on_any_rank(ctx: DomainContext, flag: bool, device: torch.device) -> bool:
@@ -55,8 +56,18 @@ def agreed_flags(ctx: DomainContext, flags: Sequence[bool], op: ReduceOpName,
 def all_reduced(ctx: DomainContext, values: Sequence[float], op: ReduceOpName,
                  device: torch.device) -> list[float]:
     """``values`` reduced with ``op`` over every split dim's group (one small all-reduce each)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = over_groups(ctx, torch.tensor(values, dtype=torch.float64, device=device), op)
+    return [float(v) for v in t.tolist()]
+
+
+def over_groups(ctx: DomainContext, t: torch.Tensor, op: ReduceOpName = "sum",
+                backward: BackwardMode = "identity") -> torch.Tensor:
+    """``t`` reduced with ``op`` over every split dim's group: the whole domain's.
+
+    ``backward``: the all-reduce's (``"identity"``: a replicated result used once;
+    ``"sum"``: each rank's use counts).
+    """
     for g in ctx.groups:
         if not g.is_single:
-            t = all_reduce(t, op=op, backward="identity", group=g)
-    return [float(v) for v in t.tolist()]
+            t = all_reduce(t, op=op, backward=backward, group=g)
+    return t

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from tensorpar.collectives.functional import ReduceOpName, all_reduce
-from tensorpar.domain._tiles.agree import all_reduced
+from tensorpar.domain._tiles.agree import all_reduced, over_groups
 from tensorpar.domain._tiles.layout import DomainContext
 
 __all__ = ["extreme_over_domain", "global_count", "over_domain", "sum_over_domain"]
@@ -17,10 +16,7 @@ __all__ = ["extreme_over_domain", "global_count", "over_domain", "sum_over_domai
 
 def sum_over_domain(ctx: DomainContext, t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over every rank of the domain (backward: the gradients summed too)."""
-    for g in ctx.groups:
-        if not g.is_single:
-            t = all_reduce(t, backward="sum", group=g)
-    return t
+    return over_groups(ctx, t, "sum", backward="sum")
 
 
 def global_count(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], where: str) -> int:
@@ -44,10 +40,7 @@ def over_domain(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name: 
     otherwise the count is the ranks' counts added up (one small all-reduce).
     """
     dims = sorted({d % x.dim() for d in dims})
-    total = x.sum(dims, keepdim=keepdim, dtype=dtype)
-    for g in ctx.groups:
-        if not g.is_single:
-            total = all_reduce(total, backward="identity", group=g)
+    total = over_groups(ctx, x.sum(dims, keepdim=keepdim, dtype=dtype))
     ctx.poolings += 1
     if not mean:
         return total
@@ -96,13 +89,6 @@ def _domain_order(ctx: DomainContext, x: torch.Tensor, dims: Sequence[int], name
     return tuple(starts), tuple(lengths)
 
 
-def _over_domain(ctx: DomainContext, t: torch.Tensor, op: ReduceOpName) -> torch.Tensor:
-    for g in ctx.groups:
-        if not g.is_single:
-            t = all_reduce(t, op=op, backward="identity", group=g)
-    return t
-
-
 class _Extreme(torch.autograd.Function):
     """The domain's largest or smallest value over some dims (see `extreme_over_domain`).
 
@@ -128,7 +114,7 @@ class _Extreme(torch.autograd.Function):
         nan = x.isnan().any(dims, keepdim=True) if x.numel() and x.is_floating_point() \
             else torch.zeros(kept, dtype=torch.bool, device=x.device)
         sign = 1.0 if largest else -1.0  # (a min keeps -1 where any rank has a NaN)
-        both = _over_domain(ctx, torch.stack([mine, nan.double() * sign]),
+        both = over_groups(ctx, torch.stack([mine, nan.double() * sign]),
                             "max" if largest else "min")
         best = torch.where(both[1] != 0, math.nan, both[0])
         fctx.dims, fctx.keepdim, fctx.shape, fctx.first = dims, keepdim, x.shape, order
@@ -136,7 +122,7 @@ class _Extreme(torch.autograd.Function):
             fctx.save_for_backward(*_first_point(x, len(dims), order, best, ctx))
         else:
             hit = x.double() == best
-            count = _over_domain(ctx, hit.sum(dims, keepdim=True, dtype=torch.float64), "sum")
+            count = over_groups(ctx, hit.sum(dims, keepdim=True, dtype=torch.float64), "sum")
             fctx.save_for_backward(hit, count)
         out = best.to(x.dtype)
         return out if keepdim else out.squeeze(dims)
@@ -176,8 +162,8 @@ def _first_point(x: torch.Tensor, k: int, order: tuple[tuple[int, ...], tuple[in
     never = float(math.prod(lengths))  # (past every point of the domain)
     if x.numel():
         flat = x.flatten(-k).double()
-        index = (flat == best.reshape(*lead, 1)).int().argmax(-1)  # (its first, or 0)
-        found = (flat == best.reshape(*lead, 1)).any(-1)
+        hit = flat == best.reshape(*lead, 1)
+        index, found = hit.int().argmax(-1), hit.any(-1)  # (its first, or 0)
         where = torch.zeros(lead, dtype=torch.float64, device=x.device)
         rest = index.clone()
         for j in reversed(range(k)):  # (the local coordinates, each moved to the domain's)
@@ -189,5 +175,5 @@ def _first_point(x: torch.Tensor, k: int, order: tuple[tuple[int, ...], tuple[in
     else:
         index = torch.zeros(lead, dtype=torch.int64, device=x.device)
         domain_index = torch.full(lead, never, dtype=torch.float64, device=x.device)
-    first = _over_domain(ctx, domain_index, "min")
+    first = over_groups(ctx, domain_index, "min")
     return index, (domain_index == first) & (domain_index < never)
