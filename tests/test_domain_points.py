@@ -4,7 +4,13 @@ each reshape a model writes, read from the call and the shapes alone."""
 import pytest
 import torch
 
-from tensorpar.domain._forward.points import einsum_points, follow, pairs_points, reduced_dims
+from tensorpar.domain._forward.points import (
+    einsum_points,
+    follow,
+    follow_block,
+    pairs_points,
+    reduced_dims,
+)
 
 T = torch.Tensor
 x4 = torch.zeros(2, 3, 5, 7)  # (B, C, H, W), H split: points in dim 2
@@ -30,10 +36,61 @@ def test_reshapes_are_followed(call, want):
     assert follow(func, args, {}, frozenset({2}), x4.shape, out) == frozenset(want)
 
 
-def test_a_dim_holding_points_split_in_two_is_unknown():
+def test_a_dim_holding_points_split_in_two_is_unknown_without_its_block():
     tokens = torch.zeros(2, 35, 3)  # (B, H * W, C): which of (5, 7) holds the points?
     out = tokens.view(2, 5, 7, 3)
     assert follow(T.view, (tokens, 2, 5, 7, 3), {}, frozenset({1}), tokens.shape, out) is None
+
+
+def _both(func, args, src, block):
+    out = func(*args)
+    x = args[0]
+    held = follow(func, args, {}, frozenset(src), x.shape, out, block)
+    return held, follow_block(func, args, {}, frozenset(src), block, x.shape, out)
+
+
+x8 = torch.zeros(2, 3, 8, 5)  # an image whose tile has 8 split rows in dim 2
+
+
+@pytest.mark.parametrize("call, src, block, want, want_block", [
+    # tokens of an NCHW tile split along H, (B, h * w, C), back to a channels-last image
+    (lambda: (T.view, (torch.zeros(2, 35, 3), 2, 5, 7, 3)), {1}, (1, 7), {1}, (1, 1)),
+    # split along W: the rows are the inner part of each image row
+    (lambda: (T.view, (torch.zeros(2, 35, 3), 2, 5, 7, 3)), {1}, (5, 1), {2}, (1, 1)),
+    (lambda: (T.unflatten, (torch.zeros(2, 3, 35), 2, (5, 7))), {2}, (1, 7), {2}, (1, 1)),
+    # the flatten that made them
+    (lambda: (T.flatten, (x8, 2)), {2}, (1, 1), {2}, (1, 5)),
+    (lambda: (T.flatten, (x8, 1)), {2}, (1, 1), {1}, (3, 5)),
+    (lambda: (T.flatten, (x8, 3)), {2}, (1, 1), {2}, (1, 1)),   # W alone: nothing moves
+    # windows of 2 and 4 rows: the first of the two dims counts them
+    (lambda: (T.view, (x8, 2, 3, 4, 2, 5)), {2}, (1, 1), {2}, (1, 1)),
+    (lambda: (T.view, (x8, 2, 3, 2, 4, 5)), {2}, (1, 1), {2}, (1, 1)),
+    (lambda: (T.view, (x8, 2, 3, 4, 10)), {2}, (1, 1), {2}, (1, 1)),  # a window's rows flat
+    # Swin's partition of tokens: windows of 2 x 5 (the tile's whole width)
+    (lambda: (T.view, (torch.zeros(2, 40, 3), 2, 4, 2, 5, 3)), {1}, (1, 5), {1}, (1, 1)),
+    # the outer part of the dim split off (its block says 2 x 4 rows)
+    (lambda: (T.view, (x8, 2, 3, 2, 4, 5)), {2}, (2, 1), {3}, (1, 1)),
+])
+def test_a_split_of_the_points_dim_is_read_from_its_block(call, src, block, want, want_block):
+    func, args = call()
+    held, out_block = _both(func, args, src, block)
+    assert held == frozenset(want)
+    assert out_block == want_block
+
+
+@pytest.mark.parametrize("call, src, block", [
+    # the split rows cut across two dims: 5 rows of 7 tokens as 7 x 5
+    (lambda: (T.view, (torch.zeros(2, 35, 3), 2, 7, 5, 3)), {1}, (1, 7)),
+    # windows counted together with the channels (not read)
+    (lambda: (T.view, (x8, 2, 6, 4, 5)), {2}, (1, 1)),
+    # windows that do not divide the rows (torch would refuse it on a real tile)
+    (lambda: (T.view, (torch.zeros(2, 3, 12, 5), 2, 3, 4, 3, 5)), {2}, (1, 2)),
+])
+def test_a_split_of_the_points_dim_it_cannot_read_is_unknown(call, src, block):
+    func, args = call()
+    held, out_block = _both(func, args, src, block)
+    assert held is None
+    assert out_block is None
 
 
 def test_channel_splits_keep_the_points():

@@ -140,3 +140,88 @@ def _mesh_refused():
 
 def test_a_sum_over_some_split_dims_of_a_mesh_is_refused():
     assert all(run_distributed(_mesh_refused, 4, timeout=T))
+
+
+def _channels_last(y: torch.Tensor) -> torch.Tensor:
+    """An NCHW tile as tokens ``(B, h * w, C)``, then as a channels-last image."""
+    b, c, h, w = y.shape
+    return y.flatten(2).transpose(1, 2).view(b, h, w, c)
+
+
+def _window_attention(y: torch.Tensor) -> torch.Tensor:
+    """Self-attention within windows of 2 rows by the whole width (Swin's, unshifted)."""
+    b, c, h, w = y.shape
+    win = y.flatten(2).transpose(1, 2).view(b, h // 2, 2 * w, c)  # (B, windows, tokens, C)
+    out = (win @ win.transpose(-2, -1) / c).softmax(-1) @ win
+    return out.view(b, h * w, c).transpose(1, 2).view(b, c, h, w)
+
+
+SPLIT_BACK: dict[str, tuple[Head, bool]] = {
+    "channels last, mean over its points": (lambda m, y: m.fc(_channels_last(y).mean((1, 2))),
+                                             True),
+    "channels last, mean over the rows, then the columns":
+        (lambda m, y: m.fc(_channels_last(y).mean(1).mean(1)), True),
+    "channels last, a linear layer, then back": (
+        lambda m, y: m.fc(_channels_last(y)).permute(0, 3, 1, 2), False),
+}
+"""Tokens split back into an image's rows and columns: the points followed into the rows
+(split along H) or the columns (split along W). Each: (head, pooled)."""
+
+WINDOWS: dict[str, tuple[Head, bool]] = {
+    "windows of 2 rows, softmax within each": (lambda m, y: (lambda w: (w.softmax(3) * w).view(
+        y.shape))(y.view(y.shape[0], y.shape[1], -1, 2, y.shape[3])), False),
+    "windows of 2 rows, mean over every window": (lambda m, y: m.fc(
+        y.view(y.shape[0], y.shape[1], -1, 2, y.shape[3]).mean((2, 3, 4))), True),
+    "attention within windows of 2 rows": (lambda m, y: _window_attention(y), False),
+}
+"""An image cut into windows of rows (every tile's rows a multiple of 2): the windows
+counted in the points' dim, each window whole on one rank."""
+
+
+def _split_back(table, case, sizes, dim):
+    head, pooled = {"split back": SPLIT_BACK, "windows": WINDOWS}[table][case]
+    shape = (2, 2, sum(sizes), 5) if dim == -2 else (2, 2, 5, sum(sizes))
+    return check(lambda: Reduced(head), shape, (dim,), (sizes,), steps=2, replicated=pooled)
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_BACK))
+@pytest.mark.parametrize("dim", [-2, -1])
+def test_tokens_split_back_into_rows_and_columns_equal_dense(case, dim):
+    assert max(run_distributed(_split_back, 2, "split back", case, [5, 7], dim, timeout=T)) < 1e-10
+    assert max(run_distributed(_split_back, 3, "split back", case, [4, 0, 8], dim,
+                               timeout=T)) < 1e-10
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWS))
+def test_windows_of_rows_equal_dense(case):
+    assert max(run_distributed(_split_back, 2, "windows", case, [4, 8], -2, timeout=T)) < 1e-10
+    assert max(run_distributed(_split_back, 2, "windows", case, [6, 6], -2, timeout=T)) < 1e-10
+    assert max(run_distributed(_split_back, 3, "windows", case, [2, 0, 10], -2,
+                               timeout=T)) < 1e-10
+
+
+SPLIT_BACK_REFUSED: dict[str, Head] = {
+    "channels last, softmax along the split dim": lambda m, y: _channels_last(y).softmax(
+        1 if m.split_dim == -2 else 2),
+    "channels last, a cumsum along the split dim": lambda m, y: _channels_last(y).cumsum(
+        1 if m.split_dim == -2 else 2),
+}
+
+
+def _split_back_refused(case, sizes, dim):
+    from tensorpar.nn import parallelize_domain
+    dense = Reduced(SPLIT_BACK_REFUSED[case]).double()
+    dense.split_dim = dim
+    model = parallelize_domain(dense, dims=dim)
+    n = sizes[torch.distributed.get_rank()]
+    x = torch.randn(2, 2, *((n, 5) if dim == -2 else (5, n)), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"points"):
+        model(x)
+    return True
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_BACK_REFUSED))
+@pytest.mark.parametrize("dim", [-2, -1])
+def test_tokens_split_back_then_reduced_along_the_split_dim_are_refused(case, dim):
+    assert all(run_distributed(_split_back_refused, 2, case, [5, 7], dim, timeout=T))
+    assert all(run_distributed(_split_back_refused, 3, case, [4, 0, 8], dim, timeout=T))

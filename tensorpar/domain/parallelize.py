@@ -357,7 +357,7 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
             own.marks.keep_as_tiles(out, tiles_out, pending)
         held = own.marks.points(x)  # (a permuted tile: channels-last for a LayerNorm)
         if held is not None and isinstance(out, torch.Tensor) and out.dim() == x.dim():
-            own.marks.hold_points(out, held)
+            own.marks.hold_points(out, held, own.marks.block(x))
         return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)

@@ -29,12 +29,15 @@ from tensorpar.domain._forward.flow import (
     refuse_spread,
 )
 from tensorpar.domain._forward.points import (
+    Block,
     after_reduction,
     cut_dim,
     einsum_points,
     follow,
+    follow_block,
     indexed_dims,
     pairs_points,
+    reads_two_ways,
     reduced_dims,
     regroups,
 )
@@ -236,33 +239,51 @@ class _FunctionalCalls(TorchFunctionMode):
                     self._hold(t, held)
             return
         if not isinstance(out, torch.Tensor):
-            n = x.dim()
+            n, block = x.dim(), self._block(x, src)
             if getattr(func, "__name__", "") in ("unbind", "__iter__"):  # ``q, k, v = t``
                 gone = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.dim()
                 if gone in src:
                     return
                 src, n = frozenset(d - (d > gone) for d in src), n - 1
             for t in tensors_in(out):
-                if t.dim() == n and (n != ctx.ndim or src != self._image_points()):
-                    ctx.marks.hold_points(t, src)
+                if t.dim() == n:
+                    self._hold(t, src, block)
             return
-        held = follow(func, args, kwargs, src, x.shape, out)
+        block = self._block(x, src)
+        held = follow(func, args, kwargs, src, x.shape, out, block)
+        out_block = None if held is None else \
+            follow_block(func, args, kwargs, src, block, x.shape, out)
         if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
-            # (an empty tile's sizes tell nothing, nor do a one-row tile's: it takes the
-            # others')
-            mine = None if not x.numel() or all(x.shape[d] <= 1 for d in src) \
-                else -1.0 if held is None \
-                else float(sum(1 << d for d in held))
-            code = agree.agreed_value(ctx, mine, out.device)
-            held = None if code is None or code < 0 else \
-                frozenset(d for d in range(out.dim()) if int(code) >> d & 1)
+            # (an empty tile's sizes tell nothing, nor do a one-row tile's or those of a
+            # tile cut into one window: it takes the others')
+            rows = [x.shape[d] // (block[0] * block[1]) for d in src] if block is not None \
+                else [x.shape[d] for d in src]
+            # the other dims' sizes too: a split read from the tile's own size (halves of
+            # the tile) gives them per rank, and is not followed
+            others = hash(tuple(0 if held and d in held else n for d, n in enumerate(out.shape)))
+            mine = None if not x.numel() or all(r <= 1 for r in rows) or \
+                reads_two_ways(func, src, block, x.shape, out) \
+                else [-1.0, 0.0, 0.0, 0.0] if held is None \
+                else [float(sum(1 << d for d in held)), *map(float, out_block or (0, 0)),
+                      float(others % (1 << 52))]
+            code = agree.agreed_values(ctx, mine, 4, out.device)
+            held = None if code is None or code[0] < 0 else \
+                frozenset(d for d in range(out.dim()) if int(code[0]) >> d & 1)
+            out_block = None if code is None or not code[1] else (int(code[1]), int(code[2]))
         if held is not None:
-            self._hold(out, held)
+            self._hold(out, held, out_block)
 
-    def _hold(self, t: torch.Tensor, held: frozenset[int]) -> None:
-        """Record the dims of ``t`` holding points, where they are not the image's."""
-        if t.dim() != self.ctx.ndim or held != self._image_points():
-            self.ctx.marks.hold_points(t, held)
+    def _block(self, t: torch.Tensor, held: frozenset[int]) -> Block | None:
+        """The `Block` of the tile ``t``'s dim holding points (``None``: not known)."""
+        if self.ctx.marks.points(t) is not None:
+            return self.ctx.marks.block(t)
+        return (1, 1) if len(held) == 1 and held == self._image_points() else None
+
+    def _hold(self, t: torch.Tensor, held: frozenset[int], block: Block | None = None) -> None:
+        """Record the dims of ``t`` holding points (and their block), unless the image's."""
+        if t.dim() != self.ctx.ndim or held != self._image_points() or \
+                block not in (None, (1, 1)):
+            self.ctx.marks.hold_points(t, held, block)
 
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:

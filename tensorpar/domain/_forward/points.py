@@ -16,22 +16,32 @@ Reductions along other dims (``x.mean(-1)`` over an unsplit W) are followed too,
 one done in steps (``x.mean(-1).mean(-1)``) is still seen along the points, and so is
 ``einsum`` (`einsum_points`: its subscripts name the dims).
 
-What it cannot read (a reshape that splits a dim holding points into several, a call
-that changes the number of dims otherwise) leaves the dims unknown: nothing is refused
-on that tensor, and the docs say so.
+A reshape that splits a dim holding points into several (tokens back to an image, an
+image cut into windows) is read from the dim's `Block`: where the split rows lie in it.
+What it cannot read (a split that cuts the split rows themselves, a dim whose block is not
+known, a call that changes the number of dims otherwise) leaves the dims unknown: nothing
+is refused on that tensor, and the docs say so.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["Points", "after_reduction", "cut_dim", "einsum_points", "follow", "indexed_dims",
-           "pairs_points", "reduced_dims", "regroups"]
+__all__ = ["Block", "Points", "after_reduction", "cut_dim", "einsum_points", "follow",
+           "follow_block", "indexed_dims", "pairs_points", "reads_two_ways", "reduced_dims",
+           "regroups"]
 
 Points = frozenset[int]
+Block = tuple[int, int]
+"""Where the split rows lie in the one dim of a tile that holds them: ``(outer, inner)``,
+that dim being ``outer x rows x inner`` in row-major order, with ``outer`` and ``inner``
+the same on every rank (unsplit dims merged with it). An image's split dim is ``(1, 1)``;
+the tokens ``x.flatten(2)`` of an NCHW tile split along H are ``(1, W)``, along W
+``(H, 1)``."""
 
 _DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
     **{name: (1, None) for name in (
@@ -54,10 +64,12 @@ _WHOLE = frozenset({
 
 
 def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
-           in_shape: Sequence[int], out: torch.Tensor) -> Points | None:
+           in_shape: Sequence[int], out: torch.Tensor, block: Block | None = None
+           ) -> Points | None:
     """The dims of ``out`` holding points, for ``func`` applied to a tile (``None``: unknown).
 
-    ``src``: the dims of the call's first argument, of shape ``in_shape``, holding points.
+    ``src``: the dims of the call's first argument, of shape ``in_shape``, holding points;
+    ``block``: its `Block` where one dim holds them (a reshape that splits that dim reads it).
     """
     name = getattr(func, "__name__", "")
     n_in, n_out = len(in_shape), out.dim()
@@ -78,7 +90,8 @@ def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
         order = [o % n_in for o in (order or kwargs.get("dims", ()))]
         return frozenset(order.index(d) for d in src) if len(order) == n_in else None
     if regroups(func, n_in, n_out):
-        return _regrouped(src, in_shape, out.shape)
+        found = _regrouped(src, in_shape, out.shape, block)
+        return None if found is None else found[0]
     if name == "__getitem__" and len(args) > 1:
         return _indexed_points(args[1], n_in, src)
     if name == "unsqueeze":
@@ -323,13 +336,50 @@ def _reshapes(name: str) -> bool:
     return name in ("view", "reshape", "view_as", "reshape_as", "unflatten")
 
 
-def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int]
-               ) -> Points | None:
-    """Points after a reshape: an output dim made of input dims holding points holds them.
+def follow_block(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
+                 block: Block | None, in_shape: Sequence[int], out: torch.Tensor
+                 ) -> Block | None:
+    """The `Block` of ``out``'s dim holding points, after ``func`` (``None``: not known).
 
-    Unknown where a dim holding points is split into several (which part holds them?).
+    Only for a tile whose points lie in one dim (``src``, with ``block``); `follow` gives
+    the dim. A flatten or a reshape merges unsplit dims into it or splits them off; any
+    other call it follows keeps the dim whole.
     """
-    out: set[int] = set()
+    if block is None or len(src) != 1:
+        return None
+    name = getattr(func, "__name__", "")
+    (d,) = src
+    if name == "flatten":
+        n = max(len(in_shape), 1)
+        start = _arg(args[1:], kwargs, 0, "start_dim", 0) % n
+        end = _arg(args[1:], kwargs, 1, "end_dim", -1) % n
+        if not start <= d <= end:
+            return block
+        return (block[0] * math.prod(in_shape[start:d]),
+                block[1] * math.prod(in_shape[d + 1:end + 1]))
+    if regroups(func, len(in_shape), out.dim()):
+        found = _regrouped(src, in_shape, out.shape, block)
+        return None if found is None else found[1]
+    return block
+
+
+def reads_two_ways(func: Any, src: Points, block: Block | None, in_shape: Sequence[int],
+                   out: torch.Tensor) -> bool:
+    """Whether a reshape splits the tile's split rows in two ways (one window per tile).
+
+    Such a rank's sizes tell nothing: it takes the other ranks' reading.
+    """
+    if block is None or len(src) != 1 or not regroups(func, len(in_shape), out.dim()):
+        return False
+    (d,) = src
+    return any(d in gi and len(_split_rows(gi, gj, d, block, in_shape, out.shape)) > 1
+               for gi, gj in _groups(in_shape, out.shape) or ())
+
+
+def _groups(in_shape: Sequence[int], out_shape: Sequence[int]
+            ) -> list[tuple[list[int], list[int]]] | None:
+    """A reshape's groups: input dims and the output dims they become (``None``: unread)."""
+    groups = []
     i = j = 0
     while i < len(in_shape) and j < len(out_shape):
         gi, gj = [i], [j]
@@ -347,10 +397,69 @@ def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int]
                     return None
                 gj.append(j)
                 pj *= out_shape[j]
-        held = [d for d in gi if d in src and in_shape[d] != 1]
-        if held:
-            if len([d for d in gj if out_shape[d] != 1]) > 1:
-                return None
-            out.update(d for d in gj if out_shape[d] != 1)
+        groups.append((gi, gj))
         i, j = i + 1, j + 1
-    return frozenset(out)
+    return groups
+
+
+def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int],
+               block: Block | None) -> tuple[Points, Block | None] | None:
+    """Points after a reshape: an output dim made of input dims holding points holds them.
+
+    Where a dim holding points is split into several, the `Block` says which part holds
+    them (unknown without one). Returns the points and, with ``block``, the new block.
+    """
+    groups = _groups(in_shape, out_shape)
+    if groups is None:
+        return None
+    out: set[int] = set()
+    new_block: Block | None = None
+    for gi, gj in groups:
+        held = [d for d in gi if d in src and in_shape[d] != 1]
+        if not held:
+            continue
+        wide = [d for d in gj if out_shape[d] != 1]
+        if block is not None and len(src) == 1 and held == [min(src)]:
+            found = _split_rows(gi, gj, held[0], block, in_shape, out_shape)
+            if len(found) != 1:
+                return None
+            out.add(found[0][0])
+            new_block = found[0][1]
+        elif len(wide) > 1:
+            return None
+        else:
+            out.update(wide)
+    return frozenset(out), new_block
+
+
+def _split_rows(gi: Sequence[int], gj: Sequence[int], d: int, block: Block,
+                in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[int, Block]]:
+    """The output dims of a reshape group that may get input dim ``d``'s split rows.
+
+    The group's input is ``outer x rows x inner`` (row-major). Output dim ``j`` holds the
+    split rows where the dims before it take a part of ``outer`` and either the dims after
+    it a part of ``inner`` (the rows whole in ``j``: tokens back to an image), or the dims
+    before it all of ``outer`` and those after it all of ``inner`` and windows of ``w``
+    rows (``j`` counts the windows, the dims after it hold a window's rows: an image cut
+    into windows, which then lie whole on one rank, as every tile's rows are a multiple
+    of ``w``). Returns each such dim with its block: none where the split rows are cut
+    otherwise; two where the tile holds one window (does the dim of size 1 count the
+    windows?).
+    """
+    outer = block[0] * math.prod(in_shape[k] for k in gi if k < d)
+    inner = block[1] * math.prod(in_shape[k] for k in gi if k > d)
+    rows = in_shape[d] // (block[0] * block[1])
+    found: list[tuple[int, Block]] = []
+    for j in gj:
+        before = math.prod(out_shape[k] for k in gj if k < j)
+        after = math.prod(out_shape[k] for k in gj if k > j)
+        if outer % before:
+            continue
+        part = outer // before
+        if out_shape[j] != 1 and inner % after == 0 and \
+                out_shape[j] == part * rows * (inner // after):
+            found.append((j, (part, inner // after)))
+        elif part == 1 and after % inner == 0 and rows % (after // inner) == 0 and \
+                out_shape[j] == rows // (after // inner):
+            found.append((j, (1, 1)))
+    return found

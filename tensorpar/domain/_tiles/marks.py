@@ -53,7 +53,8 @@ class Marks:
         self._kinds: dict[int, tuple[weakref.ref[torch.Tensor], Kind]] = {}
         self._as_tiles: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor,
                                         list[Callable[[], None]]]] = {}
-        self._points: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
+        self._points: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int],
+                                      tuple[int, int] | None]] = {}
 
     def clear(self) -> None:
         """Forget every mark (a new forward)."""
@@ -61,14 +62,24 @@ class Marks:
         self._as_tiles.clear()
         self._points.clear()
 
-    def hold_points(self, t: torch.Tensor, dims: frozenset[int]) -> None:
-        """Record the dims of the reshaped tile ``t`` that hold the split dims' points."""
-        self._points[id(t)] = (weakref.ref(t), dims)
+    def hold_points(self, t: torch.Tensor, dims: frozenset[int],
+                    block: tuple[int, int] | None = None) -> None:
+        """Record the dims of the reshaped tile ``t`` that hold the split dims' points.
+
+        ``block``: where the split rows lie in the one dim holding them (see
+        `tensorpar.domain._forward.points.Block`; ``None``: not known).
+        """
+        self._points[id(t)] = (weakref.ref(t), dims, block)
 
     def points(self, t: torch.Tensor) -> frozenset[int] | None:
         """The dims of the reshaped tile ``t`` holding points (``None``: not known)."""
         entry = self._points.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
+
+    def block(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """The recorded block of the reshaped tile ``t`` (``None``: not known)."""
+        entry = self._points.get(id(t))
+        return entry[2] if entry is not None and entry[0]() is t else None
 
     def keep_as_tiles(self, pooled: torch.Tensor, tiles: torch.Tensor,
                       pending: Sequence[Callable[[], None]] = ()) -> None:
