@@ -148,4 +148,45 @@ def test_einsum_subscripts_name_the_points():
     assert einsum_points(("bchw,bdgw->bcdhg", tile, tile), points)[1]  # points paired
     assert einsum_points(("bchw,bdhw->bcd", tile, tile), points)[1]  # summed over
     assert einsum_points(("bchw->bc", tile), points)[1]
-    assert einsum_points(("...hw,dc->...dhw", tile, w), points) == (None, False)  # not read
+    assert einsum_points(("...hw,dc->...dhw", tile, w), points) == (frozenset({3}), False)
+    assert einsum_points(("bchw", tile), points) == (None, False)  # no output: not read
+
+
+def _points_of(t):
+    return {id(x4): frozenset({2}), id(tokens3): frozenset({1})}.get(id(t))
+
+
+tokens3 = torch.zeros(2, 35, 4)  # (B, tokens, C): points in dim 1
+
+
+@pytest.mark.parametrize("equation, operands, want, refused", [
+    ("...chw,dc->...dhw", (x4, torch.zeros(6, 3)), {2}, False),
+    ("bc...,dc->bd...", (x4, torch.zeros(6, 3)), {2}, False),
+    ("...hw,...hw->...hw", (x4, x4), {2}, False),
+    ("bc...->bc", (x4,), set(), True),                          # a sum over the points
+    ("...chw,...dgw->...cdhg", (x4, x4), {3}, True),            # pairs the points
+    ("b...c,dc->b...d", (tokens3, torch.zeros(6, 4)), {1}, False),  # broadcast from the right
+])
+def test_einsum_with_an_ellipsis_is_read(equation, operands, want, refused):
+    held, pairs = einsum_points((equation, *operands), _points_of)
+    assert pairs == refused
+    if not refused:
+        assert held == frozenset(want)
+
+
+@pytest.mark.parametrize("index, want", [
+    ((slice(None), torch.tensor([[0, 1], [2, 0]])), {3}),    # (B, 2, 2, H, W)
+    ((slice(None), [2, 0]), {2}),                             # (B, 2, H, W)
+    ((slice(None), torch.tensor([True, False, True])), {2}),  # a mask over C
+    ((torch.tensor([1, 0]), slice(None), slice(None), 0), {2}),
+    ((slice(None), slice(None), slice(None), torch.tensor([[1], [0]])), {2}),  # along W
+    ((slice(None), [0, 1], slice(None), [0, 1]), None),       # two: not read
+    ((slice(None), torch.tensor([0.5])), None),               # not an index
+])
+def test_one_index_tensor_along_other_dims_is_read(index, want):
+    try:
+        out = x4[index]
+    except IndexError:  # (a float index: what follow would see if torch took it)
+        out = x4
+    held = follow(T.__getitem__, (x4, index), {}, frozenset({2}), x4.shape, out)
+    assert held == (None if want is None else frozenset(want))

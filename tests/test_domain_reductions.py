@@ -54,6 +54,14 @@ CONVERTED: dict[str, Head] = {
     "stacked, then a mean": lambda m, y: m.fc(torch.stack([y, 2 * y], 1).mean((-2, -1))[:, 1]),
     "a channel picked, then a mean": lambda m, y: m.fc(y[:, 0:1].expand_as(y).mean((-2, -1))),
     "a channel indexed, then a mean": lambda m, y: m.fc(y[:, :, None].mean((-2, -1))[:, :, 0]),
+    "channels picked by an index tensor, then a mean": lambda m, y: m.fc(
+        y[:, torch.tensor([[0, 1], [2, 3]])].mean((3, 4)).flatten(1)),
+    "channels picked by a list, then a mean": lambda m, y: m.fc(
+        y[:, [3, 2, 1, 0], None].mean((3, 4))[:, :, 0]),
+    "einsum with an ellipsis over channels, then a mean": lambda m, y: m.fc(
+        torch.einsum("bc...,dc->bd...", y, m.mix).flatten(2).mean(-1)),
+    "einsum with an ellipsis, point by point": lambda m, y: m.fc(
+        torch.einsum("...hw,...hw->...hw", y, y).mean((-2, -1))),
 }
 """Each equals dense: the output pooled (whole on every rank) or still a tile."""
 
@@ -96,6 +104,12 @@ REFUSED: dict[str, Head] = {
     "a tile times its own sum": lambda m, y: y * y.sum(),
     "a tile minus its own sum": lambda m, y: y - y.sum(),
     "a tile plus its kept-dims sum": lambda m, y: y + 0.5 * y.sum(dim=(0, 1, 2, 3), keepdim=True),
+    "channels picked by an index tensor, then a softmax along rows":
+        lambda m, y: y[:, torch.tensor([[0, 1], [2, 3]])].softmax(3),
+    "einsum with an ellipsis summing a tile over points": lambda m, y: m.fc(
+        torch.einsum("bc...->bc", y)),
+    "einsum with an ellipsis pairing two tiles' points":
+        lambda m, y: torch.einsum("...chw,...dgw->...cdhg", y, y),
 }
 """Each would see the tile's points alone."""
 

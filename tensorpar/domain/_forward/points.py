@@ -233,18 +233,41 @@ def _index_walk(index: Any, n_in: int) -> Iterator[tuple[int, int | None, Any]]:
 
 
 def _indexed_points(index: Any, n_in: int, src: Points) -> Points | None:
-    """The dims of ``x[index]`` holding points (slices, ints and ``None`` read; the rest not)."""
+    """The dims of ``x[index]`` holding points (``None``: not read).
+
+    Slices, ints, ``None`` and one index tensor or list (advanced indexing: its dims take
+    the place of those it indexes) are read; several index tensors are not (torch may
+    move their dims to the front).
+    """
     items = index if isinstance(index, tuple) else (index,)
-    if any(not (it is None or it is Ellipsis or isinstance(it, (int, slice)))
-           or isinstance(it, bool) for it in items):
-        return None  # (an index tensor or a list: advanced indexing)
+    advanced = [it for it in items if isinstance(it, bool) or not (
+        it is None or it is Ellipsis or isinstance(it, (int, slice)))]
+    if len(advanced) > 1:
+        return None
+    width = _index_width(advanced[0]) if advanced else 0
+    if width is None:
+        return None
     held: set[int] = set()
-    for k, out, _ in _index_walk(index, n_in):
+    passed = False  # the walk is past the index tensor
+    for k, out, item in _index_walk(index, n_in):
+        if advanced and item is advanced[0]:
+            passed = True
         if k in src:
             if out is None:
                 return None  # (a cut: refused before it runs)
-            held.add(out)
+            held.add(out + (width if passed else 0))
     return frozenset(held)
+
+
+def _index_width(item: Any) -> int | None:
+    """The dims an index tensor or list puts in the place of those it indexes."""
+    if isinstance(item, torch.Tensor) and not item.is_floating_point() \
+            and not item.is_complex():
+        return 1 if item.dtype == torch.bool else item.dim()
+    if isinstance(item, list) and item and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in item):
+        return 1
+    return None
 
 
 def indexed_dims(index: Any, shape: Sequence[int], held: Points
@@ -275,16 +298,21 @@ def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
     ``points(t)``: the dims of the tile ``t`` holding points (``None``: not a tile, or not
     known). A subscript at a dim holding points names the points; an output that lacks
     one sums over them, and two tiles whose points have different subscripts pair every
-    point with every other (``"bchw,bdgw->bcdhg"``). ``(None, False)`` where the
-    subscripts are not read (an ellipsis, operands as a list).
+    point with every other (``"bchw,bdgw->bcdhg"``); an ellipsis stands for the dims it
+    covers. ``(None, False)`` where the subscripts are not read (no ``->``, operands as a
+    list).
     """
-    if len(args) < 2 or not isinstance(args[0], str) or "..." in args[0] \
-            or "->" not in args[0]:
+    if len(args) < 2 or not isinstance(args[0], str) or "->" not in args[0]:
         return None, False
     inputs, output = args[0].replace(" ", "").split("->")
     subscripts = inputs.split(",")
     if len(subscripts) != len(args) - 1:
         return None, False
+    if "..." in args[0]:
+        spelled = _without_ellipsis(subscripts, output, args[1:])
+        if spelled is None:
+            return None, False
+        subscripts, output = spelled
     named: list[set[str]] = []
     for sub, t in zip(subscripts, args[1:], strict=True):
         held = points(t)
@@ -295,6 +323,32 @@ def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
     every = set().union(*named)
     refused = any(n != named[0] for n in named) or not every <= set(output)
     return frozenset(output.index(s) for s in every if s in output), refused
+
+
+def _without_ellipsis(subscripts: list[str], output: str, operands: Sequence[Any]
+                      ) -> tuple[list[str], str] | None:
+    """``einsum``'s subscripts with each ``...`` spelled out in letters of its own.
+
+    The dims an ellipsis stands for line up from the right across the operands (they
+    broadcast), as in torch. ``None`` where an operand is not a tensor or the counts do
+    not fit.
+    """
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+            if c not in "".join(subscripts) + output]
+    counts = []
+    for sub, t in zip(subscripts, operands, strict=True):
+        if not isinstance(t, torch.Tensor) or sub.count("...") > 1:
+            return None
+        n = t.dim() - (len(sub) - 3) if "..." in sub else 0
+        if n < 0:
+            return None
+        counts.append(n)
+    most = max(counts)
+    if most > len(free) or output.count("...") > 1:
+        return None
+    spelled = [sub.replace("...", "".join(free[most - n:most]))
+               for sub, n in zip(subscripts, counts, strict=True)]
+    return spelled, output.replace("...", "".join(free[:most]))
 
 
 def regroups(func: Any, n_in: int, n_out: int) -> bool:
