@@ -1,7 +1,8 @@
-"""Calls that cut, move or join a tile's rows along a split dim (a slice, ``roll``, ``flip``,
+"""Calls that cut, move or join a tile's rows along a split dim (a slice, ``flip``,
 ``chunk``, ``cat``, ``F.unfold``...) would see the tile as if it were the whole domain: they
 raise on every rank, also with an empty tile; the same calls along other dims, and slices
-that keep every row of the tile, run as they are and equal dense."""
+that keep every row of the tile, run as they are and equal dense. (A ``roll`` along a split
+dim is converted: `test_domain_roll.py`; here only those that cannot be.)"""
 
 from collections.abc import Callable
 
@@ -34,7 +35,9 @@ REFUSED: dict[str, Cut] = {
     "a slice of the rows": lambda y: y[:, :, 1:],
     "every other row": lambda y: y[..., ::2, :].repeat_interleave(2, dim=-2),
     "one row": lambda y: y[:, :, 0:1].expand_as(y).contiguous(),
-    "roll": lambda y: torch.roll(y, 1, dims=2),
+    "roll of the flattened tile": lambda y: torch.roll(y, 1),
+    "roll of tokens whose points are not outermost": lambda y: y.transpose(2, 3).flatten(2)
+        .roll(1, 2).view(y.shape[0], y.shape[1], y.shape[3], -1).transpose(2, 3),
     "flip": lambda y: y.flip(2),
     "narrow": lambda y: y.narrow(2, 0, 1).expand_as(y).contiguous(),
     "chunk": lambda y: torch.cat(y.chunk(2, dim=2)[::-1], dim=2),

@@ -62,6 +62,8 @@ CONVERTED: dict[str, Head] = {
         torch.einsum("bc...,dc->bd...", y, m.mix).flatten(2).mean(-1)),
     "einsum with an ellipsis, point by point": lambda m, y: m.fc(
         torch.einsum("...hw,...hw->...hw", y, y).mean((-2, -1))),
+    "a dim of size 1 before the rows, then a mean": lambda m, y: m.fc(
+        y.view(*y.shape[:2], 1, *y.shape[2:]).mean((2, 3, 4))),
 }
 """Each equals dense: the output pooled (whole on every rank) or still a tile."""
 
@@ -239,3 +241,27 @@ def _split_back_refused(case, sizes, dim):
 def test_tokens_split_back_then_reduced_along_the_split_dim_are_refused(case, dim):
     assert all(run_distributed(_split_back_refused, 2, case, [5, 7], dim, timeout=T))
     assert all(run_distributed(_split_back_refused, 3, case, [4, 0, 8], dim, timeout=T))
+
+
+def _one_window(sizes, refused):
+    if not refused:
+        return _split_back("windows", "windows of 2 rows, mean over every window", sizes, -2)
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(Reduced(WINDOWS["windows of 2 rows, softmax within each"][0])
+                               .double(), dims=-2)
+    x = torch.randn(2, 2, sizes[torch.distributed.get_rank()], 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="points"):
+        model(x)
+    return 0.0
+
+
+def test_one_window_per_tile_is_read_both_ways():
+    """With one window per tile, the dim counting the windows (size 1) and the one holding
+    its rows read alike on every rank: both hold the points. A reduction over both is the
+    domain's; one along the rows of a window alone raises (it cannot tell)."""
+    for sizes in ([2, 2], [2, 2, 2], [2, 0, 2]):
+        assert max(run_distributed(_one_window, len(sizes), sizes, False, timeout=T)) < 1e-10
+    assert max(run_distributed(_one_window, 2, [2, 2], True, timeout=T)) == 0.0
+    # a tile of more windows decides for the others: the window's rows run as they are
+    assert max(run_distributed(_split_back, 3, "windows", "windows of 2 rows, softmax within "
+                               "each", [2, 0, 4], -2, timeout=T)) < 1e-10

@@ -12,6 +12,7 @@ tiles (`meet`), and gives the parameters used on pooled features their shares
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,8 @@ from tensorpar.domain._forward.points import (
     follow_block,
     indexed_dims,
     pairs_points,
-    reads_two_ways,
+    reading_block,
+    readings,
     reduced_dims,
     regroups,
 )
@@ -46,6 +48,7 @@ from tensorpar.domain._forward.shares import share_gradients
 from tensorpar.domain._layers import pad
 from tensorpar.domain._layers.attention import per_point, refuse_functional
 from tensorpar.domain._layers.resample import interpolate, tile_sizes_to_domain
+from tensorpar.domain._layers.roll import roll
 from tensorpar.domain._layers.shuffle import pixel_shuffle
 from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
 from tensorpar.domain._tiles import agree
@@ -211,7 +214,6 @@ class _FunctionalCalls(TorchFunctionMode):
         A sequence of tensors (``chunk``, ``split``): those with the input's dims hold
         the points where it does.
         """
-        ctx = self.ctx
         if func is torch.einsum:  # its subscripts name the dims
             held, _ = einsum_points(args, self._points)
             if isinstance(out, torch.Tensor) and held is not None:
@@ -254,24 +256,42 @@ class _FunctionalCalls(TorchFunctionMode):
         out_block = None if held is None else \
             follow_block(func, args, kwargs, src, block, x.shape, out)
         if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
-            # (an empty tile's sizes tell nothing, nor do a one-row tile's or those of a
-            # tile cut into one window: it takes the others')
+            # (an empty tile's sizes tell nothing, nor do a one-row tile's: it takes the
+            # others')
             rows = [x.shape[d] // (block[0] * block[1]) for d in src] if block is not None \
                 else [x.shape[d] for d in src]
-            # the other dims' sizes too: a split read from the tile's own size (halves of
-            # the tile) gives them per rank, and is not followed
-            others = hash(tuple(0 if held and d in held else n for d, n in enumerate(out.shape)))
-            mine = None if not x.numel() or all(r <= 1 for r in rows) or \
-                reads_two_ways(func, src, block, x.shape, out) \
-                else [-1.0, 0.0, 0.0, 0.0] if held is None \
-                else [float(sum(1 << d for d in held)), *map(float, out_block or (0, 0)),
-                      float(others % (1 << 52))]
-            code = agree.agreed_values(ctx, mine, 4, out.device)
-            held = None if code is None or code[0] < 0 else \
-                frozenset(d for d in range(out.dim()) if int(code[0]) >> d & 1)
-            out_block = None if code is None or not code[1] else (int(code[1]), int(code[2]))
+            codes = None if not x.numel() or all(r <= 1 for r in rows) else \
+                readings(src, block, x.shape, out.shape, held, out_block) or {}
+            held, out_block = self._agreed_reading(codes, out)
         if held is not None:
             self._hold(out, held, out_block)
+
+    def _agreed_reading(self, codes: dict[int, float] | None, out: torch.Tensor
+                        ) -> tuple[frozenset[int] | None, Block | None]:
+        """The dims of a reshaped tile holding points, and their block, read alike by all.
+
+        ``codes``: this rank's `readings` (``None``: it abstains; empty: it cannot read
+        them). One small all-reduce of each output dim's code and size: a dim every rank
+        that reads gives the same code holds the points; several such dims (one window per
+        tile everywhere: read two ways alike) all hold them, with no block, so that only
+        a reduction over all of them is the domain's. Unknown where no dim is read alike,
+        or where a dim that does not hold them differs in size between ranks (a split read
+        from the tile's own size).
+        """
+        n = out.dim()
+        mine = [-math.inf] * (4 * n) if codes is None else \
+            [*(codes.get(j, -1.0) for j in range(n)), *map(float, out.shape)]
+        if codes is not None:
+            mine += [-v for v in mine]
+        every = agree.all_reduced(self.ctx, mine, "max", out.device)
+        high, low = every[:2 * n], [-v for v in every[2 * n:]]
+        read = {j: high[j] for j in range(n) if high[j] == low[j] and high[j] >= 0}
+        if not read or any(high[n + j] != low[n + j] for j in range(n) if j not in read):
+            return None, None
+        if len(read) > 1:
+            return frozenset(read), None
+        ((j, code),) = read.items()
+        return frozenset({j}), reading_block(code)
 
     def _block(self, t: torch.Tensor, held: frozenset[int]) -> Block | None:
         """The `Block` of the tile ``t``'s dim holding points (``None``: not known)."""
@@ -288,6 +308,9 @@ class _FunctionalCalls(TorchFunctionMode):
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:
         ctx = self.ctx
+        if func in _ROLLS and TILE in scan.kinds and ctx.active and not ctx.internal \
+                and ctx.domain_size > 1 and (rolled := self._roll(args, kwargs)) is not None:
+            return rolled
         if TILE in scan.kinds and ctx.domain_size > 1:
             if not per_point(func, args, kwargs, self._points):
                 refuse_functional(func)
@@ -377,6 +400,33 @@ class _FunctionalCalls(TorchFunctionMode):
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)
+
+    def _roll(self, args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """A roll of a tile along dims holding points (`roll`; ``None``: not converted).
+
+        Converted where those dims hold the points in the domain's order: the split dims
+        of an image-shaped tile, or a strip's one dim whose points are its outermost part
+        (its `Block` says so). Any other roll along the points is refused as a cut.
+        """
+        ctx = self.ctx
+        given = dict(zip(("input", "shifts", "dims"), args, strict=False)) | kwargs
+        x, dims = given.get("input"), given.get("dims")
+        if not isinstance(x, torch.Tensor) or dims is None or "shifts" not in given:
+            return None
+        held = self._points(x)
+        image = ctx.marks.points(x) is None and x.dim() == ctx.ndim
+        if image:
+            split_at = {x.dim() + d: i for i, d in enumerate(ctx.dims)}
+        elif held is not None and len(held) == 1 and len(ctx.dims) == 1 and \
+                (block := self._block(x, held)) is not None and block[0] == 1:
+            split_at = {next(iter(held)): 0}
+        else:
+            return None
+        if not any(d % x.dim() in split_at
+                   for d in ((dims,) if isinstance(dims, int) else dims)):
+            return None
+        with ctx.own_calls():
+            return roll(ctx, x, given["shifts"], dims, split_at, image)
 
     def _cut_dim(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
         """`cut_dim`, agreed by the ranks for a bounded slice of a dim holding points.
@@ -495,6 +545,8 @@ _ADAPTIVE = {F.adaptive_avg_pool1d: (1, False), F.adaptive_avg_pool2d: (2, False
              F.adaptive_max_pool3d_with_indices: (3, True)}
 """Global poolings written as calls: their spatial dims, and whether they take the max."""
 _SHUFFLES = frozenset({F.pixel_shuffle, F.pixel_unshuffle})
+_ROLLS = frozenset({torch.roll, torch.Tensor.roll})
+
 _CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE, *_WITH_INDICES, *_CONVS,
                         *_POOLS, *_SHUFFLES})
 """The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""

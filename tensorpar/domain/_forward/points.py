@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 __all__ = ["Block", "Points", "after_reduction", "cut_dim", "einsum_points", "follow",
-           "follow_block", "indexed_dims", "pairs_points", "reads_two_ways", "reduced_dims",
-           "regroups"]
+           "follow_block", "indexed_dims", "pairs_points", "reading_block", "readings",
+           "reduced_dims", "regroups"]
 
 Points = frozenset[int]
 Block = tuple[int, int]
@@ -417,17 +417,46 @@ def follow_block(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Po
     return block
 
 
-def reads_two_ways(func: Any, src: Points, block: Block | None, in_shape: Sequence[int],
-                   out: torch.Tensor) -> bool:
-    """Whether a reshape splits the tile's split rows in two ways (one window per tile).
+_ROWS_WHOLE = 1 << 26
+_WINDOWS = 1 << 52
 
-    Such a rank's sizes tell nothing: it takes the other ranks' reading.
+
+def readings(src: Points, block: Block | None, in_shape: Sequence[int],
+             out_shape: Sequence[int], held: Points | None, held_block: Block | None
+             ) -> dict[int, float] | None:
+    """Each output dim of a reshape that may hold the points, with a code of how it does.
+
+    ``held``, ``held_block``: `follow`'s and `follow_block`'s answers (``None``: not read,
+    or read two ways). Where a tile's one window of split rows reads two ways, both
+    readings come: the ranks keep the dims every rank reads alike (`reading_block`
+    decodes). ``None``: not read.
     """
-    if block is None or len(src) != 1 or not regroups(func, len(in_shape), out.dim()):
-        return False
-    (d,) = src
-    return any(d in gi and len(_split_rows(gi, gj, d, block, in_shape, out.shape)) > 1
-               for gi, gj in _groups(in_shape, out.shape) or ())
+    if block is not None and len(src) == 1:
+        (d,) = src
+        for gi, gj in _groups(in_shape, out_shape) or ():
+            if d in gi:
+                found = _split_rows(gi, gj, d, block, in_shape, out_shape)
+                return {j: _code(b, w) for j, b, w in found} or None
+    return None if held is None else {d: _code(held_block, 0) for d in held}
+
+
+def _code(block: Block | None, window: int) -> float:
+    """One number for a reading: 0 without a block, else its block, or its window."""
+    if block is None:
+        return 0.0
+    if window:
+        return float(_WINDOWS + window)
+    return float(block[0] * _ROWS_WHOLE + block[1])
+
+
+def reading_block(code: float) -> Block | None:
+    """The `Block` a reading's code stands for (`readings`)."""
+    c = int(code)
+    if not c:
+        return None
+    if c >= _WINDOWS:
+        return (1, 1)
+    return (c // _ROWS_WHOLE, c % _ROWS_WHOLE)
 
 
 def _groups(in_shape: Sequence[int], out_shape: Sequence[int]
@@ -487,7 +516,8 @@ def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int],
 
 
 def _split_rows(gi: Sequence[int], gj: Sequence[int], d: int, block: Block,
-                in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[int, Block]]:
+                in_shape: Sequence[int], out_shape: Sequence[int]
+                ) -> list[tuple[int, Block, int]]:
     """The output dims of a reshape group that may get input dim ``d``'s split rows.
 
     The group's input is ``outer x rows x inner`` (row-major). Output dim ``j`` holds the
@@ -496,14 +526,14 @@ def _split_rows(gi: Sequence[int], gj: Sequence[int], d: int, block: Block,
     before it all of ``outer`` and those after it all of ``inner`` and windows of ``w``
     rows (``j`` counts the windows, the dims after it hold a window's rows: an image cut
     into windows, which then lie whole on one rank, as every tile's rows are a multiple
-    of ``w``). Returns each such dim with its block: none where the split rows are cut
-    otherwise; two where the tile holds one window (does the dim of size 1 count the
-    windows?).
+    of ``w``). Returns each such dim with its block and ``w`` (0: the rows whole): none
+    where the split rows are cut otherwise; two where the tile holds one window (does the
+    dim of size 1 count the windows?).
     """
     outer = block[0] * math.prod(in_shape[k] for k in gi if k < d)
     inner = block[1] * math.prod(in_shape[k] for k in gi if k > d)
     rows = in_shape[d] // (block[0] * block[1])
-    found: list[tuple[int, Block]] = []
+    found: list[tuple[int, Block, int]] = []
     for j in gj:
         before = math.prod(out_shape[k] for k in gj if k < j)
         after = math.prod(out_shape[k] for k in gj if k > j)
@@ -512,8 +542,8 @@ def _split_rows(gi: Sequence[int], gj: Sequence[int], d: int, block: Block,
         part = outer // before
         if out_shape[j] != 1 and inner % after == 0 and \
                 out_shape[j] == part * rows * (inner // after):
-            found.append((j, (part, inner // after)))
+            found.append((j, (part, inner // after), 0))
         elif part == 1 and after % inner == 0 and rows % (after // inner) == 0 and \
                 out_shape[j] == rows // (after // inner):
-            found.append((j, (1, 1)))
+            found.append((j, (1, 1), after // inner))
     return found
