@@ -265,3 +265,32 @@ def test_one_window_per_tile_is_read_both_ways():
     # a tile of more windows decides for the others: the window's rows run as they are
     assert max(run_distributed(_split_back, 3, "windows", "windows of 2 rows, softmax within "
                                "each", [2, 0, 4], -2, timeout=T)) < 1e-10
+
+
+def _not_followed(case):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensorpar.nn import parallelize_domain
+    heads = {"one-column tiles, channels last, a mean over the rows":
+             (lambda m, y: m.fc(_channels_last(y).mean(1).mean(1)), (-1,), (2, 2, 5, 1), None),
+             "a mesh's tokens as channels last, a softmax along the rows":
+             (lambda m, y: _channels_last(y).softmax(1), (-2, -1), (1, 2, 3, 2), (2, 2)),
+             "a mesh's tokens as channels last, a roll along the rows":
+             (lambda m, y: _channels_last(y).roll(1, 1), (-2, -1), (1, 2, 3, 2), (2, 2))}
+    head, dims, shape, mesh = heads[case]
+    group = None if mesh is None else init_device_mesh("cpu", mesh)
+    model = parallelize_domain(Reduced(head).double(), dims=dims, group=group)
+    with pytest.raises(ValueError, match="not followed"):
+        model(torch.randn(*shape, dtype=torch.float64))
+    return True
+
+
+@pytest.mark.parametrize("case", ["one-column tiles, channels last, a mean over the rows",
+                                  "a mesh's tokens as channels last, a softmax along the rows",
+                                  "a mesh's tokens as channels last, a roll along the rows"])
+def test_what_a_reshape_not_followed_gives_refuses_what_needs_its_points(case):
+    """Where the ranks cannot read a reshape (every tile one column wide; tokens of a mesh's
+    tiles split back), its result is not taken for an image: a reduction, softmax or roll
+    of it raises on every rank."""
+    world = 2 if case.startswith("one-column") else 4
+    assert all(run_distributed(_not_followed, world, case, timeout=T))

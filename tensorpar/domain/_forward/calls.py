@@ -53,7 +53,16 @@ from tensorpar.domain._layers.shuffle import pixel_shuffle
 from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
 from tensorpar.domain._tiles import agree
 from tensorpar.domain._tiles.layout import DomainContext
-from tensorpar.domain._tiles.marks import EARLY, PARTIAL, POOLED, TILE, Kind, Scan, tensors_in
+from tensorpar.domain._tiles.marks import (
+    EARLY,
+    PARTIAL,
+    POOLED,
+    TILE,
+    UNREAD,
+    Kind,
+    Scan,
+    tensors_in,
+)
 from tensorpar.domain._tiles.sums import extreme_over_domain, over_domain
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
@@ -202,7 +211,13 @@ class _FunctionalCalls(TorchFunctionMode):
         if not isinstance(t, torch.Tensor) or ctx.marks.kind_of(t) != TILE:
             return None
         held = ctx.marks.points(t)
+        if held == UNREAD:
+            return None
         return held if held is not None or t.dim() != ctx.ndim else self._image_points()
+
+    def _unread(self, t: Any) -> bool:
+        """Whether ``t`` is a tile reshaped in a way that is not followed (`UNREAD`)."""
+        return isinstance(t, torch.Tensor) and self.ctx.marks.points(t) == UNREAD
 
     def _image_points(self) -> frozenset[int]:
         return frozenset(self.ctx.ndim + d for d in self.ctx.dims)
@@ -212,8 +227,13 @@ class _FunctionalCalls(TorchFunctionMode):
         """Record which dims of the reshaped tile ``out`` hold points (`points`).
 
         A sequence of tensors (``chunk``, ``split``): those with the input's dims hold
-        the points where it does.
+        the points where it does. What a tile not followed gives is not followed either
+        (`UNREAD`), and so is a reshape the ranks do not read alike.
         """
+        if any(self._unread(t) for t in tensors_in((args, kwargs))):
+            for t in tensors_in(out):
+                self.ctx.marks.hold_points(t, UNREAD)
+            return
         if func is torch.einsum:  # its subscripts name the dims
             held, _ = einsum_points(args, self._points)
             if isinstance(out, torch.Tensor) and held is not None:
@@ -263,6 +283,8 @@ class _FunctionalCalls(TorchFunctionMode):
             codes = None if not x.numel() or all(r <= 1 for r in rows) else \
                 readings(src, block, x.shape, out.shape, held, out_block) or {}
             held, out_block = self._agreed_reading(codes, out)
+            if held is None:
+                self.ctx.marks.hold_points(out, UNREAD)
         if held is not None:
             self._hold(out, held, out_block)
 
@@ -317,6 +339,13 @@ class _FunctionalCalls(TorchFunctionMode):
             if loss_reduction(func, kwargs) == "mean" and self._points(
                     args[0] if args else kwargs.get("input")):
                 raise refuse_mean_loss(getattr(func, "__name__", str(func)))
+            if any(self._unread(t) for t in args[:2]) and self._needs_points(func, args, kwargs):
+                raise ValueError(
+                    f"{getattr(func, '__name__', func)} (domain-parallel) of a tile reshaped in a "
+                    f"way that is not followed (which of its dims hold the split dims' points "
+                    f"is not known, see the docs' reductions along a split dim): it could see the "
+                    f"tile's points alone. Reshape it back to the image's layout first, or "
+                    f"reduce before the reshape")
             if (cut := self._cut_dim(func, args, kwargs)) is not None:
                 raise ValueError(
                     f"{getattr(func, '__name__', func)} (domain-parallel) along dim {cut} of a "
@@ -445,10 +474,31 @@ class _FunctionalCalls(TorchFunctionMode):
         on_any = agree.on_any_rank(self.ctx, cut is not None, x.device)  # (one all-reduce)
         return cut if cut is not None else sliced if on_any else None
 
+    def _needs_points(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether ``func`` on a tile not followed would need to know where its points are.
+
+        A reduction, softmax, scan or sort along any dim, a call that cuts, moves or joins
+        rows along any dim (a roll, a flip, a cat; not indexing), or a product of two tiles;
+        not a sum of the whole tile (its part of a loss, whatever its layout).
+        """
+        x = args[0] if args else kwargs.get("input")
+        if cut_dim(func, args, kwargs, lambda t: frozenset(range(t.dim()))
+                   if isinstance(t, torch.Tensor) else None) is not None:
+            return True
+        if func in _PRODUCTS or func is torch.einsum:
+            return sum(self.ctx.marks.kind_of(t) == TILE for t in args[:3]
+                       if isinstance(t, torch.Tensor)) > 1
+        if not isinstance(x, torch.Tensor):
+            return False
+        dims = reduced_dims(func, args, kwargs, x.dim())
+        whole_sum = getattr(func, "__name__", "") in ("sum", "nansum") and \
+            dims == frozenset(range(x.dim()))
+        return dims is not None and not whole_sum
+
     def _sums_the_tile(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether ``func`` sums a tile over every dim (its part of a loss)."""
         x = args[0] if args else kwargs.get("input")
-        if not self._points(x) or not isinstance(x, torch.Tensor):
+        if not (self._points(x) or self._unread(x)) or not isinstance(x, torch.Tensor):
             return False
         if loss_reduction(func, kwargs) == "sum":
             return True

@@ -39,7 +39,8 @@ from tensorpar.context.attention import ring_attention
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import TILE
 
-__all__ = ["ATTENTION", "attend", "convert", "per_point", "refusal", "refuse_functional"]
+__all__ = ["ATTENTION", "attend", "convert", "per_point", "refusal", "refuse_functional",
+           "tokens_block"]
 
 ATTENTION = "diffusers.models.attention_processor.Attention"
 _DEFAULT_PROCESSOR = "AttnProcessor2_0"
@@ -113,13 +114,26 @@ class _DomainAttnProcessor:
         with ctx.own_calls():
             out = attend(ctx, x, q, k, v, where)
         ctx.marks.mark(out, TILE)
-        ctx.marks.hold_points(out, frozenset({2}))  # (B, heads, points, head dim)
+        ctx.marks.hold_points(out, frozenset({2}), tokens_block(ctx, x))  # (B, heads, points, d)
         out = out.transpose(1, 2).reshape(b, -1, out.shape[1] * out.shape[-1]).to(q.dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         out = out.transpose(-1, -2).reshape(residual.shape)
+        ctx.marks.image_again(out)  # (a mesh's tokens are not followed back: they are)
         if attn.residual_connection:
             out = out + residual
         return out / attn.rescale_output_factor  # type: ignore[no-any-return]
+
+
+def tokens_block(ctx: DomainContext, x: torch.Tensor) -> tuple[int, int] | None:
+    """Where a strip's rows lie in the tokens ``x.flatten(2)`` of its image tile ``x``.
+
+    ``(outer, inner)``: the sizes of the spatial dims before and after the split one
+    (`tensorpar.domain._forward.points.Block`); ``None`` on a mesh (two split dims).
+    """
+    if len(ctx.dims) != 1:
+        return None
+    at = x.dim() + ctx.dims[0]
+    return math.prod(x.shape[2:at]), math.prod(x.shape[at + 1:])
 
 
 def attend(ctx: DomainContext, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorpar.domain._layers.attention import attend
+from tensorpar.domain._layers.attention import attend, tokens_block
 from tensorpar.domain._layers.shuffle import pixel_shuffle
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import TILE
@@ -104,9 +104,11 @@ def convert(module: nn.Module, ctx: DomainContext) -> None:
         with ctx.own_calls():  # (B, heads, points, head dim)
             out = attend(ctx, h, q, k, v, where)
         ctx.marks.mark(out, TILE)
-        ctx.marks.hold_points(out, frozenset({2}))
+        ctx.marks.hold_points(out, frozenset({2}), tokens_block(ctx, h))
         out = attn.drop_output(attn.out_proj(attn.out_rearrange(out)))
-        return out.transpose(1, 2).reshape(shape) + residual  # type: ignore[no-any-return]
+        out = out.transpose(1, 2).reshape(shape)
+        ctx.marks.image_again(out)  # (a mesh's tokens are not followed back: they are)
+        return out + residual  # type: ignore[no-any-return]
     module.forward = types.MethodType(forward, module)
 
 

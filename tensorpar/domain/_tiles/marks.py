@@ -33,7 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "Kind", "Marks", "Scan", "tensors_in"]
+__all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "UNREAD", "Kind", "Marks", "Scan",
+           "tensors_in"]
 
 Kind = Literal["tile", "pooled", "early", "partial"]
 TILE: Kind = "tile"
@@ -44,6 +45,11 @@ PARTIAL: Kind = "partial"
 features on each rank (a loss of both parts): summed over the ranks by the backward, so
 combined further only by sums and scalings (`not_linear`)."""
 
+
+
+UNREAD: frozenset[int] = frozenset({-1})
+"""The held dims of a tile reshaped in a way that is not followed: which of its dims hold
+the split dims' points is not known (not even that they are the image's)."""
 
 
 class Marks:
@@ -70,6 +76,10 @@ class Marks:
         `tensorpar.domain._forward.points.Block`; ``None``: not known).
         """
         self._points[id(t)] = (weakref.ref(t), dims, block)
+
+    def image_again(self, t: torch.Tensor) -> None:
+        """Forget what is recorded of ``t``'s points: it has the image's layout again."""
+        self._points.pop(id(t), None)
 
     def points(self, t: torch.Tensor) -> frozenset[int] | None:
         """The dims of the reshaped tile ``t`` holding points (``None``: not known)."""
