@@ -294,3 +294,91 @@ def test_what_a_reshape_not_followed_gives_refuses_what_needs_its_points(case):
     of it raises on every rank."""
     world = 2 if case.startswith("one-column") else 4
     assert all(run_distributed(_not_followed, world, case, timeout=T))
+
+
+class _Halves(nn.Module):
+    """Each tile cut in two halves and joined back (in order, or swapped round), then
+    normalised and a softmax over the channels."""
+
+    def __init__(self, swapped: bool) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.swapped = swapped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        halves = y.reshape(b, c, 2, -1) * 2
+        if self.swapped:
+            halves = halves.transpose(2, 3)
+        return self.norm(halves.reshape(b, c, h, w)).softmax(1)
+
+
+def _halves(case, swapped):
+    mesh = case == "mesh"
+    shape, dims, splits = ((1, 2, 6, 6), (-2, -1), ([3, 3], [2, 4])) if mesh else \
+        ((1, 2, 2, 6), (-2,), ([1, 1],))
+    if not swapped:
+        return check(lambda: _Halves(False), shape, dims, splits,
+                     mesh_shape=(2, 2) if mesh else None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensorpar.nn import parallelize_domain
+    from tests._domain_check import _coords, tile_of
+    model = _Halves(True).double()
+    group = init_device_mesh("cpu", (2, 2)) if mesh else None
+    model = parallelize_domain(model, dims=dims, group=group)
+    x = tile_of(torch.randn(*shape, dtype=torch.float64), dims, splits,
+                _coords((2, 2) if mesh else None))
+    with pytest.raises(ValueError, match="not known: not converted"):  # (the norm)
+        model(x)
+    return 0.0
+
+
+@pytest.mark.parametrize("case", ["one-row tiles", "mesh"])
+def test_a_reshape_not_followed_and_back_in_order_is_the_image_again(case):
+    """A tile cut into halves the ranks cannot read (one-row tiles, a mesh) and reshaped
+    back in the same order is the image again: a softmax over its channels equals dense.
+    Swapped round on the way, it is not: the norm after it raises on every rank."""
+    world = 4 if case == "mesh" else 2
+    assert max(run_distributed(_halves, world, case, False, timeout=T)) < 1e-10
+    assert max(run_distributed(_halves, world, case, True, timeout=T)) == 0.0
+
+
+class _TokenNorm(nn.Module):
+    """Tokens of the tile, a LayerNorm over their channels, back to the image."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(4) if norm == "layer" else nn.GroupNorm(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        t = y.flatten(2).transpose(1, 2)  # (B, h * w, C)
+        if isinstance(self.norm, nn.LayerNorm):
+            return self.norm(t).transpose(1, 2).reshape(y.shape)
+        return self.norm(t.transpose(1, 2)).reshape(y.shape)  # (B, C, h * w): over tokens
+
+
+def _token_norm(norm, sizes, dim):
+    if norm == "layer":
+        shape = (2, 2, 3, sum(sizes)) if dim == -1 else (2, 2, sum(sizes), 3)
+        return check(lambda: _TokenNorm("layer"), shape, (dim,), (sizes,), steps=2)
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(_TokenNorm("group").double(), dims=dim)
+    x = torch.randn(2, 2, sizes[torch.distributed.get_rank()], 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="reshaped tile"):
+        model(x)
+    return 0.0
+
+
+def test_norm_layers_on_tokens():
+    """A LayerNorm over the channels of tokens is the dense one, split along H or W (along
+    W, with tiles as wide as the channels are many, it was taken for a LayerNorm over the
+    split dim); a GroupNorm over tokens, whose statistics would take in their points,
+    raises on every rank."""
+    for sizes, dim in (([4, 4], -1), ([5, 7], -1), ([4, 0, 8], -2)):
+        assert max(run_distributed(_token_norm, len(sizes), "layer", sizes, dim,
+                                   timeout=T)) < 1e-10
+    assert max(run_distributed(_token_norm, 2, "group", [5, 7], -2, timeout=T)) == 0.0

@@ -230,9 +230,18 @@ class _FunctionalCalls(TorchFunctionMode):
         the points where it does. What a tile not followed gives is not followed either
         (`UNREAD`), and so is a reshape the ranks do not read alike.
         """
-        if any(self._unread(t) for t in tensors_in((args, kwargs))):
+        unread = next((t for t in tensors_in((args, kwargs)) if self._unread(t)), None)
+        if unread is not None:
+            name = getattr(func, "__name__", "")
+            # the row-major order of the image it came from is kept by reshapes and by
+            # calls that keep the shape without moving dims: back at that shape, an image
+            origin = self.ctx.marks.origin(unread) if name not in _MOVES_DIMS else None
             for t in tensors_in(out):
-                self.ctx.marks.hold_points(t, UNREAD)
+                kept = origin if name in _KEEPS_ORDER or t.shape == unread.shape else None
+                if kept is not None and t.shape == kept:
+                    self.ctx.marks.image_again(t)
+                else:
+                    self.ctx.marks.mark_unread(t, kept)
             return
         if func is torch.einsum:  # its subscripts name the dims
             held, _ = einsum_points(args, self._points)
@@ -284,7 +293,8 @@ class _FunctionalCalls(TorchFunctionMode):
                 readings(src, block, x.shape, out.shape, held, out_block) or {}
             held, out_block = self._agreed_reading(codes, out)
             if held is None:
-                self.ctx.marks.hold_points(out, UNREAD)
+                image = self.ctx.marks.points(x) is None and x.dim() == self.ctx.ndim
+                self.ctx.marks.mark_unread(out, x.shape if image else None)
         if held is not None:
             self._hold(out, held, out_block)
 
@@ -596,6 +606,15 @@ _ADAPTIVE = {F.adaptive_avg_pool1d: (1, False), F.adaptive_avg_pool2d: (2, False
 """Global poolings written as calls: their spatial dims, and whether they take the max."""
 _SHUFFLES = frozenset({F.pixel_shuffle, F.pixel_unshuffle})
 _ROLLS = frozenset({torch.roll, torch.Tensor.roll})
+_MOVES_DIMS = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
+                         "t", "__getitem__", "expand", "expand_as", "broadcast_to", "repeat",
+                         "adjoint", "mT", "mH", "T", "H"})
+"""Calls that move dims or elements: what they give of a tile not followed is not its
+image's row-major order any more."""
+
+_KEEPS_ORDER = frozenset({"view", "reshape", "view_as", "reshape_as", "unflatten", "flatten",
+                          "squeeze", "unsqueeze", "contiguous"})
+"""Reshapes: what they give of a tile keeps its elements' row-major order."""
 
 _CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE, *_WITH_INDICES, *_CONVS,
                         *_POOLS, *_SHUFFLES})

@@ -16,6 +16,7 @@ import torch
 
 from tensorpar.domain._layers.fused_norm import fused_norm
 from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import UNREAD
 from tensorpar.domain._tiles.sums import global_count, sum_over_domain
 
 __all__ = ["batch_norm_forward", "group_norm_forward", "instance_norm_forward",
@@ -49,6 +50,30 @@ def _split_dims_in(ctx: DomainContext, x: torch.Tensor, dims: list[int]) -> bool
     return any(x.dim() + d in dims for d in ctx.dims)
 
 
+def _reshaped(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str) -> bool:
+    """Whether ``x`` is a reshaped tile whose points lie outside the statistics' ``dims``.
+
+    Such a norm (a LayerNorm over the channels of tokens) is the dense one. ``False`` for
+    a tile with the image's layout (converted as such).
+
+    Raises:
+        ValueError: the statistics would take in a reshaped tile's points (or where they
+            lie is not known): not converted. The marks are the same on every rank, so
+            every rank raises.
+    """
+    held = ctx.marks.points(x)
+    if held is None:
+        return False
+    if held == UNREAD or held & set(dims):
+        raise ValueError(
+            f"{where}: its statistics over dims {dims} of a reshaped tile (of shape "
+            f"{tuple(x.shape)}) would take in the split dims' points, which lie in "
+            f"{'dims not known' if held == UNREAD else f'dims {sorted(held)}'}: not "
+            f"converted. Normalise the image-shaped tile (before the reshape, or after "
+            f"reshaping it back)")
+    return True
+
+
 def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``BatchNormNd``: batch statistics over the whole domain; running stats updated once."""
     batch_stats = module.training or module.running_mean is None
@@ -56,6 +81,8 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
     dims = [0, *range(2, x.dim())]
+    if _reshaped(ctx, x, dims, where):
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
     if ctx.fast:  # one exchange each way, torch's kernel (see _fused_norm)
         count = global_count(ctx, x, dims, where)
         y, mean, var = fused_norm(ctx, x.reshape(x.shape[0], x.shape[1], -1), module.weight,
@@ -85,9 +112,10 @@ def _update_running(module: Any, mean: torch.Tensor, var: torch.Tensor, count: i
 
 def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``GroupNorm``: each (sample, group)'s statistics over the whole domain."""
-    if ctx.dense or not _split_dims_in(ctx, x, list(range(2, x.dim()))):
-        return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = "GroupNorm (domain-parallel)"
+    if ctx.dense or _reshaped(ctx, x, list(range(1, x.dim())), where) or \
+            not _split_dims_in(ctx, x, list(range(2, x.dim()))):
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
     n, c = x.shape[0], x.shape[1]
     g = module.num_groups
     xg = x.reshape(n, g, c // g, *x.shape[2:])
@@ -107,9 +135,9 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
 
 def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``InstanceNormNd`` (no running statistics): each (sample, channel) over the domain."""
-    if ctx.dense:
-        return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = f"{type(module).__name__} (domain-parallel)"
+    if ctx.dense or _reshaped(ctx, x, list(range(2, x.dim())), where):
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
     if ctx.fast:
         count = global_count(ctx, x, list(range(2, x.dim())), where)
         n = x.shape[0]
@@ -132,9 +160,9 @@ def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     """
     k = len(module.normalized_shape)
     dims = list(range(x.dim() - k, x.dim()))
-    if ctx.dense or not _split_dims_in(ctx, x, dims):
-        return type(module).forward(module, x)  # type: ignore[no-any-return]
     where = "LayerNorm (domain-parallel)"
+    if ctx.dense or _reshaped(ctx, x, dims, where) or not _split_dims_in(ctx, x, dims):
+        return type(module).forward(module, x)  # type: ignore[no-any-return]
     centred, _, var, _ = moments(ctx, x, dims, where)
     y = _normalize(centred, var, module.eps)
     w, b = module.weight, getattr(module, "bias", None)

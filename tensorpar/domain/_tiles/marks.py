@@ -61,12 +61,14 @@ class Marks:
                                         list[Callable[[], None]]]] = {}
         self._points: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int],
                                       tuple[int, int] | None]] = {}
+        self._origins: dict[int, tuple[weakref.ref[torch.Tensor], torch.Size | None]] = {}
 
     def clear(self) -> None:
         """Forget every mark (a new forward)."""
         self._kinds.clear()
         self._as_tiles.clear()
         self._points.clear()
+        self._origins.clear()
 
     def hold_points(self, t: torch.Tensor, dims: frozenset[int],
                     block: tuple[int, int] | None = None) -> None:
@@ -76,6 +78,20 @@ class Marks:
         `tensorpar.domain._forward.points.Block`; ``None``: not known).
         """
         self._points[id(t)] = (weakref.ref(t), dims, block)
+
+    def mark_unread(self, t: torch.Tensor, origin: torch.Size | None) -> None:
+        """Record ``t`` as `UNREAD`.
+
+        ``origin``: the shape of the image-shaped tile it came from, in the same row-major
+        order (a reshape back to that shape is that image again); ``None``: none.
+        """
+        self.hold_points(t, UNREAD)
+        self._origins[id(t)] = (weakref.ref(t), origin)
+
+    def origin(self, t: torch.Tensor) -> torch.Size | None:
+        """The ``origin`` recorded by `mark_unread` (``None``: none)."""
+        entry = self._origins.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def image_again(self, t: torch.Tensor) -> None:
         """Forget what is recorded of ``t``'s points: it has the image's layout again."""
