@@ -45,7 +45,7 @@ from tensorpar.domain._forward.points import (
 )
 from tensorpar.domain._forward.reductions import loss_reduction, reduce_tile, refuse_mean_loss
 from tensorpar.domain._forward.shares import share_gradients
-from tensorpar.domain._layers import pad
+from tensorpar.domain._layers import norms, pad
 from tensorpar.domain._layers.attention import per_point, refuse_functional
 from tensorpar.domain._layers.resample import interpolate, tile_sizes_to_domain
 from tensorpar.domain._layers.roll import roll
@@ -405,6 +405,10 @@ class _FunctionalCalls(TorchFunctionMode):
         if TILE in scan.kinds and ctx.active and not ctx.internal and ctx.domain_size > 1 \
                 and (reduced := self._reduce(func, args, kwargs)) is not None:
             return reduced
+        if func in norms.FUNCTIONAL and on_tiles and tiled:
+            x = args[0] if args else kwargs["input"]
+            with ctx.own_calls():
+                return norms.functional_norm(ctx, func, x, args, kwargs)
         if func in _SHUFFLES and on_tiles and tiled:
             up = func is F.pixel_shuffle
             given = dict(zip(("input", "factor"), args, strict=False)) | kwargs
@@ -616,8 +620,8 @@ _KEEPS_ORDER = frozenset({"view", "reshape", "view_as", "reshape_as", "unflatten
                           "squeeze", "unsqueeze", "contiguous"})
 """Reshapes: what they give of a tile keeps its elements' row-major order."""
 
-_CONVERTED = frozenset({F.pad, F.interpolate, *_ADAPTIVE, *_WITH_INDICES, *_CONVS,
-                        *_POOLS, *_SHUFFLES})
+_CONVERTED = frozenset({F.pad, F.interpolate, *norms.FUNCTIONAL, *_ADAPTIVE, *_WITH_INDICES,
+                        *_CONVS, *_POOLS, *_SHUFFLES})
 """The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
 
 

@@ -10,17 +10,19 @@ forward, identically on every rank, as dense.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tensorpar.domain._layers.fused_norm import fused_norm
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import UNREAD
 from tensorpar.domain._tiles.sums import global_count, sum_over_domain
 
-__all__ = ["batch_norm_forward", "group_norm_forward", "instance_norm_forward",
-           "layer_norm_forward"]
+__all__ = ["FUNCTIONAL", "batch_norm_forward", "functional_norm", "group_norm_forward",
+           "instance_norm_forward", "layer_norm_forward"]
 
 
 def moments(ctx: DomainContext, x: torch.Tensor, dims: list[int], where: str
@@ -177,3 +179,71 @@ def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         y = y + b
     return y
 
+
+FUNCTIONAL = {F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
+          F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias",
+                            "use_input_stats", "momentum", "eps"),
+          F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training",
+                         "momentum", "eps"),
+          F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps")}
+"""Functional norms: their arguments' names."""
+
+
+class _FunctionalNorm:
+    """A functional norm's arguments as its layer's attributes; ``forward`` calls it."""
+
+    def __init__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                 attrs: dict[str, Any]) -> None:
+        self.call, self.args, self.kwargs = func, args, kwargs
+        self.num_groups: int = 0  # (F.group_norm's)
+        self.__dict__.update(attrs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The call as written (where nothing is split along its statistics' dims)."""
+        out: torch.Tensor = self.call(x, *self.args[1:], **self.kwargs)
+        return out
+
+
+def functional_norm(ctx: DomainContext, func: Any, x: torch.Tensor, args: Sequence[Any],
+                     kwargs: dict[str, Any]) -> torch.Tensor:
+    """A functional norm of a tile: its tile of the dense result, or an error.
+
+    ``F.group_norm`` and ``F.instance_norm``: statistics over the domain, as their layers'
+    (the forwards above). ``F.batch_norm`` in training and ``F.layer_norm`` over a split dim raise
+    (their layers convert); with fixed statistics, or over other dims, they run as they are.
+    """
+    given = dict(zip(FUNCTIONAL[func], args, strict=False)) | kwargs
+    name = func.__name__
+    weight, bias = given.get("weight"), given.get("bias")
+    channels = x.shape[1] if x.dim() > 1 else 0
+    if weight is not None or bias is not None:  # (one alone: the other is the identity's)
+        weight = weight if weight is not None else x.new_ones(channels)
+        bias = bias if bias is not None else x.new_zeros(channels)
+    attrs = {"weight": weight, "bias": bias, "affine": weight is not None,
+             "eps": given.get("eps", 1e-5)}
+    layer = _FunctionalNorm(func, args, kwargs, attrs)
+    if func is F.group_norm:
+        layer.num_groups = given["num_groups"]
+        return group_norm_forward(layer, ctx, x)
+    if func is F.instance_norm:
+        if not given.get("use_input_stats", True):
+            return layer.forward(x)  # (fixed statistics: point by point)
+        if given.get("running_mean") is not None:
+            raise ValueError(f"{name} (domain-parallel): running statistics updated from a "
+                             f"tile are not converted; use nn.InstanceNorm without "
+                             f"track_running_stats, or running_mean=None")
+        return instance_norm_forward(layer, ctx, x)
+    if func is F.batch_norm and not given.get("training", False):
+        return layer.forward(x)  # (running statistics: point by point)
+    held = ctx.marks.points(x)
+    points = {x.dim() + d for d in ctx.dims} if held is None and x.dim() == ctx.ndim \
+        else set(range(x.dim())) if held is None else set(held)
+    shape = given.get("normalized_shape", ())
+    over = set(range(x.dim() - len(shape), x.dim())) if func is F.layer_norm \
+        else {0, *range(2, x.dim())}
+    if func is F.layer_norm and not over & points:
+        return layer.forward(x)  # (over the channels of tokens)
+    layer_name = "nn.LayerNorm" if func is F.layer_norm else "nn.BatchNorm"
+    raise ValueError(f"{name} (domain-parallel) of a tile: its statistics would be the "
+                     f"tile's alone; use its layer ({layer_name}), which is converted, or "
+                     f"normalise dims without the split points")
