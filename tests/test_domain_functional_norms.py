@@ -50,6 +50,10 @@ class Normed(nn.Module):
             y = F.batch_norm(y, None, None, w, b, training=True)
         elif case == "layer norm over the image":
             y = F.layer_norm(y, y.shape[-3:])
+        elif case == "layer norm of a mesh's tokens as channels last":
+            b, c, h, w_ = y.shape
+            t = F.layer_norm(y.flatten(2).transpose(1, 2).view(b, h, w_, c), (c,))
+            y = t.permute(0, 3, 1, 2)
         elif case == "instance norm, running statistics":
             y = F.instance_norm(y, self.mean.clone(), self.var.clone(), use_input_stats=True)
         return self.conv2(y)
@@ -92,3 +96,18 @@ def _refused(case, sizes):
 def test_functional_norms_that_would_see_the_tile_alone_raise_on_every_rank(case):
     assert all(run_distributed(_refused, 2, case, [5, 7], timeout=T))
     assert all(run_distributed(_refused, 3, case, [4, 0, 8], timeout=T))
+
+
+def _mesh_refused():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensorpar.nn import parallelize_domain
+    model = parallelize_domain(Normed("layer norm of a mesh's tokens as channels last")
+                               .double(), dims=(-2, -1), group=init_device_mesh("cpu", (2, 2)))
+    with pytest.raises(ValueError, match="layer_norm"):  # (which dim holds the points?)
+        model(torch.randn(1, 2, 3, 2, dtype=torch.float64))
+    return True
+
+
+def test_a_layer_norm_of_a_tile_not_followed_raises_on_every_rank():
+    assert all(run_distributed(_mesh_refused, 4, timeout=T))

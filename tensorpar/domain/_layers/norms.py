@@ -180,12 +180,13 @@ def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     return y
 
 
-FUNCTIONAL = {F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
-          F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias",
-                            "use_input_stats", "momentum", "eps"),
-          F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training",
-                         "momentum", "eps"),
-          F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps")}
+FUNCTIONAL = {
+    F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
+    F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias",
+                      "use_input_stats", "momentum", "eps"),
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training",
+                   "momentum", "eps"),
+    F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps")}
 """Functional norms: their arguments' names."""
 
 
@@ -209,8 +210,9 @@ def functional_norm(ctx: DomainContext, func: Any, x: torch.Tensor, args: Sequen
     """A functional norm of a tile: its tile of the dense result, or an error.
 
     ``F.group_norm`` and ``F.instance_norm``: statistics over the domain, as their layers'
-    (the forwards above). ``F.batch_norm`` in training and ``F.layer_norm`` over a split dim raise
-    (their layers convert); with fixed statistics, or over other dims, they run as they are.
+    (the forwards above). ``F.batch_norm`` in training and ``F.layer_norm`` over a dim that
+    may hold the split points raise (their layers convert); with fixed statistics, or over
+    other dims, they run as they are.
     """
     given = dict(zip(FUNCTIONAL[func], args, strict=False)) | kwargs
     name = func.__name__
@@ -235,9 +237,9 @@ def functional_norm(ctx: DomainContext, func: Any, x: torch.Tensor, args: Sequen
         return instance_norm_forward(layer, ctx, x)
     if func is F.batch_norm and not given.get("training", False):
         return layer.forward(x)  # (running statistics: point by point)
-    held = ctx.marks.points(x)
+    held = ctx.marks.points(x)  # (not known: any dim may hold the points)
     points = {x.dim() + d for d in ctx.dims} if held is None and x.dim() == ctx.ndim \
-        else set(range(x.dim())) if held is None else set(held)
+        else set(range(x.dim())) if held is None or held == UNREAD else set(held)
     shape = given.get("normalized_shape", ())
     over = set(range(x.dim() - len(shape), x.dim())) if func is F.layer_norm \
         else {0, *range(2, x.dim())}
