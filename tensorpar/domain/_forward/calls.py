@@ -282,7 +282,7 @@ class _FunctionalCalls(TorchFunctionMode):
             return
         block = self._block(x, src)
         held = follow(func, args, kwargs, src, x.shape, out, block)
-        out_block = None if held is None else \
+        out_block = None if held is None or regroups(func, x.dim(), out.dim()) else \
             follow_block(func, args, kwargs, src, block, x.shape, out)
         if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
             # (an empty tile's sizes tell nothing, nor do a one-row tile's: it takes the
@@ -290,7 +290,7 @@ class _FunctionalCalls(TorchFunctionMode):
             rows = [x.shape[d] // (block[0] * block[1]) for d in src] if block is not None \
                 else [x.shape[d] for d in src]
             codes = None if not x.numel() or all(r <= 1 for r in rows) else \
-                readings(src, block, x.shape, out.shape, held, out_block) or {}
+                readings(src, block, x.shape, out.shape, held) or {}
             held, out_block = self._agreed_reading(codes, out)
             if held is None:
                 image = self.ctx.marks.points(x) is None and x.dim() == self.ctx.ndim

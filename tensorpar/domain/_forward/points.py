@@ -19,8 +19,9 @@ one done in steps (``x.mean(-1).mean(-1)``) is still seen along the points, and 
 A reshape that splits a dim holding points into several (tokens back to an image, an
 image cut into windows) is read from the dim's `Block`: where the split rows lie in it.
 What it cannot read (a split that cuts the split rows themselves, a dim whose block is not
-known, a call that changes the number of dims otherwise) leaves the dims unknown: nothing
-is refused on that tensor, and the docs say so.
+known, a call that changes the number of dims otherwise) leaves the dims unknown; the
+caller marks what a reshape the ranks cannot read gives as not followed, and refuses what
+would need its points.
 """
 
 from __future__ import annotations
@@ -422,12 +423,11 @@ _WINDOWS = 1 << 52
 
 
 def readings(src: Points, block: Block | None, in_shape: Sequence[int],
-             out_shape: Sequence[int], held: Points | None, held_block: Block | None
-             ) -> dict[int, float] | None:
+             out_shape: Sequence[int], held: Points | None) -> dict[int, float] | None:
     """Each output dim of a reshape that may hold the points, with a code of how it does.
 
-    ``held``, ``held_block``: `follow`'s and `follow_block`'s answers (``None``: not read,
-    or read two ways). Where a tile's one window of split rows reads two ways, both
+    ``held``: `follow`'s answer, used where there is no block to read (``None``: not
+    read). Where a tile's one window of split rows reads two ways, both
     readings come: the ranks keep the dims every rank reads alike (`reading_block`
     decodes). ``None``: not read.
     """
@@ -437,7 +437,7 @@ def readings(src: Points, block: Block | None, in_shape: Sequence[int],
             if d in gi:
                 found = _split_rows(gi, gj, d, block, in_shape, out_shape)
                 return {j: _code(b, w) for j, b, w in found} or None
-    return None if held is None else {d: _code(held_block, 0) for d in held}
+    return None if held is None else {d: 0.0 for d in held}  # (no block: code 0)
 
 
 def _code(block: Block | None, window: int) -> float:
