@@ -42,6 +42,7 @@ from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
     HEADER_LEN,
+    KIND_OTHER,
     KIND_TENSOR,
     Header,
     TensorPlaceholder,
@@ -49,7 +50,8 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["gradient_sent", "receive_edge", "recv", "send"]
+__all__ = ["NothingSent", "gradient_sent", "receive_edge", "recv", "refuse_send", "send",
+           "send_nothing", "unsendable"]
 
 
 class Meta(NamedTuple):
@@ -172,10 +174,48 @@ def _frame(x: torch.Tensor, link: Link, requires_grad: bool, room: int
     return (frame,)
 
 
+class NothingSent(CollectiveTypeError):
+    """The peer sent a frame that says no tensor follows: it raised (`refuse_send`)."""
+
+
+def unsendable(x: Any) -> CollectiveTypeError | CollectiveArgumentError | None:
+    """Why ``x`` cannot be sent (``None``: it can): one tensor, its dims and dtype in a header."""
+    if not isinstance(x, torch.Tensor):
+        return CollectiveTypeError(f"one tensor is sent, got {type(x).__name__}")
+    try:
+        encode_header(KIND_TENSOR, x.shape, x.dtype, False, x.device.type)
+    except CollectiveArgumentError as e:
+        return CollectiveArgumentError(f"{e} (a tensor of {x.dim()} dims, {x.dtype})")
+    return None
+
+
+def send_nothing(link: Link, room: int, device: torch.device | None) -> None:
+    """Tell the peer that nothing will come: a frame with no tensor (``room``: its room).
+
+    The peer's receive of this transfer raises `NothingSent` instead of waiting. Waits for
+    the frame to go where ``link`` has no ``pending`` (the public `send`).
+    """
+    frame = _frame_buffer(link, room, device).zero_()
+    frame[:HEADER_LEN * 8].view(torch.int64).copy_(encode_header(KIND_OTHER))
+    link.post_send(frame)
+
+
+def refuse_send(link: Link, room: int, device: torch.device | None, error: Exception) -> None:
+    """`send_nothing`, then raise ``error``."""
+    send_nothing(link, room, device)
+    raise error
+
+
 def _unframe(frame: torch.Tensor, device: torch.device
              ) -> tuple[Header, torch.Tensor | None]:
-    """The header in ``frame`` and the data it carries (``None``: a second message has it)."""
+    """The header in ``frame`` and the data it carries (``None``: a second message has it).
+
+    Raises:
+        NothingSent: the sender raised instead of sending (`refuse_send`).
+    """
     header = decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu())
+    if header.kind != KIND_TENSOR:
+        raise NothingSent("no tensor came: the sending rank raised instead (its error says why)")
     dtype = header.tensor_dtype
     size = math.prod(header.shape) * dtype.itemsize
     if size > frame.numel() - HEAD_BYTES:  # more than the frame's room
@@ -232,11 +272,17 @@ class _Recv(torch.autograd.Function):
         return anchor_grad.reshape(ctx.anchor_shape), None, None
 
 
-def send_activation(x: torch.Tensor, link: Link, room: int = 0) -> TensorPlaceholder:
+def send_activation(x: torch.Tensor, link: Link, room: int = 0, what: str = "send"
+                    ) -> TensorPlaceholder:
     """Send ``x`` and its header over ``link``; a placeholder of ``x`` owned by the peer.
 
     ``room``: the bytes of data the receiver's frame has room for (agreed by both sides).
+    ``what``: where the send is, for the error raised (here and on the peer) when ``x``
+    cannot be sent (`unsendable`).
     """
+    if (error := unsendable(x)) is not None:
+        device = x.device if isinstance(x, torch.Tensor) else None
+        refuse_send(link, room, device, type(error)(f"{what}: {error}"))
     graph = x.requires_grad and torch.is_grad_enabled()
     messages = _frame(x, link, graph, room)
     if graph:
@@ -327,7 +373,11 @@ class Inbox:
 
     def _post_data(self, key: Hashable) -> None:
         link, posted = self._waiting.pop(key)
-        header, data = _unframe(posted.wait(), self._device)
+        try:
+            header, data = _unframe(posted.wait(), self._device)
+        except NothingSent as e:  # raised when the activation is taken
+            self._ready[key] = (link, e, Posted(None, torch.empty(0)))
+            return
         if data is not None:
             self._ready[key] = (link, header, Posted(None, data))
             self._rooms[key] = room_for(data)
@@ -341,6 +391,8 @@ class Inbox:
         if key in self._waiting:
             self._post_data(key)
         link, header, posted = self._ready.pop(key)
+        if isinstance(header, NothingSent):
+            raise header
         return _in_graph(header.requires_grad, link, posted.buffer, posted.wait)
 
 
@@ -377,14 +429,15 @@ def send(x: torch.Tensor, *, dst: int, group: GroupLike = None, tag: int = 0
         A placeholder of ``x``, owned by ``dst``.
 
     Raises:
-        CollectiveArgumentError: ``dst`` is not another rank of the group.
-        CollectiveTypeError: ``x`` is not a tensor, or ``tag`` is not an int >= 0.
+        CollectiveArgumentError: ``dst`` is not another rank of the group, or ``x`` has
+            more dims than a header holds (12) or a dtype it cannot name (``dst``'s `recv`
+            raises `NothingSent` then, instead of waiting).
+        CollectiveTypeError: ``x`` is not a tensor (``dst``'s `recv` raises too), or
+            ``tag`` is not an int >= 0.
 
     Shape:
         ``x``: any; the placeholder has its shape.
     """
-    if not isinstance(x, torch.Tensor):
-        raise CollectiveTypeError(f"send: x must be a tensor, got {type(x).__name__}")
     return send_activation(x, _link("send", group, dst, "dst", tag))
 
 
@@ -408,6 +461,7 @@ def recv(like: TensorPlaceholder | None = None, *, src: int, group: GroupLike = 
     Raises:
         CollectiveArgumentError: ``src`` is not another rank of the group, or the metadata
             disagrees with ``like``.
+        NothingSent: ``src``'s `send` raised instead of sending (a `CollectiveTypeError`).
 
     Shape:
         output: the sender's shape.

@@ -17,11 +17,13 @@ from tensorpar.errors import CollectiveArgumentError
 from tensorpar.pipeline.p2p import (
     Inbox,
     Link,
+    NothingSent,
     gradient_sent,
     receive_edge,
     recv_activation,
     room_for,
     send_activation,
+    send_nothing,
 )
 from tensorpar.pipeline.schedules import SCHEDULES, SPLIT, Action, build_schedule, in_order
 from tensorpar.pipeline.split_backward import WeightGrads, backward_input, supported
@@ -65,7 +67,7 @@ class Pipeline(nn.Module):
 
     def __init__(self, model: nn.Module, *, group: GroupLike, microbatches: int,
                  schedule: str, loss_fn: LossFn | None, virtual_stages: int,
-                 split: Sequence[int] | None) -> None:
+                 split: Sequence[int] | None, loss_reduction: str = "mean") -> None:
         super().__init__()
         fn = "pipeline"
         g = resolve_group(group, fn)
@@ -79,6 +81,13 @@ class Pipeline(nn.Module):
             raise CollectiveArgumentError(
                 f"{fn}: schedule={SPLIT!r} needs torch 2.5 or later (a backward that starts "
                 f"from a node of the graph); this is torch {torch.__version__}")
+        if loss_reduction not in ("mean", "sum"):
+            raise CollectiveArgumentError(
+                f"{fn}: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_fn is None and loss_reduction != "mean":
+            raise CollectiveArgumentError(
+                f"{fn}: loss_reduction={loss_reduction!r} applies to a loss_fn; the model's "
+                f"own loss (loss_fn=None) is weighed by its label tokens")
         hf = is_transformers(model) and not has_blocks(model)
         if loss_fn is None and not hf:
             raise CollectiveArgumentError(
@@ -119,6 +128,8 @@ class Pipeline(nn.Module):
                                      model._non_persistent_buffers_set)
         self._group = g
         self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self._unanswered: list[Any] = []  # frames sent after a failed step (kept alive)
         self.stages: tuple[StageSpec, ...] = tuple(mine)
         self.num_stages = len(specs)
         self.microbatches = microbatches
@@ -198,7 +209,11 @@ class Pipeline(nn.Module):
         self._fsdp_modules = [(n, m) for n, m in self.named_modules() if is_fsdp_module(m)]
         problem = self._check(inputs, target)
         self._agree(problem, inputs, target)
+        # each tied copy's gradient before the step, set aside: the holders add up what
+        # this step adds to each copy (`_sum_tied_gradients`)
+        before = {name: self._set_aside(name) for name, _, _ in self._tied}
         pending: list[Any] = []
+        self._unanswered = [(w, kept) for w, kept in self._unanswered if not w.is_completed()]
         batch = list(torch.tensor_split(inputs, self.microbatches)) \
             if self.is_first and isinstance(inputs, torch.Tensor) else []
         targets, weights = self._targets(target) if self.is_last else ([], [])
@@ -219,67 +234,74 @@ class Pipeline(nn.Module):
                                                            pending, waited)
                        for a in self._actions if a.kind == "F" and a.stage > 0},
                       device, self._rooms_in) if self._eager else None
-        for action in self._actions:
-            k, i = action.stage, action.microbatch
-            spec = self.stages[k // self._group.size]
-            start = time.perf_counter()
-            if action.kind == "F":
-                if k == 0:
-                    x = batch[i]
-                elif single:
-                    x = held.pop((i, k - 1))
-                elif inbox is not None:
-                    x = inbox.take((i, k))
-                else:
-                    x, self._rooms_in[(i, k)] = recv_activation(
-                        None, self._link(k, i, False, pending, waited), device,
-                        self._rooms_in.get((i, k), 0))
-                edge = receive_edge(x) if k > 0 and not single else None
-                if edge is not None:  # taken before the stage runs: it may modify x in place
-                    received[(i, k)] = _Received(edge, x.grad_fn, x.shape, x.dtype, x.device)
-                y = run_stage(self, spec, x, self._decoder)
-                if spec.last:
-                    loss = self._loss(y, targets[i], weights[i])
-                    total = loss.detach() if total is None else total + loss.detach()
-                    held[(i, k)] = loss
-                elif single:
-                    held[(i, k)] = y
-                else:
-                    held[(i, k)] = send_activation(y, self._link(k, i, True, pending, waited),
-                                                   self._rooms_out.get((i, k), 0))
-                    self._rooms_out[(i, k)] = room_for(y)
-            elif action.kind == "W":
-                work = deferred.pop((i, k), None)
-                if work is not None:
-                    work.run()
-            elif spec.last or not single:  # the loss, or the send's placeholder
-                self._gradient_sync(final_backward[k] == i)
-                done = held.pop((i, k))
-                came = received.pop((i, k), None)
-                # a stage whose output needs no gradient: none comes
-                if done.requires_grad and split:  # B now, W when the schedule says
-                    out, grad = (done, None) if spec.last else _anchor_of(done)
-                    deferred[(i, k)] = backward_input(out, grad,
-                                                      [came.edge] if came is not None else [])
-                    del out, grad  # the graph lives on in W's hands only
-                elif done.requires_grad:
-                    done.backward()
-                del done
-                if came is not None and not gradient_sent(came.node):
-                    # the stage did not use what it received: its sender still waits
-                    self._link(k, i, False, pending, waited).reverse().post_send(
-                        torch.zeros(came.shape, dtype=came.dtype, device=came.device))
-            end = time.perf_counter()
-            busy += end - start
-            self.last_timeline.append((action, start - origin, end - origin))
-            if inbox is not None:
-                inbox.poll()
-            # let go of sends that are done: their tensors would otherwise live to the end
-            pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
+        sent: set[tuple[int, int]] = set()  # the activations this step sent (or tried)
+        try:
+            for action in self._actions:
+                k, i = action.stage, action.microbatch
+                spec = self.stages[k // self._group.size]
+                start = time.perf_counter()
+                if action.kind == "F":
+                    if k == 0:
+                        x = batch[i]
+                    elif single:
+                        x = held.pop((i, k - 1))
+                    else:
+                        x = self._receive(inbox, k, i, pending, waited, device)
+                    edge = receive_edge(x) if k > 0 and not single else None
+                    if edge is not None:  # taken before the stage runs: it may modify x in place
+                        received[(i, k)] = _Received(edge, x.grad_fn, x.shape, x.dtype, x.device)
+                    y = run_stage(self, spec, x, self._decoder)
+                    if spec.last:
+                        loss = self._loss(y, targets[i], weights[i])
+                        total = loss.detach() if total is None else total + loss.detach()
+                        held[(i, k)] = loss
+                    elif single:
+                        held[(i, k)] = y
+                    else:
+                        link = self._link(k, i, True, pending, waited)
+                        sent.add((i, k))
+                        held[(i, k)] = send_activation(
+                            y, link, self._rooms_out.get((i, k), 0),
+                            f"Pipeline.step: stage {k}'s output (microbatch {i}) to stage {k + 1} "
+                            f"on rank {link.peer}")
+                        self._rooms_out[(i, k)] = room_for(y)
+                elif action.kind == "W":
+                    work = deferred.pop((i, k), None)
+                    if work is not None:
+                        work.run()
+                elif spec.last or not single:  # the loss, or the send's placeholder
+                    self._gradient_sync(final_backward[k] == i)
+                    done = held.pop((i, k))
+                    came = received.pop((i, k), None)
+                    # a stage whose output needs no gradient: none comes
+                    if done.requires_grad and split:  # B now, W when the schedule says
+                        out, grad = (done, None) if spec.last else _anchor_of(done)
+                        deferred[(i, k)] = backward_input(out, grad,
+                                                          [came.edge] if came is not None else [])
+                        del out, grad  # the graph lives on in W's hands only
+                    elif done.requires_grad:
+                        done.backward()
+                    del done
+                    if came is not None and not gradient_sent(came.node):
+                        # the stage did not use what it received: its sender still waits
+                        self._link(k, i, False, pending, waited).reverse().post_send(
+                            torch.zeros(came.shape, dtype=came.dtype, device=came.device))
+                end = time.perf_counter()
+                busy += end - start
+                self.last_timeline.append((action, start - origin, end - origin))
+                if inbox is not None:
+                    inbox.poll()
+                # let go of sends that are done: their tensors would otherwise live to the end
+                pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
+        except BaseException:  # the next stages' ranks raise too, instead of waiting
+            if not single:
+                self._unanswered += pending  # (sends in flight: kept alive)
+                self._send_nothing(sent, device)
+            raise
         for work, _ in pending:
             work.wait()
         if self._tied:
-            self._sum_tied_gradients()
+            self._sum_tied_gradients(before)
         self.last_busy = busy - waited[0]
         if self.is_last:
             assert total is not None
@@ -288,6 +310,36 @@ class Pipeline(nn.Module):
                                            if p.is_floating_point()), torch.float32),
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
+
+    def _send_nothing(self, sent: set[tuple[int, int]], device: torch.device) -> None:
+        """After an error in a step: tell the next stages' ranks that nothing more comes.
+
+        Each activation this rank still owes them gets a frame that says so (only the next
+        one where receives are not posted ahead: its receiver stops there); the receiving
+        rank raises `NothingSent` instead of waiting, and does the same in turn. A rank
+        waiting for a gradient from this one still waits (see the docs' notes).
+        """
+        owed = [(a.microbatch, a.stage) for a in self._actions
+                if a.kind == "F" and (a.microbatch, a.stage) not in sent
+                and not self.stages[a.stage // self._group.size].last]
+        for i, k in owed if self._eager else owed[:1]:
+            link = self._link(k, i, True, self._unanswered, [0.0])
+            send_nothing(link, self._rooms_out.get((i, k), 0), device)
+
+    def _receive(self, inbox: Inbox | None, k: int, i: int, pending: list[Any],
+                 waited: list[float], device: torch.device) -> torch.Tensor:
+        """Stage ``k``'s input of microbatch ``i``, from the previous stage's rank."""
+        link = self._link(k, i, False, pending, waited)
+        try:
+            if inbox is not None:
+                return inbox.take((i, k))
+            x, self._rooms_in[(i, k)] = recv_activation(None, link, device,
+                                                        self._rooms_in.get((i, k), 0))
+            return x
+        except NothingSent as e:
+            raise NothingSent(
+                f"Pipeline.step: stage {k - 1} (rank {link.peer}) sent no activation to stage "
+                f"{k} (microbatch {i}): it raised instead (its error says why)") from e
 
     def stage_modules(self) -> list[tuple[str, nn.Module]]:
         """The modules this rank's stages call, by dense name, in order.
@@ -327,19 +379,41 @@ class Pipeline(nn.Module):
         return [self.get_parameter(name) for name, peer, _ in self._tied
                 if peer < self._group.rank]
 
-    def _sum_tied_gradients(self) -> None:
-        """Add the two holders' gradients of each tied parameter, in the same order on both."""
+    def _set_aside(self, name: str) -> torch.Tensor | None:
+        """The tied copy ``name``'s gradient, taken off it (the step's start from none)."""
+        weight = self.get_parameter(name)
+        grad, weight.grad = weight.grad, None
+        return grad
+
+    def _sum_tied_gradients(self, before: dict[str, torch.Tensor | None]) -> None:
+        """Add what this step gave each tied parameter's two holders, in the same order on both.
+
+        ``before``: each copy's gradient before the step (`_set_aside`), which both holders
+        have alike; the sum of the two steps' gradients is added to it. Where neither
+        holder's copy got one (a step under ``torch.no_grad()``, a frozen parameter), the
+        gradient stays what it was.
+        """
         base = 2 * self.microbatches * self.num_stages  # after every activation's tags
         sums = []
         for name, peer, pair in self._tied:
             weight = self.get_parameter(name)
-            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+            grad = weight.grad
             link = Link(self._group, peer, base + pair, base + pair, [])
-            link.post_send(grad.detach().clone())
-            other = link.receive(torch.empty_like(grad))
-            for work, _ in link.pending or []:
-                work.wait()
-            sums.append((weight, grad + other if self._group.rank < peer else other + grad))
+            flag = torch.tensor([grad is not None], dtype=torch.uint8,
+                                device=self._group.comm_device(weight.device))
+            link.post_send(flag)
+            other_has = bool(link.receive(torch.empty_like(flag)).item())
+            if grad is None and not other_has:
+                _wait_all(link)
+                sums.append((weight, before[name]))
+                continue
+            mine = grad if grad is not None else torch.zeros_like(weight)
+            link.post_send(mine.detach().contiguous())
+            other = link.receive(torch.empty_like(mine))
+            _wait_all(link)
+            step = mine + other if self._group.rank < peer else other + mine
+            kept = before[name]
+            sums.append((weight, step if kept is None else kept + step))
         for weight, total in sums:
             weight.grad = total
 
@@ -413,6 +487,8 @@ class Pipeline(nn.Module):
         if self.loss_fn is None:  # the model's own loss: a sum over label tokens / their count
             count = (target[..., 1:] != -100).sum()
             return parts, [count] * len(parts)
+        if self.loss_reduction == "sum":  # added up as they are
+            return parts, [1.0] * len(parts)
         return parts, [p.shape[0] / target.shape[0] for p in parts]
 
     def _loss(self, output: torch.Tensor, target: Any, weight: Any) -> torch.Tensor:
@@ -452,7 +528,7 @@ def _backend(g: Group) -> str:
 
 def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
              schedule: str = "1f1b", loss_fn: LossFn | None = None, virtual_stages: int = 1,
-             split: Sequence[int] | None = None) -> Pipeline:
+             split: Sequence[int] | None = None, loss_reduction: str = "mean") -> Pipeline:
     """Cut ``model`` into pipeline stages over ``group``; keep this rank's, return the pipeline.
 
     Every rank builds the same dense model and calls this; the modules of other ranks'
@@ -480,17 +556,22 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
             the weights', run later where the rank would wait; interleaved too when
             ``virtual_stages > 1``; see `tensorpar.pipeline.split_backward` for what it
             costs and does not run).
-        loss_fn: ``(output, target) -> loss`` of a microbatch, mean-reduced over its rows;
-            ``None`` for a transformers model: its own causal-LM loss (``labels``).
+        loss_fn: ``(output, target) -> loss`` of a microbatch, mean-reduced over its rows
+            (see ``loss_reduction``); ``None`` for a transformers model: its own causal-LM
+            loss (``labels``).
         virtual_stages: stages per rank (interleaving).
         split: blocks (decoder layers) per stage, ``P * virtual_stages`` of them.
+        loss_reduction: ``"mean"``: ``loss_fn`` is a mean over the microbatch's rows, and
+            the batch loss weighs each by its share of the rows; ``"sum"``: the
+            microbatches' losses are added up as they are (``loss_fn`` a sum, or a sum
+            divided by a count over the whole batch, such as its targets not ignored).
 
     Returns:
         The `Pipeline`: call ``step(inputs, target)`` on every rank.
 
     Raises:
-        CollectiveArgumentError: bad counts, an unknown schedule, a split that does not add
-            up, or an ``nn.Sequential`` without ``loss_fn``.
+        CollectiveArgumentError: bad counts, an unknown schedule or ``loss_reduction``, a
+            split that does not add up, or an ``nn.Sequential`` without ``loss_fn``.
         CollectiveTypeError: a model of none of these kinds, or ``pipeline_blocks()``
             items that are not ``(names, fn)`` with names of the model's.
 
@@ -509,4 +590,11 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
         ['0.weight', '0.bias']
     """
     return Pipeline(model, group=group, microbatches=microbatches, schedule=schedule,
-                    loss_fn=loss_fn, virtual_stages=virtual_stages, split=split)
+                    loss_fn=loss_fn, virtual_stages=virtual_stages, split=split,
+                    loss_reduction=loss_reduction)
+
+
+def _wait_all(link: Link) -> None:
+    """Wait for the sends ``link`` posted."""
+    for work, _ in link.pending or []:
+        work.wait()
