@@ -134,7 +134,10 @@ def test_layers_three_ranks_empty_tile(name):
 
 
 def test_norms_running_statistics_over_three_steps():
-    assert max(run_distributed(_run, 3, "norms", [6, 6, 5], 3, timeout=T)) < TOL
+    # 1e-9: the GroupNorm bias's gradient is zero in exact arithmetic (the InstanceNorm
+    # after it takes each channel's mean out), so both sides hold the rounding left from
+    # cancelling gradients of about 40; it reaches 1.8e-10 at the third step on some CPUs
+    assert max(run_distributed(_run, 3, "norms", [6, 6, 5], 3, timeout=T)) < 1e-9
 
 
 @pytest.mark.parametrize("world,sizes", [(2, [5, 3]), (3, [3, 1, 4])])
