@@ -12,7 +12,6 @@ tiles (`meet`), and gives the parameters used on pooled features their shares
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,34 +22,25 @@ from torch.overrides import TorchFunctionMode
 
 from tensorpar._torch import tree_map
 from tensorpar.domain._forward import meet
+from tensorpar.domain._forward.converted import CONVERTED, NOT_CONVERTED, convert
 from tensorpar.domain._forward.flow import (
     not_linear,
     output_kind,
     reads_only_metadata,
     refuse_spread,
 )
+from tensorpar.domain._forward.following import Follower
 from tensorpar.domain._forward.points import (
-    Block,
-    after_reduction,
     cut_dim,
     einsum_points,
-    follow,
-    follow_block,
     indexed_dims,
     pairs_points,
-    reading_block,
-    readings,
     reduced_dims,
-    regroups,
 )
 from tensorpar.domain._forward.reductions import loss_reduction, reduce_tile, refuse_mean_loss
 from tensorpar.domain._forward.shares import share_gradients
-from tensorpar.domain._layers import norms, pad
 from tensorpar.domain._layers.attention import per_point, refuse_functional
-from tensorpar.domain._layers.resample import interpolate, tile_sizes_to_domain
 from tensorpar.domain._layers.roll import roll
-from tensorpar.domain._layers.shuffle import pixel_shuffle
-from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
 from tensorpar.domain._tiles import agree
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import (
@@ -58,18 +48,16 @@ from tensorpar.domain._tiles.marks import (
     PARTIAL,
     POOLED,
     TILE,
-    UNREAD,
     Kind,
     Scan,
     tensors_in,
 )
-from tensorpar.domain._tiles.sums import extreme_over_domain, over_domain
 
 __all__ = ["enter_functional_mode", "exit_functional_mode"]
 
 
 class _FunctionalCalls(TorchFunctionMode):
-    """While a converted model runs: ``F.interpolate`` and ``F.pad`` on tiles, converted.
+    """While a converted model runs: every call outside the converted layers, followed.
 
     Every call's output is marked a tile or pooled features (`marks`); where pooled
     features meet the tiles, their gradient is summed over the domain (`meet`); the
@@ -80,6 +68,7 @@ class _FunctionalCalls(TorchFunctionMode):
     def __init__(self, ctx: DomainContext) -> None:
         super().__init__()
         self.ctx = ctx
+        self.follower = Follower(ctx)
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -131,7 +120,7 @@ class _FunctionalCalls(TorchFunctionMode):
         if args and kind is not None and _in_place(func):  # ``b[:] = t``, ``b.copy_(t)``
             ctx.marks.mark(args[0], kind)
         if kind == TILE:
-            self._follow_points(func, args, kwargs, out)
+            self.follower.follow_call(func, args, kwargs, out)
         return out
 
     def _on_partial(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
@@ -205,138 +194,6 @@ class _FunctionalCalls(TorchFunctionMode):
             marks.mark(tiles_out, TILE)
             marks.keep_as_tiles(out, tiles_out, pending)
 
-    def _points(self, t: Any) -> frozenset[int] | None:
-        """The dims of the tile ``t`` that hold the split dims' points (``None``: unknown)."""
-        ctx = self.ctx
-        if not isinstance(t, torch.Tensor) or ctx.marks.kind_of(t) != TILE:
-            return None
-        held = ctx.marks.points(t)
-        if held == UNREAD:
-            return None
-        return held if held is not None or t.dim() != ctx.ndim else self._image_points()
-
-    def _unread(self, t: Any) -> bool:
-        """Whether ``t`` is a tile reshaped in a way that is not followed (`UNREAD`)."""
-        return isinstance(t, torch.Tensor) and self.ctx.marks.points(t) == UNREAD
-
-    def _image_points(self) -> frozenset[int]:
-        return frozenset(self.ctx.ndim + d for d in self.ctx.dims)
-
-    def _follow_points(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
-                       out: Any) -> None:
-        """Record which dims of the reshaped tile ``out`` hold points (`points`).
-
-        A sequence of tensors (``chunk``, ``split``): those with the input's dims hold
-        the points where it does. What a tile not followed gives is not followed either
-        (`UNREAD`), and so is a reshape the ranks do not read alike.
-        """
-        unread = next((t for t in tensors_in((args, kwargs)) if self._unread(t)), None)
-        if unread is not None:
-            name = getattr(func, "__name__", "")
-            # the row-major order of the image it came from is kept by reshapes and by
-            # calls that keep the shape without moving dims: back at that shape, an image
-            origin = self.ctx.marks.origin(unread) if name not in _MOVES_DIMS else None
-            for t in tensors_in(out):
-                kept = origin if name in _KEEPS_ORDER or t.shape == unread.shape else None
-                if kept is not None and t.shape == kept:
-                    self.ctx.marks.image_again(t)
-                else:
-                    self.ctx.marks.mark_unread(t, kept)
-            return
-        if func is torch.einsum:  # its subscripts name the dims
-            held, _ = einsum_points(args, self._points)
-            if isinstance(out, torch.Tensor) and held is not None:
-                self._hold(out, held)
-            return
-        x = args[0] if args else kwargs.get("input")
-        name = getattr(func, "__name__", "")
-        if name in ("stack", "cat", "concat", "concatenate") and isinstance(x, (tuple, list)) \
-                and isinstance(out, torch.Tensor):  # the first tile's points
-            src = next((p for t in x if (p := self._points(t))), None)
-            if src is not None and name == "stack":  # a new dim at ``dim``
-                at = (args[1] if len(args) > 1
-                      else kwargs.get("dim", kwargs.get("axis", 0))) % out.dim()
-                src = frozenset(d + (d >= at) for d in src)
-            if src is not None:
-                self._hold(out, src)
-            return
-        src = self._points(x)
-        if src is None or not isinstance(x, torch.Tensor):
-            return
-        if not isinstance(out, torch.Tensor) and \
-                (dims := reduced_dims(func, args, kwargs, x.dim())) is not None:
-            for t in tensors_in(out):  # ``values, indices = x.max(-1)``
-                if (held := after_reduction(src, dims, x.dim(), t.dim())) is not None:
-                    self._hold(t, held)
-            return
-        if not isinstance(out, torch.Tensor):
-            n, block = x.dim(), self._block(x, src)
-            if getattr(func, "__name__", "") in ("unbind", "__iter__"):  # ``q, k, v = t``
-                gone = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.dim()
-                if gone in src:
-                    return
-                src, n = frozenset(d - (d > gone) for d in src), n - 1
-            for t in tensors_in(out):
-                if t.dim() == n:
-                    self._hold(t, src, block)
-            return
-        block = self._block(x, src)
-        held = follow(func, args, kwargs, src, x.shape, out, block)
-        out_block = None if held is None or regroups(func, x.dim(), out.dim()) else \
-            follow_block(func, args, kwargs, src, block, x.shape, out)
-        if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
-            # (an empty tile's sizes tell nothing, nor do a one-row tile's: it takes the
-            # others')
-            rows = [x.shape[d] // (block[0] * block[1]) for d in src] if block is not None \
-                else [x.shape[d] for d in src]
-            codes = None if not x.numel() or all(r <= 1 for r in rows) else \
-                readings(src, block, x.shape, out.shape, held) or {}
-            held, out_block = self._agreed_reading(codes, out)
-            if held is None:
-                image = self.ctx.marks.points(x) is None and x.dim() == self.ctx.ndim
-                self.ctx.marks.mark_unread(out, x.shape if image else None)
-        if held is not None:
-            self._hold(out, held, out_block)
-
-    def _agreed_reading(self, codes: dict[int, float] | None, out: torch.Tensor
-                        ) -> tuple[frozenset[int] | None, Block | None]:
-        """The dims of a reshaped tile holding points, and their block, read alike by all.
-
-        ``codes``: this rank's `readings` (``None``: it abstains; empty: it cannot read
-        them). One small all-reduce of each output dim's code and size: a dim every rank
-        that reads gives the same code holds the points; several such dims (one window per
-        tile everywhere: read two ways alike) all hold them, with no block, so that only
-        a reduction over all of them is the domain's. Unknown where no dim is read alike,
-        or where a dim that does not hold them differs in size between ranks (a split read
-        from the tile's own size).
-        """
-        n = out.dim()
-        mine = [-math.inf] * (4 * n) if codes is None else \
-            [*(codes.get(j, -1.0) for j in range(n)), *map(float, out.shape)]
-        if codes is not None:
-            mine += [-v for v in mine]
-        every = agree.all_reduced(self.ctx, mine, "max", out.device)
-        high, low = every[:2 * n], [-v for v in every[2 * n:]]
-        read = {j: high[j] for j in range(n) if high[j] == low[j] and high[j] >= 0}
-        if not read or any(high[n + j] != low[n + j] for j in range(n) if j not in read):
-            return None, None
-        if len(read) > 1:
-            return frozenset(read), None
-        ((j, code),) = read.items()
-        return frozenset({j}), reading_block(code)
-
-    def _block(self, t: torch.Tensor, held: frozenset[int]) -> Block | None:
-        """The `Block` of the tile ``t``'s dim holding points (``None``: not known)."""
-        if self.ctx.marks.points(t) is not None:
-            return self.ctx.marks.block(t)
-        return (1, 1) if len(held) == 1 and held == self._image_points() else None
-
-    def _hold(self, t: torch.Tensor, held: frozenset[int], block: Block | None = None) -> None:
-        """Record the dims of ``t`` holding points (and their block), unless the image's."""
-        if t.dim() != self.ctx.ndim or held != self._image_points() or \
-                block not in (None, (1, 1)):
-            self.ctx.marks.hold_points(t, held, block)
-
     def _call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], scan: Scan
               ) -> Any:
         ctx = self.ctx
@@ -344,12 +201,13 @@ class _FunctionalCalls(TorchFunctionMode):
                 and ctx.domain_size > 1 and (rolled := self._roll(args, kwargs)) is not None:
             return rolled
         if TILE in scan.kinds and ctx.domain_size > 1:
-            if not per_point(func, args, kwargs, self._points):
+            if not per_point(func, args, kwargs, self.follower.points):
                 refuse_functional(func)
-            if loss_reduction(func, kwargs) == "mean" and self._points(
+            if loss_reduction(func, kwargs) == "mean" and self.follower.points(
                     args[0] if args else kwargs.get("input")):
                 raise refuse_mean_loss(getattr(func, "__name__", str(func)))
-            if any(self._unread(t) for t in args[:2]) and self._needs_points(func, args, kwargs):
+            if any(self.follower.unread(t) for t in args[:2]) and \
+                    self._needs_points(func, args, kwargs):
                 raise ValueError(
                     f"{getattr(func, '__name__', func)} (domain-parallel) of a tile reshaped in a "
                     f"way that is not followed (which of its dims hold the split dims' points "
@@ -363,8 +221,9 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"tile's rows as if they were the domain's (a slice, roll, flip, chunk or "
                     f"cat along a split dim is not converted); do it before the split, or on "
                     f"the gathered tensor")
-            if ((func in _PRODUCTS and pairs_points(args, [self._points(a) for a in args[:2]]))
-                    or (func is torch.einsum and einsum_points(args, self._points)[1])):
+            points = self.follower.points
+            if ((func in _PRODUCTS and pairs_points(args, [points(a) for a in args[:2]]))
+                    or (func is torch.einsum and einsum_points(args, points)[1])):
                 raise ValueError(
                     f"{getattr(func, '__name__', func)} (domain-parallel) pairs two tiles' "
                     f"points or sums a tile over its points (attention written by hand?): it "
@@ -372,61 +231,15 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"diffusers' and MONAI's attention blocks (tensorpar.nn.ring_attention "
                     f"for your own)")
         kind = scan.road
-        on_tiles = ctx.active and not ctx.internal and func in _CONVERTED \
+        on_tiles = ctx.active and not ctx.internal and func in CONVERTED \
             and not meet.runs_dense(ctx, kind, args[0] if args else kwargs.get("input"))
         tiled = TILE in scan.kinds or kind == EARLY  # (not a constant made after the pooling)
-        if func is F.pad and on_tiles:
-            pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
-            pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})
-            return pad.pad(ctx, args[0] if args else kwargs["input"], **pads)
-        if func in _ADAPTIVE and on_tiles:  # a global pooling written as a call
-            size = args[1] if len(args) > 1 else kwargs["output_size"]
-            k, largest = _ADAPTIVE[func]
-            if any(s != 1 for s in (size if isinstance(size, (tuple, list)) else (size,) * k)):
-                raise ValueError(f"{func.__name__} (domain-parallel): only output size 1 (the "
-                                 f"whole domain's) is converted, got {size!r}")
-            if (args[2] if len(args) > 2 else kwargs.get("return_indices")) or \
-                    func in _WITH_INDICES:
-                raise ValueError(f"{func.__name__} (domain-parallel): the indices would be "
-                                 f"the tile's; a pooling without indices is converted")
-            x = args[0] if args else kwargs["input"]
-            dims = range(x.dim() - k, x.dim())
-            with ctx.own_calls():
-                if largest:
-                    return extreme_over_domain(ctx, x, dims, func.__name__, first=True)
-                return over_domain(ctx, x, dims, func.__name__)
-        if on_tiles and func in _WITH_INDICES and tiled:
-            raise ValueError(f"{func.__name__} (domain-parallel): the indices would be the "
-                             f"tile's; max pooling without indices is converted")
-        if on_tiles and (func in _CONVS or func in _POOLS) and tiled:
-            layer = _as_layer(func, args, kwargs)  # a stencil: with its halo
-            with ctx.own_calls():
-                return (conv_forward if func in _CONVS else pool_forward)(layer, ctx, args[0])
+        if on_tiles and (converted := convert(ctx, func, args, kwargs, tiled)) \
+                is not NOT_CONVERTED:
+            return converted
         if TILE in scan.kinds and ctx.active and not ctx.internal and ctx.domain_size > 1 \
                 and (reduced := self._reduce(func, args, kwargs)) is not None:
             return reduced
-        if func in norms.FUNCTIONAL and on_tiles and tiled:
-            x = args[0] if args else kwargs["input"]
-            with ctx.own_calls():
-                return norms.functional_norm(ctx, func, x, args, kwargs)
-        if func in _SHUFFLES and on_tiles and tiled:
-            up = func is F.pixel_shuffle
-            given = dict(zip(("input", "factor"), args, strict=False)) | kwargs
-            factor = given["factor" if "factor" in given else
-                           "upscale_factor" if up else "downscale_factor"]
-            with ctx.own_calls():
-                return pixel_shuffle(ctx, given["input"], int(factor), up=up)
-        if func is F.interpolate and on_tiles:
-            names = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
-            call = dict(zip(names, args[1:], strict=False))
-            call.update({n: kwargs[n] for n in names if n in kwargs})
-            if kwargs.get("antialias"):
-                raise ValueError("interpolate (domain-parallel): antialias=True is not "
-                                 "supported over a split domain")
-            x = args[0] if args else kwargs["input"]
-            call["size"] = tile_sizes_to_domain(ctx, x, call.get("size"), "interpolate "
-                                                "(domain-parallel)")
-            return interpolate(ctx, x, **call)
         if func is F.interpolate and (empty := meet.interpolate_to_empty(args, kwargs)) \
                 is not None:
             return empty
@@ -456,12 +269,12 @@ class _FunctionalCalls(TorchFunctionMode):
         x, dims = given.get("input"), given.get("dims")
         if not isinstance(x, torch.Tensor) or dims is None or "shifts" not in given:
             return None
-        held = self._points(x)
+        held = self.follower.points(x)
         image = ctx.marks.points(x) is None and x.dim() == ctx.ndim
         if image:
             split_at = {x.dim() + d: i for i, d in enumerate(ctx.dims)}
         elif held is not None and len(held) == 1 and len(ctx.dims) == 1 and \
-                (block := self._block(x, held)) is not None and block[0] == 1:
+                (block := self.follower.block(x, held)) is not None and block[0] == 1:
             split_at = {next(iter(held)): 0}
         else:
             return None
@@ -477,9 +290,9 @@ class _FunctionalCalls(TorchFunctionMode):
         Whether it keeps every row reads the tile's size, which differs between ranks.
         """
         if getattr(func, "__name__", "") not in ("__getitem__", "__setitem__") or len(args) < 2:
-            return cut_dim(func, args, kwargs, self._points)
+            return cut_dim(func, args, kwargs, self.follower.points)
         x = args[0]
-        held = self._points(x)
+        held = self.follower.points(x)
         if not held or not isinstance(x, torch.Tensor):
             return None
         cut, sliced = indexed_dims(args[1], x.shape, held)
@@ -512,7 +325,8 @@ class _FunctionalCalls(TorchFunctionMode):
     def _sums_the_tile(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """Whether ``func`` sums a tile over every dim (its part of a loss)."""
         x = args[0] if args else kwargs.get("input")
-        if not (self._points(x) or self._unread(x)) or not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or not (self.follower.points(x)
+                                                   or self.follower.unread(x)):
             return False
         if loss_reduction(func, kwargs) == "sum":
             return True
@@ -526,7 +340,7 @@ class _FunctionalCalls(TorchFunctionMode):
         ``None`` where ``func`` is no reduction along the points (it runs as it is).
         """
         x = args[0] if args else kwargs.get("input")
-        points = self._points(x)
+        points = self.follower.points(x)
         if not points or not isinstance(x, torch.Tensor):
             return None
         dims = reduced_dims(func, args, kwargs, x.dim())
@@ -537,93 +351,11 @@ class _FunctionalCalls(TorchFunctionMode):
             return reduce_tile(self.ctx, func, x, dims, points, image, args, kwargs)
 
 
-class _Functional:
-    """A functional convolution's or pooling's arguments as its layer's attributes.
-
-    Made by `_as_layer` with a class of the layer's name (the converted forwards read the
-    dims and the kind from it).
-    """
-
-    def __init__(self, attrs: dict[str, Any]) -> None:
-        self.__dict__.update(attrs)
-
-
-_LAYER_TYPES: dict[str, type[_Functional]] = {}
-
-
-def _as_layer(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> _Functional:
-    """``F.conv2d(x, w, ...)``, ``F.max_pool2d(x, 2)``... as the layer that would do it."""
-    names = ("input", *_CONVS.get(func, _POOLS.get(func, ("", 0, ())))[2])
-    given = dict(zip(names, args, strict=False)) | kwargs
-    if func in _CONVS:
-        k = _CONVS[func][1]
-        weight = given["weight"]
-        padding = given.get("padding", 0)
-        attrs = {"weight": weight, "bias": given.get("bias"),
-                 "stride": per_dim(given.get("stride", 1), k),
-                 "padding": padding if isinstance(padding, str) else per_dim(padding, k),
-                 "dilation": per_dim(given.get("dilation", 1), k),
-                 "groups": given.get("groups", 1), "padding_mode": "zeros",
-                 "kernel_size": tuple(weight.shape[2:]), "out_channels": weight.shape[0]}
-        name = f"Conv{k}d"
-    else:
-        kind, k, _ = _POOLS[func]
-        if given.get("return_indices"):
-            raise ValueError(f"{func.__name__} (domain-parallel): return_indices=True (the "
-                             f"indices would be the tile's)")
-        attrs = {"kernel_size": given["kernel_size"], "stride": given.get("stride"),
-                 "padding": given.get("padding", 0), "dilation": given.get("dilation", 1),
-                 "ceil_mode": given.get("ceil_mode", False),
-                 "count_include_pad": given.get("count_include_pad", True),
-                 "divisor_override": given.get("divisor_override")}
-        name = f"{kind}{k}d"
-    layer_type = _LAYER_TYPES.setdefault(name, type(name, (_Functional,), {}))
-    return layer_type(attrs)
-
-
-_CONV_ARGS = ("weight", "bias", "stride", "padding", "dilation", "groups")
-_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-_AVG_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
-             "divisor_override")
-_CONVS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
-    F.conv1d: ("Conv", 1, _CONV_ARGS), F.conv2d: ("Conv", 2, _CONV_ARGS),
-    F.conv3d: ("Conv", 3, _CONV_ARGS)}
-_POOLS: dict[Any, tuple[str, int, tuple[str, ...]]] = {
-    F.max_pool1d: ("MaxPool", 1, _MAX_ARGS), F.max_pool2d: ("MaxPool", 2, _MAX_ARGS),
-    F.max_pool3d: ("MaxPool", 3, _MAX_ARGS), F.avg_pool1d: ("AvgPool", 1, _AVG_ARGS),
-    F.avg_pool2d: ("AvgPool", 2, _AVG_ARGS), F.avg_pool3d: ("AvgPool", 3, _AVG_ARGS)}
-"""Functional convolutions and poolings, converted on tiles as their layers."""
-_WITH_INDICES = frozenset({F.max_pool1d_with_indices, F.max_pool2d_with_indices,
-                           F.max_pool3d_with_indices, F.adaptive_max_pool1d_with_indices,
-                           F.adaptive_max_pool2d_with_indices,
-                           F.adaptive_max_pool3d_with_indices})
 _UNTRACKED = Scan(set(), 0, [], False)  # (never changed)
 _PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                        torch.bmm, torch.Tensor.bmm})
 """Products of two tensors: two tiles' may pair every point with every other."""
-_ADAPTIVE = {F.adaptive_avg_pool1d: (1, False), F.adaptive_avg_pool2d: (2, False),
-             F.adaptive_avg_pool3d: (3, False), F.adaptive_max_pool1d: (1, True),
-             F.adaptive_max_pool2d: (2, True), F.adaptive_max_pool3d: (3, True),
-             F.adaptive_max_pool1d_with_indices: (1, True),
-             F.adaptive_max_pool2d_with_indices: (2, True),
-             F.adaptive_max_pool3d_with_indices: (3, True)}
-"""Global poolings written as calls: their spatial dims, and whether they take the max."""
-_SHUFFLES = frozenset({F.pixel_shuffle, F.pixel_unshuffle})
 _ROLLS = frozenset({torch.roll, torch.Tensor.roll})
-_MOVES_DIMS = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
-                         "t", "__getitem__", "expand", "expand_as", "broadcast_to", "repeat",
-                         "adjoint", "mT", "mH", "T", "H"})
-"""Calls that move dims or elements: what they give of a tile not followed is not its
-image's row-major order any more."""
-
-_KEEPS_ORDER = frozenset({"view", "reshape", "view_as", "reshape_as", "unflatten", "flatten",
-                          "squeeze", "unsqueeze", "contiguous"})
-"""Reshapes: what they give of a tile keeps its elements' row-major order."""
-
-_CONVERTED = frozenset({F.pad, F.interpolate, *norms.FUNCTIONAL, *_ADAPTIVE, *_WITH_INDICES,
-                        *_CONVS, *_POOLS, *_SHUFFLES})
-"""The calls converted on tiles (each of the branches of `_FunctionalCalls._call`)."""
-
 
 _SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
                    torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__,
