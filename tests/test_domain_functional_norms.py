@@ -54,6 +54,10 @@ class Normed(nn.Module):
             b, c, h, w_ = y.shape
             t = F.layer_norm(y.flatten(2).transpose(1, 2).view(b, h, w_, c), (c,))
             y = t.permute(0, 3, 1, 2)
+        elif case == "layer norm of a mesh's tokens, rows and columns swapped":
+            b, c, h, w_ = y.shape  # (not followed: which dim holds which points?)
+            t = F.layer_norm(y.flatten(2).transpose(1, 2).view(b, w_, h, c), (c,))
+            y = t.permute(0, 3, 2, 1)
         elif case == "instance norm, running statistics":
             y = F.instance_norm(y, self.mean.clone(), self.var.clone(), use_input_stats=True)
         return self.conv2(y)
@@ -102,12 +106,20 @@ def _mesh_refused():
     from torch.distributed.device_mesh import init_device_mesh
 
     from tensorpar.nn import parallelize_domain
-    model = parallelize_domain(Normed("layer norm of a mesh's tokens as channels last")
-                               .double(), dims=(-2, -1), group=init_device_mesh("cpu", (2, 2)))
+    model = parallelize_domain(
+        Normed("layer norm of a mesh's tokens, rows and columns swapped").double(),
+        dims=(-2, -1), group=init_device_mesh("cpu", (2, 2)))
+    rank = torch.distributed.get_rank()
     with pytest.raises(ValueError, match="layer_norm"):  # (which dim holds the points?)
-        model(torch.randn(1, 2, 3, 2, dtype=torch.float64))
+        model(torch.randn(1, 2, (2, 4)[rank // 2], (4, 3)[rank % 2], dtype=torch.float64))
     return True
 
 
 def test_a_layer_norm_of_a_tile_not_followed_raises_on_every_rank():
     assert all(run_distributed(_mesh_refused, 4, timeout=T))
+
+
+def test_a_layer_norm_of_a_mesh_s_tokens_as_channels_last_equals_dense():
+    # the tokens split back into rows and columns are followed on a mesh too
+    assert max(run_distributed(_equal, 4, "layer norm of a mesh's tokens as channels last",
+                               None, True, timeout=T)) < 1e-10

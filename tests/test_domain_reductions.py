@@ -280,7 +280,7 @@ def _not_followed(case):
     head, dims, shape, mesh = heads[case]
     group = None if mesh is None else init_device_mesh("cpu", mesh)
     model = parallelize_domain(Reduced(head).double(), dims=dims, group=group)
-    with pytest.raises(ValueError, match="not followed"):
+    with pytest.raises(ValueError, match="not followed" if mesh is None else "dim"):
         model(torch.randn(*shape, dtype=torch.float64))
     return True
 
@@ -289,9 +289,10 @@ def _not_followed(case):
                                   "a mesh's tokens as channels last, a softmax along the rows",
                                   "a mesh's tokens as channels last, a roll along the rows"])
 def test_what_a_reshape_not_followed_gives_refuses_what_needs_its_points(case):
-    """Where the ranks cannot read a reshape (every tile one column wide; tokens of a mesh's
-    tiles split back), its result is not taken for an image: a reduction, softmax or roll
-    of it raises on every rank."""
+    """Where the ranks cannot read a reshape (every tile one column wide), its result is not
+    taken for an image: a reduction of it raises on every rank. A mesh's tokens split back
+    into rows and columns are followed: a softmax or a roll along the rows raises as on any
+    tile whose dim holds the points."""
     world = 2 if case.startswith("one-column") else 4
     assert all(run_distributed(_not_followed, world, case, timeout=T))
 

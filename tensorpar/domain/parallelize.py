@@ -16,6 +16,7 @@ from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain._forward import calls
+from tensorpar.domain._forward.following import refuse_unless_image
 from tensorpar.domain._forward.meet import ambiguous_spread, runs_dense
 from tensorpar.domain._layers import (
     attention,
@@ -52,6 +53,10 @@ _CONVERT: list[tuple[tuple[type, ...], Forward]] = [
     ((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), norms.instance_norm_forward),
     ((nn.LayerNorm,), norms.layer_norm_forward),
 ]
+
+_NORMS = frozenset({norms.batch_norm_forward, norms.group_norm_forward,
+                    norms.instance_norm_forward, norms.layer_norm_forward})
+"""The norms' forwards: they read a reshaped tile's points themselves (`norms._reshaped`)."""
 
 _POINTWISE: tuple[type, ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
@@ -334,6 +339,8 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
                             f"keywords {extra})")
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
+        if kind == TILE and fwd not in _NORMS and own.active:
+            refuse_unless_image(own, x, type(self).__name__)
         poolings = own.poolings
         as_tiles = own.marks.as_tiles(x)
         buffers = list(self.buffers(recurse=False)) if as_tiles is not None else []
@@ -358,6 +365,9 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
         held = own.marks.points(x)  # (a permuted tile: channels-last for a LayerNorm)
         if held is not None and isinstance(out, torch.Tensor) and out.dim() == x.dim():
             own.marks.hold_points(out, held, own.marks.block(x))
+            recorded, order, merged = own.marks.order(x)
+            if recorded:
+                own.marks.hold_order(out, order, merged)
         return out
     module.__dict__[_CTX] = ctx
     module.forward = types.MethodType(forward, module)

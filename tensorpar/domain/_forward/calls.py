@@ -230,6 +230,14 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"would see the tile's points alone. Attention over the domain is converted in "
                     f"diffusers' and MONAI's attention blocks (tensorpar.nn.ring_attention "
                     f"for your own)")
+            if func not in _PRODUCTS and func is not torch.einsum and \
+                    (orders := self._tile_orders(args)) is not None:
+                raise ValueError(
+                    f"{getattr(func, '__name__', func)} (domain-parallel) combines tiles "
+                    f"whose split points lie in different dims ({orders}: a tile and its "
+                    f"transpose?): each rank holds other parts of the domain in them, so it "
+                    f"would pair points that dense does not. Combine them before the split, "
+                    f"or on the gathered tensor")
         kind = scan.road
         on_tiles = ctx.active and not ctx.internal and func in CONVERTED \
             and not meet.runs_dense(ctx, kind, args[0] if args else kwargs.get("input"))
@@ -256,6 +264,21 @@ class _FunctionalCalls(TorchFunctionMode):
             args, kwargs = share_gradients(args, kwargs, ctx.domain_size,
                                            lambda t: _replicated_grad(ctx, t), _in_place(func))
         return func(*args, **kwargs)
+
+    def _tile_orders(self, args: Sequence[Any]) -> list[tuple[int, ...]] | None:
+        """The dims holding each split dim of the tiles a call combines, where they differ.
+
+        Aligned to the last dim (broadcasting); tiles whose layout is not known are left
+        out. ``None``: they agree (or fewer than two tiles are known).
+        """
+        marks = self.ctx.marks
+        tiles = [t for t in tensors_in(args) if marks.kind_of(t) == TILE]
+        if len(tiles) < 2:
+            return None
+        n = max(t.dim() for t in tiles)
+        aligned = {tuple(d + n - t.dim() for d in order) for t in tiles
+                   if (order := self.follower.order(t)) is not None}
+        return sorted(aligned) if len(aligned) > 1 else None
 
     def _roll(self, args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """A roll of a tile along dims holding points (`roll`; ``None``: not converted).

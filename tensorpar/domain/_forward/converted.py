@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
+from tensorpar.domain._forward.following import refuse_unless_image
 from tensorpar.domain._layers import norms, pad
 from tensorpar.domain._layers.resample import interpolate, tile_sizes_to_domain
 from tensorpar.domain._layers.shuffle import pixel_shuffle
 from tensorpar.domain._layers.window import conv_forward, per_dim, pool_forward
 from tensorpar.domain._tiles.layout import DomainContext
+from tensorpar.domain._tiles.marks import TILE
 from tensorpar.domain._tiles.sums import extreme_over_domain, over_domain
 
 __all__ = ["CONVERTED", "NOT_CONVERTED", "convert"]
@@ -34,6 +37,10 @@ def convert(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str
     constant made after it): the stencils, norms and shuffles are converted only then; a
     pad, an interpolation and a global pooling whenever `calls` hands them here.
     """
+    x = args[0] if args else kwargs.get("input")
+    if isinstance(x, torch.Tensor) and ctx.marks.kind_of(x) == TILE and \
+            func not in norms.FUNCTIONAL:  # (the norms read a reshaped tile's points)
+        refuse_unless_image(ctx, x, getattr(func, "__name__", str(func)))
     if func is F.pad:
         pads = dict(zip(("pad", "mode", "value"), args[1:], strict=False))
         pads.update({n: kwargs[n] for n in ("pad", "mode", "value") if n in kwargs})

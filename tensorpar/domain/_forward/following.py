@@ -27,12 +27,13 @@ from tensorpar.domain._forward.points import (
     readings,
     reduced_dims,
     regroups,
+    reshape_groups,
 )
 from tensorpar.domain._tiles import agree
 from tensorpar.domain._tiles.layout import DomainContext
-from tensorpar.domain._tiles.marks import TILE, UNREAD, tensors_in
+from tensorpar.domain._tiles.marks import TILE, UNREAD, Merged, tensors_in
 
-__all__ = ["Follower"]
+__all__ = ["Follower", "refuse_unless_image"]
 
 _MOVES_DIMS = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
                          "t", "__getitem__", "expand", "expand_as", "broadcast_to", "repeat",
@@ -43,6 +44,13 @@ image's row-major order any more."""
 _KEEPS_ORDER = frozenset({"view", "reshape", "view_as", "reshape_as", "unflatten", "flatten",
                           "squeeze", "unsqueeze", "contiguous"})
 """Reshapes: what they give of a tile keeps its elements' row-major order."""
+
+_PERMUTES = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
+                       "t", "adjoint", "mT", "mH", "T", "H"})
+"""Calls that reorder dims: on a mesh's tile, which dim holds which split dim is followed
+dim by dim (the set of dims holding points may stay the same: ``x.transpose(-2, -1)``)."""
+
+Order = tuple[int, ...]
 
 
 class Follower:
@@ -68,6 +76,35 @@ class Follower:
     def image_points(self) -> frozenset[int]:
         return frozenset(self.ctx.ndim + d for d in self.ctx.dims)
 
+    def image_order(self) -> Order:
+        return tuple(self.ctx.ndim + d for d in self.ctx.dims)
+
+    def order(self, t: Any) -> Order | None:
+        """The dim of the tile ``t`` holding each split dim's points, in the split dims' order.
+
+        ``None``: not known, or several split dims in one dim (`merged`). On a strip, the
+        one dim holding points.
+        """
+        held = self.points(t)
+        if held is None:
+            return None
+        if len(self.ctx.dims) == 1:
+            return tuple(held) if len(held) == 1 else None
+        recorded, order, _ = self.ctx.marks.order(t)
+        if recorded:
+            return order
+        return self.image_order() if self.ctx.marks.points(t) is None else None
+
+    def merged(self, t: Any) -> Merged | None:
+        """The parts of the tile ``t``'s one dim holding several split dims (a mesh's tokens)."""
+        if not isinstance(t, torch.Tensor) or len(self.ctx.dims) == 1:
+            return None
+        return self.ctx.marks.order(t)[2]
+
+    def laid_out_as_image(self, t: torch.Tensor) -> bool:
+        """Whether the tile ``t`` holds its points where the image does, in the same order."""
+        return self.ctx.marks.points(t) is None and t.dim() == self.ctx.ndim
+
     def follow_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
                        out: Any) -> None:
         """Record which dims of the reshaped tile ``out`` hold points (`points`).
@@ -92,28 +129,33 @@ class Follower:
         if func is torch.einsum:  # its subscripts name the dims
             held, _ = einsum_points(args, self.points)
             if isinstance(out, torch.Tensor) and held is not None:
-                self.hold(out, held)
+                first = next((t for t in args[1:] if self.points(t)), None)
+                self.hold(out, held, None, self._einsum_order(args, first),
+                          self.merged(first) if len(held) == 1 else None)
             return
         x = args[0] if args else kwargs.get("input")
         name = getattr(func, "__name__", "")
         if name in ("stack", "cat", "concat", "concatenate") and isinstance(x, (tuple, list)) \
                 and isinstance(out, torch.Tensor):  # the first tile's points
-            src = next((p for t in x if (p := self.points(t))), None)
+            first = next((t for t in x if self.points(t)), None)
+            src = self.points(first)
             if src is not None and name == "stack":  # a new dim at ``dim``
                 at = (args[1] if len(args) > 1
                       else kwargs.get("dim", kwargs.get("axis", 0))) % out.dim()
                 src = frozenset(d + (d >= at) for d in src)
             if src is not None:
-                self.hold(out, src)
+                self.hold(out, src, None, _in_order(self.order(first), src),
+                          self.merged(first))
             return
         src = self.points(x)
         if src is None or not isinstance(x, torch.Tensor):
             return
+        order, merged = self.order(x), self.merged(x)
         if not isinstance(out, torch.Tensor) and \
                 (dims := reduced_dims(func, args, kwargs, x.dim())) is not None:
             for t in tensors_in(out):  # ``values, indices = x.max(-1)``
                 if (held := after_reduction(src, dims, x.dim(), t.dim())) is not None:
-                    self.hold(t, held)
+                    self.hold(t, held, None, _in_order(order, held), merged)
             return
         if not isinstance(out, torch.Tensor):
             n, block = x.dim(), self.block(x, src)
@@ -124,7 +166,10 @@ class Follower:
                 src, n = frozenset(d - (d > gone) for d in src), n - 1
             for t in tensors_in(out):
                 if t.dim() == n:
-                    self.hold(t, src, block)
+                    self.hold(t, src, block, _in_order(order, src), merged)
+            return
+        if merged is not None and regroups(func, x.dim(), out.dim()):
+            self._split_merged(x, out, src, merged)
             return
         block = self.block(x, src)
         held = follow(func, args, kwargs, src, x.shape, out, block)
@@ -141,8 +186,62 @@ class Follower:
             if held is None:
                 image = self.ctx.marks.points(x) is None and x.dim() == self.ctx.ndim
                 self.ctx.marks.mark_unread(out, x.shape if image else None)
-        if held is not None:
-            self.hold(out, held, out_block)
+        if held is None:
+            return
+        if name in _PERMUTES and order is not None:  # dim by dim
+            moved = [follow(func, args, kwargs, frozenset({d}), x.shape, out) for d in order]
+            out_order = tuple(next(iter(m)) for m in moved if m is not None and len(m) == 1)
+            self.hold(out, held, out_block, out_order if len(out_order) == len(order) else None,
+                      merged)
+        elif len(held) == 1 and order is not None and len(order) > 1:  # merged in one dim
+            self.hold(out, held, out_block, None, _merged_parts(x.shape, out.shape, order))
+        else:
+            self.hold(out, held, out_block, _in_order(order, held),
+                      merged if len(held) == 1 else None)
+
+    def _einsum_order(self, args: Sequence[Any], first: Any) -> Order | None:
+        """Where ``einsum`` puts each of the tile ``first``'s split dims (dim by dim)."""
+        order = self.order(first)
+        if order is None:
+            return None
+        out = []
+        for d in order:
+            def one(t: Any, d: int = d) -> frozenset[int] | None:
+                return frozenset({d}) if t is first else None
+            held, _ = einsum_points(args, one)
+            if held is None or len(held) != 1:
+                return None
+            out.append(next(iter(held)))
+        return tuple(out)
+
+    def _split_merged(self, x: torch.Tensor, out: torch.Tensor, src: frozenset[int],
+                      merged: Merged) -> None:
+        """A reshape of a mesh's tile whose one dim holds several split dims (`merged`).
+
+        Split back into its parts (``x.view(b, h, w, c)`` of tokens ``(b, h * w, c)``),
+        each output dim that is one part holds that part's split dim; parts kept together
+        stay merged. Read from sizes, which differ between ranks: agreed in one small
+        all-reduce (a rank with an empty tile, or a one-row part, takes the others'
+        reading). What is not read alike is not followed (`UNREAD`).
+        """
+        n, k = out.dim(), len(self.ctx.dims)
+        mine = _merged_codes(x.shape, out.shape, next(iter(src)), merged, k) \
+            if x.numel() else None
+        values = [-math.inf] * (2 * n) if mine is None else [*mine, *(-c for c in mine)]
+        every = agree.all_reduced(self.ctx, values, "max", out.device)
+        high, low = every[:n], [-v for v in every[n:]]
+        if any(h != lo or h < 0 for h, lo in zip(high, low, strict=True)):
+            self.ctx.marks.mark_unread(out, None)
+            return
+        held = frozenset(j for j in range(n) if high[j] > 0)
+        alone = {int(high[j]) - 1: j for j in range(n) if 0 < high[j] <= k}
+        if len(alone) == k:
+            self.hold(out, held, None, tuple(alone[i] for i in range(k)))
+        elif len(held) == 1:
+            self.hold(out, held, None, None, _merged_parts(x.shape, out.shape, None, merged,
+                                                         next(iter(src))))
+        else:
+            self.ctx.marks.mark_unread(out, None)
 
     def _agreed_reading(self, codes: dict[int, float] | None, out: torch.Tensor
                         ) -> tuple[frozenset[int] | None, Block | None]:
@@ -177,8 +276,107 @@ class Follower:
             return self.ctx.marks.block(t)
         return (1, 1) if len(held) == 1 and held == self.image_points() else None
 
-    def hold(self, t: torch.Tensor, held: frozenset[int], block: Block | None = None) -> None:
-        """Record the dims of ``t`` holding points (and their block), unless the image's."""
+    def hold(self, t: torch.Tensor, held: frozenset[int], block: Block | None = None,
+             order: Order | None = None, merged: Merged | None = None) -> None:
+        """Record the dims of ``t`` holding points (and their block), unless the image's.
+
+        On a mesh also which dim holds which split dim (``order``), or the parts of the one
+        dim holding several (``merged``): a tile whose dims hold the image's points in
+        another order (``x.transpose(-2, -1)``) is not the image.
+        """
+        mesh = len(self.ctx.dims) > 1
+        # (a block (1, k) on the image's dim: the rows in units of k, in order, as the
+        # image holds them; a window partition split back gives it)
         if t.dim() != self.ctx.ndim or held != self.image_points() or \
-                block not in (None, (1, 1)):
+                (block is not None and block[0] != 1) or \
+                (mesh and order != self.image_order()):
             self.ctx.marks.hold_points(t, held, block)
+            if mesh:
+                self.ctx.marks.hold_order(t, order, merged)
+        else:
+            self.ctx.marks.image_again(t)
+
+
+def _in_order(order: Order | None, held: frozenset[int]) -> Order | None:
+    """``order``'s split dims on the dims ``held`` (after a call that moves no dims)."""
+    if order is None or len(held) != len(order):
+        return None
+    ranked, out = sorted(order), sorted(held)
+    return tuple(out[ranked.index(d)] for d in order)
+
+
+def _merged_parts(in_shape: Sequence[int], out_shape: Sequence[int], order: Order | None,
+                  merged: Merged | None = None, merged_dim: int = -1) -> Merged | None:
+    """The parts of the one output dim a reshape merges a tile's dims holding points into.
+
+    ``order``: the input's dims holding each split dim; or ``merged``, the parts of its
+    one dim ``merged_dim`` holding several.
+    """
+    for gi, gj in reshape_groups(in_shape, out_shape) or ():
+        parts: list[tuple[int, int]] = []
+        for d in gi:
+            if d == merged_dim and merged is not None:
+                parts += merged
+            else:
+                parts.append((in_shape[d], order.index(d) if order and d in order else -1))
+        if any(i >= 0 for _, i in parts):
+            return tuple(parts) if len([j for j in gj if out_shape[j] != 1]) <= 1 else None
+    return None
+
+
+def _merged_codes(in_shape: Sequence[int], out_shape: Sequence[int], d: int, merged: Merged,
+                  k: int) -> list[float] | None:
+    """This rank's reading of a reshape of the merged dim ``d``: a code per output dim.
+
+    ``i + 1``: the dim is part ``i``'s split dim alone (with parts of size 1); ``k + 1``:
+    it holds several split dims' parts; 0: none; every code -1: not read. ``None``: this
+    rank abstains (a split dim's part one row wide reads several ways).
+    """
+    if any(size <= 1 for size, i in merged if i >= 0):
+        return None
+    n = len(out_shape)
+    for gi, gj in reshape_groups(in_shape, out_shape) or ():
+        if d not in gi:
+            continue
+        parts = [p for e in gi for p in (merged if e == d else ((in_shape[e], -1),))]
+        codes = [0.0] * n
+        at = 0
+        for j in gj:  # each output dim takes the next parts whose sizes make it up
+            size, tagged = 1, []
+            while at < len(parts) and size * parts[at][0] <= out_shape[j] and \
+                    (size < out_shape[j] or parts[at][0] == 1):
+                size *= parts[at][0]
+                if parts[at][1] >= 0:
+                    tagged.append(parts[at])
+                at += 1
+            if size != out_shape[j]:
+                return [-1.0] * n
+            if len(tagged) == 1 and tagged[0][0] == size:  # that part alone
+                codes[j] = float(tagged[0][1] + 1)
+            elif tagged:
+                codes[j] = float(k + 1)
+        return codes if at == len(parts) else [-1.0] * n
+    return [-1.0] * n
+
+
+def refuse_unless_image(ctx: DomainContext, x: torch.Tensor, what: str) -> None:
+    """Raise unless the tile ``x`` holds its points where the image does, in the same order.
+
+    For a converted layer or functional call that works along the image's split dims (a
+    stencil, a resampling, a pad): on a tile reshaped, transposed or permuted, it would run
+    along other dims than the image's. The marks are the same on every rank, so every rank
+    raises.
+    """
+    held = ctx.marks.points(x)
+    if held is None:
+        return
+    image = [ctx.ndim + d for d in ctx.dims]
+    order = ctx.marks.order(x)[1]
+    how = "a layout that is not followed (a reshape the ranks cannot read)" if held == UNREAD \
+        else f"dims {list(order)} of {x.dim()}" if order is not None \
+        else f"dim(s) {sorted(held)} of {x.dim()}"
+    raise ValueError(
+        f"{what} (domain-parallel) takes a tile laid out as the image, its split points in "
+        f"dims {image} of {ctx.ndim} in the split dims' order; this tile holds them in "
+        f"{how}, so it would run along other dims than the image's. Undo the reshape, "
+        f"transpose or permute before it (or call it before them)")

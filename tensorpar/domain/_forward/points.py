@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["Block", "Points", "after_reduction", "cut_dim", "einsum_points", "follow",
            "follow_block", "indexed_dims", "pairs_points", "reading_block", "readings",
-           "reduced_dims", "regroups"]
+           "reduced_dims", "regroups", "reshape_groups"]
 
 Points = frozenset[int]
 Block = tuple[int, int]
@@ -44,6 +44,7 @@ the same on every rank (unsplit dims merged with it). An image's split dim is ``
 the tokens ``x.flatten(2)`` of an NCHW tile split along H are ``(1, W)``, along W
 ``(H, 1)``."""
 
+_KEYWORD = 99  # (a position no call reaches: ``dim`` is a keyword)
 _DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
     **{name: (1, None) for name in (
         "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
@@ -54,13 +55,25 @@ _DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
     **{name: (2, None) for name in ("norm", "linalg_vector_norm", "linalg_norm", "quantile",
                                     "nanquantile")},
     **{name: (2, -1) for name in ("kthvalue", "topk", "diff")},
-    "normalize": (2, 1), "linalg_matrix_norm": (2, (-2, -1))}
+    "normalize": (2, 1), "linalg_matrix_norm": (2, (-2, -1)),
+    # along dims and needing all of each: finite differences, integrals, similarities,
+    # FFTs, the triangle of the last two dims (``dim`` keyword-only where the position
+    # is past any argument)
+    "gradient": (_KEYWORD, None), "trapezoid": (_KEYWORD, -1), "trapz": (_KEYWORD, -1),
+    "cumulative_trapezoid": (_KEYWORD, -1), "cosine_similarity": (2, 1),
+    "pairwise_distance": (_KEYWORD, -1), "tril": (_KEYWORD, (-2, -1)),
+    "triu": (_KEYWORD, (-2, -1)),
+    **{f"fft_{kind}fft": (2, -1) for kind in ("", "i", "r", "ir", "h", "ih")},
+    **{f"fft_{kind}fft2": (2, (-2, -1)) for kind in ("", "i", "r", "ir", "h", "ih")},
+    **{f"fft_{kind}fftn": (2, None) for kind in ("", "i", "r", "ir", "h", "ih")},
+    "fft_fftshift": (1, None), "fft_ifftshift": (1, None)}
 """Calls along dims: the position of ``dim`` among the arguments, and its default."""
 _WHOLE = frozenset({
     "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
     "std", "var", "var_mean", "std_mean", "median", "nanmedian", "argmax", "argmin", "norm",
     "linalg_vector_norm", "linalg_norm", "quantile", "nanquantile", "count_nonzero", "all",
-    "any"})
+    "any", "gradient", "fft_fftshift", "fft_ifftshift",
+    *(f"fft_{kind}fftn" for kind in ("", "i", "r", "ir", "h", "ih"))})
 """Those that reduce the whole tensor where no dim is given."""
 
 
@@ -123,6 +136,12 @@ def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: i
     ``torch.max(x, y)`` (a tensor where the dim goes) is elementwise: ``None``.
     """
     name = getattr(func, "__name__", "")
+    if func is torch.nn.functional.grid_sample:  # samples anywhere in the spatial dims
+        return frozenset(range(2, ndim))
+    if name == "diagonal":  # ``torch.diagonal(x, offset, dim1, dim2)``
+        return frozenset(d % max(ndim, 1) for d in (
+            args[2] if len(args) > 2 else kwargs.get("dim1", 0),
+            args[3] if len(args) > 3 else kwargs.get("dim2", 1)))
     if name not in _DIM_AT or "other" in kwargs:  # (``torch.max(x, other=y)``: elementwise)
         return None
     at, default = _DIM_AT[name]
@@ -186,6 +205,13 @@ def cut_dim(func: Any, args: Sequence[Any], kwargs: dict[str, Any],
         return None
     if func is torch.nn.functional.unfold:  # im2col over the last two dims
         return next((d for d in (x.dim() - 2, x.dim() - 1) if d in held), None)
+    if name in ("repeat", "tile"):  # counts per dim, aligned to the last dim
+        given = args[1:] if len(args) > 1 else (kwargs.get("repeats", kwargs.get("dims", ())),)
+        counts = given[0] if len(given) == 1 and isinstance(given[0], (tuple, list,
+                                                                         torch.Size)) else given
+        lead = len(counts) - x.dim()
+        return next((d for d in sorted(held) if 0 <= d + lead < len(counts)
+                     and counts[d + lead] != 1), None)
     if func is torch.Tensor.unfold:  # windows along ``dimension``
         name = "narrow"
     if name not in _CUTS:
@@ -433,7 +459,7 @@ def readings(src: Points, block: Block | None, in_shape: Sequence[int],
     """
     if block is not None and len(src) == 1:
         (d,) = src
-        for gi, gj in _groups(in_shape, out_shape) or ():
+        for gi, gj in reshape_groups(in_shape, out_shape) or ():
             if d in gi:
                 found = _split_rows(gi, gj, d, block, in_shape, out_shape)
                 return {j: _code(b, w) for j, b, w in found} or None
@@ -459,8 +485,8 @@ def reading_block(code: float) -> Block | None:
     return (c // _ROWS_WHOLE, c % _ROWS_WHOLE)
 
 
-def _groups(in_shape: Sequence[int], out_shape: Sequence[int]
-            ) -> list[tuple[list[int], list[int]]] | None:
+def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]
+                   ) -> list[tuple[list[int], list[int]]] | None:
     """A reshape's groups: input dims and the output dims they become (``None``: unread)."""
     groups = []
     i = j = 0
@@ -492,7 +518,7 @@ def _regrouped(src: Points, in_shape: Sequence[int], out_shape: Sequence[int],
     Where a dim holding points is split into several, the `Block` says which part holds
     them (unknown without one). Returns the points and, with ``block``, the new block.
     """
-    groups = _groups(in_shape, out_shape)
+    groups = reshape_groups(in_shape, out_shape)
     if groups is None:
         return None
     out: set[int] = set()

@@ -56,6 +56,11 @@ def reduce_tile(ctx: DomainContext, func: Any, x: torch.Tensor, dims: frozenset[
         return extreme_over_domain(ctx, x, sorted(dims), name, largest=name.endswith("max"),
                                    keepdim=keepdim)
     along = "the whole tile" if whole else f"dim(s) {sorted(points & dims)} of a tile"
+    if name.startswith("fft_"):
+        raise ValueError(
+            f"{name} (domain-parallel) along {along}, which hold the split dims' points, "
+            f"would transform the tile alone; tensorpar.context.distributed_fft2 computes a "
+            f"2-D FFT over a split domain (neural operators' spectral layers are converted)")
     raise ValueError(
         f"{name} (domain-parallel) along {along}, which hold the split dims' points, would "
         f"see the tile's points alone; only a sum, a mean, an amax or an amin over every dim "

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "UNREAD", "Kind", "Marks", "Scan",
+__all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "UNREAD", "Kind", "Marks", "Merged", "Scan",
            "tensors_in"]
 
 Kind = Literal["tile", "pooled", "early", "partial"]
@@ -51,6 +51,10 @@ UNREAD: frozenset[int] = frozenset({-1})
 """The held dims of a tile reshaped in a way that is not followed: which of its dims hold
 the split dims' points is not known (not even that they are the image's)."""
 
+Merged = tuple[tuple[int, int], ...]
+"""A dim made of several (``x.flatten(2)``): each part's size and the split dim whose
+points it holds (-1: none), in row-major order."""
+
 
 class Marks:
     """Each marked tensor's kind, for one forward."""
@@ -62,6 +66,8 @@ class Marks:
         self._points: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int],
                                       tuple[int, int] | None]] = {}
         self._origins: dict[int, tuple[weakref.ref[torch.Tensor], torch.Size | None]] = {}
+        self._orders: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...] | None,
+                                      Merged | None]] = {}
 
     def clear(self) -> None:
         """Forget every mark (a new forward)."""
@@ -69,6 +75,7 @@ class Marks:
         self._as_tiles.clear()
         self._points.clear()
         self._origins.clear()
+        self._orders.clear()
 
     def hold_points(self, t: torch.Tensor, dims: frozenset[int],
                     block: tuple[int, int] | None = None) -> None:
@@ -78,6 +85,23 @@ class Marks:
         `tensorpar.domain._forward.points.Block`; ``None``: not known).
         """
         self._points[id(t)] = (weakref.ref(t), dims, block)
+
+    def hold_order(self, t: torch.Tensor, order: tuple[int, ...] | None,
+                   merged: Merged | None = None) -> None:
+        """Record which dim of ``t`` holds each split dim's points (tiles of a mesh).
+
+        ``order``: the dim holding split dim ``i``'s points at ``i`` (``None``: not known);
+        ``merged``: where the split dims' points share one dim (``x.flatten(2)`` of a
+        mesh's tile), its parts in row-major order, each ``(size, split dim or -1)``.
+        """
+        self._orders[id(t)] = (weakref.ref(t), order, merged)
+
+    def order(self, t: torch.Tensor) -> tuple[bool, tuple[int, ...] | None, Merged | None]:
+        """Whether `hold_order` recorded ``t``, and what (its order, its merged parts)."""
+        entry = self._orders.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return False, None, None
+        return True, entry[1], entry[2]
 
     def mark_unread(self, t: torch.Tensor, origin: torch.Size | None) -> None:
         """Record ``t`` as `UNREAD`.
@@ -96,6 +120,7 @@ class Marks:
     def image_again(self, t: torch.Tensor) -> None:
         """Forget what is recorded of ``t``'s points: it has the image's layout again."""
         self._points.pop(id(t), None)
+        self._orders.pop(id(t), None)
 
     def points(self, t: torch.Tensor) -> frozenset[int] | None:
         """The dims of the reshaped tile ``t`` holding points (``None``: not known)."""
