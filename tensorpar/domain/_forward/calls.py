@@ -276,9 +276,14 @@ class _FunctionalCalls(TorchFunctionMode):
         if len(tiles) < 2:
             return None
         n = max(t.dim() for t in tiles)
-        aligned = {tuple(d + n - t.dim() for d in order) for t in tiles
-                   if (order := self.follower.order(t)) is not None}
-        return sorted(aligned) if len(aligned) > 1 else None
+        layouts = set()
+        for t in tiles:
+            if (order := self.follower.order(t)) is not None:
+                layouts.add(tuple(d + n - t.dim() for d in order))
+            elif merged := self.follower.merged(t):  # its split dims' order in the one dim
+                (d,) = self.follower.points(t) or (-1,)
+                layouts.add((d + n - t.dim(), *(-2 - i for _, i in merged if i >= 0)))
+        return sorted(layouts) if len(layouts) > 1 else None
 
     def _roll(self, args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """A roll of a tile along dims holding points (`roll`; ``None``: not converted).

@@ -20,6 +20,7 @@ import torch
 from tensorpar.domain._forward.points import (
     Block,
     after_reduction,
+    call_name,
     einsum_points,
     follow,
     follow_block,
@@ -115,7 +116,7 @@ class Follower:
         """
         unread = next((t for t in tensors_in((args, kwargs)) if self.unread(t)), None)
         if unread is not None:
-            name = getattr(func, "__name__", "")
+            name = call_name(func)
             # the row-major order of the image it came from is kept by reshapes and by
             # calls that keep the shape without moving dims: back at that shape, an image
             origin = self.ctx.marks.origin(unread) if name not in _MOVES_DIMS else None
@@ -134,7 +135,7 @@ class Follower:
                           self.merged(first) if len(held) == 1 else None)
             return
         x = args[0] if args else kwargs.get("input")
-        name = getattr(func, "__name__", "")
+        name = call_name(func)
         if name in ("stack", "cat", "concat", "concatenate") and isinstance(x, (tuple, list)) \
                 and isinstance(out, torch.Tensor):  # the first tile's points
             first = next((t for t in x if self.points(t)), None)
@@ -159,7 +160,7 @@ class Follower:
             return
         if not isinstance(out, torch.Tensor):
             n, block = x.dim(), self.block(x, src)
-            if getattr(func, "__name__", "") in ("unbind", "__iter__"):  # ``q, k, v = t``
+            if call_name(func) in ("unbind", "__iter__"):  # ``q, k, v = t``
                 gone = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.dim()
                 if gone in src:
                     return
@@ -194,7 +195,8 @@ class Follower:
             self.hold(out, held, out_block, out_order if len(out_order) == len(order) else None,
                       merged)
         elif len(held) == 1 and order is not None and len(order) > 1:  # merged in one dim
-            self.hold(out, held, out_block, None, _merged_parts(x.shape, out.shape, order))
+            self.hold(out, held, out_block, None, _merged_parts(x.shape, out.shape, order)
+                      or tuple((-1, order.index(d)) for d in sorted(order)))
         else:
             self.hold(out, held, out_block, _in_order(order, held),
                       merged if len(held) == 1 else None)
@@ -239,7 +241,8 @@ class Follower:
             self.hold(out, held, None, tuple(alone[i] for i in range(k)))
         elif len(held) == 1:
             self.hold(out, held, None, None, _merged_parts(x.shape, out.shape, None, merged,
-                                                         next(iter(src))))
+                                                         next(iter(src)))
+                      or tuple((-1, i) for _, i in merged if i >= 0))
         else:
             self.ctx.marks.mark_unread(out, None)
 
@@ -312,6 +315,7 @@ def _merged_parts(in_shape: Sequence[int], out_shape: Sequence[int], order: Orde
     ``order``: the input's dims holding each split dim; or ``merged``, the parts of its
     one dim ``merged_dim`` holding several.
     """
+    wanted = set(range(len(order))) if order else {i for _, i in merged or () if i >= 0}
     for gi, gj in reshape_groups(in_shape, out_shape) or ():
         parts: list[tuple[int, int]] = []
         for d in gi:
@@ -319,8 +323,10 @@ def _merged_parts(in_shape: Sequence[int], out_shape: Sequence[int], order: Orde
                 parts += merged
             else:
                 parts.append((in_shape[d], order.index(d) if order and d in order else -1))
-        if any(i >= 0 for _, i in parts):
-            return tuple(parts) if len([j for j in gj if out_shape[j] != 1]) <= 1 else None
+        if any(i >= 0 for _, i in parts):  # (a one-row part grouped apart: not listed)
+            whole = {i for _, i in parts if i >= 0} == wanted
+            return tuple(parts) if whole and len([j for j in gj if out_shape[j] != 1]) <= 1 \
+                else None
     return None
 
 
@@ -330,10 +336,11 @@ def _merged_codes(in_shape: Sequence[int], out_shape: Sequence[int], d: int, mer
 
     ``i + 1``: the dim is part ``i``'s split dim alone (with parts of size 1); ``k + 1``:
     it holds several split dims' parts; 0: none; every code -1: not read. ``None``: this
-    rank abstains (a split dim's part one row wide reads several ways).
+    rank abstains (a split dim's part one row wide reads several ways, or its size is not
+    known: -1).
     """
-    if any(size <= 1 for size, i in merged if i >= 0):
-        return None
+    if not merged or any(size <= 1 for size, i in merged if i >= 0):
+        return None  # (a size -1: this rank could not list the parts)
     n = len(out_shape)
     for gi, gj in reshape_groups(in_shape, out_shape) or ():
         if d not in gi:
@@ -360,20 +367,21 @@ def _merged_codes(in_shape: Sequence[int], out_shape: Sequence[int], d: int, mer
 
 
 def refuse_unless_image(ctx: DomainContext, x: torch.Tensor, what: str) -> None:
-    """Raise unless the tile ``x`` holds its points where the image does, in the same order.
+    """Raise where the tile ``x`` is known to hold its points elsewhere than the image does.
 
     For a converted layer or functional call that works along the image's split dims (a
-    stencil, a resampling, a pad): on a tile reshaped, transposed or permuted, it would run
-    along other dims than the image's. The marks are the same on every rank, so every rank
-    raises.
+    stencil, a resampling, a pad): on a tile transposed, permuted or reshaped into other
+    dims, it would run along other dims than the image's. The marks are the same on every
+    rank, so every rank raises. A tile reshaped in a way the ranks cannot read
+    (`UNREAD`) is taken for the image, as the reshapes back that fail to read (tiles one
+    row wide) are.
     """
     held = ctx.marks.points(x)
-    if held is None:
+    if held is None or held == UNREAD:  # (not read: taken for the image, see the docs)
         return
     image = [ctx.ndim + d for d in ctx.dims]
     order = ctx.marks.order(x)[1]
-    how = "a layout that is not followed (a reshape the ranks cannot read)" if held == UNREAD \
-        else f"dims {list(order)} of {x.dim()}" if order is not None \
+    how = f"dims {list(order)} of {x.dim()}" if order is not None \
         else f"dim(s) {sorted(held)} of {x.dim()}"
     raise ValueError(
         f"{what} (domain-parallel) takes a tile laid out as the image, its split points in "

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Block", "Points", "after_reduction", "cut_dim", "einsum_points", "follow",
+__all__ = ["Block", "Points", "after_reduction", "call_name", "cut_dim", "einsum_points", "follow",
            "follow_block", "indexed_dims", "pairs_points", "reading_block", "readings",
            "reduced_dims", "regroups", "reshape_groups"]
 
@@ -77,6 +77,14 @@ _WHOLE = frozenset({
 """Those that reduce the whole tensor where no dim is given."""
 
 
+def call_name(func: Any) -> str:
+    """A call's name; for a property's getter (``x.mT``, ``x.T``), the property's."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # (a torch function mode sees ``getset_descriptor.__get__``)
+        return str(getattr(getattr(func, "__self__", None), "__name__", name))
+    return name
+
+
 def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
            in_shape: Sequence[int], out: torch.Tensor, block: Block | None = None
            ) -> Points | None:
@@ -85,9 +93,14 @@ def follow(func: Any, args: Sequence[Any], kwargs: dict[str, Any], src: Points,
     ``src``: the dims of the call's first argument, of shape ``in_shape``, holding points;
     ``block``: its `Block` where one dim holds them (a reshape that splits that dim reads it).
     """
-    name = getattr(func, "__name__", "")
+    name = call_name(func)
     n_in, n_out = len(in_shape), out.dim()
     rest = args[1:]
+    if name in ("mT", "mH", "adjoint") or (name == "t" and n_in == 2):  # the last two swapped
+        last = {n_in - 2: n_in - 1, n_in - 1: n_in - 2}
+        return _moved(src, lambda d: last.get(d, d))
+    if name in ("T", "H"):  # every dim reversed
+        return _moved(src, lambda d: n_in - 1 - d)
     if name == "flatten":
         start = _arg(rest, kwargs, 0, "start_dim", 0) % max(n_in, 1)
         end = _arg(rest, kwargs, 1, "end_dim", -1) % max(n_in, 1)

@@ -92,7 +92,9 @@ class Marks:
 
         ``order``: the dim holding split dim ``i``'s points at ``i`` (``None``: not known);
         ``merged``: where the split dims' points share one dim (``x.flatten(2)`` of a
-        mesh's tile), its parts in row-major order, each ``(size, split dim or -1)``.
+        mesh's tile), its parts in row-major order, each ``(size, split dim or -1)``
+        (where this rank cannot list them, an empty tile's: the split dims' parts alone,
+        each of size -1).
         """
         self._orders[id(t)] = (weakref.ref(t), order, merged)
 
