@@ -114,3 +114,20 @@ def check(build: Builder, shape: Sequence[int], dims: Sequence[int],
             for name, p in par.named_parameters():
                 worst = max(worst, diff(p.detach(), pd[name].detach(), f"{name} after step"))
     return worst
+
+
+def check_or_error(build: Builder, hs: Sequence[int], ws: Sequence[int],
+                   mesh_shape: Sequence[int] | None) -> float | str:
+    """`check` of a batch of 2 two-channel images of ``sum(hs) x sum(ws)``, or its error.
+
+    Split along H into ``hs`` (strips) where ``mesh_shape`` is ``None``, else into ``hs x
+    ws`` tiles on a mesh of that shape. Returns the ``ValueError``'s message where the
+    converted model raises one.
+    """
+    shape = (2, 2, sum(hs), sum(ws))
+    try:
+        if mesh_shape is None:
+            return check(build, shape, (-2,), (hs,))
+        return check(build, shape, (-2, -1), (hs, ws), mesh_shape=mesh_shape)
+    except ValueError as e:
+        return str(e)

@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from tensorpar.testing import run_distributed
-from tests._domain_check import check
+from tests._domain_check import check_or_error
 
 pytestmark = pytest.mark.timeout(300)
 T = 240
@@ -68,13 +68,7 @@ class Layouts(nn.Module):
 
 
 def _run(how, hs, ws, mesh):
-    build = functools.partial(Layouts, how)
-    try:
-        if mesh is None:
-            return check(build, (2, 2, sum(hs), sum(ws)), (-2,), (hs,))
-        return check(build, (2, 2, sum(hs), sum(ws)), (-2, -1), (hs, ws), mesh_shape=mesh)
-    except ValueError as e:
-        return str(e)
+    return check_or_error(functools.partial(Layouts, how), hs, ws, mesh)
 
 
 STRIP = (2, [3, 5], [6], None)
