@@ -107,7 +107,7 @@ class Follower:
         return self.ctx.marks.points(t) is None and t.dim() == self.ctx.ndim
 
     def follow_call(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
-                       out: Any) -> None:
+                    out: Any) -> None:
         """Record which dims of the reshaped tile ``out`` hold points (`points`).
 
         A sequence of tensors (``chunk``, ``split``): those with the input's dims hold
