@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -50,8 +50,8 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["NothingSent", "gradient_sent", "receive_edge", "recv", "refuse_send", "send",
-           "send_nothing", "unsendable"]
+__all__ = ["NothingSent", "gradient_sent", "linger", "receive_edge", "recv", "send",
+           "send_nothing"]
 
 
 class Meta(NamedTuple):
@@ -174,19 +174,21 @@ def _frame(x: torch.Tensor, link: Link, requires_grad: bool, room: int
     return (frame,)
 
 
+_LINGERING: list[tuple[Any, Any]] = []
+"""Transfers left in flight by a failed step, ``(work, tensors)``: kept alive until done.
+
+gloo drops a receive or send whose work is freed before it completes, and a message that
+arrives for a dropped receive goes to the next one posted on its tag: the next pipeline's.
+"""
+
+
+def linger(works: Iterable[tuple[Any, Any]]) -> None:
+    """Keep ``works`` (``(work, tensors)`` pairs) alive until they complete."""
+    _LINGERING[:] = [(w, t) for w, t in [*_LINGERING, *works] if not w.is_completed()]
+
+
 class NothingSent(CollectiveTypeError):
-    """The peer sent a frame that says no tensor follows: it raised (`refuse_send`)."""
-
-
-def unsendable(x: Any) -> CollectiveTypeError | CollectiveArgumentError | None:
-    """Why ``x`` cannot be sent (``None``: it can): one tensor, its dims and dtype in a header."""
-    if not isinstance(x, torch.Tensor):
-        return CollectiveTypeError(f"one tensor is sent, got {type(x).__name__}")
-    try:
-        encode_header(KIND_TENSOR, x.shape, x.dtype, False, x.device.type)
-    except CollectiveArgumentError as e:
-        return CollectiveArgumentError(f"{e} (a tensor of {x.dim()} dims, {x.dtype})")
-    return None
+    """The peer sent a frame that says no tensor follows: it raised (`send_nothing`)."""
 
 
 def send_nothing(link: Link, room: int, device: torch.device | None) -> None:
@@ -200,18 +202,12 @@ def send_nothing(link: Link, room: int, device: torch.device | None) -> None:
     link.post_send(frame)
 
 
-def refuse_send(link: Link, room: int, device: torch.device | None, error: Exception) -> None:
-    """`send_nothing`, then raise ``error``."""
-    send_nothing(link, room, device)
-    raise error
-
-
 def _unframe(frame: torch.Tensor, device: torch.device
              ) -> tuple[Header, torch.Tensor | None]:
     """The header in ``frame`` and the data it carries (``None``: a second message has it).
 
     Raises:
-        NothingSent: the sender raised instead of sending (`refuse_send`).
+        NothingSent: the sender raised instead of sending (`send_nothing`).
     """
     header = decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu())
     if header.kind != KIND_TENSOR:
@@ -277,14 +273,19 @@ def send_activation(x: torch.Tensor, link: Link, room: int = 0, what: str = "sen
     """Send ``x`` and its header over ``link``; a placeholder of ``x`` owned by the peer.
 
     ``room``: the bytes of data the receiver's frame has room for (agreed by both sides).
-    ``what``: where the send is, for the error raised (here and on the peer) when ``x``
-    cannot be sent (`unsendable`).
+    ``what``: where the send is, for the error raised (here and, as `NothingSent`, on the
+    peer) when ``x`` cannot be sent: not one tensor, or one its header cannot describe.
     """
-    if (error := unsendable(x)) is not None:
-        device = x.device if isinstance(x, torch.Tensor) else None
-        refuse_send(link, room, device, type(error)(f"{what}: {error}"))
+    if not isinstance(x, torch.Tensor):
+        send_nothing(link, room, None)
+        raise CollectiveTypeError(f"{what}: one tensor is sent, got {type(x).__name__}")
     graph = x.requires_grad and torch.is_grad_enabled()
-    messages = _frame(x, link, graph, room)
+    try:
+        messages = _frame(x, link, graph, room)
+    except CollectiveArgumentError as e:  # (its header: too many dims, or the dtype)
+        send_nothing(link, room, x.device)
+        raise CollectiveArgumentError(f"{what}: {e} (a tensor of {x.dim()} dims, "
+                                      f"{x.dtype})") from None
     if graph:
         anchor = _Send.apply(x, link, messages)
         return TensorPlaceholder(x.shape, x.dtype, device=x.device, requires_grad=True,
@@ -385,6 +386,12 @@ class Inbox:
         buffer = torch.empty(header.shape, dtype=header.tensor_dtype, device=self._device)
         self._ready[key] = (link, header, link.post_receive(buffer))
         self._rooms[key] = room_for(buffer)
+
+    def in_flight(self) -> list[tuple[Any, Any]]:
+        """The receives still posted, ``(work, buffer)`` (to `linger` after a failed step)."""
+        posted = [p for _, p in self._waiting.values()]
+        posted += [p for _, _, p in self._ready.values() if isinstance(p, Posted)]
+        return [(p.work, p.buffer) for p in posted if p.work is not None]
 
     def take(self, key: Hashable) -> torch.Tensor:
         """The activation ``key`` (waiting for it), in the graph when the sender's was."""

@@ -19,6 +19,7 @@ from tensorpar.pipeline.p2p import (
     Link,
     NothingSent,
     gradient_sent,
+    linger,
     receive_edge,
     recv_activation,
     room_for,
@@ -129,7 +130,6 @@ class Pipeline(nn.Module):
         self._group = g
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
-        self._unanswered: list[Any] = []  # frames sent after a failed step (kept alive)
         self.stages: tuple[StageSpec, ...] = tuple(mine)
         self.num_stages = len(specs)
         self.microbatches = microbatches
@@ -213,7 +213,6 @@ class Pipeline(nn.Module):
         # this step adds to each copy (`_sum_tied_gradients`)
         before = {name: self._set_aside(name) for name, _, _ in self._tied}
         pending: list[Any] = []
-        self._unanswered = [(w, kept) for w, kept in self._unanswered if not w.is_completed()]
         batch = list(torch.tensor_split(inputs, self.microbatches)) \
             if self.is_first and isinstance(inputs, torch.Tensor) else []
         targets, weights = self._targets(target) if self.is_last else ([], [])
@@ -295,8 +294,8 @@ class Pipeline(nn.Module):
                 pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
         except BaseException:  # the next stages' ranks raise too, instead of waiting
             if not single:
-                self._unanswered += pending  # (sends in flight: kept alive)
-                self._send_nothing(sent, device)
+                self._send_nothing(sent, device, pending)
+                linger([*pending, *(inbox.in_flight() if inbox is not None else [])])
             raise
         for work, _ in pending:
             work.wait()
@@ -311,7 +310,8 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
-    def _send_nothing(self, sent: set[tuple[int, int]], device: torch.device) -> None:
+    def _send_nothing(self, sent: set[tuple[int, int]], device: torch.device,
+                      pending: list[Any]) -> None:
         """After an error in a step: tell the next stages' ranks that nothing more comes.
 
         Each activation this rank still owes them gets a frame that says so (only the next
@@ -323,7 +323,7 @@ class Pipeline(nn.Module):
                 if a.kind == "F" and (a.microbatch, a.stage) not in sent
                 and not self.stages[a.stage // self._group.size].last]
         for i, k in owed if self._eager else owed[:1]:
-            link = self._link(k, i, True, self._unanswered, [0.0])
+            link = self._link(k, i, True, pending, [0.0])
             send_nothing(link, self._rooms_out.get((i, k), 0), device)
 
     def _receive(self, inbox: Inbox | None, k: int, i: int, pending: list[Any],

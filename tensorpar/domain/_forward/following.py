@@ -174,9 +174,10 @@ class Follower:
             return
         block = self.block(x, src)
         held = follow(func, args, kwargs, src, x.shape, out, block)
-        out_block = None if held is None or regroups(func, x.dim(), out.dim()) else \
+        regroup = regroups(func, x.dim(), out.dim())
+        out_block = None if held is None or regroup else \
             follow_block(func, args, kwargs, src, block, x.shape, out)
-        if regroups(func, x.dim(), out.dim()):  # read from sizes: every rank's verdict
+        if regroup:  # read from sizes: every rank's verdict
             # (an empty tile's sizes tell nothing, nor do a one-row tile's: it takes the
             # others')
             rows = [x.shape[d] // (block[0] * block[1]) for d in src] if block is not None \
@@ -189,14 +190,13 @@ class Follower:
                 self.ctx.marks.mark_unread(out, x.shape if image else None)
         if held is None:
             return
-        if name in _PERMUTES and order is not None:  # dim by dim
+        if name in _PERMUTES and order is not None and len(order) > 1:  # dim by dim
             moved = [follow(func, args, kwargs, frozenset({d}), x.shape, out) for d in order]
             out_order = tuple(next(iter(m)) for m in moved if m is not None and len(m) == 1)
             self.hold(out, held, out_block, out_order if len(out_order) == len(order) else None,
                       merged)
         elif len(held) == 1 and order is not None and len(order) > 1:  # merged in one dim
-            self.hold(out, held, out_block, None, _merged_parts(x.shape, out.shape, order)
-                      or tuple((-1, order.index(d)) for d in sorted(order)))
+            self.hold(out, held, out_block, None, _merged_parts(x.shape, out.shape, order))
         else:
             self.hold(out, held, out_block, _in_order(order, held),
                       merged if len(held) == 1 else None)
@@ -241,8 +241,7 @@ class Follower:
             self.hold(out, held, None, tuple(alone[i] for i in range(k)))
         elif len(held) == 1:
             self.hold(out, held, None, None, _merged_parts(x.shape, out.shape, None, merged,
-                                                         next(iter(src)))
-                      or tuple((-1, i) for _, i in merged if i >= 0))
+                                                         next(iter(src))))
         else:
             self.ctx.marks.mark_unread(out, None)
 
@@ -309,13 +308,17 @@ def _in_order(order: Order | None, held: frozenset[int]) -> Order | None:
 
 
 def _merged_parts(in_shape: Sequence[int], out_shape: Sequence[int], order: Order | None,
-                  merged: Merged | None = None, merged_dim: int = -1) -> Merged | None:
+                  merged: Merged | None = None, merged_dim: int = -1) -> Merged:
     """The parts of the one output dim a reshape merges a tile's dims holding points into.
 
     ``order``: the input's dims holding each split dim; or ``merged``, the parts of its
-    one dim ``merged_dim`` holding several.
+    one dim ``merged_dim`` holding several. Where this rank cannot list them (an empty
+    tile's sizes), the split dims' parts alone, each of size -1: every rank keeps a
+    merged record alike.
     """
-    wanted = set(range(len(order))) if order else {i for _, i in merged or () if i >= 0}
+    unknown = tuple((-1, order.index(d)) for d in sorted(order)) if order else \
+        tuple((-1, i) for _, i in merged or () if i >= 0)
+    wanted = {i for _, i in unknown}
     for gi, gj in reshape_groups(in_shape, out_shape) or ():
         parts: list[tuple[int, int]] = []
         for d in gi:
@@ -326,8 +329,8 @@ def _merged_parts(in_shape: Sequence[int], out_shape: Sequence[int], order: Orde
         if any(i >= 0 for _, i in parts):  # (a one-row part grouped apart: not listed)
             whole = {i for _, i in parts if i >= 0} == wanted
             return tuple(parts) if whole and len([j for j in gj if out_shape[j] != 1]) <= 1 \
-                else None
-    return None
+                else unknown
+    return unknown
 
 
 def _merged_codes(in_shape: Sequence[int], out_shape: Sequence[int], d: int, merged: Merged,
