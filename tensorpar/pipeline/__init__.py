@@ -7,10 +7,10 @@ activations over with `send` / `recv`, point-to-point autograd Functions whose b
 their mirror.
 """
 
-from tensorpar.pipeline.p2p import recv, send
-from tensorpar.pipeline.pipe import Pipeline, pipeline
+from tensorpar.pipeline.p2p import NothingSent, recv, send
+from tensorpar.pipeline.pipe import Pipeline, StepFailed, pipeline
 from tensorpar.pipeline.replicas import average_gradients
 from tensorpar.pipeline.schedules import Action, bubble_fraction, build_schedule, render
 
-__all__ = ["Action", "Pipeline", "average_gradients", "bubble_fraction", "build_schedule",
-           "pipeline", "recv", "render", "send"]
+__all__ = ["Action", "NothingSent", "Pipeline", "StepFailed", "average_gradients",
+           "bubble_fraction", "build_schedule", "pipeline", "recv", "render", "send"]

@@ -13,8 +13,10 @@ every call works. The first message of an activation is a *frame*: the header, t
 for ``room`` bytes of data that both sides agree on before the transfer (a pipeline uses
 what the same transfer carried in its previous step; the public functions use 0). When
 the activation fits, it travels inside the frame: one message. Otherwise the data follows
-in a second message; the receiver learns which from the header. Gradients travel without a
-header: both sides know their shape.
+in a second message; the receiver learns which from the header. A gradient travels in a
+frame too, whose room both sides know from the activation's shape (`gradient_room`): so
+a rank that raised can send a frame that says no gradient comes (`send_no_gradient`) to
+a peer waiting for one, and the peer raises instead of waiting.
 
 ``dst``/``src`` are ranks **within** ``group``; the conversion to global ranks happens here.
 Sends are posted with ``isend``; ``pending`` lets a schedule collect the handles and wait
@@ -51,7 +53,7 @@ from tensorpar.placeholder import (
 )
 
 __all__ = ["NothingSent", "gradient_sent", "linger", "receive_edge", "recv", "send",
-           "send_nothing"]
+           "send_gradient", "send_no_gradient", "send_nothing"]
 
 
 class Meta(NamedTuple):
@@ -120,10 +122,6 @@ class Posted:
     buffer: torch.Tensor
     waited: list[float] | None = None
 
-    def done(self) -> bool:
-        """The data has arrived (never blocks)."""
-        return self.work is None or bool(self.work.is_completed())
-
     def wait(self) -> torch.Tensor:
         """Wait for the data (counted in ``waited``) and return the buffer."""
         if self.work is not None:
@@ -152,7 +150,15 @@ def nbytes(x: torch.Tensor) -> int:
 
 def room_for(x: torch.Tensor) -> int:
     """The room the next frame of a transfer that carried ``x`` gets (both sides agree)."""
-    size = nbytes(x)
+    return _room(nbytes(x))
+
+
+def gradient_room(meta: Meta) -> int:
+    """The room of the frame of a gradient of ``meta`` (both sides know the activation's)."""
+    return _room(math.prod(meta.shape) * meta.dtype.itemsize)
+
+
+def _room(size: int) -> int:
     return size if size <= FRAME_DATA_LIMIT else 0
 
 
@@ -183,7 +189,10 @@ arrives for a dropped receive goes to the next one posted on its tag: the next p
 
 
 def linger(works: Iterable[tuple[Any, Any]]) -> None:
-    """Keep ``works`` (``(work, tensors)`` pairs) alive until they complete."""
+    """Keep ``works`` (``(work, tensors)`` pairs) alive until they complete.
+
+    (A gloo send or receive reports itself complete only once waited for: those stay.)
+    """
     _LINGERING[:] = [(w, t) for w, t in [*_LINGERING, *works] if not w.is_completed()]
 
 
@@ -200,6 +209,76 @@ def send_nothing(link: Link, room: int, device: torch.device | None) -> None:
     frame = _frame_buffer(link, room, device).zero_()
     frame[:HEADER_LEN * 8].view(torch.int64).copy_(encode_header(KIND_OTHER))
     link.post_send(frame)
+
+
+def send_gradient(link: Link, grad: torch.Tensor) -> None:
+    """Send ``grad`` over ``link`` (a gradient's link) in its frame (`gradient_room`)."""
+    link.post_send(*_frame(grad, link, False, room_for(grad)))
+
+
+def send_no_gradient(link: Link, meta: Meta) -> None:
+    """Tell the peer that the gradient of ``meta`` it waits for will not come.
+
+    Its wait raises `NothingSent`. Where the peer posted the receive of the gradient's
+    data ahead (an ``eager`` link, a gradient too large for its frame), that receive gets
+    a message too: every posted receive is answered, so none is left to catch a later
+    transfer on its tag.
+    """
+    room = gradient_room(meta)
+    send_nothing(link, room, meta.device)
+    if link.eager and not room:
+        link.post_send(torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device))
+
+
+@dataclass(eq=False)
+class GradientReceipt:
+    """The receive of a gradient: on an ``eager`` link its messages are posted at once.
+
+    ``link``: the gradient's link; ``meta``: the activation's (the gradient's) metadata.
+    Posted receives join ``link.pending``, so a step that fails keeps them alive (`linger`).
+    """
+
+    link: Link
+    meta: Meta
+    frame: Posted | None = None
+    data: Posted | None = None
+
+    def __post_init__(self) -> None:
+        if not self.link.eager:
+            return
+        room = gradient_room(self.meta)
+        self.frame = self._post(_frame_buffer(self.link, room, self.meta.device))
+        if not room:  # the data follows the frame: its receive posted ahead too
+            self.data = self._post(self._buffer())
+
+    def _post(self, buffer: torch.Tensor) -> Posted:
+        posted = self.link.post_receive(buffer)
+        if self.link.pending is not None and posted.work is not None:
+            self.link.pending.append((posted.work, (buffer,)))
+        return posted
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.meta.shape, dtype=self.meta.dtype, device=self.meta.device)
+
+    def wait(self) -> torch.Tensor:
+        """The gradient (waiting for it).
+
+        Raises:
+            NothingSent: the peer raised instead of sending it (`send_no_gradient`).
+        """
+        room = gradient_room(self.meta)
+        frame = self.frame.wait() if self.frame is not None else \
+            self.link.receive(_frame_buffer(self.link, room, self.meta.device))
+        header, data = _unframe(frame, self.meta.device)
+        if (header.shape, header.tensor_dtype) != (self.meta.shape, self.meta.dtype):
+            raise CollectiveArgumentError(
+                f"a gradient of {self.meta.dtype}{list(self.meta.shape)} was expected from "
+                f"rank {self.link.peer}, which sent {header.describe()}")
+        if data is not None:
+            return data
+        if self.data is not None:
+            return self.data.wait()
+        return self.link.receive(self._buffer())
 
 
 def _unframe(frame: torch.Tensor, device: torch.device
@@ -231,21 +310,16 @@ class _Send(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, link: Link,
-                messages: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                messages: tuple[torch.Tensor, ...]) -> torch.Tensor:
         ctx.link = link
-        ctx.meta = Meta(x.shape, x.dtype, x.device)
-        # the gradient's receive, posted now: it is ready whenever the peer sends it
-        ctx.posted = link.reverse().post_receive(
-            torch.empty(x.shape, dtype=x.dtype, device=x.device)) if link.eager else None
-        link.post_send(*(messages if messages is not None else (x.detach().contiguous(),)))
+        # the gradient's receive (posted now on an eager link: ready whenever it comes)
+        ctx.receipt = GradientReceipt(link.reverse(), Meta(x.shape, x.dtype, x.device))
+        link.post_send(*messages)
         return x.new_empty(0)  # the anchor of the send in this rank's graph
 
     @staticmethod
     def backward(ctx: Any, anchor_grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        posted, meta, link = ctx.posted, ctx.meta, ctx.link.reverse()
-        source = posted.wait if posted is not None else \
-            (lambda: link.receive(torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)))
-        grad: torch.Tensor = _Recv.apply(anchor_grad, link, source)
+        grad: torch.Tensor = _Recv.apply(anchor_grad, ctx.link.reverse(), ctx.receipt.wait)
         return grad, None, None
 
 
@@ -264,7 +338,8 @@ class _Recv(torch.autograd.Function):
         ctx.sent = True  # read by gradient_sent (ctx is the graph's node)
         # not eager: a double backward's receive would share its tag with the activations'
         back = dataclasses.replace(ctx.link.reverse(), eager=False)
-        anchor_grad: torch.Tensor = _Send.apply(grad, back)
+        anchor_grad: torch.Tensor = _Send.apply(grad, back, _frame(grad, back, False,
+                                                                  room_for(grad)))
         return anchor_grad.reshape(ctx.anchor_shape), None, None
 
 
@@ -351,10 +426,11 @@ class Inbox:
     """The activations a rank receives in one step, their frames' receives posted up front.
 
     ``rooms`` holds the room of each key's frame (missing: 0); each arrival updates it to
-    the room of the same transfer in the next step (`room_for` what came). `poll` posts the
-    data's receive of every frame that has arrived without its data, so that the data
-    moves while this rank computes; `take` waits for what is still missing. Only for a
-    backend that pairs transfers by tag (the receives are posted out of the senders' order).
+    the room of the same transfer in the next step (`room_for` what came). `take` waits
+    for the frame and, where the data did not fit it, posts the data's receive and waits
+    for that (gloo reports a posted receive complete only once it is waited for, so the
+    arrival of a frame cannot be noticed earlier). Only for a backend that pairs transfers
+    by tag (the receives are posted out of the senders' order).
     """
 
     def __init__(self, links: dict[Hashable, Link], device: torch.device,
@@ -366,11 +442,6 @@ class Inbox:
         for key, link in links.items():
             room = rooms.get(key, 0)
             self._waiting[key] = (link, link.post_receive(_frame_buffer(link, room, device)))
-
-    def poll(self) -> None:
-        """Post the data receive of every activation whose frame has arrived."""
-        for key in [k for k, (_, h) in self._waiting.items() if h.done()]:
-            self._post_data(key)
 
     def _post_data(self, key: Hashable) -> None:
         link, posted = self._waiting.pop(key)
@@ -386,6 +457,22 @@ class Inbox:
         buffer = torch.empty(header.shape, dtype=header.tensor_dtype, device=self._device)
         self._ready[key] = (link, header, link.post_receive(buffer))
         self._rooms[key] = room_for(buffer)
+
+    def drain(self, order: Iterable[Hashable],
+              answer: Callable[[Hashable, Header], None]) -> None:
+        """After a failed step: wait for the frame of every activation not taken.
+
+        ``order``: the keys in the order the peer sends them; ``answer(key, header)`` is
+        called for each that carries a tensor once its frame is here, before the next is
+        waited for (the peer may wait for that answer before it sends the next). The
+        receives of their data stay posted (`in_flight`).
+        """
+        for key in order:
+            if key in self._waiting:
+                self._post_data(key)
+            header = self._ready[key][1] if key in self._ready else None
+            if isinstance(header, Header):
+                answer(key, header)
 
     def in_flight(self) -> list[tuple[Any, Any]]:
         """The receives still posted, ``(work, buffer)`` (to `linger` after a failed step)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -13,10 +14,11 @@ from torch.autograd.graph import GradientEdge
 
 from tensorpar._torch import is_fsdp_module
 from tensorpar.comm._group import Group, GroupLike, resolve_group
-from tensorpar.errors import CollectiveArgumentError
+from tensorpar.errors import CollectiveArgumentError, TensorparError
 from tensorpar.pipeline.p2p import (
     Inbox,
     Link,
+    Meta,
     NothingSent,
     gradient_sent,
     linger,
@@ -24,6 +26,8 @@ from tensorpar.pipeline.p2p import (
     recv_activation,
     room_for,
     send_activation,
+    send_gradient,
+    send_no_gradient,
     send_nothing,
 )
 from tensorpar.pipeline.schedules import SCHEDULES, SPLIT, Action, build_schedule, in_order
@@ -41,7 +45,7 @@ from tensorpar.pipeline.stages import (
 )
 from tensorpar.placeholder import TensorPlaceholder
 
-__all__ = ["Pipeline", "pipeline"]
+__all__ = ["Pipeline", "StepFailed", "pipeline"]
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
@@ -135,6 +139,7 @@ class Pipeline(nn.Module):
         self.microbatches = microbatches
         self.schedule = schedule
         self.virtual_stages = virtual_stages
+        self._rows = rows  # every rank's actions: the order a peer sends in
         self._actions: list[Action] = rows[g.rank]
         self._fsdp_modules: list[tuple[str, Any]] = []  # (name, FSDP2 module), at each step
         # gloo pairs transfers by tag: receives may be posted ahead of the schedule's order
@@ -204,6 +209,11 @@ class Pipeline(nn.Module):
         Raises:
             CollectiveArgumentError: the first stage got no tensor, the last no target, or
                 the batch has fewer rows than microbatches (raised on every rank).
+            NothingSent: another rank raised during the step, and this one waited for an
+                activation or a gradient from it.
+            StepFailed: another rank raised during the step after this one had done its
+                part. (Any error in the step raises on every rank; the gradients then
+                hold part of the step.)
         """
         # fully_shard may come after the pipeline is built: looked up at every step
         self._fsdp_modules = [(n, m) for n, m in self.named_modules() if is_fsdp_module(m)]
@@ -248,7 +258,8 @@ class Pipeline(nn.Module):
                         x = self._receive(inbox, k, i, pending, waited, device)
                     edge = receive_edge(x) if k > 0 and not single else None
                     if edge is not None:  # taken before the stage runs: it may modify x in place
-                        received[(i, k)] = _Received(edge, x.grad_fn, x.shape, x.dtype, x.device)
+                        received[(i, k)] = _Received(edge, x.grad_fn,
+                                                     Meta(x.shape, x.dtype, x.device))
                     y = run_stage(self, spec, x, self._decoder)
                     if spec.last:
                         loss = self._loss(y, targets[i], weights[i])
@@ -271,7 +282,7 @@ class Pipeline(nn.Module):
                 elif spec.last or not single:  # the loss, or the send's placeholder
                     self._gradient_sync(final_backward[k] == i)
                     done = held.pop((i, k))
-                    came = received.pop((i, k), None)
+                    came = received.get((i, k))  # owed until its gradient has gone
                     # a stage whose output needs no gradient: none comes
                     if done.requires_grad and split:  # B now, W when the schedule says
                         out, grad = (done, None) if spec.last else _anchor_of(done)
@@ -283,22 +294,31 @@ class Pipeline(nn.Module):
                     del done
                     if came is not None and not gradient_sent(came.node):
                         # the stage did not use what it received: its sender still waits
-                        self._link(k, i, False, pending, waited).reverse().post_send(
-                            torch.zeros(came.shape, dtype=came.dtype, device=came.device))
+                        send_gradient(self._link(k, i, False, pending, waited).reverse(),
+                                      torch.zeros(came.meta.shape, dtype=came.meta.dtype,
+                                                  device=came.meta.device))
+                    received.pop((i, k), None)
                 end = time.perf_counter()
                 busy += end - start
                 self.last_timeline.append((action, start - origin, end - origin))
-                if inbox is not None:
-                    inbox.poll()
                 # let go of sends that are done: their tensors would otherwise live to the end
+                # (NCCL's; gloo's report completion only once waited for)
                 pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
-        except BaseException:  # the next stages' ranks raise too, instead of waiting
+        except BaseException as error:  # every other rank raises too, instead of waiting
+            self._restore_tied(before)
             if not single:
-                self._send_nothing(sent, device, pending)
-                linger([*pending, *(inbox.in_flight() if inbox is not None else [])])
+                self._recover(error, sent, received, inbox, device, pending)
             raise
         for work, _ in pending:
             work.wait()
+        failed = self._failed_ranks(False) if not single else []
+        if failed:
+            self._restore_tied(before)
+            raise StepFailed(
+                f"Pipeline.step: rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} of the pipeline raised in this step (the "
+                f"errors there say why); this rank's gradients hold part of the step: zero "
+                f"them, and build a new pipeline")
         if self._tied:
             self._sum_tied_gradients(before)
         self.last_busy = busy - waited[0]
@@ -310,14 +330,79 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
+    def _recover(self, error: BaseException, sent: set[tuple[int, int]],
+                 received: dict[tuple[int, int], _Received], inbox: Inbox | None,
+                 device: torch.device, pending: list[Any]) -> None:
+        """After an error in a step: let every other rank raise too, and leave no transfer.
+
+        The ranks of the next stages get a frame that says no activation comes, those of
+        the earlier stages one that says no gradient comes, for what this rank still owes
+        them; they raise `NothingSent` instead of waiting, and do the same in turn. Where
+        receives are posted ahead (gloo), every one of them is answered: this rank waits for
+        the frames of the activations it did not take and answers those that wait for a
+        gradient. Then the ranks agree, in one small all-reduce, that the step failed (a
+        rank that finished its part raises `StepFailed`). On an interrupt (not an
+        ``Exception``) only the frames go, and nothing is waited for.
+        """
+        try:
+            self._send_nothing(sent, device, pending)
+            if isinstance(error, Exception):
+                self._send_no_gradients(received, inbox, pending)
+                self._failed_ranks(True)
+        except Exception as cleanup:  # a peer gone: the step's own error says more
+            warnings.warn(f"Pipeline.step: after the step's error, telling the other ranks "
+                          f"failed too ({type(cleanup).__name__}: {cleanup})", stacklevel=3)
+        finally:
+            linger([*pending, *(inbox.in_flight() if inbox is not None else [])])
+
+    def _send_no_gradients(self, received: dict[tuple[int, int], _Received],
+                           inbox: Inbox | None, pending: list[Any]) -> None:
+        """Tell the earlier stages' ranks that the gradients this rank owes will not come.
+
+        Where receives are not posted ahead, only the next one (in the schedule's order):
+        its receiver waits for that one and stops there.
+        """
+        def refuse(key: Any, meta: Meta) -> None:  # key: (microbatch, receiving stage)
+            i, k = key
+            send_no_gradient(self._link(k, i, False, pending, [0.0]).reverse(), meta)
+
+        owed = [(key, came.meta) for key, came in received.items()
+                if not gradient_sent(came.node)]
+        if inbox is None:
+            order = {(a.microbatch, a.stage): n for n, a in enumerate(self._actions)
+                     if a.kind == "B"}
+            owed = sorted(owed, key=lambda item: order[item[0]])[:1]
+        for key, meta in owed:
+            refuse(key, meta)
+        if inbox is not None:  # the activations not taken: their senders wait too
+            device = self._device()
+            sender = self._rows[(self._group.rank - 1) % self._group.size]
+            sent_in_order = [(a.microbatch, a.stage + 1) for a in sender
+                             if a.kind == "F" and a.stage + 1 < self.num_stages]
+            inbox.drain(sent_in_order, lambda key, h: refuse(
+                key, Meta(h.shape, h.tensor_dtype, device)) if h.requires_grad else None)
+
+    def _failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks whose step failed (``failed``: this one), agreed in one all-reduce."""
+        flags = torch.zeros(self._group.size, dtype=torch.int32,
+                            device=self._group.comm_device(self._device()))
+        flags[self._group.rank] = int(failed)
+        dist.all_reduce(flags, group=self.group)
+        return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+    def _restore_tied(self, before: dict[str, torch.Tensor | None]) -> None:
+        """After a failed step: each tied copy's set-aside gradient back, plus what it got."""
+        for name, kept in before.items():
+            weight = self.get_parameter(name)
+            if kept is not None:
+                weight.grad = kept if weight.grad is None else kept + weight.grad
+
     def _send_nothing(self, sent: set[tuple[int, int]], device: torch.device,
                       pending: list[Any]) -> None:
-        """After an error in a step: tell the next stages' ranks that nothing more comes.
+        """Tell the next stages' ranks that the activations this rank owes will not come.
 
-        Each activation this rank still owes them gets a frame that says so (only the next
-        one where receives are not posted ahead: its receiver stops there); the receiving
-        rank raises `NothingSent` instead of waiting, and does the same in turn. A rank
-        waiting for a gradient from this one still waits (see the docs' notes).
+        Each gets a frame that says so (only the next one where receives are not posted
+        ahead: its receiver stops there).
         """
         owed = [(a.microbatch, a.stage) for a in self._actions
                 if a.kind == "F" and (a.microbatch, a.stage) not in sent
@@ -507,9 +592,15 @@ class _Received(NamedTuple):
 
     edge: GradientEdge
     node: Any
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
+    meta: Meta
+
+
+class StepFailed(TensorparError):
+    """Another rank of the pipeline raised during this `Pipeline.step` (its error says why).
+
+    Raised on the ranks that finished their part of the step, so that no rank goes on as
+    if the step had succeeded.
+    """
 
 
 def _anchor_of(done: TensorPlaceholder) -> tuple[torch.Tensor, torch.Tensor]:

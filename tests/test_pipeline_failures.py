@@ -1,0 +1,175 @@
+"""A step that raises on one rank raises on every rank of the pipeline, wherever it raises
+(a later stage's loss, a stage's backward, a stage's forward): the earlier stages, which
+wait for gradients, raise too instead of waiting, and a stage that finished its part
+learns that the step failed. No transfer of the failed step is left to reach the next
+pipeline on the same ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar as tp
+from tensorpar.testing import run_distributed
+
+TOL = 1e-10
+SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2),
+             "zero-bubble": ("zero-bubble", 1)}
+
+
+class Boom(RuntimeError):
+    """The error a test's stage raises (its ranks report its name)."""
+
+
+class _Fail(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise Boom("backward failed")
+
+
+class Faulty(nn.Module):
+    """Passes its input on; raises in the forward or the backward of microbatch ``at``."""
+
+    def __init__(self, where, at):
+        super().__init__()
+        self.where, self.at, self.calls = where, at, 0
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        if self.calls == self.at + 1:
+            if self.where == "forward":
+                raise Boom("forward failed")
+            if self.where == "backward":
+                return _Fail.apply(y)
+        return y
+
+
+def _model(where, at, stage, stages, virtual):
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(stages * virtual)]
+    if where in ("forward", "backward"):
+        blocks[stage] = Faulty(where, at)
+    return nn.Sequential(*blocks).double()
+
+
+def _failing_step(where, at, stage, schedule, virtual, post_ahead=True, fresh_group=False):
+    """One step that raises on ``stage`` (``where``: "loss" on the last, "forward",
+    "backward"), then, on the same ranks, a step that must equal dense. Returns the name of
+    what this rank raised and the worst difference of the clean step."""
+    ranks = dist.get_world_size()
+    group = dist.new_group(list(range(ranks))) if fresh_group else None
+    calls = [0]
+
+    def loss_fn(y, t):
+        calls[0] += 1
+        if where == "loss" and calls[0] == at + 1:
+            raise Boom("loss failed")
+        return F.mse_loss(y, t)
+
+    pipe = tp.nn.pipeline(_model(where, at, stage, ranks, virtual), group=group,
+                          microbatches=4, schedule=schedule, loss_fn=loss_fn,
+                          virtual_stages=virtual)
+    pipe._eager = post_ahead  # False: receive in the schedule's order, as on NCCL
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    try:
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        raised, said = "no error", ""
+    except Exception as e:  # reported by name
+        raised, said = type(e).__name__, str(e)
+    if fresh_group:  # transfers of the failed step may be left on that group: not reused
+        return raised, 0.0, said
+    # the same ranks, a new pipeline: nothing of the failed step may reach it
+    dense = _model("none", 0, 0, ranks, virtual)
+    clean = tp.nn.pipeline(_model("none", 0, 0, ranks, virtual), microbatches=4,
+                           schedule=schedule, loss_fn=F.mse_loss, virtual_stages=virtual)
+    clean._eager = post_ahead
+    worst = 0.0
+    for _ in range(2):
+        loss = clean.step(x if clean.is_first else None, y if clean.is_last else None)
+        dense_loss = F.mse_loss(dense(x), y)
+        dense_loss.backward()
+        if clean.is_last:
+            worst = max(worst, float((loss - dense_loss.detach()).abs()))
+        ref = dict(dense.named_parameters())
+        for name, p in clean.named_parameters():
+            worst = max(worst, float((p.grad - ref[name].grad).abs().max()))
+        clean.zero_grad(), dense.zero_grad()
+        x, y = x.flip(0), y.flip(0)
+    return raised, worst, said
+
+
+def _failing_step_in_two_messages(*args):
+    """`_failing_step` with every activation and gradient past its frame's room."""
+    from tensorpar.pipeline import p2p
+    default, p2p.FRAME_DATA_LIMIT = p2p.FRAME_DATA_LIMIT, 16
+    try:  # the ranks are reused by the next test: the limit goes back after this one
+        return _failing_step(*args)
+    finally:
+        p2p.FRAME_DATA_LIMIT = default
+
+
+def _check(results, failing_rank, error="Boom"):
+    raised = [r for r, _, _ in results]
+    assert raised[failing_rank] == error, raised
+    assert all(r != "no error" for r in raised), raised
+    assert max(w for _, w, _ in results) < TOL, results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("at", [0, 2])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_loss_that_raises_on_the_last_stage_raises_on_every_rank(schedule, at, world_size):
+    name, virtual = SCHEDULES[schedule]
+    results = run_distributed(_failing_step, world_size, "loss", at, 0, name, virtual,
+                              timeout=60)
+    _check(results, (world_size * virtual - 1) % world_size)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
+def test_a_stage_that_raises_raises_on_every_rank(schedule, stage, where):
+    name, virtual = SCHEDULES[schedule]
+    results = run_distributed(_failing_step, 3, where, 1, stage, name, virtual, timeout=60)
+    _check(results, stage % 3)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where,stage", [("loss", 0), ("backward", 1), ("forward", 1)])
+def test_a_failed_step_raises_everywhere_when_receives_are_not_posted_ahead(where, stage):
+    # as on NCCL: each receive waits in the schedule's order; the step's group is its own
+    results = run_distributed(_failing_step, 3, where, 1, stage, "1f1b", 1, False, True,
+                              timeout=60)
+    _check(results, 2 if where == "loss" else stage)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where,stage", [("loss", 0), ("backward", 1), ("forward", 1)])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_failed_step_leaves_no_transfer_when_the_data_follows_its_frame(schedule, where,
+                                                                          stage):
+    # a gradient too large for its frame: its data's receive is posted ahead, and answered
+    name, virtual = SCHEDULES[schedule]
+    results = run_distributed(_failing_step_in_two_messages, 3, where, 1, stage, name,
+                              virtual, timeout=60)
+    _check(results, (3 * virtual - 1) % 3 if where == "loss" else stage)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_finished_their_part_learn_that_the_step_failed():
+    # the first stage's last backward raises: every other rank has done all its work
+    results = run_distributed(_failing_step, 3, "backward", 3, 0, "1f1b", 1, timeout=40)
+    assert [r for r, _, _ in results] == ["Boom", "StepFailed", "StepFailed"]
+    assert "rank 0 of the pipeline raised in this step" in results[1][2], results[1][2]
+    assert max(w for _, w, _ in results) < TOL, results
