@@ -46,6 +46,8 @@ class Faulty(nn.Module):
         if self.calls == self.at + 1:
             if self.where == "forward":
                 raise Boom("forward failed")
+            if self.where == "interrupt":
+                raise KeyboardInterrupt
             if self.where == "backward":
                 return _Fail.apply(y)
         return y
@@ -54,7 +56,7 @@ class Faulty(nn.Module):
 def _model(where, at, stage, stages, virtual):
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(stages * virtual)]
-    if where in ("forward", "backward"):
+    if where in ("forward", "backward", "interrupt"):
         blocks[stage] = Faulty(where, at)
     return nn.Sequential(*blocks).double()
 
@@ -83,7 +85,7 @@ def _failing_step(where, at, stage, schedule, virtual, post_ahead=True, fresh_gr
     try:
         pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
         raised, said = "no error", ""
-    except Exception as e:  # reported by name
+    except BaseException as e:  # reported by name (an interrupt too)
         raised, said = type(e).__name__, str(e)
     if fresh_group:  # transfers of the failed step may be left on that group: not reused
         return raised, 0.0, said
@@ -138,7 +140,7 @@ def test_a_loss_that_raises_on_the_last_stage_raises_on_every_rank(schedule, at,
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_a_stage_that_raises_raises_on_every_rank(schedule, stage, where):
     name, virtual = SCHEDULES[schedule]
     results = run_distributed(_failing_step, 3, where, 1, stage, name, virtual, timeout=60)
@@ -146,12 +148,70 @@ def test_a_stage_that_raises_raises_on_every_rank(schedule, stage, where):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where,stage", [("loss", 0), ("backward", 1), ("forward", 1)])
-def test_a_failed_step_raises_everywhere_when_receives_are_not_posted_ahead(where, stage):
+@pytest.mark.parametrize("where,at,stage", [("forward", 0, 0), ("backward", 3, 1),
+                                            ("backward", 0, 3), ("forward", 3, 2)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_that_raises_on_four_ranks(schedule, where, at, stage):
+    results = run_distributed(_failing_step, 4, where, at, stage, schedule, 1, timeout=60)
+    _check(results, stage)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("where,at,stage", [("loss", 1, 0), ("backward", 1, 1),
+                                            ("forward", 1, 1), ("backward", 2, 0),
+                                            ("backward", 0, 0), ("forward", 3, 0)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_a_failed_step_raises_everywhere_when_receives_are_not_posted_ahead(
+        schedule, where, at, stage, world_size):
     # as on NCCL: each receive waits in the schedule's order; the step's group is its own
-    results = run_distributed(_failing_step, 3, where, 1, stage, "1f1b", 1, False, True,
+    # (sends no receiver took stay in flight there)
+    stage = min(stage, world_size - 1)
+    results = run_distributed(_failing_step, world_size, where, at, stage, schedule, 1,
+                              False, True, timeout=60)
+    _check(results, world_size - 1 if where == "loss" else stage)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,stage", [(2, 0), (3, 1)])
+def test_an_interrupt_on_one_rank_raises_on_every_rank(world_size, stage):
+    results = run_distributed(_failing_step, world_size, "interrupt", 1, stage, "1f1b", 1,
                               timeout=60)
-    _check(results, 2 if where == "loss" else stage)
+    _check(results, stage, "KeyboardInterrupt")
+
+
+def _tied_gradient_after_a_failed_step():
+    import torch.nn.functional as F
+
+    from tests.test_pipeline_tied import _worst, data, tied
+    calls = [0]
+
+    def loss_fn(y, t):  # the second step's loss raises at its first microbatch
+        calls[0] += 1
+        if calls[0] == 4:
+            raise Boom("loss failed")
+        return F.mse_loss(y, t)
+
+    dense = tied()
+    pipe = tp.nn.pipeline(tied(), microbatches=3, schedule="gpipe", loss_fn=loss_fn,
+                          split=[2, 3])
+    x, y = data(0)
+    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    F.mse_loss(dense(x), y).backward()
+    x, y = data(1)
+    raised = "no error"
+    try:
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    except (Boom, tp.pipeline.NothingSent) as e:
+        raised = type(e).__name__
+    return raised, _worst(pipe, dense)  # no backward ran in the failed step: as after the first
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_step_gives_the_tied_gradient_back():
+    results = run_distributed(_tied_gradient_after_a_failed_step, 2, timeout=40)
+    assert [r for r, _ in results] == ["NothingSent", "Boom"], results
+    assert max(w for _, w in results) < TOL, results
 
 
 @pytest.mark.timeout(120)

@@ -269,7 +269,11 @@ class GradientReceipt:
         room = gradient_room(self.meta)
         frame = self.frame.wait() if self.frame is not None else \
             self.link.receive(_frame_buffer(self.link, room, self.meta.device))
-        header, data = _unframe(frame, self.meta.device)
+        try:
+            header, data = _unframe(frame, self.meta.device)
+        except NothingSent:
+            raise NothingSent(f"no gradient came from rank {self.link.peer}: it raised instead "
+                              f"(its error says why)") from None
         if (header.shape, header.tensor_dtype) != (self.meta.shape, self.meta.dtype):
             raise CollectiveArgumentError(
                 f"a gradient of {self.meta.dtype}{list(self.meta.shape)} was expected from "

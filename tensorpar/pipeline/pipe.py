@@ -304,21 +304,23 @@ class Pipeline(nn.Module):
                 # let go of sends that are done: their tensors would otherwise live to the end
                 # (NCCL's; gloo's report completion only once waited for)
                 pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
-        except BaseException as error:  # every other rank raises too, instead of waiting
+        except BaseException:  # every other rank raises too, instead of waiting
             self._restore_tied(before)
             if not single:
-                self._recover(error, sent, received, inbox, device, pending)
+                self._recover(sent, received, inbox, device, pending)
             raise
-        for work, _ in pending:
-            work.wait()
+        # agreed before the sends are waited for: where receives are not posted ahead, a
+        # rank that raised never takes what was sent to it
         failed = self._failed_ranks(False) if not single else []
         if failed:
             self._restore_tied(before)
+            self._settle(pending, inbox)
             raise StepFailed(
                 f"Pipeline.step: rank{'s' if len(failed) > 1 else ''} "
                 f"{', '.join(map(str, failed))} of the pipeline raised in this step (the "
                 f"errors there say why); this rank's gradients hold part of the step: zero "
                 f"them, and build a new pipeline")
+        _wait_all(pending)
         if self._tied:
             self._sum_tied_gradients(before)
         self.last_busy = busy - waited[0]
@@ -330,9 +332,8 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
-    def _recover(self, error: BaseException, sent: set[tuple[int, int]],
-                 received: dict[tuple[int, int], _Received], inbox: Inbox | None,
-                 device: torch.device, pending: list[Any]) -> None:
+    def _recover(self, sent: set[tuple[int, int]], received: dict[tuple[int, int], _Received],
+                 inbox: Inbox | None, device: torch.device, pending: list[Any]) -> None:
         """After an error in a step: let every other rank raise too, and leave no transfer.
 
         The ranks of the next stages get a frame that says no activation comes, those of
@@ -341,19 +342,31 @@ class Pipeline(nn.Module):
         receives are posted ahead (gloo), every one of them is answered: this rank waits for
         the frames of the activations it did not take and answers those that wait for a
         gradient. Then the ranks agree, in one small all-reduce, that the step failed (a
-        rank that finished its part raises `StepFailed`). On an interrupt (not an
-        ``Exception``) only the frames go, and nothing is waited for.
+        rank that finished its part raises `StepFailed`).
         """
         try:
             self._send_nothing(sent, device, pending)
-            if isinstance(error, Exception):
-                self._send_no_gradients(received, inbox, pending)
-                self._failed_ranks(True)
+            self._send_no_gradients(received, inbox, pending)
+            self._failed_ranks(True)
         except Exception as cleanup:  # a peer gone: the step's own error says more
             warnings.warn(f"Pipeline.step: after the step's error, telling the other ranks "
                           f"failed too ({type(cleanup).__name__}: {cleanup})", stacklevel=3)
-        finally:
             linger([*pending, *(inbox.in_flight() if inbox is not None else [])])
+            return
+        self._settle(pending, inbox)
+
+    def _settle(self, pending: list[Any], inbox: Inbox | None) -> None:
+        """After the ranks agreed that the step failed: finish or keep its transfers.
+
+        Where receives are posted ahead, every transfer of the step has its other side
+        posted by now (each rank answered what it owed before the agreement): wait for
+        them. Otherwise sends may have no receiver: keep them alive (`linger`).
+        """
+        works = [*pending, *(inbox.in_flight() if inbox is not None else [])]
+        if not self._eager:
+            linger(works)
+            return
+        _wait_all(works)
 
     def _send_no_gradients(self, received: dict[tuple[int, int], _Received],
                            inbox: Inbox | None, pending: list[Any]) -> None:
@@ -489,13 +502,13 @@ class Pipeline(nn.Module):
             link.post_send(flag)
             other_has = bool(link.receive(torch.empty_like(flag)).item())
             if grad is None and not other_has:
-                _wait_all(link)
+                _wait_all(link.pending)
                 sums.append((weight, before[name]))
                 continue
             mine = grad if grad is not None else torch.zeros_like(weight)
             link.post_send(mine.detach().contiguous())
             other = link.receive(torch.empty_like(mine))
-            _wait_all(link)
+            _wait_all(link.pending)
             step = mine + other if self._group.rank < peer else other + mine
             kept = before[name]
             sums.append((weight, step if kept is None else kept + step))
@@ -685,7 +698,11 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
                     loss_reduction=loss_reduction)
 
 
-def _wait_all(link: Link) -> None:
-    """Wait for the sends ``link`` posted."""
-    for work, _ in link.pending or []:
-        work.wait()
+def _wait_all(works: list[tuple[Any, Any]] | None) -> None:
+    """Wait for each of ``works`` (``(work, tensors)``) not yet waited for.
+
+    (A gloo receive waited for twice waits for a second message: each is waited once.)
+    """
+    for work, _ in works or []:
+        if not work.is_completed():
+            work.wait()
