@@ -154,6 +154,32 @@ def test_activation_sizes_change_between_steps(world_size, virtual, post_ahead, 
         r if limit is None or r <= limit else 0 for r in room)
 
 
+def _empty_activation(post_ahead, schedule):
+    # the boundary carries (rows, 0): no bytes, in the frame, both ways
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3), nn.Tanh()).double()
+    dense = copy.deepcopy(model)
+    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss, split=[1, 2],
+                          schedule=schedule)
+    pipe._eager = post_ahead
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        dense_loss = F.mse_loss(dense(x), y)
+        dense_loss.backward()
+        _compare(pipe, dense, loss, dense_loss, f"step {step}")
+        pipe.zero_grad(), dense.zero_grad()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("post_ahead,schedule", [(True, "1f1b"), (False, "1f1b"),
+                                                 (True, "gpipe")])
+def test_an_activation_with_no_elements(post_ahead, schedule):
+    run_distributed(_empty_activation, 2, post_ahead, schedule, timeout=50)
+
+
 def _in_place_at_the_boundary(post_ahead, schedule):
     # the receiving stage starts with an in-place op on the received activation
     torch.manual_seed(0)

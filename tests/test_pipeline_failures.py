@@ -42,6 +42,8 @@ class Faulty(nn.Module):
 
     def forward(self, x):
         self.calls += 1
+        if self.where == "weight" and self.calls == self.at + 1:  # raises in W (zero-bubble)
+            return F.linear(x, _Fail.apply(self.lin.weight), self.lin.bias)
         y = self.lin(x)
         if self.calls == self.at + 1:
             if self.where == "forward":
@@ -56,7 +58,7 @@ class Faulty(nn.Module):
 def _model(where, at, stage, stages, virtual):
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(stages * virtual)]
-    if where in ("forward", "backward", "interrupt"):
+    if where in ("forward", "backward", "interrupt", "weight"):
         blocks[stage] = Faulty(where, at)
     return nn.Sequential(*blocks).double()
 
@@ -231,5 +233,65 @@ def test_ranks_that_finished_their_part_learn_that_the_step_failed():
     # the first stage's last backward raises: every other rank has done all its work
     results = run_distributed(_failing_step, 3, "backward", 3, 0, "1f1b", 1, timeout=40)
     assert [r for r, _, _ in results] == ["Boom", "StepFailed", "StepFailed"]
-    assert "rank 0 of the pipeline raised in this step" in results[1][2], results[1][2]
+    assert "the step failed on rank 0 of the pipeline" in results[1][2], results[1][2]
     assert max(w for _, w, _ in results) < TOL, results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("post_ahead", [True, False])
+@pytest.mark.parametrize("schedule,at", [("zero-bubble", 0), ("zero-bubble", 1), ("1f1b", 0)])
+def test_a_weight_gradient_that_raises_raises_on_every_rank(schedule, at, post_ahead,
+                                                            world_size):
+    # under zero-bubble the last stage raises in W, after its B sent the input's gradient:
+    # the rank owes no gradient of what it took, and its sender waits for the next one
+    stage = world_size - 1
+    results = run_distributed(_failing_step, world_size, "weight", at, stage, schedule, 1,
+                              post_ahead, not post_ahead, timeout=60)
+    _check(results, stage)
+
+
+def _same_pipeline_after_a_failure(schedule, virtual):
+    """A loss that raises once; the same pipeline's next steps equal dense (gloo)."""
+    ranks = dist.get_world_size()
+    calls = [0]
+
+    def loss_fn(y, t):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise Boom("loss failed")
+        return F.mse_loss(y, t)
+
+    dense = _model("none", 0, 0, ranks, virtual)
+    pipe = tp.nn.pipeline(_model("none", 0, 0, ranks, virtual), microbatches=4,
+                          schedule=schedule, loss_fn=loss_fn, virtual_stages=virtual)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    raised = "no error"
+    try:
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    except (Boom, tp.pipeline.NothingSent, tp.pipeline.StepFailed) as e:
+        raised = type(e).__name__
+    pipe.zero_grad()
+    worst = 0.0
+    for _ in range(2):
+        x, y = x.flip(0) * 1.5, y.flip(0)  # a new batch
+        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        dense_loss = F.mse_loss(dense(x), y)
+        dense_loss.backward()
+        if pipe.is_last:
+            worst = max(worst, float((loss - dense_loss.detach()).abs()))
+        ref = dict(dense.named_parameters())
+        for name, p in pipe.named_parameters():
+            worst = max(worst, float((p.grad - ref[name].grad).abs().max()))
+        pipe.zero_grad(), dense.zero_grad()
+    return raised, worst, ""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_the_same_pipeline_runs_on_after_a_failed_step(schedule):
+    name, virtual = SCHEDULES[schedule]
+    _check(run_distributed(_same_pipeline_after_a_failure, 2, name, virtual, timeout=60),
+           (2 * virtual - 1) % 2)

@@ -155,7 +155,16 @@ def room_for(x: torch.Tensor) -> int:
 
 def gradient_room(meta: Meta) -> int:
     """The room of the frame of a gradient of ``meta`` (both sides know the activation's)."""
-    return _room(math.prod(meta.shape) * meta.dtype.itemsize)
+    return _room(_meta_bytes(meta))
+
+
+def data_follows(meta: Meta) -> bool:
+    """Whether a gradient of ``meta`` travels in a second message (too large for a frame)."""
+    return _meta_bytes(meta) > FRAME_DATA_LIMIT
+
+
+def _meta_bytes(meta: Meta) -> int:
+    return math.prod(meta.shape) * meta.dtype.itemsize
 
 
 def _room(size: int) -> int:
@@ -197,7 +206,14 @@ def linger(works: Iterable[tuple[Any, Any]]) -> None:
 
 
 class NothingSent(CollectiveTypeError):
-    """The peer sent a frame that says no tensor follows: it raised (`send_nothing`)."""
+    """The peer sent a frame that says no tensor follows: it raised (`send_nothing`).
+
+    ``peer``: that rank (within the group), where known.
+    """
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 def send_nothing(link: Link, room: int, device: torch.device | None) -> None:
@@ -224,9 +240,8 @@ def send_no_gradient(link: Link, meta: Meta) -> None:
     a message too: every posted receive is answered, so none is left to catch a later
     transfer on its tag.
     """
-    room = gradient_room(meta)
-    send_nothing(link, room, meta.device)
-    if link.eager and not room:
+    send_nothing(link, gradient_room(meta), meta.device)
+    if link.eager and data_follows(meta):
         link.post_send(torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device))
 
 
@@ -235,7 +250,7 @@ class GradientReceipt:
     """The receive of a gradient: on an ``eager`` link its messages are posted at once.
 
     ``link``: the gradient's link; ``meta``: the activation's (the gradient's) metadata.
-    Posted receives join ``link.pending``, so a step that fails keeps them alive (`linger`).
+    Posted receives join ``link.pending``: a step waits for them, also when it fails.
     """
 
     link: Link
@@ -248,7 +263,7 @@ class GradientReceipt:
             return
         room = gradient_room(self.meta)
         self.frame = self._post(_frame_buffer(self.link, room, self.meta.device))
-        if not room:  # the data follows the frame: its receive posted ahead too
+        if data_follows(self.meta):  # its receive posted ahead too
             self.data = self._post(self._buffer())
 
     def _post(self, buffer: torch.Tensor) -> Posted:
@@ -273,7 +288,7 @@ class GradientReceipt:
             header, data = _unframe(frame, self.meta.device)
         except NothingSent:
             raise NothingSent(f"no gradient came from rank {self.link.peer}: it raised instead "
-                              f"(its error says why)") from None
+                              f"(its error says why)", self.link.peer) from None
         if (header.shape, header.tensor_dtype) != (self.meta.shape, self.meta.dtype):
             raise CollectiveArgumentError(
                 f"a gradient of {self.meta.dtype}{list(self.meta.shape)} was expected from "

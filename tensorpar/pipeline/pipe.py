@@ -244,6 +244,7 @@ class Pipeline(nn.Module):
                        for a in self._actions if a.kind == "F" and a.stage > 0},
                       device, self._rooms_in) if self._eager else None
         sent: set[tuple[int, int]] = set()  # the activations this step sent (or tried)
+        taken: set[tuple[int, int]] = set()  # the activations it received (or tried)
         try:
             for action in self._actions:
                 k, i = action.stage, action.microbatch
@@ -255,6 +256,7 @@ class Pipeline(nn.Module):
                     elif single:
                         x = held.pop((i, k - 1))
                     else:
+                        taken.add((i, k))  # (also if the receive raises: the frame is used)
                         x = self._receive(inbox, k, i, pending, waited, device)
                     edge = receive_edge(x) if k > 0 and not single else None
                     if edge is not None:  # taken before the stage runs: it may modify x in place
@@ -304,10 +306,10 @@ class Pipeline(nn.Module):
                 # let go of sends that are done: their tensors would otherwise live to the end
                 # (NCCL's; gloo's report completion only once waited for)
                 pending[:] = [(work, kept) for work, kept in pending if not work.is_completed()]
-        except BaseException:  # every other rank raises too, instead of waiting
+        except BaseException as error:  # every other rank raises too, instead of waiting
             self._restore_tied(before)
             if not single:
-                self._recover(sent, received, inbox, device, pending)
+                self._recover(error, sent, received, taken, inbox, device, pending)
             raise
         # agreed before the sends are waited for: where receives are not posted ahead, a
         # rank that raised never takes what was sent to it
@@ -316,10 +318,10 @@ class Pipeline(nn.Module):
             self._restore_tied(before)
             self._settle(pending, inbox)
             raise StepFailed(
-                f"Pipeline.step: rank{'s' if len(failed) > 1 else ''} "
-                f"{', '.join(map(str, failed))} of the pipeline raised in this step (the "
-                f"errors there say why); this rank's gradients hold part of the step: zero "
-                f"them, and build a new pipeline")
+                f"Pipeline.step: the step failed on rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} of the pipeline (the errors there say why; "
+                f"NothingSent on a rank: it stopped because another raised); this rank's "
+                f"gradients hold part of the step: zero them")
         _wait_all(pending)
         if self._tied:
             self._sum_tied_gradients(before)
@@ -332,8 +334,10 @@ class Pipeline(nn.Module):
                                  device=device, owner=(self.num_stages - 1) % self._group.size,
                                  group=self.group)
 
-    def _recover(self, sent: set[tuple[int, int]], received: dict[tuple[int, int], _Received],
-                 inbox: Inbox | None, device: torch.device, pending: list[Any]) -> None:
+    def _recover(self, error: BaseException, sent: set[tuple[int, int]],
+                 received: dict[tuple[int, int], _Received],
+                 taken: set[tuple[int, int]], inbox: Inbox | None, device: torch.device,
+                 pending: list[Any]) -> None:
         """After an error in a step: let every other rank raise too, and leave no transfer.
 
         The ranks of the next stages get a frame that says no activation comes, those of
@@ -346,7 +350,9 @@ class Pipeline(nn.Module):
         """
         try:
             self._send_nothing(sent, device, pending)
-            self._send_no_gradients(received, inbox, pending)
+            # a sender that raised waits for no gradient
+            sender_raised = isinstance(error, NothingSent) and error.peer == self._sender()
+            self._send_no_gradients(received, taken, inbox, pending, sender_raised)
             self._failed_ranks(True)
         except Exception as cleanup:  # a peer gone: the step's own error says more
             warnings.warn(f"Pipeline.step: after the step's error, telling the other ranks "
@@ -368,32 +374,52 @@ class Pipeline(nn.Module):
             return
         _wait_all(works)
 
+    def _sender(self) -> int:
+        """The rank that sends this one its activations (and takes their gradients)."""
+        return (self._group.rank - 1) % self._group.size
+
     def _send_no_gradients(self, received: dict[tuple[int, int], _Received],
-                           inbox: Inbox | None, pending: list[Any]) -> None:
+                           taken: set[tuple[int, int]], inbox: Inbox | None,
+                           pending: list[Any], sender_raised: bool) -> None:
         """Tell the earlier stages' ranks that the gradients this rank owes will not come.
 
-        Where receives are not posted ahead, only the next one (in the schedule's order):
-        its receiver waits for that one and stops there.
+        Where receives are not posted ahead, only the next one its sender waits for: that
+        of the first activation taken whose gradient has not gone, or else of the next one
+        not taken (its frame is received here first, in the sender's order), unless the
+        sender raised (``sender_raised``).
         """
         def refuse(key: Any, meta: Meta) -> None:  # key: (microbatch, receiving stage)
             i, k = key
             send_no_gradient(self._link(k, i, False, pending, [0.0]).reverse(), meta)
 
+        device = self._device()
+        sender = self._rows[self._sender()]
+        sent_in_order = [(a.microbatch, a.stage + 1) for a in sender
+                         if a.kind == "F" and a.stage + 1 < self.num_stages]
         owed = [(key, came.meta) for key, came in received.items()
                 if not gradient_sent(came.node)]
-        if inbox is None:
-            order = {(a.microbatch, a.stage): n for n, a in enumerate(self._actions)
-                     if a.kind == "B"}
-            owed = sorted(owed, key=lambda item: order[item[0]])[:1]
-        for key, meta in owed:
-            refuse(key, meta)
-        if inbox is not None:  # the activations not taken: their senders wait too
-            device = self._device()
-            sender = self._rows[(self._group.rank - 1) % self._group.size]
-            sent_in_order = [(a.microbatch, a.stage + 1) for a in sender
-                             if a.kind == "F" and a.stage + 1 < self.num_stages]
+        if inbox is not None:  # all of them, and those of the activations not taken
+            for key, meta in owed:
+                refuse(key, meta)
             inbox.drain(sent_in_order, lambda key, h: refuse(
                 key, Meta(h.shape, h.tensor_dtype, device)) if h.requires_grad else None)
+            return
+        order = {(a.microbatch, a.stage): n for n, a in enumerate(self._actions)
+                 if a.kind == "B"}
+        if owed:
+            refuse(*min(owed, key=lambda item: order[item[0]]))
+            return
+        untaken = [key for key in sent_in_order if key not in taken]
+        if not untaken or sender_raised:  # nothing more comes to this rank
+            return
+        i, k = key = untaken[0]
+        try:
+            x, _ = recv_activation(None, self._link(k, i, False, pending, [0.0]), device,
+                                   self._rooms_in.get(key, 0))
+        except NothingSent:  # its sender raised: it waits for no gradient
+            return
+        if x.requires_grad:
+            refuse(key, Meta(x.shape, x.dtype, x.device))
 
     def _failed_ranks(self, failed: bool) -> list[int]:
         """The ranks whose step failed (``failed``: this one), agreed in one all-reduce."""
@@ -437,7 +463,8 @@ class Pipeline(nn.Module):
         except NothingSent as e:
             raise NothingSent(
                 f"Pipeline.step: stage {k - 1} (rank {link.peer}) sent no activation to stage "
-                f"{k} (microbatch {i}): it raised instead (its error says why)") from e
+                f"{k} (microbatch {i}): it raised instead (its error says why)",
+                link.peer) from e
 
     def stage_modules(self) -> list[tuple[str, nn.Module]]:
         """The modules this rank's stages call, by dense name, in order.
