@@ -383,10 +383,10 @@ class Pipeline(nn.Module):
                            pending: list[Any], sender_raised: bool) -> None:
         """Tell the earlier stages' ranks that the gradients this rank owes will not come.
 
-        Where receives are not posted ahead, only the next one its sender waits for: that
-        of the first activation taken whose gradient has not gone, or else of the next one
-        not taken (its frame is received here first, in the sender's order), unless the
-        sender raised (``sender_raised``).
+        Where receives are not posted ahead, only the one its sender waits for: the first,
+        in this rank's order of backwards, whose gradient has not gone (an activation not
+        taken yet is received first, with those sent before it), unless the sender raised
+        (``sender_raised``).
         """
         def refuse(key: Any, meta: Meta) -> None:  # key: (microbatch, receiving stage)
             i, k = key
@@ -404,22 +404,31 @@ class Pipeline(nn.Module):
             inbox.drain(sent_in_order, lambda key, h: refuse(
                 key, Meta(h.shape, h.tensor_dtype, device)) if h.requires_grad else None)
             return
-        order = {(a.microbatch, a.stage): n for n, a in enumerate(self._actions)
-                 if a.kind == "B"}
-        if owed:
-            refuse(*min(owed, key=lambda item: order[item[0]]))
+        if sender_raised:  # it waits for nothing
             return
+        # the sender takes the gradients in this rank's order of backwards: it waits for
+        # the first that has not gone, taken here or not
+        unanswered = dict(owed)
         untaken = [key for key in sent_in_order if key not in taken]
-        if not untaken or sender_raised:  # nothing more comes to this rank
+        for action in self._actions:
+            key = (action.microbatch, action.stage)
+            if action.kind != "B" or action.stage == 0 or (key in taken and
+                                                           key not in unanswered):
+                continue  # no sender, or its gradient went (or none was needed)
+            if key in unanswered:
+                refuse(key, unanswered[key])
+                return
+            # not taken: its frame comes after those of the activations not taken before it
+            for early in untaken[:untaken.index(key) + 1]:
+                i, k = early
+                try:
+                    x, _ = recv_activation(None, self._link(k, i, False, pending, [0.0]),
+                                           device, self._rooms_in.get(early, 0))
+                except NothingSent:  # its sender raised: it waits for no gradient
+                    return
+            if x.requires_grad:
+                refuse(key, Meta(x.shape, x.dtype, x.device))
             return
-        i, k = key = untaken[0]
-        try:
-            x, _ = recv_activation(None, self._link(k, i, False, pending, [0.0]), device,
-                                   self._rooms_in.get(key, 0))
-        except NothingSent:  # its sender raised: it waits for no gradient
-            return
-        if x.requires_grad:
-            refuse(key, Meta(x.shape, x.dtype, x.device))
 
     def _failed_ranks(self, failed: bool) -> list[int]:
         """The ranks whose step failed (``failed``: this one), agreed in one all-reduce."""
