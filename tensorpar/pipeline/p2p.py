@@ -257,6 +257,7 @@ class GradientReceipt:
     meta: Meta
     frame: Posted | None = None
     data: Posted | None = None
+    got: torch.Tensor | None = None  # received ahead of the backward (`fetch`)
 
     def __post_init__(self) -> None:
         if not self.link.eager:
@@ -275,12 +276,25 @@ class GradientReceipt:
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.meta.shape, dtype=self.meta.dtype, device=self.meta.device)
 
+    def fetch(self) -> None:
+        """Receive the gradient now; `wait` returns it later.
+
+        Where receives are not posted ahead they happen in the order the peer sends:
+        a backward deferred as a whole (zero-bubble's W) takes its gradient at its B.
+        """
+        if self.got is None:
+            self.got = self._receive()
+
     def wait(self) -> torch.Tensor:
         """The gradient (waiting for it).
 
         Raises:
             NothingSent: the peer raised instead of sending it (`send_no_gradient`).
         """
+        got, self.got = self.got, None
+        return got if got is not None else self._receive()
+
+    def _receive(self) -> torch.Tensor:
         room = gradient_room(self.meta)
         frame = self.frame.wait() if self.frame is not None else \
             self.link.receive(_frame_buffer(self.link, room, self.meta.device))
@@ -426,6 +440,13 @@ def _in_graph(requires_grad: bool, link: Link, buffer: torch.Tensor,
 def gradient_sent(node: Any) -> bool:
     """Whether the backward of a receive (``node``: its output's ``grad_fn``) has run."""
     return bool(getattr(node, "sent", False))
+
+
+def fetch_gradient(anchor: torch.Tensor) -> None:
+    """Receive now the gradient of a send whose anchor is ``anchor`` (`GradientReceipt.fetch`)."""
+    receipt = getattr(anchor.grad_fn, "receipt", None)
+    if receipt is not None:
+        receipt.fetch()
 
 
 def receive_edge(x: torch.Tensor) -> GradientEdge | None:
