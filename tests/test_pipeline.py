@@ -158,14 +158,20 @@ def _empty_activation(post_ahead, schedule):
     # the boundary carries (rows, 0): no bytes, in the frame, both ways
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3), nn.Tanh()).double()
+    _two_stages_equal_dense(model, (4, 3), post_ahead, schedule, 2)
+
+
+def _two_stages_equal_dense(model, widths, post_ahead, schedule, steps):
+    """``model`` on two stages (its first block, the rest) equals dense for ``steps``
+    (``widths``: its input's and output's)."""
     dense = copy.deepcopy(model)
-    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss, split=[1, 2],
-                          schedule=schedule)
+    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss,
+                          split=[1, len(model) - 1], schedule=schedule)
     pipe._eager = post_ahead
-    for step in range(2):
+    for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 4, generator=g, dtype=torch.float64)
-        y = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        x = torch.randn(4, widths[0], generator=g, dtype=torch.float64)
+        y = torch.randn(4, widths[1], generator=g, dtype=torch.float64)
         loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
         dense_loss = F.mse_loss(dense(x), y)
         dense_loss.backward()
@@ -184,19 +190,7 @@ def _in_place_at_the_boundary(post_ahead, schedule):
     # the receiving stage starts with an in-place op on the received activation
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
-    dense = copy.deepcopy(model)
-    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss, split=[1, 2],
-                          schedule=schedule)
-    pipe._eager = post_ahead
-    for step in range(3):  # from the second step on the activation fits its frame
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 5, generator=g, dtype=torch.float64)
-        y = torch.randn(4, 3, generator=g, dtype=torch.float64)
-        loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-        dense_loss = F.mse_loss(dense(x), y)
-        dense_loss.backward()
-        _compare(pipe, dense, loss, dense_loss, f"step {step}")
-        pipe.zero_grad(), dense.zero_grad()
+    _two_stages_equal_dense(model, (5, 3), post_ahead, schedule, 3)  # step 2 on: in the frame
 
 
 @pytest.mark.timeout(60)
