@@ -299,3 +299,50 @@ def test_a_weight_gradient_that_raises_on_interleaved_stages(at, stage, post_ahe
     results = run_distributed(_failing_step, 3, "weight", at, stage, "zero-bubble", 2,
                               post_ahead, not post_ahead, timeout=60)
     _check(results, stage % 3)
+
+
+def _fails_in_a_later_step(where, at, stage, schedule, virtual):
+    """Every activation past its frame: a first step posts each data receive ahead in the
+    next; the second fails (call ``at`` of the faulty block or loss counts both steps); the
+    same pipeline then equals dense."""
+    from tensorpar.pipeline import p2p
+    default, p2p.FRAME_DATA_LIMIT = p2p.FRAME_DATA_LIMIT, 16
+    try:  # the ranks are reused by the next test: the limit goes back after this one
+        ranks = dist.get_world_size()
+        calls = [0]
+
+        def loss_fn(y, t):
+            calls[0] += 1
+            if where == "loss" and calls[0] == at + 1:
+                raise Boom("loss failed")
+            return F.mse_loss(y, t)
+
+        pipe = tp.nn.pipeline(_model(where, at, stage, ranks, virtual), microbatches=4,
+                              schedule=schedule, loss_fn=loss_fn, virtual_stages=virtual)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        raised, said = "no error", ""
+        for _ in range(2):
+            try:
+                pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            except (Boom, tp.pipeline.NothingSent, tp.pipeline.StepFailed) as e:
+                raised, said = type(e).__name__, str(e)
+        pipe.zero_grad()
+        # the same blocks (a faulty one counts its own calls: one per dense step)
+        dense = _model(where, at, stage, ranks, virtual)
+        return raised, _steps_off_dense(pipe, dense, x, y), said
+    finally:
+        p2p.FRAME_DATA_LIMIT = default
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where,at,stage", [("loss", 5, 0), ("forward", 5, 1),
+                                            ("backward", 6, 0)])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
+def test_a_later_step_that_fails_answers_the_data_receives_posted_ahead(schedule, where, at,
+                                                                        stage):
+    name, virtual = SCHEDULES[schedule]
+    results = run_distributed(_fails_in_a_later_step, 3, where, at, stage, name, virtual,
+                              timeout=60)
+    _check(results, (3 * virtual - 1) % 3 if where == "loss" else stage)

@@ -52,7 +52,7 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["NothingSent", "gradient_sent", "linger", "receive_edge", "recv", "send",
+__all__ = ["NothingSent", "follows_for", "gradient_sent", "linger", "receive_edge", "recv", "send",
            "send_gradient", "send_no_gradient", "send_nothing"]
 
 
@@ -153,6 +153,19 @@ def room_for(x: torch.Tensor) -> int:
     return _room(nbytes(x))
 
 
+def follows_for(x: torch.Tensor) -> int:
+    """The bytes of data the next frame of a transfer that carried ``x`` is followed by.
+
+    Where receives are posted ahead, that data's receive is posted with the frame's
+    (0: none; both sides agree, as on `room_for`).
+    """
+    return _follows(nbytes(x))
+
+
+def _follows(size: int) -> int:
+    return size if size > FRAME_DATA_LIMIT else 0
+
+
 def gradient_room(meta: Meta) -> int:
     """The room of the frame of a gradient of ``meta`` (both sides know the activation's)."""
     return _room(_meta_bytes(meta))
@@ -216,15 +229,22 @@ class NothingSent(CollectiveTypeError):
         self.peer = peer
 
 
-def send_nothing(link: Link, room: int, device: torch.device | None) -> None:
+def send_nothing(link: Link, room: int, device: torch.device | None, follows: int = 0
+                 ) -> None:
     """Tell the peer that nothing will come: a frame with no tensor (``room``: its room).
 
     The peer's receive of this transfer raises `NothingSent` instead of waiting. Waits for
-    the frame to go where ``link`` has no ``pending`` (the public `send`).
+    the frame to go where ``link`` has no ``pending`` (the public `send`). ``follows``: the
+    bytes of a data receive the peer posted ahead, answered with a stand-in.
     """
     frame = _frame_buffer(link, room, device).zero_()
     frame[:HEADER_LEN * 8].view(torch.int64).copy_(encode_header(KIND_OTHER))
-    link.post_send(frame)
+    link.post_send(frame, *_stand_in(follows, device))
+
+
+def _stand_in(follows: int, device: torch.device | None) -> tuple[torch.Tensor, ...]:
+    """What answers a data receive of ``follows`` bytes posted ahead that the data missed."""
+    return (torch.zeros(follows, dtype=torch.uint8, device=device),) if follows else ()
 
 
 def send_gradient(link: Link, grad: torch.Tensor) -> None:
@@ -376,24 +396,28 @@ class _Recv(torch.autograd.Function):
         return anchor_grad.reshape(ctx.anchor_shape), None, None
 
 
-def send_activation(x: torch.Tensor, link: Link, room: int = 0, what: str = "send"
-                    ) -> TensorPlaceholder:
+def send_activation(x: torch.Tensor, link: Link, room: int = 0, what: str = "send",
+                    follows: int = 0) -> TensorPlaceholder:
     """Send ``x`` and its header over ``link``; a placeholder of ``x`` owned by the peer.
 
     ``room``: the bytes of data the receiver's frame has room for (agreed by both sides).
     ``what``: where the send is, for the error raised (here and, as `NothingSent`, on the
     peer) when ``x`` cannot be sent: not one tensor, or one its header cannot describe.
+    ``follows``: the bytes of the data receive the peer posted ahead (`follows_for` what
+    the transfer carried last; 0: none); data of another size sends a stand-in first.
     """
     if not isinstance(x, torch.Tensor):
-        send_nothing(link, room, None)
+        send_nothing(link, room, None, follows)
         raise CollectiveTypeError(f"{what}: one tensor is sent, got {type(x).__name__}")
     graph = x.requires_grad and torch.is_grad_enabled()
     try:
         messages = _frame(x, link, graph, room)
     except CollectiveArgumentError as e:  # (its header: too many dims, or the dtype)
-        send_nothing(link, room, x.device)
+        send_nothing(link, room, x.device, follows)
         raise CollectiveArgumentError(f"{what}: {e} (a tensor of {x.dim()} dims, "
                                       f"{x.dtype})") from None
+    if follows and not (len(messages) == 2 and nbytes(messages[1]) == follows):
+        messages = (messages[0], *_stand_in(follows, x.device), *messages[1:])
     if graph:
         anchor = _Send.apply(x, link, messages)
         return TensorPlaceholder(x.shape, x.dtype, device=x.device, requires_grad=True,
@@ -474,29 +498,46 @@ class Inbox:
     """
 
     def __init__(self, links: dict[Hashable, Link], device: torch.device,
-                 rooms: dict[Hashable, int]) -> None:
+                 rooms: dict[Hashable, int], follows: dict[Hashable, int]) -> None:
         self._device = device
         self._rooms = rooms
+        self._follows = follows
         self._waiting: dict[Hashable, tuple[Link, Posted]] = {}
         self._ready: dict[Hashable, tuple[Link, Any, Posted]] = {}
+        self._ahead: dict[Hashable, Posted] = {}  # data receives posted with the frames
+        self._spare: list[Posted] = []  # those the data missed: a stand-in comes
         for key, link in links.items():
             room = rooms.get(key, 0)
             self._waiting[key] = (link, link.post_receive(_frame_buffer(link, room, device)))
+            if follows.get(key, 0):  # the data's size repeats: its receive posted now
+                self._ahead[key] = link.post_receive(torch.empty(
+                    follows[key], dtype=torch.uint8, device=link.group.comm_device(device)))
 
     def _post_data(self, key: Hashable) -> None:
         link, posted = self._waiting.pop(key)
+        ahead = self._ahead.pop(key, None)
         try:
             header, data = _unframe(posted.wait(), self._device)
         except NothingSent as e:  # raised when the activation is taken
+            self._spare += [ahead] if ahead is not None else []
             self._ready[key] = (link, e, Posted(None, torch.empty(0)))
             return
         if data is not None:
+            self._spare += [ahead] if ahead is not None else []
             self._ready[key] = (link, header, Posted(None, data))
-            self._rooms[key] = room_for(data)
+            self._rooms[key], self._follows[key] = room_for(data), 0
             return
-        buffer = torch.empty(header.shape, dtype=header.tensor_dtype, device=self._device)
-        self._ready[key] = (link, header, link.post_receive(buffer))
-        self._rooms[key] = room_for(buffer)
+        dtype = header.tensor_dtype
+        size = math.prod(header.shape) * dtype.itemsize
+        if ahead is not None and ahead.buffer.numel() == size:  # the data is on its way
+            received = Posted(ahead.work, ahead.buffer.view(dtype).view(header.shape),
+                              ahead.waited)
+        else:
+            self._spare += [ahead] if ahead is not None else []
+            received = link.post_receive(torch.empty(header.shape, dtype=dtype,
+                                                     device=self._device))
+        self._ready[key] = (link, header, received)
+        self._rooms[key], self._follows[key] = room_for(received.buffer), _follows(size)
 
     def drain(self, order: Iterable[Hashable],
               answer: Callable[[Hashable, Header], None]) -> None:
@@ -518,6 +559,7 @@ class Inbox:
         """The receives still posted, ``(work, buffer)`` (to `linger` after a failed step)."""
         posted = [p for _, p in self._waiting.values()]
         posted += [p for _, _, p in self._ready.values() if isinstance(p, Posted)]
+        posted += [*self._ahead.values(), *self._spare]
         return [(p.work, p.buffer) for p in posted if p.work is not None]
 
     def take(self, key: Hashable) -> torch.Tensor:

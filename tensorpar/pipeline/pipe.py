@@ -21,6 +21,7 @@ from tensorpar.pipeline.p2p import (
     Meta,
     NothingSent,
     fetch_gradient,
+    follows_for,
     gradient_sent,
     linger,
     receive_edge,
@@ -153,6 +154,10 @@ class Pipeline(nn.Module):
         # size repeats travels in one message with its header
         self._rooms_out: dict[tuple[int, int], int] = {}
         self._rooms_in: dict[Hashable, int] = {}
+        # the same for an activation larger than a frame: the bytes of its data message,
+        # whose receive is posted ahead (gloo) when the same transfer's size repeats
+        self._follows_out: dict[tuple[int, int], int] = {}
+        self._follows_in: dict[Hashable, int] = {}
 
     # -- where things are -------------------------------------------------------------
     @property
@@ -243,7 +248,7 @@ class Pipeline(nn.Module):
         inbox = Inbox({(a.microbatch, a.stage): self._link(a.stage, a.microbatch, False,
                                                            pending, waited)
                        for a in self._actions if a.kind == "F" and a.stage > 0},
-                      device, self._rooms_in) if self._eager else None
+                      device, self._rooms_in, self._follows_in) if self._eager else None
         sent: set[tuple[int, int]] = set()  # the activations this step sent (or tried)
         taken: set[tuple[int, int]] = set()  # the activations it received (or tried)
         try:
@@ -276,8 +281,10 @@ class Pipeline(nn.Module):
                         held[(i, k)] = send_activation(
                             y, link, self._rooms_out.get((i, k), 0),
                             f"Pipeline.step: stage {k}'s output (microbatch {i}) to stage {k + 1} "
-                            f"on rank {link.peer}")
+                            f"on rank {link.peer}", self._follows_out.get((i, k), 0))
                         self._rooms_out[(i, k)] = room_for(y)
+                        if self._eager:
+                            self._follows_out[(i, k)] = follows_for(y)
                 elif action.kind == "W":
                     work = deferred.pop((i, k), None)
                     if work is not None:
@@ -328,6 +335,8 @@ class Pipeline(nn.Module):
                 f"NothingSent on a rank: it stopped because another raised); this rank's "
                 f"gradients hold part of the step: zero them")
         _wait_all(pending)
+        if inbox is not None:  # the stand-ins for data receives posted ahead
+            _wait_all(inbox.in_flight())
         if self._tied:
             self._sum_tied_gradients(before)
         self.last_busy = busy - waited[0]
@@ -462,7 +471,8 @@ class Pipeline(nn.Module):
                 and not self.stages[a.stage // self._group.size].last]
         for i, k in owed if self._eager else owed[:1]:
             link = self._link(k, i, True, pending, [0.0])
-            send_nothing(link, self._rooms_out.get((i, k), 0), device)
+            send_nothing(link, self._rooms_out.get((i, k), 0), device,
+                         self._follows_out.get((i, k), 0))
 
     def _receive(self, inbox: Inbox | None, k: int, i: int, pending: list[Any],
                  waited: list[float], device: torch.device) -> torch.Tensor:
