@@ -63,20 +63,25 @@ def _model(where, at, stage, stages, virtual):
     return nn.Sequential(*blocks).double()
 
 
+def _loss_raising(at):
+    """A mean squared error that raises at its call ``at`` (counting from 0; -1: never)."""
+    calls = [0]
+
+    def loss_fn(y, t):
+        calls[0] += 1
+        if calls[0] == at + 1:
+            raise Boom("loss failed")
+        return F.mse_loss(y, t)
+    return loss_fn
+
+
 def _failing_step(where, at, stage, schedule, virtual, post_ahead=True, fresh_group=False):
     """One step that raises on ``stage`` (``where``: "loss" on the last, "forward",
     "backward"), then, on the same ranks, a step that must equal dense. Returns the name of
     what this rank raised and the worst difference of the clean step."""
     ranks = dist.get_world_size()
     group = dist.new_group(list(range(ranks))) if fresh_group else None
-    calls = [0]
-
-    def loss_fn(y, t):
-        calls[0] += 1
-        if where == "loss" and calls[0] == at + 1:
-            raise Boom("loss failed")
-        return F.mse_loss(y, t)
-
+    loss_fn = _loss_raising(at if where == "loss" else -1)
     pipe = tp.nn.pipeline(_model(where, at, stage, ranks, virtual), group=group,
                           microbatches=4, schedule=schedule, loss_fn=loss_fn,
                           virtual_stages=virtual)
@@ -309,14 +314,7 @@ def _fails_in_a_later_step(where, at, stage, schedule, virtual):
     default, p2p.FRAME_DATA_LIMIT = p2p.FRAME_DATA_LIMIT, 16
     try:  # the ranks are reused by the next test: the limit goes back after this one
         ranks = dist.get_world_size()
-        calls = [0]
-
-        def loss_fn(y, t):
-            calls[0] += 1
-            if where == "loss" and calls[0] == at + 1:
-                raise Boom("loss failed")
-            return F.mse_loss(y, t)
-
+        loss_fn = _loss_raising(at if where == "loss" else -1)
         pipe = tp.nn.pipeline(_model(where, at, stage, ranks, virtual), microbatches=4,
                               schedule=schedule, loss_fn=loss_fn, virtual_stages=virtual)
         g = torch.Generator().manual_seed(0)
