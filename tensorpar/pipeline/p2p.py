@@ -173,7 +173,7 @@ def gradient_room(meta: Meta) -> int:
 
 def data_follows(meta: Meta) -> bool:
     """Whether a gradient of ``meta`` travels in a second message (too large for a frame)."""
-    return _meta_bytes(meta) > FRAME_DATA_LIMIT
+    return _follows(_meta_bytes(meta)) > 0
 
 
 def _meta_bytes(meta: Meta) -> int:
@@ -249,7 +249,12 @@ def _stand_in(follows: int, device: torch.device | None) -> tuple[torch.Tensor, 
 
 def send_gradient(link: Link, grad: torch.Tensor) -> None:
     """Send ``grad`` over ``link`` (a gradient's link) in its frame (`gradient_room`)."""
-    link.post_send(*_frame(grad, link, False, room_for(grad)))
+    link.post_send(*_gradient_messages(grad, link))
+
+
+def _gradient_messages(grad: torch.Tensor, link: Link) -> tuple[torch.Tensor, ...]:
+    """The messages that carry a gradient: its frame, then its data if it did not fit."""
+    return _frame(grad, link, False, room_for(grad))
 
 
 def send_no_gradient(link: Link, meta: Meta) -> None:
@@ -391,8 +396,7 @@ class _Recv(torch.autograd.Function):
         ctx.sent = True  # read by gradient_sent (ctx is the graph's node)
         # not eager: a double backward's receive would share its tag with the activations'
         back = dataclasses.replace(ctx.link.reverse(), eager=False)
-        anchor_grad: torch.Tensor = _Send.apply(grad, back, _frame(grad, back, False,
-                                                                  room_for(grad)))
+        anchor_grad: torch.Tensor = _Send.apply(grad, back, _gradient_messages(grad, back))
         return anchor_grad.reshape(ctx.anchor_shape), None, None
 
 

@@ -371,7 +371,7 @@ class Pipeline(nn.Module):
         except Exception as cleanup:  # a peer gone: the step's own error says more
             warnings.warn(f"Pipeline.step: after the step's error, telling the other ranks "
                           f"failed too ({type(cleanup).__name__}: {cleanup})", stacklevel=3)
-            linger([*pending, *(inbox.in_flight() if inbox is not None else [])])
+            linger(_in_flight(pending, inbox))
             return
         self._settle(pending, inbox)
 
@@ -382,7 +382,7 @@ class Pipeline(nn.Module):
         posted by now (each rank answered what it owed before the agreement): wait for
         them. Otherwise sends may have no receiver: keep them alive (`linger`).
         """
-        works = [*pending, *(inbox.in_flight() if inbox is not None else [])]
+        works = _in_flight(pending, inbox)
         if not self._eager:
             linger(works)
             return
@@ -747,6 +747,11 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     return Pipeline(model, group=group, microbatches=microbatches, schedule=schedule,
                     loss_fn=loss_fn, virtual_stages=virtual_stages, split=split,
                     loss_reduction=loss_reduction)
+
+
+def _in_flight(pending: list[Any], inbox: Inbox | None) -> list[tuple[Any, Any]]:
+    """A step's sends and the receives its inbox still has posted."""
+    return [*pending, *(inbox.in_flight() if inbox is not None else [])]
 
 
 def _wait_all(works: list[tuple[Any, Any]] | None) -> None:
