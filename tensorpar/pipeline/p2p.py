@@ -515,17 +515,19 @@ class Inbox:
             self._waiting[key] = (link, link.post_receive(_frame_buffer(link, room, device)))
             if follows.get(key, 0):  # the data's size repeats: its receive posted now
                 self._ahead[key] = link.post_receive(torch.empty(
-                    follows[key], dtype=torch.uint8, device=link.group.comm_device(device)))
+                    follows[key], dtype=torch.uint8, device=device))
 
     def _post_data(self, key: Hashable) -> None:
         link, posted = self._waiting.pop(key)
-        ahead = self._ahead.pop(key, None)
         try:
             header, data = _unframe(posted.wait(), self._device)
         except NothingSent as e:  # raised when the activation is taken
+            ahead = self._ahead.pop(key, None)
             self._spare += [ahead] if ahead is not None else []
             self._ready[key] = (link, e, Posted(None, torch.empty(0)))
             return
+        # any other error leaves the data's receive in `_ahead`: still in flight, kept
+        ahead = self._ahead.pop(key, None)
         if data is not None:
             self._spare += [ahead] if ahead is not None else []
             self._ready[key] = (link, header, Posted(None, data))
