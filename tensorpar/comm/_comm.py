@@ -402,7 +402,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
     ``native``: then, as on every other backend, through the backend's own split-list
     all-to-all. (The dim-0 exchange with ``sizes`` passes ``native``: the collectives
     benchmark measures gloo's own split-list call within a few percent of the equal-split
-    one, and the point-to-point messages 1.2x-1.5x slower at 1 MiB.)
+    one, and the point-to-point messages 1.2x-1.5x slower at 1 MiB; so do the halo
+    exchanges of domain parallelism, see `tensorpar.domain._tiles.rows.start_exchange`.)
     Every rank must pass the same ``native``.
     """
     if _ACTIVE:
