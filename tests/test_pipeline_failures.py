@@ -344,3 +344,50 @@ def test_a_later_step_that_fails_answers_the_data_receives_posted_ahead(schedule
     results = run_distributed(_fails_in_a_later_step, 3, where, at, stage, name, virtual,
                               timeout=60)
     _check(results, (3 * virtual - 1) % 3 if where == "loss" else stage)
+
+
+def _steps_after_a_failure_in_order(where, at, stage, schedule, virtual):
+    """Receives in order, as on NCCL: a failed step on a group of its own; then the same
+    pipeline, and a new one on that group, are refused before any transfer; a pipeline on
+    another new group equals dense."""
+    ranks = dist.get_world_size()
+    group = dist.new_group(list(range(ranks)))
+    loss_fn = _loss_raising(at if where == "loss" else -1)
+    pipe = tp.nn.pipeline(_model(where, at, stage, ranks, virtual), group=group,
+                          microbatches=4, schedule=schedule, loss_fn=loss_fn,
+                          virtual_stages=virtual)
+    pipe._eager = False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    again = tp.nn.pipeline(_model("none", 0, 0, ranks, virtual), group=group, microbatches=4,
+                           schedule=schedule, loss_fn=F.mse_loss, virtual_stages=virtual)
+    again._eager = False
+    raised = []
+    for p in (pipe, pipe, again):
+        try:
+            p.step(x if p.is_first else None, y if p.is_last else None)
+            raised.append("no error")
+        except (Boom, tp.pipeline.NothingSent, tp.pipeline.StepFailed) as e:
+            raised.append(type(e).__name__ + ("" if "new process group" not in str(e)
+                                              else ": new group"))
+    fresh = tp.nn.pipeline(_model("none", 0, 0, ranks, virtual),
+                           group=dist.new_group(list(range(ranks))), microbatches=4,
+                           schedule=schedule, loss_fn=F.mse_loss, virtual_stages=virtual)
+    fresh._eager = False
+    return raised, _steps_off_dense(fresh, _model("none", 0, 0, ranks, virtual), x, y)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where,at,stage", [("loss", 1, 0), ("forward", 2, 1),
+                                            ("backward", 1, 1)])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_group_a_failed_step_left_sends_on_is_refused_where_receives_are_in_order(
+        schedule, where, at, stage):
+    name, virtual = SCHEDULES[schedule]
+    results = run_distributed(_steps_after_a_failure_in_order, 3, where, at, stage, name,
+                              virtual, timeout=60)
+    for raised, worst in results:
+        assert raised[0] != "no error", results
+        assert raised[1:] == ["StepFailed: new group"] * 2, results
+        assert worst < TOL, results

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -221,6 +222,12 @@ class Pipeline(nn.Module):
                 part. (Any error in the step raises on every rank; the gradients then
                 hold part of the step.)
         """
+        if self._group.handle in _LEFT_IN_FLIGHT:  # before any transfer: it would pair
+            raise StepFailed(                      # with what the failed step left
+                "Pipeline.step: an earlier step failed on this pipeline's process group and "
+                "left sends that no rank received (receives are not posted ahead on this "
+                "backend): the group's next transfers would pair with them. Build the "
+                "pipeline on a new process group (torch.distributed.new_group)")
         # fully_shard may come after the pipeline is built: looked up at every step
         self._fsdp_modules = [(n, m) for n, m in self.named_modules() if is_fsdp_module(m)]
         problem = self._check(inputs, target)
@@ -371,7 +378,7 @@ class Pipeline(nn.Module):
         except Exception as cleanup:  # a peer gone: the step's own error says more
             warnings.warn(f"Pipeline.step: after the step's error, telling the other ranks "
                           f"failed too ({type(cleanup).__name__}: {cleanup})", stacklevel=3)
-            linger(_in_flight(pending, inbox))
+            self._leave(_in_flight(pending, inbox))
             return
         self._settle(pending, inbox)
 
@@ -380,13 +387,23 @@ class Pipeline(nn.Module):
 
         Where receives are posted ahead, every transfer of the step has its other side
         posted by now (each rank answered what it owed before the agreement): wait for
-        them. Otherwise sends may have no receiver: keep them alive (`linger`).
+        them. Otherwise sends may have no receiver: `_leave` them.
         """
         works = _in_flight(pending, inbox)
         if not self._eager:
-            linger(works)
+            self._leave(works)
             return
         _wait_all(works)
+
+    def _leave(self, works: list[tuple[Any, Any]]) -> None:
+        """Keep a failed step's ``works`` alive (`linger`).
+
+        Where receives are not posted ahead, a send may never be received: the group is
+        refused to every later step, on every rank (each learns that the step failed).
+        """
+        linger(works)
+        if not self._eager and self._group.handle is not None:
+            _LEFT_IN_FLIGHT.add(self._group.handle)
 
     def _sender(self) -> int:
         """The rank that sends this one its activations (and takes their gradients)."""
@@ -663,8 +680,13 @@ class StepFailed(TensorparError):
     """Another rank of the pipeline raised during this `Pipeline.step` (its error says why).
 
     Raised on the ranks that finished their part of the step, so that no rank goes on as
-    if the step had succeeded.
+    if the step had succeeded. Also raised, before any transfer, by every later step on a
+    process group where a failed step left sends in flight (receives not posted ahead).
     """
+
+
+_LEFT_IN_FLIGHT: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+"""Process groups a failed step left sends on (where receives are not posted ahead)."""
 
 
 def _anchor_of(done: TensorPlaceholder) -> tuple[torch.Tensor, torch.Tensor]:
