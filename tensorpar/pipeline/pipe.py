@@ -220,7 +220,9 @@ class Pipeline(nn.Module):
                 activation or a gradient from it.
             StepFailed: another rank raised during the step after this one had done its
                 part. (Any error in the step raises on every rank; the gradients then
-                hold part of the step.)
+                hold part of the step.) Also, before any transfer, when an earlier step
+                on this group failed where receives are not posted ahead (NCCL): use a
+                new group.
         """
         if self._group.handle in _LEFT_IN_FLIGHT:  # before any transfer: it would pair
             raise StepFailed(                      # with what the failed step left
