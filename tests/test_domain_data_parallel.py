@@ -78,7 +78,7 @@ def _train(model_name, wrapper, splits, steps=3, w_splits=None):
     from tensorpar.nn import DistributedDataParallel, parallelize_domain
 
     build, shape = MODELS[model_name]
-    replicas = 2
+    replicas = len(splits)
     grid = (len(splits[0]),) if w_splits is None else (len(splits[0]), len(w_splits[0]))
     names = ("domain",) if w_splits is None else ("h", "w")
     if wrapper.startswith("fsdp"):  # FSDP2's hybrid mesh: the domain first, then replicas
@@ -179,6 +179,14 @@ def test_two_by_two_tiles_two_replicas_equal_dense(model, wrapper):
               "pooled": ([[5, 6], [4, 7]], [[2, 4], [3, 3]])}[model]
     assert max(run_distributed(_train, 8, model, wrapper, splits[0], 3, splits[1],
                                timeout=T)) < TOL
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "reducer"])
+def test_one_replica_whose_reduction_spans_the_domain_group_equals_dense(wrapper):
+    # the reducer's group (replicas x tiles) has the domain group's ranks: its bucket
+    # all-reduces, launched while the backward runs, must not share a process group with
+    # the domain's own exchanges (the ranks launch them between other exchanges)
+    assert max(run_distributed(_train, 3, "unet", wrapper, [[6, 5, 5]], timeout=90)) < TOL
 
 
 def test_plain_fsdp_beside_the_domain_is_refused():

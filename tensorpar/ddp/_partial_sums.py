@@ -54,8 +54,10 @@ def product_group(groups: tuple[Group, ...], fn: str) -> Group:
 
     Collective over each of ``groups`` in turn: every rank of them calls it at the same
     point. For a data-parallel group and a domain group of one 2-D mesh, the result is the
-    whole mesh. Spanning every rank, it is the default group; otherwise it is created with
-    ``use_local_synchronization`` (only its members call ``new_group``).
+    whole mesh. Spanning every rank, it is the default group, unless one of ``groups`` is
+    (the model's own collectives run there while the reducer's all-reduce): then a new
+    group over every rank; otherwise it is created with ``use_local_synchronization``
+    (only its members call ``new_group``).
 
     Raises:
         ValueError: the groups are not the dims of one mesh (the product's size is not the
@@ -77,8 +79,16 @@ def product_group(groups: tuple[Group, ...], fn: str) -> Group:
                          f"mesh: they reach {len(block)} ranks, not {expected}; use the dims of "
                          f"one DeviceMesh")
     ranks = sorted(block)
-    if not dist.is_initialized() or len(ranks) == dist.get_world_size():
+    if not dist.is_initialized():
         return resolve_group(None, fn)
+    if len(ranks) == dist.get_world_size():
+        if not any(not g.is_single and g.handle is dist.group.WORLD for g in groups):
+            return resolve_group(None, fn)
+        # one of the groups is the default group (a single replica of a domain over every
+        # rank): the model's own exchanges run on it while the backward runs, and the ranks
+        # launch their bucket all-reduces between them in different orders; a group of the
+        # reducer's own keeps the two apart (every rank calls this: all create it)
+        return resolve_group(dist.new_group(ranks=ranks), fn)
     # torch names a new group from the number of groups each member knows: they must agree
     # (within each group, so across the whole connected block)
     if not all(names_agree(g) for g in groups if not g.is_single):
