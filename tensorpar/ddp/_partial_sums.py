@@ -55,8 +55,8 @@ def product_group(groups: tuple[Group, ...], fn: str) -> Group:
     Collective over each of ``groups`` in turn: every rank of them calls it at the same
     point. For a data-parallel group and a domain group of one 2-D mesh, the result is the
     whole mesh. Spanning every rank, it is the default group, unless one of ``groups`` is
-    (the model's own collectives run there while the reducer's all-reduce): then a new
-    group over every rank; otherwise it is created with ``use_local_synchronization``
+    (the model's own collectives run there while the reducer all-reduces): then a new
+    group over every rank. Otherwise it is created with ``use_local_synchronization``
     (only its members call ``new_group``).
 
     Raises:
