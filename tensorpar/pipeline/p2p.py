@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -177,7 +177,11 @@ def data_follows(meta: Meta) -> bool:
 
 
 def _meta_bytes(meta: Meta) -> int:
-    return math.prod(meta.shape) * meta.dtype.itemsize
+    return _bytes_of(meta.shape, meta.dtype)
+
+
+def _bytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def _room(size: int) -> int:
@@ -350,7 +354,7 @@ def _unframe(frame: torch.Tensor, device: torch.device
     if header.kind != KIND_TENSOR:
         raise NothingSent("no tensor came: the sending rank raised instead (its error says why)")
     dtype = header.tensor_dtype
-    size = math.prod(header.shape) * dtype.itemsize
+    size = _bytes_of(header.shape, dtype)
     if size > frame.numel() - HEAD_BYTES:  # more than the frame's room
         return header, None
     data = frame[HEAD_BYTES:HEAD_BYTES + size].view(dtype).view(header.shape)
@@ -522,28 +526,37 @@ class Inbox:
         try:
             header, data = _unframe(posted.wait(), self._device)
         except NothingSent as e:  # raised when the activation is taken
-            ahead = self._ahead.pop(key, None)
-            self._spare += [ahead] if ahead is not None else []
+            self._let_go(key)
             self._ready[key] = (link, e, Posted(None, torch.empty(0)))
             return
-        # any other error leaves the data's receive in `_ahead`: still in flight, kept
-        ahead = self._ahead.pop(key, None)
         if data is not None:
-            self._spare += [ahead] if ahead is not None else []
+            self._let_go(key)
             self._ready[key] = (link, header, Posted(None, data))
             self._rooms[key], self._follows[key] = room_for(data), 0
             return
         dtype = header.tensor_dtype
-        size = math.prod(header.shape) * dtype.itemsize
+        size = _bytes_of(header.shape, dtype)
+        ahead = self._ahead.get(key)
         if ahead is not None and ahead.buffer.numel() == size:  # the data is on its way
+            del self._ahead[key]
             received = Posted(ahead.work, ahead.buffer.view(dtype).view(header.shape),
                               ahead.waited)
         else:
-            self._spare += [ahead] if ahead is not None else []
+            self._let_go(key)
             received = link.post_receive(torch.empty(header.shape, dtype=dtype,
                                                      device=self._device))
         self._ready[key] = (link, header, received)
         self._rooms[key], self._follows[key] = room_for(received.buffer), _follows(size)
+
+    def _let_go(self, key: Hashable) -> None:
+        """Keep the data receive posted ahead for ``key`` (if any) until its stand-in comes.
+
+        Called where the data will not come into it; a frame that raises anything but
+        `NothingSent` leaves it in ``_ahead`` (still in flight).
+        """
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None:
+            self._spare.append(ahead)
 
     def drain(self, order: Iterable[Hashable],
               answer: Callable[[Hashable, Header], None]) -> None:

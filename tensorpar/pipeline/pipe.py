@@ -304,11 +304,11 @@ class Pipeline(nn.Module):
                     came = received.get((i, k))  # owed until its gradient has gone
                     # a stage whose output needs no gradient: none comes
                     if done.requires_grad and split:  # B now, W when the schedule says
+                        out, grad = (done, None) if spec.last else _anchor_of(done)
                         if not spec.last and not self._eager:
                             # received now, in the order the peer sends, also if W
                             # runs the whole backward (an input that needs no gradient)
-                            fetch_gradient(_anchor_of(done)[0])
-                        out, grad = (done, None) if spec.last else _anchor_of(done)
+                            fetch_gradient(out)
                         deferred[(i, k)] = backward_input(out, grad,
                                                           [came.edge] if came is not None else [])
                         del out, grad  # the graph lives on in W's hands only
