@@ -75,6 +75,13 @@ def _loss_raising(at):
     return loss_fn
 
 
+def _batch():
+    """The batch and target every test here steps on (8 rows of 4, float64)."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(8, 4, generator=g, dtype=torch.float64),
+            torch.randn(8, 4, generator=g, dtype=torch.float64))
+
+
 def _failing_step(where, at, stage, schedule, virtual, post_ahead=True, fresh_group=False):
     """One step that raises on ``stage`` (``where``: "loss" on the last, "forward",
     "backward"), then, on the same ranks, a step that must equal dense. Returns the name of
@@ -86,9 +93,7 @@ def _failing_step(where, at, stage, schedule, virtual, post_ahead=True, fresh_gr
                           microbatches=4, schedule=schedule, loss_fn=loss_fn,
                           virtual_stages=virtual)
     pipe._eager = post_ahead  # False: receive in the schedule's order, as on NCCL
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    x, y = _batch()
     try:
         pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
         raised, said = "no error", ""
@@ -275,9 +280,7 @@ def _same_pipeline_after_a_failure(schedule, virtual):
     dense = _model("none", 0, 0, ranks, virtual)
     pipe = tp.nn.pipeline(_model("none", 0, 0, ranks, virtual), microbatches=4,
                           schedule=schedule, loss_fn=loss_fn, virtual_stages=virtual)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    x, y = _batch()
     raised = "no error"
     try:
         pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
@@ -317,9 +320,7 @@ def _fails_in_a_later_step(where, at, stage, schedule, virtual):
         loss_fn = _loss_raising(at if where == "loss" else -1)
         pipe = tp.nn.pipeline(_model(where, at, stage, ranks, virtual), microbatches=4,
                               schedule=schedule, loss_fn=loss_fn, virtual_stages=virtual)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-        y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        x, y = _batch()
         raised, said = "no error", ""
         for _ in range(2):
             try:
@@ -357,9 +358,7 @@ def _steps_after_a_failure_in_order(where, at, stage, schedule, virtual):
                           microbatches=4, schedule=schedule, loss_fn=loss_fn,
                           virtual_stages=virtual)
     pipe._eager = False
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
-    y = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    x, y = _batch()
     again = tp.nn.pipeline(_model("none", 0, 0, ranks, virtual), group=group, microbatches=4,
                            schedule=schedule, loss_fn=F.mse_loss, virtual_stages=virtual)
     again._eager = False
