@@ -379,17 +379,21 @@ def _domain(args: argparse.Namespace) -> list[dict[str, Any]]:
         exact = r["exact_bytes"]
         rows.append([r["workload"], r["world_size"], f"{r['size']}x{r['size']}",
                      _ms(r["domain"]), _ms(r["ideal"]), _x(r["domain/ideal"]),
+                     _x(r["floor/ideal"]) if "floor" in r else "-",
+                     _x(r["domain/floor"]) if "floor" in r else "-",
                      f"{max(r['halo_bytes']) / mib:.2f}",
                      "-" if exact is None else
                      ("yes" if exact == r["halo_bytes"] else f"no ({max(exact) / mib:.2f})"),
                      f"{max(r['saved_bytes']) / mib:.1f}", f"{r['saved_dense'] / mib:.1f}",
                      _x(max(r["saved_bytes"]) / r["saved_dense"])])
     print(format_table(["workload", "ranks", "image", "domain ms", "ideal ms",
-                        "paired domain/ideal", "halo MiB/step (max rank)", "= exact count",
+                        "paired domain/ideal", "floor/ideal", "domain/floor",
+                        "halo MiB/step (max rank)", "= exact count",
                         "saved MiB (max rank)", "saved MiB dense", "saved/dense"], rows))
     print("(float32, batch 1, forward+backward, strips along H, one thread per rank; ideal: "
           "the dense model on the rank's rows plus the first layer's halo rows, no "
-          f"communication; {os.cpu_count()} CPU cores)")
+          "communication; floor: the ideal plus one exchange of a few numbers per norm each "
+          f"way, what exact norms cannot avoid; {os.cpu_count()} CPU cores)")
     st = [[r["workload"], r["world_size"], _ms(r["domain_fwd"]), _ms(r["shardtensor_fwd"]),
            _ms(r["ideal_fwd"]), _x(r["domain_fwd/ideal_fwd"]),
            _x(r["shardtensor_fwd/ideal_fwd"]), _x(r["shardtensor_fwd/domain_fwd"]),

@@ -14,6 +14,10 @@ Timed side by side on every rank (interleaved rounds, slowest rank, medians):
   for the U-Net, which needs a multiple of 4 rows), with no communication at all. (It
   computes the halo rows' outputs too, so it does a little more arithmetic than the domain
   step.)
+- ``floor`` (the U-Net): the ideal plus the exchanges any exact domain-parallel norm
+  needs (its statistics forward, its gradient sums backward: one all-to-all of a few numbers
+  each way per norm) and no others: what the ranks' waiting for each other costs where
+  nothing but the norms makes them wait.
 
 Where PhysicsNeMo's ``ShardTensor`` imports (``physicsnemo.domain_parallel``; it is not in
 the bench extra, as it requires torchvision), it is run on the same model and strips: the
@@ -32,6 +36,7 @@ once) against the dense model's.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +45,8 @@ from torch import nn
 
 import tensorpar
 from tensorpar.bench.workloads._timing import time_side_by_side
+from tensorpar.comm._comm import all_gather_into
+from tensorpar.comm._group import resolve_group
 from tensorpar.nn import parallelize_domain
 
 __all__ = ["WORKLOADS", "run_rank"]
@@ -75,6 +82,35 @@ def _model(name: str) -> tuple[nn.Module, int]:
     if name == "conv8":
         return nn.Sequential(*[nn.Conv2d(32, 32, 3, padding=1) for _ in range(8)]), 32
     return _UNet(), 1
+
+
+class _NormExchange(torch.autograd.Function):
+    """The identity, with a norm's exchange each way: every rank sends 33 numbers to all."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _exchange()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _exchange()
+        return g
+
+
+def _exchange() -> None:
+    group = resolve_group(None)
+    stats = torch.zeros(33, dtype=torch.float64)
+    all_gather_into(stats.new_empty(33 * group.size), stats, group, one_step=True)
+
+
+def _with_norm_exchanges(model: nn.Module) -> nn.Module:
+    """``model`` with the exchanges any exact domain-parallel norm needs, and no others."""
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            m.register_forward_hook(
+                lambda _m, _i, out: _NormExchange.apply(out))  # type: ignore[no-untyped-call]
+    return model
 
 
 def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -127,9 +163,14 @@ def run_rank(name: str, size: int, rounds: int) -> dict[str, Any]:
         exact = None
     saved = _saved_bytes(model, tile)
     saved_dense = _saved_bytes(ideal, full) if rank == 0 else 0
-    times = time_side_by_side({"domain": lambda: step(model, tile),
-                               "ideal": lambda: step(ideal, ideal_in)},
-                              rounds=rounds, pairs=(("domain", "ideal"),))
+    cases: dict[str, Callable[[], object]] = {"domain": lambda: step(model, tile),
+                                              "ideal": lambda: step(ideal, ideal_in)}
+    pairs: tuple[tuple[str, str], ...] = (("domain", "ideal"),)
+    if name == "unet":
+        floor = _with_norm_exchanges(copy.deepcopy(dense))
+        cases["floor"] = lambda: step(floor, ideal_in)
+        pairs += (("floor", "ideal"), ("domain", "floor"))
+    times = time_side_by_side(cases, rounds=rounds, pairs=pairs)
     times.update(_shardtensor(dense, model, ideal, tile, ideal_in, sizes, rounds))
     figures = torch.tensor([halo, exact or 0, saved], dtype=torch.float64)
     every = [torch.zeros_like(figures) for _ in range(world)]

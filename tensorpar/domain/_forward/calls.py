@@ -42,6 +42,7 @@ from tensorpar.domain._forward.shares import share_gradients
 from tensorpar.domain._layers.attention import per_point, refuse_functional
 from tensorpar.domain._layers.roll import roll
 from tensorpar.domain._tiles import agree
+from tensorpar.domain._tiles.ahead import follow as follow_rows
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import (
     EARLY,
@@ -74,6 +75,8 @@ class _FunctionalCalls(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         ctx = self.ctx
+        if ctx.internal and not ctx.on_pooled and func is not F.interpolate:
+            return func(*args, **kwargs)  # what `_call` does with these: the common case
         if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
@@ -95,6 +98,7 @@ class _FunctionalCalls(TorchFunctionMode):
         else:
             entered = meet.spread_input(ctx, func, args, kwargs, scan)
         out = self._call(func, args, kwargs, scan)
+        follow_rows(ctx.ahead, func, args, kwargs, out)
         if entered is not None:  # pooled features spread: to the tile's extent?
             kind = POOLED
             if (spread := meet.spreads_to_tiles(ctx, out)) == TILE:

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorpar.domain._layers.fused_norm import fused_norm
+from tensorpar.domain._layers.fused_norm import RowsAhead, fused_norm
+from tensorpar.domain._layers.window import window_plans
+from tensorpar.domain._tiles.ahead import Request, Rows
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import UNREAD
 from tensorpar.domain._tiles.sums import global_count, sum_over_domain
@@ -87,16 +89,50 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     if ctx.fast:  # one exchange each way, torch's kernel (see _fused_norm)
         count = global_count(ctx, x, dims, where)
-        y, mean, var = fused_norm(ctx, x.reshape(x.shape[0], x.shape[1], -1), module.weight,
-                                  module.bias, module.eps, count)
+        ahead = _rows_ahead(ctx, module, x, where)
+        y, mean, var, rows = fused_norm(ctx, x.reshape(x.shape[0], x.shape[1], -1),
+                                        module.weight, module.bias, module.eps, count,
+                                        ahead=None if ahead is None else ahead[0])
         _update_running(module, mean, var, count)
-        return y.view(x.shape)
+        return _offer(ctx, module, x, y, rows, ahead)
     centred, mean, var, count = moments(ctx, x, dims, where)
     _update_running(module, mean, var, count)
     y = _normalize(centred, var, module.eps)
     if module.affine:
         y = y * _channel(module.weight, x) + _channel(module.bias, x)
     return y
+
+
+def _rows_ahead(ctx: DomainContext, module: Any, x: torch.Tensor, where: str
+                ) -> tuple[RowsAhead, Request] | None:
+    """The halo rows of ``x`` this norm sends with its statistics, if any (see `ahead`).
+
+    Those of the window a convolution fed by this norm's output asked for in the last
+    forward, over strips split along the first spatial dim. Every rank decides alike.
+    """
+    window = ctx.ahead.requests.get(id(module))
+    if window is None or not ctx.strips or x.dim() + ctx.dims[0] != 2 or \
+            x.dim() - 2 != window[0]:
+        return None
+    length = 1
+    for n in x.shape[3:]:
+        length *= n
+    (_, plan, _), = window_plans(ctx, x, window[0], window[1], window[2], where)[0]
+    if not plan.exchange or not length:
+        return None
+    return RowsAhead(plan, length), window
+
+
+def _offer(ctx: DomainContext, module: Any, x: torch.Tensor, y: torch.Tensor,
+           rows: torch.Tensor, ahead: tuple[RowsAhead, Request] | None) -> torch.Tensor:
+    """``y`` in ``x``'s shape, recorded as a norm's output (with its rows, if any sent)."""
+    out = y.view(x.shape)
+    if ctx.strips:
+        arrived = None if ahead is None else rows.view(
+            *x.shape[:2], rows.shape[-1] // ahead[0].length, *x.shape[3:])
+        ctx.ahead.offer(out, Rows(arrived, None if ahead is None else ahead[1], id(module),
+                                   out._version))
+    return out
 
 
 def _update_running(module: Any, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
@@ -125,8 +161,10 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         count = global_count(ctx, xg, list(range(2, xg.dim())), where)
         w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
             else (None, None)
-        y, _, _ = fused_norm(ctx, x.reshape(1, n * c, -1), w, b, module.eps, count, c // g)
-        return y.view(x.shape)
+        ahead = _rows_ahead(ctx, module, x, where)
+        y, _, _, rows = fused_norm(ctx, x.reshape(1, n * c, -1), w, b, module.eps, count,
+                                   c // g, None if ahead is None else ahead[0])
+        return _offer(ctx, module, x, y, rows, ahead)
     # split dims keep their (negative) position in the grouped view
     centred, _, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
     y = _normalize(centred, var, module.eps).reshape(x.shape)
@@ -145,8 +183,10 @@ def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> t
         n = x.shape[0]
         w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
             else (None, None)
-        y, _, _ = fused_norm(ctx, x.reshape(1, n * x.shape[1], -1), w, b, module.eps, count)
-        return y.view(x.shape)
+        ahead = _rows_ahead(ctx, module, x, where)
+        y, _, _, rows = fused_norm(ctx, x.reshape(1, n * x.shape[1], -1), w, b, module.eps,
+                                   count, ahead=None if ahead is None else ahead[0])
+        return _offer(ctx, module, x, y, rows, ahead)
     centred, _, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
     y = _normalize(centred, var, module.eps)
     if module.affine:

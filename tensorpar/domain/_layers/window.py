@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from tensorpar.comm._compiling import autocast_on
 from tensorpar.comm._group import Group
+from tensorpar.domain._tiles.ahead import Request
 from tensorpar.domain._tiles.layout import DomainContext, anchor_sizes
 from tensorpar.domain._tiles.overlap import overlap_applies, overlapped_conv
-from tensorpar.domain._tiles.rows import RowPlan, gather_rows, offsets
+from tensorpar.domain._tiles.rows import RowPlan, assemble, gather_rows, halo_pool, offsets
 
 __all__ = ["EmptyOut", "conv_forward", "fetch_window", "per_dim", "pool_forward",
            "spatial_index", "window_len", "window_plans"]
@@ -141,6 +142,7 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
     split = set(js)
     rest = [(0, 0) if j in split else pads[j] for j in range(k)]
     fetches, rows = window_plans(ctx, x, k, windows, mode, where)
+    arrived = _sent_ahead(ctx, x, (k, tuple(windows), mode), fetches, where)
     # (autocast: the overlapped backward would mix the input's dtype with the output's)
     if ctx.fast and len(fetches) == 1 and rows[0] and all(a == b for a, b in rest) and \
             (mode == "zeros" or not any(a for a, _ in rest)) and \
@@ -149,7 +151,11 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
         if overlap_applies(plan, ke[js[0]], module.stride[js[0]]):
             return overlapped_conv(x, module.weight, module.bias, x.dim() + d, plan, g,
                                    ke[js[0]], (module.stride, tuple(a for a, _ in rest),
-                                               module.dilation, module.groups))
+                                               module.dilation, module.groups), arrived)
+    if arrived is not None:
+        d, plan, _ = fetches[0]
+        x = assemble(x, x.dim() + d, plan, halo_pool(x, x.dim() + d, plan, arrived, 0.0))
+        fetches = []
     for d, plan, g in fetches:
         x = gather_rows(x, x.dim() + d, plan, g, 0.0)
     if 0 in rows:
@@ -172,6 +178,19 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
         x = F.pad(x, spec, mode="constant" if mode == "zeros" else mode)
     y = conv(x, module.weight, module.bias, module.stride, 0, module.dilation, module.groups)
     return y
+
+
+def _sent_ahead(ctx: DomainContext, x: torch.Tensor, request: Request, fetches: list[Fetch],
+                where: str) -> torch.Tensor | None:
+    """The halo rows of ``x`` a norm sent ahead for this convolution (`ahead`), if any."""
+    if len(fetches) != 1:
+        return None
+    d, plan, _ = fetches[0]
+    arrived = ctx.ahead.take(x, request, plan.exchange)
+    if arrived is not None and arrived.shape[x.dim() + d] != sum(plan.recv_counts):
+        raise RuntimeError(f"{where}: {arrived.shape[x.dim() + d]} halo rows were sent ahead "
+                           f"where {sum(plan.recv_counts)} were expected")
+    return arrived
 
 
 def per_dim(v: Any, k: int) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ import torch
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
+from tensorpar.domain._tiles.ahead import Ahead
 from tensorpar.domain._tiles.marks import POOLED, TILE, Kind, Marks
 from tensorpar.domain._tiles.rows import RowPlan, offsets, plan_rows
 from tensorpar.validation import validation_enabled
@@ -71,6 +72,7 @@ class DomainContext:
         self.internal = False  # a converted layer's own functional calls are running
         self.modes: list[Any] = []  # functional-call conversions entered by forwards
         self.marks = Marks()  # this forward's tiles and pooled features (`marks`)
+        self.ahead = Ahead()  # halo rows sent with a norm's statistics (`ahead`)
         self._plans: dict[Any, RowPlan] = {}
 
     @contextlib.contextmanager
@@ -104,6 +106,16 @@ class DomainContext:
         forward's first global pooling and as pooled features after it.
         """
         return kind == POOLED or (kind is None and self.reduced)
+
+    @property
+    def strips(self) -> bool:
+        """Strips over one group of several ranks, outside validation mode.
+
+        Where a norm may send the next convolution's halo rows with its statistics
+        (`ahead`; validation mode fingerprints each exchange as the layer's own).
+        """
+        return len(self.groups) == 1 and not self.groups[0].is_single and \
+            not validation_enabled()
 
     @property
     def domain_size(self) -> int:
@@ -145,6 +157,7 @@ class DomainContext:
         self.poolings = 0
         self.marks.clear()
         self.marks.mark(x, TILE)
+        self.ahead.clear()
         self.ran.clear()
         self.active = True
 

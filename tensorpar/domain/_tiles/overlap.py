@@ -81,17 +81,20 @@ def overlap_applies(plan: RowPlan, ke: int, stride: int) -> bool:
 
 def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     dim: int, plan: RowPlan, group: Group, ke: int,
-                    conv: tuple[Any, ...]) -> torch.Tensor:
+                    conv: tuple[Any, ...], arrived: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """``conv(window)`` where the window is ``x`` with its halo rows along ``dim``.
 
     ``conv`` is ``(stride, padding, dilation, groups)`` for ``F.convNd`` with no padding
-    along ``dim`` (a non-negative dim); `overlap_applies` holds.
+    along ``dim`` (a non-negative dim); `overlap_applies` holds. ``arrived``: the rows the
+    exchange would bring, already here (sent ahead, `tensorpar.domain._tiles.ahead`): no
+    exchange either way, their gradient is theirs.
     """
     if x.dim() == weight.dim() - 1:  # unbatched: torch's convolution backward wants a batch
-        return overlapped_conv(x.unsqueeze(0), weight, bias, dim + 1, plan, group, ke,
-                               conv).squeeze(0)
+        return overlapped_conv(x.unsqueeze(0), weight, bias, dim + 1, plan, group, ke, conv,
+                               None if arrived is None else arrived.unsqueeze(0)).squeeze(0)
     out: torch.Tensor = _HaloConv.apply(x, weight, bias, dim, plan, group, ke,  # type: ignore[no-untyped-call]
-                                        conv)
+                                        conv, arrived)
     return out
 
 
@@ -150,13 +153,15 @@ def _real(rows: tuple[int, ...], plan: RowPlan) -> bool:
 class _HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dim: int,
-                plan: RowPlan, group: Group, ke: int, conv: tuple[Any, ...]) -> torch.Tensor:
+                plan: RowPlan, group: Group, ke: int, conv: tuple[Any, ...],
+                given: torch.Tensor | None) -> torch.Tensor:
         validate_rows(x, dim, plan, group, backward=False)
         axis = _axis(x, w, dim)
         geo = bands(plan, ke, conv[0][axis])
         assert geo is not None, "overlapped_conv called where overlap_applies does not hold"
         work = None
-        if plan.exchange:
+        ctx.sent_ahead = given is not None and plan.exchange
+        if plan.exchange and given is None:
             sent = x.index_select(dim, row_index(plan.send_idx, x))
             arrived, work = start_exchange(sent, dim, plan.send_counts, plan.recv_counts,
                                             group)
@@ -165,8 +170,8 @@ class _HaloConv(torch.autograd.Function):
         y: torch.Tensor = fconv(x, w, b, *_padded(conv, axis, geo.lo))
         if work is not None:
             work.wait()
-        pool = halo_pool(x, dim, plan, arrived.movedim(0, dim) if work is not None else None,
-                         0.0)
+            given = arrived.movedim(0, dim)
+        pool = halo_pool(x, dim, plan, given, 0.0)
         below = pool.index_select(dim, row_index(plan.lower, x)) \
             if pool is not None and _real(plan.lower, plan) else None
         above = pool.index_select(dim, row_index(plan.upper, x)) \
@@ -196,14 +201,15 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     dim, axis, plan, group, geo, conv, has_bias = ctx.args
     top, bottom = _band_inputs(x, below, above, dim, geo)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    need_given = ctx.sent_ahead and ctx.needs_input_grad[8]
     gy = gy.contiguous()
     # the bands first: their halo rows' gradient travels while the tile's backward runs
-    band_mask = [need_x, need_w, False]
+    band_mask = [need_x or need_given, need_w, False]
     top_in, top_w = _band_grads(gy, top, 0, geo.top, dim, w, conv, band_mask)
     bottom_in, bottom_w = _band_grads(gy, bottom, geo.bottom, geo.rows - geo.bottom, dim, w,
                                       conv, band_mask)
     work = None
-    if need_x:
+    if need_x or need_given:
         window = list(x.shape)  # what the general path's backward fingerprints
         window[dim] = plan.n_out
         validate_exchange(torch.Size(window), x.dtype, dim, plan, group, backward=True)
@@ -216,7 +222,7 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if bottom_in is not None:
             pool.index_add_(dim, row_index(plan.upper, x),
                             bottom_in.narrow(dim, geo.bottom_zeros, geo.hi))
-        if plan.exchange:
+        if plan.exchange and not ctx.sent_ahead:
             back, work = start_exchange(pool.narrow(dim, 0, n_recv), dim,
                                          plan.recv_counts, plan.send_counts, group)
     gx, gw, gb = _conv_backward(gy, x, w, has_bias, _padded(conv, axis, geo.lo),
@@ -224,10 +230,12 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     for band_w in (top_w, bottom_w):
         if band_w is not None:
             gw = gw + band_w
-    if need_x:
+    if need_x and gx is not None:
         if n_self:
             gx.index_add_(dim, row_index(plan.self_idx, x), pool.narrow(dim, n_recv, n_self))
         if work is not None:
             work.wait()
             gx.index_add_(dim, row_index(plan.send_idx, x), back.movedim(0, dim))
-    return gx, gw, gb, None, None, None, None, None
+    # rows sent ahead: their gradient goes home with them (the sender's exchange)
+    g_given = pool.narrow(dim, 0, n_recv) if need_given else None
+    return gx, gw, gb, None, None, None, None, None, g_given

@@ -31,7 +31,7 @@ from tensorpar.comm._comm import all_to_all as _all_to_all
 from tensorpar.comm._group import Group
 from tensorpar.validation import check
 
-__all__ = ["RowPlan", "gather_rows", "halo_pool", "map_row", "offsets", "plan_rows",
+__all__ = ["RowPlan", "assemble", "gather_rows", "halo_pool", "map_row", "offsets", "plan_rows",
            "row_index", "start_exchange", "validate_exchange", "validate_rows"]
 
 MODES = ("zeros", "circular", "reflect", "replicate")
@@ -250,8 +250,13 @@ def _gather(x: torch.Tensor, dim: int, plan: RowPlan, group: Group, fill: float
     if plan.exchange:
         sent = x.index_select(dim, row_index(plan.send_idx, x))
         arrived = _exchange(sent, dim, plan.send_counts, plan.recv_counts, group)
+    return assemble(x, dim, plan, halo_pool(x, dim, plan, arrived, fill))
+
+
+def assemble(x: torch.Tensor, dim: int, plan: RowPlan, pool: torch.Tensor | None
+             ) -> torch.Tensor:
+    """``[lower halo | run of own rows | upper halo]`` of ``x`` from the halo's ``pool``."""
     parts = []
-    pool = halo_pool(x, dim, plan, arrived, fill)
     if plan.lower:
         assert pool is not None
         parts.append(pool.index_select(dim, row_index(plan.lower, x)))

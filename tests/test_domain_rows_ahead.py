@@ -1,0 +1,150 @@
+"""Halo rows sent ahead with a norm's statistics, for the convolution after it.
+
+From the second forward on, a convolution fed by a norm through pointwise calls takes its
+halo rows from the norm's exchange (forward) and sends their gradient home in the norm's
+exchange of sums (backward): two exchanges fewer per such pair and step. Every case is
+held to dense over several SGD steps (the rows are sent from the second step on), so a
+row dropped, a gradient not added back or a chain applied wrongly shows as a difference;
+where the rows cannot go ahead (a call that is not pointwise, an in-place change, another
+window) the convolution exchanges its own, still equal to dense.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tensorpar
+from tensorpar.nn import parallelize_domain
+from tensorpar.testing import run_distributed
+from tests._domain_check import check
+
+pytestmark = pytest.mark.timeout(300)
+T = 240
+
+
+_BETWEEN = {
+    "silu": F.silu,
+    "relu_gelu": lambda y: F.gelu(F.relu(y)),
+    "relu_inplace": lambda y: F.relu(y, inplace=True),
+    "dropout0_leaky": lambda y: F.leaky_relu(F.dropout(y, 0.0, True), 0.1),  # MONAI's order
+    "scaled": lambda y: 2 * y + 1,  # pointwise, but not a call the rows are carried through
+    "inplace_add": lambda y: F.silu(y.add_(0.5)),  # an in-place change is not carried
+}
+
+
+class _Net(nn.Module):
+    """Two norm -> pointwise calls -> convolution pairs; ``kind``: the calls of the first."""
+
+    def __init__(self, kind, norm):
+        super().__init__()
+        self.kind = kind
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4) if norm == "batch" else \
+            nn.GroupNorm(2, 4) if norm == "group" else nn.InstanceNorm2d(4, affine=True)
+        self.conv2 = nn.Conv2d(4, 3, 3, padding=1)
+        self.gn = nn.GroupNorm(3, 3)
+        self.conv3 = nn.Conv2d(3, 2, 5, padding=2)
+
+    def forward(self, x):
+        y = _BETWEEN[self.kind](self.norm(self.conv1(x)))
+        return self.conv3(torch.tanh(self.gn(self.conv2(y))))
+
+
+def _build(kind, norm):
+    torch.manual_seed(0)
+    return _Net(kind, norm)
+
+
+def _block(kind, norm="batch"):
+    return functools.partial(_build, kind, norm)
+
+
+def _circular():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU(),
+                         nn.Conv2d(4, 3, 5, padding=2, padding_mode="circular"),
+                         nn.InstanceNorm2d(3), nn.ReLU(),
+                         nn.Conv2d(3, 2, 3, stride=2, padding=1))
+
+
+@pytest.mark.parametrize("kind", ["silu", "relu_gelu", "relu_inplace", "dropout0_leaky", "scaled",
+                                  "inplace_add"])
+@pytest.mark.parametrize("norm", ["batch", "group", "instance"])
+def test_a_norm_then_pointwise_calls_then_a_convolution_equals_dense(kind, norm):
+    worst = run_distributed(check, 3, _block(kind, norm), (2, 2, 17, 6), (-2,),
+                            ([6, 5, 6],), None, 3, timeout=T)
+    assert max(worst) < 1e-10
+
+
+@pytest.mark.parametrize("sizes", [[1, 9, 6], [7, 0, 9], [2, 2, 2, 10]])
+def test_rows_ahead_from_two_ranks_away_and_past_an_empty_tile_equal_dense(sizes):
+    worst = run_distributed(check, len(sizes), _block("silu"), (2, 2, sum(sizes), 5), (-2,),
+                            (sizes,), None, 3, timeout=T)
+    assert max(worst) < 1e-10
+
+
+def test_rows_ahead_for_a_circular_and_a_strided_convolution_equal_dense():
+    for sizes in ([9, 8], [5, 6, 6]):
+        worst = run_distributed(check, len(sizes), _circular, (2, 2, sum(sizes), 6), (-2,),
+                                (sizes,), None, 3, timeout=T)
+        assert max(worst) < 1e-10
+
+
+def _counts_and_error(kind, sizes, heights):
+    """Exchanges per step, and the largest difference from dense, over steps of ``heights``."""
+    rank = dist.get_rank()
+    dense = _block(kind)().double()
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    counts, worst = [], 0.0
+    for step, h in enumerate(heights):
+        split = [h // len(sizes) + (r < h % len(sizes)) for r in range(len(sizes))] \
+            if h != sum(sizes) else sizes
+        x = torch.randn(2, 2, h, 6, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(step))
+        start = sum(split[:rank])
+        xd = x.clone().requires_grad_()
+        dense(xd).square().sum().backward()
+        tile = x.narrow(2, start, split[rank]).clone().requires_grad_()
+        with tensorpar.CommCounter() as counter:
+            par(tile).square().sum().backward()
+        counts.append(counter.count())
+        worst = max(worst, (tile.grad - xd.grad.narrow(2, start, split[rank])).abs().max().item())
+        for p, q in zip(par.parameters(), dense.parameters(), strict=True):
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+        par.zero_grad()
+        dense.zero_grad()
+    return counts, worst
+
+
+def test_the_rows_go_ahead_from_the_second_step_two_exchanges_fewer_per_norm_and_conv():
+    # two norm -> pointwise -> convolution pairs: four exchanges fewer a step
+    for counts, worst in run_distributed(_counts_and_error, 2, "silu", [9, 8], [17, 17, 17],
+                                         timeout=T):
+        assert worst < 1e-10
+        assert counts[1] == counts[2] == counts[0] - 4, counts
+
+
+def test_a_dropout_of_zero_is_carried():
+    for counts, worst in run_distributed(_counts_and_error, 2, "dropout0_leaky", [9, 8],
+                                         [17, 17], timeout=T):
+        assert worst < 1e-10
+        assert counts[1] == counts[0] - 4, counts
+
+
+def test_a_call_that_is_not_carried_leaves_the_exchanges_as_they_were():
+    for counts, worst in run_distributed(_counts_and_error, 2, "scaled", [9, 8], [17, 17],
+                                         timeout=T):
+        assert worst < 1e-10
+        assert counts[1] == counts[0] - 2, counts  # the second pair only
+
+
+def test_a_new_height_each_step_plans_the_rows_for_its_own_tiles():
+    for counts, worst in run_distributed(_counts_and_error, 3, "silu", [6, 5, 6],
+                                         [17, 23, 12, 17], timeout=T):
+        assert worst < 1e-10
+        assert counts[1:] == [counts[0] - 4] * 3, counts
