@@ -70,21 +70,25 @@ class RowsAhead(NamedTuple):
 
 def _with_rows(head: torch.Tensor, xf: torch.Tensor, idx: Sequence[int],
                counts: Sequence[int], ahead: RowsAhead) -> torch.Tensor:
-    """The all-to-all's input: for each rank, ``head``, then the rows of ``xf`` it gets.
+    """The all-to-all's bytes: for each rank, ``head``, then the rows of ``xf`` it gets.
 
     ``xf``: ``(A, KR, rows * length)``, its rows ``idx`` sent, ``counts`` to each rank in
-    rank order; everything in float64 (exact for any float the rows hold).
+    rank order, each in its own dtype.
     """
     a, kr, points = xf.shape
     rows = xf.view(a, kr, points // ahead.length, ahead.length).index_select(
         2, torch.tensor(idx, dtype=torch.long, device=xf.device))
-    flat = rows.movedim(2, 0).to(head.device, torch.float64).reshape(
-        len(idx), a * kr * ahead.length)
+    flat = rows.movedim(2, 0).to(head.device).reshape(len(idx), a * kr * ahead.length)
+    first = _bytes(head)
     pieces, at = [], 0
     for c in counts:
-        pieces += [head, flat[at:at + c].reshape(-1)]
+        pieces += [first, _bytes(flat[at:at + c])]
         at += c
     return torch.cat(pieces)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _exchange_with_rows(head: torch.Tensor, xf: torch.Tensor, send_idx: Sequence[int],
@@ -92,22 +96,23 @@ def _exchange_with_rows(head: torch.Tensor, xf: torch.Tensor, send_idx: Sequence
                         group: Group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's ``head`` (stacked in rank order) and the rows of ``xf`` that arrive.
 
-    One all-to-all: each rank sends ``head`` to every rank and its rows ``send_idx`` by
-    the ``send`` counts; returns the rows received, by source, as ``(A, KR, R * length)``
-    in ``xf``'s dtype.
+    One all-to-all of bytes: each rank sends ``head`` to every rank and its rows
+    ``send_idx`` by the ``send`` counts; returns the rows received, by source, as
+    ``(A, KR, R * length)``.
     """
     a, kr, _ = xf.shape
-    per, nh = a * kr * ahead.length, head.numel()
-    out = head.new_empty(sum(nh + c * per for c in recv))
+    nh = head.numel() * head.element_size()
+    per = a * kr * ahead.length * xf.element_size()
+    out = torch.empty(sum(nh + c * per for c in recv), dtype=torch.uint8, device=head.device)
     all_to_all(out, _with_rows(head, xf, send_idx, send, ahead),
                [nh + c * per for c in recv], [nh + c * per for c in send], group, native=True)
     heads, rows, at = [], [], 0
-    for c in recv:
-        heads.append(out[at:at + nh])
+    for c in recv:  # (copied out: a view of another dtype needs an aligned start)
+        heads.append(out[at:at + nh].clone().view(head.dtype))
         rows.append(out[at + nh:at + nh + c * per])
         at += nh + c * per
-    arrived = torch.cat(rows).view(sum(recv), a, kr, ahead.length).movedim(0, 2)
-    return torch.stack(heads), arrived.to(xf.device, xf.dtype).reshape(a, kr, -1)
+    arrived = torch.cat(rows).view(xf.dtype).view(sum(recv), a, kr, ahead.length)
+    return torch.stack(heads), arrived.movedim(0, 2).to(xf.device).reshape(a, kr, -1)
 
 
 def _every(t: torch.Tensor, group: Group) -> torch.Tensor:
