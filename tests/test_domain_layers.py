@@ -101,9 +101,17 @@ def line():
                          nn.Upsample(scale_factor=3, mode="linear", align_corners=True))
 
 
+def unbatched():
+    """An image with no batch dim: ``(C, H, W)``, which only the instance norm accepts."""
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True),
+                         nn.SiLU(), nn.Conv2d(4, 3, 3, padding=1), nn.InstanceNorm2d(3),
+                         nn.Conv2d(3, 2, 3, padding=1))
+
+
 BUILDERS = {"norms": norms, "pools": pools, "resample": resample, "transposed": transposed,
-            "head": head, "volume": volume, "line": line, "padding": padding}
-SHAPES = {"volume": (2, 1, None, 4, 4), "line": (2, 1, None)}
+            "head": head, "volume": volume, "line": line, "padding": padding,
+            "unbatched": unbatched}
+SHAPES = {"volume": (2, 1, None, 4, 4), "line": (2, 1, None), "unbatched": (2, None, 5)}
 DIMS = {"volume": -3, "line": -1}
 
 
@@ -144,6 +152,14 @@ def test_norms_running_statistics_over_three_steps():
 def test_volume_and_line(world, sizes):
     assert max(run_distributed(_run, world, "volume", sizes, timeout=T)) < TOL
     assert max(run_distributed(_run, world, "line", [s + 2 for s in sizes], timeout=T)) < TOL
+
+
+def test_an_unbatched_image_through_instance_norms_equals_dense():
+    # (each rank took its tile's rows for channels: tiles of unequal height made the
+    # ranks' statistics exchanges of different sizes, which the backend reported as a
+    # collective mismatch)
+    assert max(run_distributed(_run, 2, "unbatched", [6, 7], 3, timeout=T)) < TOL
+    assert max(run_distributed(_run, 3, "unbatched", [1, 9, 6], 3, timeout=T)) < TOL
 
 
 @pytest.mark.slow

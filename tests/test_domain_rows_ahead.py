@@ -95,13 +95,69 @@ def test_rows_ahead_for_a_circular_and_a_strided_convolution_equal_dense():
         assert max(worst) < 1e-10
 
 
-def _counts_and_error(kind, sizes, heights):
-    """Exchanges per step, and the largest difference from dense, over steps of ``heights``."""
+class _SharedNorm(nn.Module):
+    """One norm called twice: before a 3 x 3 convolution, then before a 5 x 5 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv_a = nn.Conv2d(4, 4, 3, padding=1)
+        self.conv_b = nn.Conv2d(4, 2, 5, padding=2)
+
+    def forward(self, x):
+        y = self.conv_a(F.silu(self.norm(self.conv1(x))))
+        return self.conv_b(F.silu(self.norm(y)))
+
+
+class _TwoConvs(nn.Module):
+    """One norm's output read by a 3 x 3 and by a 5 x 5 convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv_a = nn.Conv2d(4, 2, 3, padding=1)
+        self.conv_b = nn.Conv2d(4, 2, 5, padding=2)
+
+    def forward(self, x):
+        y = F.silu(self.norm(self.conv1(x)))
+        return self.conv_a(y) + self.conv_b(y)
+
+
+class _Switch(nn.Module):
+    """A norm feeding a 3 x 3 convolution, or (``late``) a 1 x 1 one that needs no halo."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = False
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv = nn.Conv2d(4, 2, 3, padding=1)
+        self.point = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        y = F.silu(self.norm(self.conv1(x)))
+        return (self.point if self.late else self.conv)(y)
+
+
+_MODELS = {"shared": _SharedNorm, "two_convs": _TwoConvs, "switch": _Switch}
+
+
+def _counts_and_error(model, sizes, heights, late_from=None):
+    """Exchanges and bytes per step, and the largest difference from dense, over steps.
+
+    ``model``: a kind of `_Net` or one of `_MODELS`; a step of height ``heights[i]`` each;
+    from step ``late_from`` on, ``late`` set on both models.
+    """
     rank = dist.get_rank()
-    dense = _block(kind)().double()
+    torch.manual_seed(0)
+    dense = (_MODELS[model]() if model in _MODELS else _Net(model, "batch")).double()
     par = parallelize_domain(copy.deepcopy(dense), dims=-2)
-    counts, worst = [], 0.0
+    counts, sent, worst = [], [], 0.0
     for step, h in enumerate(heights):
+        if step == late_from:
+            dense.late = par.late = True
         split = [h // len(sizes) + (r < h % len(sizes)) for r in range(len(sizes))] \
             if h != sum(sizes) else sizes
         x = torch.randn(2, 2, h, 6, dtype=torch.float64,
@@ -113,38 +169,65 @@ def _counts_and_error(kind, sizes, heights):
         with tensorpar.CommCounter() as counter:
             par(tile).square().sum().backward()
         counts.append(counter.count())
+        sent.append(counter.nbytes())
         worst = max(worst, (tile.grad - xd.grad.narrow(2, start, split[rank])).abs().max().item())
         for p, q in zip(par.parameters(), dense.parameters(), strict=True):
-            worst = max(worst, (p.grad - q.grad).abs().max().item())
-        par.zero_grad()
-        dense.zero_grad()
-    return counts, worst
+            assert (p.grad is None) == (q.grad is None)
+            if q.grad is not None:  # (``_Switch`` leaves one convolution unused)
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+        par.zero_grad(set_to_none=True)
+        dense.zero_grad(set_to_none=True)
+    return counts, sent, worst
 
 
 def test_the_rows_go_ahead_from_the_second_step_two_exchanges_fewer_per_norm_and_conv():
     # two norm -> pointwise -> convolution pairs: four exchanges fewer a step
-    for counts, worst in run_distributed(_counts_and_error, 2, "silu", [9, 8], [17, 17, 17],
+    for counts, _, worst in run_distributed(_counts_and_error, 2, "silu", [9, 8], [17, 17, 17],
                                          timeout=T):
         assert worst < 1e-10
         assert counts[1] == counts[2] == counts[0] - 4, counts
 
 
 def test_a_dropout_of_zero_is_carried():
-    for counts, worst in run_distributed(_counts_and_error, 2, "dropout0_leaky", [9, 8],
+    for counts, _, worst in run_distributed(_counts_and_error, 2, "dropout0_leaky", [9, 8],
                                          [17, 17], timeout=T):
         assert worst < 1e-10
         assert counts[1] == counts[0] - 4, counts
 
 
 def test_a_call_that_is_not_carried_leaves_the_exchanges_as_they_were():
-    for counts, worst in run_distributed(_counts_and_error, 2, "scaled", [9, 8], [17, 17],
+    for counts, _, worst in run_distributed(_counts_and_error, 2, "scaled", [9, 8], [17, 17],
                                          timeout=T):
         assert worst < 1e-10
         assert counts[1] == counts[0] - 2, counts  # the second pair only
 
 
 def test_a_new_height_each_step_plans_the_rows_for_its_own_tiles():
-    for counts, worst in run_distributed(_counts_and_error, 3, "silu", [6, 5, 6],
+    for counts, _, worst in run_distributed(_counts_and_error, 3, "silu", [6, 5, 6],
                                          [17, 23, 12, 17], timeout=T):
         assert worst < 1e-10
         assert counts[1:] == [counts[0] - 4] * 3, counts
+
+
+def test_a_norm_called_twice_sends_each_call_the_rows_of_its_own_convolution():
+    for counts, _, worst in run_distributed(_counts_and_error, 2, "shared", [9, 8],
+                                            [17, 17, 17, 17], timeout=T):
+        assert worst < 1e-10
+        assert counts[1:] == [counts[0] - 4] * 3, counts
+
+
+def test_an_output_read_by_two_convolutions_sends_the_rows_of_one_and_keeps_to_it():
+    for counts, _, worst in run_distributed(_counts_and_error, 2, "two_convs", [9, 8],
+                                            [17, 17, 17, 17], timeout=T):
+        assert worst < 1e-10
+        assert counts[1:] == [counts[0] - 2] * 3, counts
+
+
+def test_rows_no_convolution_took_stop_being_sent():
+    # steps 0-1: a 3 x 3 convolution after the norm (its rows go ahead from step 1);
+    # steps 2-3: a 1 x 1 one, which takes none: step 2 still sends them, step 3 does not
+    for counts, sent, worst in run_distributed(_counts_and_error, 2, "switch", [9, 8],
+                                               [17, 17, 17, 17], 2, timeout=T):
+        assert worst < 1e-10
+        assert counts[1] == counts[0] - 2 and counts[2] == counts[3], counts
+        assert sent[3] < sent[2], sent

@@ -503,7 +503,7 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 def _exit(model: nn.Module, args: object, output: object) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
     calls.exit_functional_mode(ctx)
-    ctx.ahead.clear()  # (rows sent ahead are taken within the forward that sent them)
+    ctx.ahead.finish()  # (rows sent ahead are taken within the forward that sent them)
     # an image of pooled features spread to a size every (equal) tile has, never told
     # apart from a fixed grid by a tile they met (see `meet`)
     if isinstance(output, torch.Tensor) and output.dim() == ctx.ndim \

@@ -15,9 +15,9 @@ Timed side by side on every rank (interleaved rounds, slowest rank, medians):
   computes the halo rows' outputs too, so it does a little more arithmetic than the domain
   step.)
 - ``floor`` (the U-Net): the ideal plus the exchanges any exact domain-parallel norm
-  needs (its statistics forward, its gradient sums backward: one all-to-all of a few numbers
-  each way per norm) and no others: what the ranks' waiting for each other costs where
-  nothing but the norms makes them wait.
+  needs (its statistics forward, its gradient sums backward: each rank sends the same
+  numbers to every rank in one step, each way per norm) and no others: what the ranks'
+  waiting for each other costs where nothing but the norms makes them wait.
 
 Where PhysicsNeMo's ``ShardTensor`` imports (``physicsnemo.domain_parallel``; it is not in
 the bench extra, as it requires torchvision), it is run on the same model and strips: the
@@ -26,7 +26,8 @@ under ``no_grad``), and a whole step is tried once (``shardtensor_step``: "ok" o
 it raised). Its tile shapes are given explicitly: inferring them allocates pinned memory,
 which needs an accelerator.
 
-Also per rank: the halo bytes one step sends (forward and backward, `tensorpar.CommCounter`)
+Also per rank: the halo bytes a step after the first sends (forward and backward,
+`tensorpar.CommCounter`; for the U-Net, with the rows sent ahead in the norms' exchanges)
 against the exact count for the conv stack (each interior boundary: one row of 32 channels
 each way per conv forward, and per conv but the first backward, as the input needs no
 gradient), and the bytes of activations autograd saves (``saved_tensors_hooks``, each storage
@@ -85,31 +86,40 @@ def _model(name: str) -> tuple[nn.Module, int]:
 
 
 class _NormExchange(torch.autograd.Function):
-    """The identity, with a norm's exchange each way: every rank sends 33 numbers to all."""
+    """The identity, with a norm's exchanges: its statistics forward, its sums backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        _exchange()
+    def forward(ctx: Any, x: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.k = k
+        _exchange(1 + 2 * k)  # a count, K means and K squared deviations
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        _exchange()
-        return g
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _exchange(2 * ctx.k)  # two sums per statistics channel
+        return g, None
 
 
-def _exchange() -> None:
+def _exchange(numel: int) -> None:
+    """Every rank sends ``numel`` float64s to every rank in one step, as the norms do."""
     group = resolve_group(None)
-    stats = torch.zeros(33, dtype=torch.float64)
-    all_gather_into(stats.new_empty(33 * group.size), stats, group, one_step=True)
+    stats = torch.zeros(numel, dtype=torch.float64)
+    all_gather_into(stats.new_empty(numel * group.size), stats, group, one_step=True)
 
 
 def _with_norm_exchanges(model: nn.Module) -> nn.Module:
-    """``model`` with the exchanges any exact domain-parallel norm needs, and no others."""
+    """``model`` with the exchanges any exact domain-parallel norm needs, and no others.
+
+    (For a batch of one: a batch norm's statistics channels are its channels, a group
+    norm's its groups.)
+    """
+    def hook(m: nn.Module, _: Any, out: torch.Tensor) -> torch.Tensor:
+        k = m.num_groups if isinstance(m, nn.GroupNorm) else out.shape[1]
+        return _NormExchange.apply(out, k)  # type: ignore[no-untyped-call,no-any-return]
+
     for m in model.modules():
-        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
-            m.register_forward_hook(
-                lambda _m, _i, out: _NormExchange.apply(out))  # type: ignore[no-untyped-call]
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d)):
+            m.register_forward_hook(hook)
     return model
 
 
@@ -152,6 +162,7 @@ def run_rank(name: str, size: int, rounds: int) -> dict[str, Any]:
     def step(m: nn.Module, x: torch.Tensor) -> None:
         m(x).sum().backward()
 
+    step(model, tile)  # (the first forward learns which halo rows go ahead with the norms)
     with tensorpar.CommCounter() as counter:
         step(model, tile)
     halo = counter.nbytes("all_to_all")

@@ -216,10 +216,10 @@ class _DomainNorm(torch.autograd.Function):
         if ahead is not None:  # the sums, and each row's gradient home to its owner
             g, plan = dctx.groups[0], ahead.plan
             every, back = _exchange_with_rows(
-                sums.to(g.comm_device(xf.device), torch.float64).view(-1), g_arrived,
+                sums.to(g.comm_device(xf.device)).view(-1), g_arrived,
                 range(g_arrived.shape[2] // ahead.length), plan.recv_counts,
                 plan.send_counts, ahead, g)
-            sums = every.sum(0).view(2, -1).to(xf.device, sums.dtype)
+            sums = every.sum(0).view(2, -1).to(xf.device)
             if back.numel():
                 a = xf.shape[0]
                 gx.view(a, kr, -1, ahead.length).index_add_(

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tensorpar.domain._layers.fused_norm import RowsAhead, fused_norm
 from tensorpar.domain._layers.window import window_plans
-from tensorpar.domain._tiles.ahead import Request, Rows
+from tensorpar.domain._tiles.ahead import Request, Rows, Source
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import UNREAD
 from tensorpar.domain._tiles.sums import global_count, sum_over_domain
@@ -89,12 +90,12 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     if ctx.fast:  # one exchange each way, torch's kernel (see _fused_norm)
         count = global_count(ctx, x, dims, where)
-        ahead = _rows_ahead(ctx, module, x, where)
+        sending = _rows_ahead(ctx, module, x, where)
         y, mean, var, rows = fused_norm(ctx, x.reshape(x.shape[0], x.shape[1], -1),
                                         module.weight, module.bias, module.eps, count,
-                                        ahead=None if ahead is None else ahead[0])
+                                        ahead=sending[1])
         _update_running(module, mean, var, count)
-        return _offer(ctx, module, x, y, rows, ahead)
+        return _offer(ctx, x, y, rows, sending)
     centred, mean, var, count = moments(ctx, x, dims, where)
     _update_running(module, mean, var, count)
     y = _normalize(centred, var, module.eps)
@@ -103,35 +104,39 @@ def batch_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
     return y
 
 
-def _rows_ahead(ctx: DomainContext, module: Any, x: torch.Tensor, where: str
-                ) -> tuple[RowsAhead, Request] | None:
-    """The halo rows of ``x`` this norm sends with its statistics, if any (see `ahead`).
+Sending = tuple[Source, RowsAhead | None, Request | None]
+"""A norm call, the halo rows it sends with its statistics, and the request they answer."""
 
-    Those of the window a convolution fed by this norm's output asked for in the last
+
+def _rows_ahead(ctx: DomainContext, module: Any, x: torch.Tensor, where: str) -> Sending:
+    """This norm call, and the halo rows of ``x`` it sends with its statistics (see `ahead`).
+
+    Those of the window a convolution fed by this call's output asked for in an earlier
     forward, over strips split along the first spatial dim. Every rank decides alike.
     """
-    window = ctx.ahead.requests.get(id(module))
+    source = ctx.ahead.source(id(module))
+    window = ctx.ahead.requests.get(source)
     if window is None or not ctx.strips or x.dim() + ctx.dims[0] != 2 or \
             x.dim() - 2 != window[0]:
-        return None
+        return source, None, None
     length = 1
     for n in x.shape[3:]:
         length *= n
     (_, plan, _), = window_plans(ctx, x, window[0], window[1], window[2], where)[0]
     if not plan.exchange or not length:
-        return None
-    return RowsAhead(plan, length), window
+        return source, None, None
+    return source, RowsAhead(plan, length), window
 
 
-def _offer(ctx: DomainContext, module: Any, x: torch.Tensor, y: torch.Tensor,
-           rows: torch.Tensor, ahead: tuple[RowsAhead, Request] | None) -> torch.Tensor:
-    """``y`` in ``x``'s shape, recorded as a norm's output (with its rows, if any sent)."""
+def _offer(ctx: DomainContext, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+           sending: Sending) -> torch.Tensor:
+    """``y`` in ``x``'s shape, recorded as a norm call's output (with its rows, if sent)."""
     out = y.view(x.shape)
+    source, ahead, window = sending
     if ctx.strips:
         arrived = None if ahead is None else rows.view(
-            *x.shape[:2], rows.shape[-1] // ahead[0].length, *x.shape[3:])
-        ctx.ahead.offer(out, Rows(arrived, None if ahead is None else ahead[1], id(module),
-                                   out._version))
+            *x.shape[:2], rows.shape[-1] // ahead.length, *x.shape[3:])
+        ctx.ahead.offer(out, Rows(arrived, window, source, out._version))
     return out
 
 
@@ -161,10 +166,10 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
         count = global_count(ctx, xg, list(range(2, xg.dim())), where)
         w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
             else (None, None)
-        ahead = _rows_ahead(ctx, module, x, where)
+        sending = _rows_ahead(ctx, module, x, where)
         y, _, _, rows = fused_norm(ctx, x.reshape(1, n * c, -1), w, b, module.eps, count,
-                                   c // g, None if ahead is None else ahead[0])
-        return _offer(ctx, module, x, y, rows, ahead)
+                                   c // g, sending[1])
+        return _offer(ctx, x, y, rows, sending)
     # split dims keep their (negative) position in the grouped view
     centred, _, var, _ = moments(ctx, xg, list(range(2, xg.dim())), where)
     y = _normalize(centred, var, module.eps).reshape(x.shape)
@@ -176,6 +181,8 @@ def group_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torc
 def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:
     """``InstanceNormNd`` (no running statistics): each (sample, channel) over the domain."""
     where = f"{type(module).__name__} (domain-parallel)"
+    if not ctx.dense and x.dim() == _spatial_dims(module) + 1:  # no batch dim: (C, *points)
+        return instance_norm_forward(module, ctx, x.unsqueeze(0)).squeeze(0)
     if ctx.dense or _reshaped(ctx, x, list(range(2, x.dim())), where):
         return type(module).forward(module, x)  # type: ignore[no-any-return]
     if ctx.fast:
@@ -183,15 +190,23 @@ def instance_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> t
         n = x.shape[0]
         w, b = (module.weight.repeat(n), module.bias.repeat(n)) if module.affine \
             else (None, None)
-        ahead = _rows_ahead(ctx, module, x, where)
+        sending = _rows_ahead(ctx, module, x, where)
         y, _, _, rows = fused_norm(ctx, x.reshape(1, n * x.shape[1], -1), w, b, module.eps,
-                                   count, ahead=None if ahead is None else ahead[0])
-        return _offer(ctx, module, x, y, rows, ahead)
+                                   count, ahead=sending[1])
+        return _offer(ctx, x, y, rows, sending)
     centred, _, var, _ = moments(ctx, x, list(range(2, x.dim())), where)
     y = _normalize(centred, var, module.eps)
     if module.affine:
         y = y * _channel(module.weight, x) + _channel(module.bias, x)
     return y
+
+
+def _spatial_dims(module: Any) -> int:
+    """The spatial dims an ``InstanceNormNd`` takes (its N)."""
+    for k, kind in ((1, nn.InstanceNorm1d), (2, nn.InstanceNorm2d), (3, nn.InstanceNorm3d)):
+        if isinstance(module, kind):
+            return k
+    return -2  # (another kind: never taken for an unbatched input)
 
 
 def layer_norm_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tensor:

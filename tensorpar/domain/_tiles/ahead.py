@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Ahead", "Rows", "Request", "follow"]
+__all__ = ["Ahead", "Request", "Rows", "Source", "follow"]
 
 Request = tuple[int, tuple[tuple[int, int, int, int, bool], ...], str]
 """A convolution's request: its spatial dims, its windows (see `window`), its padding mode."""
@@ -50,37 +50,66 @@ def _drops_nothing(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     return p == 0 or not training
 
 
+Source = tuple[int, int]
+"""A norm's call: ``id`` of the norm module and its call's place among this forward's calls."""
+
+
 @dataclass(frozen=True)
 class Rows:
     """Rows sent ahead, as the convolution will read them.
 
     ``arrived``: the rows received, by source rank, along the split dim, with every
     pointwise call since the norm applied (``None``: none were sent, only the source is
-    known); ``window``: the request they answer; ``source``: ``id`` of the norm that sent
+    known); ``window``: the request they answer; ``source``: the norm's call that sent
     them; ``version``: the tensor's version when recorded (an in-place change since voids
     them).
     """
 
     arrived: torch.Tensor | None
     window: Request | None
-    source: int
+    source: Source
     version: int
 
 
 class Ahead:
-    """One converted model's rows sent ahead: requests across forwards, rows within one."""
+    """One converted model's rows sent ahead: requests across forwards, rows within one.
+
+    A request is kept per norm call (a norm called twice a forward has two), and let go
+    after a forward whose rows no convolution took (the model took another road).
+    """
 
     def __init__(self) -> None:
-        self.requests: dict[int, Request] = {}  # id(norm module) -> the window its rows feed
+        self.requests: dict[Source, Request] = {}  # the window each norm call's rows feed
         self._rows: dict[int, tuple[weakref.ref[torch.Tensor], Rows]] = {}
+        self._calls: dict[int, int] = {}
+        self._sent: dict[Source, Request] = {}
+        self._taken: set[Source] = set()
 
     def clear(self) -> None:
-        """Forget this forward's rows (a new forward; the requests stay)."""
+        """Forget this forward's rows and calls (the requests stay)."""
         self._rows.clear()
+        self._calls.clear()
+        self._sent.clear()
+        self._taken.clear()
+
+    def finish(self) -> None:
+        """End a forward: let go the requests whose rows went and were not taken; `clear`."""
+        for source, window in self._sent.items():
+            if source not in self._taken and self.requests.get(source) == window:
+                del self.requests[source]
+        self.clear()
+
+    def source(self, module_id: int) -> Source:
+        """The next call of the norm ``module_id`` in this forward."""
+        n = self._calls.get(module_id, 0)
+        self._calls[module_id] = n + 1
+        return module_id, n
 
     def offer(self, t: torch.Tensor, rows: Rows) -> None:
         """Record that ``t``'s halo rows (or only its source) are at hand."""
         self._rows[id(t)] = (weakref.ref(t), rows)
+        if rows.arrived is not None and rows.window is not None:
+            self._sent[rows.source] = rows.window
 
     def rows_of(self, t: torch.Tensor) -> Rows | None:
         """What `offer` recorded for ``t``, unless ``t`` was changed in place since."""
@@ -92,16 +121,17 @@ class Ahead:
     def take(self, t: torch.Tensor, window: Request, exchanges: bool) -> torch.Tensor | None:
         """The rows a convolution of ``window`` over ``t`` needs, if they were sent ahead.
 
-        Where ``t`` came from a norm but no rows (or rows of another window) were sent,
-        records the request for that norm's next forward (``exchanges``: the window needs
-        rows from other ranks at all).
+        Where ``t`` came from a norm's call whose rows no convolution took yet, but none (or
+        those of another window) were sent, records the request for that call in the next
+        forward (``exchanges``: the window needs rows from other ranks at all).
         """
         rows = self.rows_of(t)
         if rows is None:
             return None
         if rows.window == window and rows.arrived is not None:
+            self._taken.add(rows.source)
             return rows.arrived
-        if exchanges:
+        if exchanges and rows.source not in self._taken:
             self.requests[rows.source] = window
         return None
 
