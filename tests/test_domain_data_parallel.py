@@ -99,7 +99,29 @@ def _train(model_name, wrapper, splits, steps=3, w_splits=None):
         with pytest.raises(ValueError, match="fully_shard_domain"):
             par_model(batch_tile(shape, splits, r, t))
         return 0.0
-    if wrapper == "fsdp":
+    if wrapper == "fsdp_plain_blocks":  # the blocks alone, on the replicas alone: refused
+        from torch.distributed.fsdp import fully_shard
+
+        for name in ("enc1", "enc2", "mid", "dec2", "dec1"):
+            fully_shard(getattr(par_model, name), mesh=mesh["dp"])
+        with pytest.raises(ValueError, match="fully_shard_domain"):
+            par_model(batch_tile(shape, splits, r, t))
+        return 0.0
+    if wrapper == "fsdp_blocks":  # each block sharded on its own, then the root
+        from torch.distributed.fsdp import fully_shard
+
+        from tensorpar.nn import fully_shard_domain
+
+        blocks = [getattr(par_model, n) for n in ("enc1", "enc2", "mid", "dec2", "dec1")]
+        by_hand = copy.deepcopy(dense)  # (sharded by hand: refused, with the way to do it)
+        by_hand = parallelize_domain(by_hand, dims=-2, group=mesh["domain"])
+        fully_shard(by_hand.enc1, mesh=mesh)
+        with pytest.raises(ValueError, match="blocks="):
+            fully_shard_domain(by_hand, mesh=mesh)
+        # (given twice, and a block inside another: each sharded once, the inner one first)
+        par = fully_shard_domain(par_model, mesh=mesh,
+                                 blocks=[blocks[0], *blocks, blocks[1], par_model.dec1[0]])
+    elif wrapper == "fsdp":
         from tensorpar.nn import fully_shard_domain
 
         par = fully_shard_domain(par_model, mesh=mesh)
@@ -191,6 +213,15 @@ def test_one_replica_whose_reduction_spans_the_domain_group_equals_dense(wrapper
 
 def test_plain_fsdp_beside_the_domain_is_refused():
     run_distributed(_train, 4, "unet", "fsdp_plain", [[9, 7], [16, 0]], timeout=T)
+
+
+def test_blocks_sharded_by_fully_shard_domain_equal_dense_and_by_hand_are_refused():
+    assert max(run_distributed(_train, 4, "unet", "fsdp_blocks", [[9, 7], [16, 0]],
+                               timeout=T)) < TOL
+
+
+def test_blocks_sharded_by_hand_on_the_replicas_alone_are_refused():
+    run_distributed(_train, 4, "unet", "fsdp_plain_blocks", [[9, 7], [16, 0]], timeout=T)
 
 
 def _fully_shard_domain_refusals():

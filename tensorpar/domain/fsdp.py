@@ -12,25 +12,32 @@ are flattened into one for the hybrid sharding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
+from tensorpar._torch import is_fsdp_module
 from tensorpar.domain.parallelize import domain_context
 
 __all__ = ["fully_shard_domain"]
 
 
-def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn.Module:
+def fully_shard_domain(model: nn.Module, *, mesh: Any, blocks: Sequence[nn.Module] = (),
+                       **fsdp_kwargs: Any) -> nn.Module:
     """``fully_shard`` a domain-parallel model over the replica dim of a mesh.
 
     Args:
         model: a model converted by `parallelize_domain` with ``group=`` the mesh's domain
-            dims (``mesh["domain"]`` for strips; ``mesh["h", "w"]`` for tiles).
+            dims (``mesh["domain"]`` for strips; ``mesh["h", "w"]`` for tiles), not yet
+            under ``fully_shard`` (nor any of its submodules).
         mesh: a ``DeviceMesh`` whose last dim is the replicas (each replica its own batch;
             the parameters are sharded over them) and whose other dims are the domain's,
             one per split dim of the model, in the same order.
+        blocks: submodules to shard each on its own first (as ``fully_shard`` on each
+            transformer block: their parameters gathered one block at a time), with the
+            same mesh and gradient divisor as the model; the model shards the rest.
         **fsdp_kwargs: passed to ``torch.distributed.fsdp.fully_shard`` (``reshard_after_forward``,
             ``mp_policy``, ...).
 
@@ -41,7 +48,10 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
     Raises:
         ValueError: the model is not domain-parallel, the mesh does not have one dim per
             split dim plus the replicas', the model's domain groups are not the mesh's
-            domain dims, or (tiles) the mesh does not cover every rank.
+            domain dims, (tiles) the mesh does not cover every rank, a block is not a
+            submodule of the model, or the model or a submodule is already under
+            ``fully_shard`` (sharded on its own, its gradients would be divided by every
+            rank of the mesh, or never summed over the tiles: pass it in ``blocks``).
 
     A parameter used after a global pooling (on replicated features) gets its whole
     gradient on every tile; each such use gives a share (its gradient divided by the number
@@ -76,8 +86,28 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, **fsdp_kwargs: Any) -> nn
                              f"{dist.get_world_size()} ranks")
         mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, replicas),
                           mesh_dim_names=("domain", "replicas"))
+    order = _blocks_deepest_first(model, blocks, fn)
     ctx.hand_over()  # the sums ride on FSDP2's reduction; whole gradients enter as shares
     ctx.fsdp = True
-    fully_shard(model, mesh=mesh, **fsdp_kwargs)
-    model.set_gradient_divide_factor(float(replicas))  # type: ignore[operator]
+    for module in (*order, model):  # (FSDP2 shards a module's children before it)
+        fully_shard(module, mesh=mesh, **fsdp_kwargs)
+        module.set_gradient_divide_factor(float(replicas))  # type: ignore[operator]
     return model
+
+
+def _blocks_deepest_first(model: nn.Module, blocks: Sequence[nn.Module], fn: str
+                          ) -> list[nn.Module]:
+    """``blocks``, checked (submodules of ``model``; nothing under FSDP2 yet), deepest first."""
+    sharded = [name or "the model" for name, m in model.named_modules() if is_fsdp_module(m)]
+    if sharded:
+        raise ValueError(f"{fn}: {sharded[0]} is already under fully_shard; sharded on its "
+                         f"own its gradients would be divided by every rank of the mesh (or, "
+                         f"on the replicas alone, never summed over the tiles): pass the "
+                         f"blocks to {fn}(model, mesh=mesh, blocks=[...]) instead")
+    depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
+    for b in blocks:
+        if id(b) not in depth:
+            raise ValueError(f"{fn}: a block ({type(b).__name__}) is not a submodule of the "
+                             f"model")
+    unique = list({id(b): b for b in blocks}.values())
+    return sorted(unique, key=lambda b: -depth[id(b)])

@@ -489,8 +489,8 @@ _PLAIN_FSDP = ("a domain-parallel model under fully_shard: FSDP2 on the replica 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # (see `_run_eagerly`)
 def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
-    if not ctx.fsdp and is_fsdp_module(model):
-        raise ValueError(_PLAIN_FSDP)
+    if not ctx.fsdp and any(is_fsdp_module(m) for m in model.modules()):
+        raise ValueError(_PLAIN_FSDP)  # (the model or blocks of it, on the replicas alone)
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None:
         raise TypeError("parallelize_domain: the model's forward got no tensor argument "
