@@ -99,6 +99,14 @@ def _train(model_name, wrapper, splits, steps=3, w_splits=None):
         with pytest.raises(ValueError, match="fully_shard_domain"):
             par_model(batch_tile(shape, splits, r, t))
         return 0.0
+    if wrapper == "fsdp_plain_outer":  # a module holding the domain model: refused too
+        from torch.distributed.fsdp import fully_shard
+
+        outer = nn.Sequential(par_model)
+        fully_shard(outer, mesh=mesh["dp"])
+        with pytest.raises(ValueError, match="fully_shard_domain"):
+            outer(batch_tile(shape, splits, r, t))
+        return 0.0
     if wrapper == "fsdp_plain_blocks":  # the blocks alone, on the replicas alone: refused
         from torch.distributed.fsdp import fully_shard
 
@@ -220,8 +228,9 @@ def test_blocks_sharded_by_fully_shard_domain_equal_dense_and_by_hand_are_refuse
                                timeout=T)) < TOL
 
 
-def test_blocks_sharded_by_hand_on_the_replicas_alone_are_refused():
-    run_distributed(_train, 4, "unet", "fsdp_plain_blocks", [[9, 7], [16, 0]], timeout=T)
+@pytest.mark.parametrize("wrapper", ["fsdp_plain_blocks", "fsdp_plain_outer"])
+def test_plain_fsdp_on_blocks_or_on_a_module_holding_the_model_is_refused(wrapper):
+    run_distributed(_train, 4, "unet", wrapper, [[9, 7], [16, 0]], timeout=T)
 
 
 def _fully_shard_domain_refusals():
@@ -238,6 +247,13 @@ def _fully_shard_domain_refusals():
         fully_shard_domain(wrong, mesh=mesh)
     with pytest.raises(ValueError, match="not converted by parallelize_domain"):
         fully_shard_domain(SmallUNet(), mesh=mesh)
+    with pytest.raises(ValueError, match="the model itself is not one of its blocks"):
+        fully_shard_domain(strips, mesh=mesh, blocks=[strips.enc1, strips])
+    with pytest.raises(ValueError, match="not a submodule"):
+        fully_shard_domain(strips, mesh=mesh, blocks=[nn.Conv2d(1, 1, 1)])
+    fully_shard_domain(strips, mesh=mesh, blocks=[strips.enc1])
+    with pytest.raises(ValueError, match="already sharded by fully_shard_domain"):
+        fully_shard_domain(strips, mesh=mesh)
     # tiles on a slice of a larger mesh: flattening it would make groups some ranks skip
     root = init_device_mesh("cpu", (2, 1, 2, 1), mesh_dim_names=("pp", "h", "w", "dp"))
     tiles = parallelize_domain(SmallUNet().double(), dims=(-2, -1), group=root["h", "w"])

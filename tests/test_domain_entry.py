@@ -99,3 +99,18 @@ def test_validation_mode_checks_every_layer():
     assert run_distributed(_validated, 2, "unet", timeout=T) == ["ran", "ran"]
     messages = run_distributed(_validated, 2, "slices", timeout=T)  # raised on every rank
     assert all("no split of this forward" in m for m in messages), messages
+
+
+def _assign_after_converting():
+    from torch import nn
+
+    model = parallelize_domain(SmallUNet().double(), dims=-2)
+    model.out.weight = nn.Parameter(model.out.weight.detach().clone())  # after: not hooked
+    with pytest.raises(ValueError, match="replaced after parallelize_domain"):
+        model(torch.randn(1, 1, 8, 8, dtype=torch.float64))
+    return True
+
+
+def test_a_parameter_assigned_after_converting_is_refused_at_the_forward():
+    # its gradient would never be summed over the tiles (each rank would keep its own)
+    assert all(run_distributed(_assign_after_converting, 2, timeout=T))

@@ -86,12 +86,14 @@ def fully_shard_domain(model: nn.Module, *, mesh: Any, blocks: Sequence[nn.Modul
                              f"{dist.get_world_size()} ranks")
         mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, replicas),
                           mesh_dim_names=("domain", "replicas"))
+    if ctx.fsdp:
+        raise ValueError(f"{fn}: the model is already sharded by {fn}")
     order = _blocks_deepest_first(model, blocks, fn)
-    ctx.hand_over()  # the sums ride on FSDP2's reduction; whole gradients enter as shares
-    ctx.fsdp = True
     for module in (*order, model):  # (FSDP2 shards a module's children before it)
         fully_shard(module, mesh=mesh, **fsdp_kwargs)
         module.set_gradient_divide_factor(float(replicas))  # type: ignore[operator]
+    ctx.hand_over()  # the sums ride on FSDP2's reduction; whole gradients enter as shares
+    ctx.fsdp = True
     return model
 
 
@@ -106,6 +108,9 @@ def _blocks_deepest_first(model: nn.Module, blocks: Sequence[nn.Module], fn: str
                          f"blocks to {fn}(model, mesh=mesh, blocks=[...]) instead")
     depth = {id(m): name.count(".") for name, m in model.named_modules() if name}
     for b in blocks:
+        if b is model:
+            raise ValueError(f"{fn}: the model itself is not one of its blocks (it is sharded "
+                             f"after them, with what they leave)")
         if id(b) not in depth:
             raise ValueError(f"{fn}: a block ({type(b).__name__}) is not a submodule of the "
                              f"model")

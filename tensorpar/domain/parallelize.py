@@ -421,7 +421,7 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
         if ctx.active:
             ctx.ran.add(key)
         if not ctx.fsdp and is_fsdp_module(mod):
-            raise ValueError(_PLAIN_FSDP)
+            raise ValueError(_REPLACED)
 
     module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=recurse):
@@ -480,17 +480,34 @@ def _finish(ctx: DomainContext) -> None:
                     p.grad.add_(total)
 
 
-_PLAIN_FSDP = ("a domain-parallel model under fully_shard: FSDP2 on the replica group alone "
-               "would never sum the tiles' partial gradients; use "
-               "tensorpar.nn.fully_shard_domain(model, mesh=mesh) with a 2-D (domain, "
-               "replicas) mesh")
+def _refuse_replaced_parameters(model: nn.Module, ctx: DomainContext) -> None:
+    """Refuse a model whose hooked parameters are gone: their gradients would not be summed.
+
+    FSDP2's ``fully_shard`` (on the model, blocks of it, or a module holding it) replaces
+    the parameters; so does assigning a new one. Every rank checks the same model alike.
+    """
+    if any(is_fsdp_module(m) for m in model.modules()):
+        raise ValueError(_REPLACED)
+    if all(g.is_single for g in ctx.groups):
+        return  # (nothing to sum)
+    current = {id(p) for p in model.parameters()}
+    if any(id(p) not in current for p in ctx.params):
+        raise ValueError(_REPLACED)
+
+
+_REPLACED = ("a domain-parallel model whose parameters were replaced after parallelize_domain "
+             "converted it (by FSDP2's fully_shard on the model, on blocks of it or on a "
+             "module holding it, or by assigning a parameter anew): their gradients would "
+             "never be summed over the tiles. For FSDP2 use "
+             "tensorpar.nn.fully_shard_domain(model, mesh=mesh) with a 2-D (domain, "
+             "replicas) mesh; assign parameters before converting")
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # (see `_run_eagerly`)
 def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
-    if not ctx.fsdp and any(is_fsdp_module(m) for m in model.modules()):
-        raise ValueError(_PLAIN_FSDP)  # (the model or blocks of it, on the replicas alone)
+    if not ctx.fsdp:
+        _refuse_replaced_parameters(model, ctx)
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None:
         raise TypeError("parallelize_domain: the model's forward got no tensor argument "
