@@ -8,14 +8,14 @@ with the domain's statistics, the pointwise calls between the two layers run on 
 on the tile (`follow`), and the convolution takes them (`take`) with no exchange of its
 own. Backward mirrors it: the rows' gradients go home in the norm's exchange of sums.
 
-Which rows a norm sends is learnt from the forward before (`Ahead.requests`): a
-convolution fed by a norm's output through pointwise calls records its window there; the
-norm's next forward sends the rows of that window. Everything deciding whether rows go
-ahead and whether a convolution takes them is the same on every rank (the model's calls,
-the windows, every rank's tile sizes), so the ranks agree without asking. Where anything
-differs (another convolution, a call that is not pointwise, an in-place change), the
-convolution exchanges its rows as usual; rows sent ahead and not taken cost only their
-bytes.
+Which rows a norm sends is learnt from the forward before (`Ahead.requests`, per call of
+the norm): a convolution fed by a norm call's output through pointwise calls records its
+window there; that call in the next forward sends the rows of that window. Everything
+deciding whether rows go ahead and whether a convolution takes them is the same on every
+rank (the model's calls, the windows, every rank's tile sizes), so the ranks agree without
+asking. Where anything differs (another convolution, a call that is not pointwise, an
+in-place change), the convolution exchanges its rows as usual; rows sent ahead and not
+taken cost only their bytes, and their request is let go.
 """
 
 from __future__ import annotations
