@@ -231,3 +231,26 @@ def test_rows_no_convolution_took_stop_being_sent():
         assert worst < 1e-10
         assert counts[1] == counts[0] - 2 and counts[2] == counts[3], counts
         assert sent[3] < sent[2], sent
+
+
+def test_a_norm_that_goes_takes_its_requests_with_it():
+    # requests are held by the norm object, not its address: a functional norm's layer
+    # lives for one call, and a new object at a reused address on one rank (CPython reuses
+    # them) must find no request there, as on every other rank (else the ranks' exchanges
+    # differ: gloo aborted a rank on a functional group norm over tiles [4, 0, 8])
+    from tensorpar.domain._tiles.ahead import Ahead, Rows
+
+    class Norm:
+        pass
+
+    ahead, norm, window = Ahead(), Norm(), (2, ((2, 1, 1, 1, False),) * 2, "zeros")
+    t = torch.zeros(3)
+    ahead.offer(t, Rows(None, None, ahead.source(norm), t._version))
+    assert ahead.take(t, window, True) is None  # (nothing sent yet: asks for the next forward)
+    ahead.finish()
+    assert ahead.request((norm, 0)) == window
+    address = id(norm)
+    del norm
+    others = [Norm() for _ in range(64)]  # (one of them usually gets ``address``)
+    assert all(ahead.request((o, 0)) is None for o in others), \
+        [id(o) == address for o in others]

@@ -114,8 +114,8 @@ def _rows_ahead(ctx: DomainContext, module: Any, x: torch.Tensor, where: str) ->
     Those of the window a convolution fed by this call's output asked for in an earlier
     forward, over strips split along the first spatial dim. Every rank decides alike.
     """
-    source = ctx.ahead.source(id(module))
-    window = ctx.ahead.requests.get(source)
+    source = ctx.ahead.source(module)
+    window = ctx.ahead.request(source)
     if window is None or not ctx.strips or x.dim() + ctx.dims[0] != 2 or \
             x.dim() - 2 != window[0]:
         return source, None, None

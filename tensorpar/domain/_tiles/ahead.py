@@ -8,7 +8,7 @@ with the domain's statistics, the pointwise calls between the two layers run on 
 on the tile (`follow`), and the convolution takes them (`take`) with no exchange of its
 own. Backward mirrors it: the rows' gradients go home in the norm's exchange of sums.
 
-Which rows a norm sends is learnt from the forward before (`Ahead.requests`, per call of
+Which rows a norm sends is learnt from the forward before (`Ahead.request`, per call of
 the norm): a convolution fed by a norm call's output through pointwise calls records its
 window there; that call in the next forward sends the rows of that window. Everything
 deciding whether rows go ahead and whether a convolution takes them is the same on every
@@ -50,8 +50,8 @@ def _drops_nothing(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     return p == 0 or not training
 
 
-Source = tuple[int, int]
-"""A norm's call: ``id`` of the norm module and its call's place among this forward's calls."""
+Source = tuple[Any, int]
+"""A norm's call: the norm (its layer) and the call's place among its calls this forward."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,15 @@ class Ahead:
     """One converted model's rows sent ahead: requests across forwards, rows within one.
 
     A request is kept per norm call (a norm called twice a forward has two), and let go
-    after a forward whose rows no convolution took (the model took another road).
+    after a forward whose rows no convolution took (the model took another road). Requests
+    are held by the norm itself, weakly, never by its ``id``: a norm that goes (a functional
+    norm's layer lives for one call) takes its requests with it, and a new object that
+    happens to get its address on one rank finds none there, as on every other rank.
     """
 
     def __init__(self) -> None:
-        self.requests: dict[Source, Request] = {}  # the window each norm call's rows feed
+        self._requests: weakref.WeakKeyDictionary[Any, dict[int, Request]] = \
+            weakref.WeakKeyDictionary()
         self._rows: dict[int, tuple[weakref.ref[torch.Tensor], Rows]] = {}
         self._calls: dict[int, int] = {}
         self._sent: dict[Source, Request] = {}
@@ -94,16 +98,21 @@ class Ahead:
 
     def finish(self) -> None:
         """End a forward: let go the requests whose rows went and were not taken; `clear`."""
-        for source, window in self._sent.items():
-            if source not in self._taken and self.requests.get(source) == window:
-                del self.requests[source]
+        for (norm, n), window in self._sent.items():
+            mine = self._requests.get(norm, {})
+            if (norm, n) not in self._taken and mine.get(n) == window:
+                del mine[n]
         self.clear()
 
-    def source(self, module_id: int) -> Source:
-        """The next call of the norm ``module_id`` in this forward."""
-        n = self._calls.get(module_id, 0)
-        self._calls[module_id] = n + 1
-        return module_id, n
+    def source(self, norm: Any) -> Source:
+        """The next call of the norm ``norm`` (its layer) in this forward."""
+        n = self._calls.get(id(norm), 0)
+        self._calls[id(norm)] = n + 1  # (``norm`` lives through the forward: `Rows` holds it)
+        return norm, n
+
+    def request(self, source: Source) -> Request | None:
+        """The window a convolution fed by this norm call asked for, if any."""
+        return self._requests.get(source[0], {}).get(source[1])
 
     def offer(self, t: torch.Tensor, rows: Rows) -> None:
         """Record that ``t``'s halo rows (or only its source) are at hand."""
@@ -132,7 +141,8 @@ class Ahead:
             self._taken.add(rows.source)
             return rows.arrived
         if exchanges and rows.source not in self._taken:
-            self.requests[rows.source] = window
+            norm, n = rows.source
+            self._requests.setdefault(norm, {})[n] = window
         return None
 
 
