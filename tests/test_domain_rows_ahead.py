@@ -95,33 +95,25 @@ def test_rows_ahead_for_a_circular_and_a_strided_convolution_equal_dense():
         assert max(worst) < 1e-10
 
 
-class _SharedNorm(nn.Module):
-    """One norm called twice: before a 3 x 3 convolution, then before a 5 x 5 one."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
-        self.norm = nn.GroupNorm(2, 4)
-        self.conv_a = nn.Conv2d(4, 4, 3, padding=1)
-        self.conv_b = nn.Conv2d(4, 2, 5, padding=2)
-
-    def forward(self, x):
-        y = self.conv_a(F.silu(self.norm(self.conv1(x))))
-        return self.conv_b(F.silu(self.norm(y)))
-
-
 class _TwoConvs(nn.Module):
-    """One norm's output read by a 3 x 3 and by a 5 x 5 convolution."""
+    """One norm before a 3 x 3 and a 5 x 5 convolution.
 
-    def __init__(self):
+    ``shared``: called twice, once before each (the 3 x 3 one's output normed again);
+    else its one output read by both.
+    """
+
+    def __init__(self, shared):
         super().__init__()
+        self.shared = shared
         self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
         self.norm = nn.GroupNorm(2, 4)
-        self.conv_a = nn.Conv2d(4, 2, 3, padding=1)
+        self.conv_a = nn.Conv2d(4, 4 if shared else 2, 3, padding=1)
         self.conv_b = nn.Conv2d(4, 2, 5, padding=2)
 
     def forward(self, x):
         y = F.silu(self.norm(self.conv1(x)))
+        if self.shared:
+            return self.conv_b(F.silu(self.norm(self.conv_a(y))))
         return self.conv_a(y) + self.conv_b(y)
 
 
@@ -141,7 +133,8 @@ class _Switch(nn.Module):
         return (self.point if self.late else self.conv)(y)
 
 
-_MODELS = {"shared": _SharedNorm, "two_convs": _TwoConvs, "switch": _Switch}
+_MODELS = {"shared": functools.partial(_TwoConvs, True),
+           "two_convs": functools.partial(_TwoConvs, False), "switch": _Switch}
 
 
 def _counts_and_error(model, sizes, heights, late_from=None):

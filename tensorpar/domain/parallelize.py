@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from tensorpar._torch import is_fsdp_module, queue_engine_callback
+from tensorpar._torch import queue_engine_callback
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
@@ -417,11 +417,9 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
     """
     key = id(module)
 
-    def record(mod: nn.Module, args: object) -> None:
+    def record(_: nn.Module, args: object) -> None:
         if ctx.active:
             ctx.ran.add(key)
-        if not ctx.fsdp and is_fsdp_module(mod):
-            raise ValueError(_REPLACED)
 
     module.register_forward_pre_hook(record)
     for p in module.parameters(recurse=recurse):
@@ -486,8 +484,6 @@ def _refuse_replaced_parameters(model: nn.Module, ctx: DomainContext) -> None:
     FSDP2's ``fully_shard`` (on the model, blocks of it, or a module holding it) replaces
     the parameters; so does assigning a new one. Every rank checks the same model alike.
     """
-    if any(is_fsdp_module(m) for m in model.modules()):
-        raise ValueError(_REPLACED)
     if all(g.is_single for g in ctx.groups):
         return  # (nothing to sum)
     current = {id(p) for p in model.parameters()}

@@ -42,7 +42,6 @@ from tensorpar.domain._forward.shares import share_gradients
 from tensorpar.domain._layers.attention import per_point, refuse_functional
 from tensorpar.domain._layers.roll import roll
 from tensorpar.domain._tiles import agree
-from tensorpar.domain._tiles.ahead import follow as follow_rows
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import (
     EARLY,
@@ -98,7 +97,7 @@ class _FunctionalCalls(TorchFunctionMode):
         else:
             entered = meet.spread_input(ctx, func, args, kwargs, scan)
         out = self._call(func, args, kwargs, scan)
-        follow_rows(ctx.ahead, func, args, kwargs, out)
+        ctx.ahead.carry(func, args, kwargs, out)
         if entered is not None:  # pooled features spread: to the tile's extent?
             kind = POOLED
             if (spread := meet.spreads_to_tiles(ctx, out)) == TILE:

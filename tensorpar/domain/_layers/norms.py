@@ -10,6 +10,7 @@ forward, identically on every rank, as dense.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,9 +120,7 @@ def _rows_ahead(ctx: DomainContext, module: Any, x: torch.Tensor, where: str) ->
     if window is None or not ctx.strips or x.dim() + ctx.dims[0] != 2 or \
             x.dim() - 2 != window[0]:
         return source, None, None
-    length = 1
-    for n in x.shape[3:]:
-        length *= n
+    length = math.prod(x.shape[3:])
     (_, plan, _), = window_plans(ctx, x, window[0], window[1], window[2], where)[0]
     if not plan.exchange or not length:
         return source, None, None

@@ -5,7 +5,7 @@ every rank, and the next convolution then exchanges its halo rows: two waits for
 other ranks in a row. The norm can send the raw rows that convolution will need in its
 own exchange instead (`tensorpar.domain._layers.fused_norm`): the receiver normalises them
 with the domain's statistics, the pointwise calls between the two layers run on them as
-on the tile (`follow`), and the convolution takes them (`take`) with no exchange of its
+on the tile (`Ahead.carry`), and the convolution takes them (`take`) with no exchange of its
 own. Backward mirrors it: the rows' gradients go home in the norm's exchange of sums.
 
 Which rows a norm sends is learnt from the forward before (`Ahead.request`, per call of
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Ahead", "Request", "Rows", "Source", "follow"]
+__all__ = ["Ahead", "Request", "Rows", "Source"]
 
 Request = tuple[int, tuple[tuple[int, int, int, int, bool], ...], str]
 """A convolution's request: its spatial dims, its windows (see `window`), its padding mode."""
@@ -145,27 +145,26 @@ class Ahead:
             self._requests.setdefault(norm, {})[n] = window
         return None
 
+    def carry(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """After a call: carry the rows sent ahead through a pointwise call (see the module doc).
 
-def follow(ahead: Ahead, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
-           out: Any) -> None:
-    """After a call: carry the rows sent ahead through a pointwise call (see the module doc).
-
-    ``func(x, ...)`` with ``x`` holding rows and no other tensor argument gives rows
-    ``func(rows, ...)`` to ``out`` (``inplace=True`` too: ``out`` is ``x``, changed).
-    """
-    identity = func in _DROPOUTS and _drops_nothing(args, kwargs)
-    if not (identity or func in _POINTWISE) or not args or not isinstance(out, torch.Tensor):
-        return
-    x = args[0]
-    if not isinstance(x, torch.Tensor) or any(isinstance(a, torch.Tensor) for a in args[1:]) \
-            or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
-        return
-    rows = ahead._rows.get(id(x))
-    if rows is None or rows[0]() is not x:
-        return
-    before = rows[1]
-    if before.version != (x._version - 1 if out is x else x._version):
-        return  # changed in place by something else first
-    arrived = before.arrived if before.arrived is None or identity else \
-        func(before.arrived, *args[1:], **kwargs)
-    ahead.offer(out, Rows(arrived, before.window, before.source, out._version))
+        ``func(x, ...)`` with ``x`` holding rows and no other tensor argument gives rows
+        ``func(rows, ...)`` to ``out`` (``inplace=True`` too: ``out`` is ``x``, changed).
+        """
+        identity = func in _DROPOUTS and _drops_nothing(args, kwargs)
+        if not (identity or func in _POINTWISE) or not args or \
+                not isinstance(out, torch.Tensor):
+            return
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or any(isinstance(a, torch.Tensor) for a in args[1:]) \
+                or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return
+        entry = self._rows.get(id(x))
+        if entry is None or entry[0]() is not x:
+            return
+        before = entry[1]
+        if before.version != (x._version - 1 if out is x else x._version):
+            return  # changed in place by something else first
+        arrived = before.arrived if before.arrived is None or identity else \
+            func(before.arrived, *args[1:], **kwargs)
+        self.offer(out, Rows(arrived, before.window, before.source, out._version))
