@@ -111,14 +111,21 @@ def architectures() -> list[tuple[str, str, str]]:
     return out
 
 
-def _build(model_type: str, config_name: str, cls: str):  # type: ignore[no-untyped-def]
+def _build(model_type: str, config_name: str, cls: str,  # type: ignore[no-untyped-def]
+           layers: int = 2):
     import transformers
 
-    fields = {**TINY, **OVERRIDES.get(model_type, {})}
+    fields = {**TINY, **OVERRIDES.get(model_type, {}), "num_hidden_layers": layers}
+    for name, value in list(fields.items()):  # a pattern per layer, repeated to the count
+        if name in ("layer_types", "activation_sparsity_pattern") and isinstance(value, list):
+            fields[name] = [value[i % len(value)] for i in range(layers)]
     if "text_config" in fields:  # a composite config whose text part makes the causal LM
         fields = {"text_config": {**TINY, **fields["text_config"]}}
     config_cls = getattr(transformers, config_name)
     declared = {f.name for f in dataclasses.fields(config_cls)} | set(config_cls.attribute_map)
+    if "num_layers" in declared and layers != TINY["num_hidden_layers"]:
+        fields.pop("num_hidden_layers")  # longcat_flash: two "hidden layers" per layer
+        fields["num_layers"] = layers
     if "kv_lora_rank" in declared:
         fields["num_key_value_heads"] = 6  # latent attention: one key/value per head
     for name in ("num_key_value_heads", "head_dim"):  # a config without them has no such

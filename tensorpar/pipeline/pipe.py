@@ -723,9 +723,11 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     embedding) has its two gradients summed after each step.
 
     Args:
-        model: an ``nn.Sequential``, a transformers causal LM (Llama, Mistral, Qwen2,
-            Qwen3) or a model with ``pipeline_blocks()`` (parallelize such a model before
-            this call: its functions are taken now).
+        model: an ``nn.Sequential``, a transformers causal LM of a family in
+            ``tensorpar.pipeline.stages.HF_MODEL_TYPES`` (Llama, Mistral, Qwen, Gemma,
+            Phi, Granite, DeepSeek V3, Jamba and 94 more) or a model with
+            ``pipeline_blocks()`` (parallelize such a model before this call: its
+            functions are taken now).
         group: the pipeline's process group (``None``: the default group, resolved at
             call time); group rank 0 runs the first stage.
         microbatches: microbatches per step (the batch is split like ``tensor_split``:

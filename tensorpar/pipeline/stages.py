@@ -3,9 +3,9 @@
 Three kinds of model are understood:
 
 - an ``nn.Sequential``: stage ``k`` runs a contiguous run of its blocks;
-- a transformers causal LM of the Llama family (`HF_MODEL_TYPES`: Llama, Mistral, Qwen2,
-  Qwen3): stage ``k`` runs a contiguous run of the decoder layers; the first stage also
-  embeds the tokens, the last one also applies the final norm and the LM head;
+- a transformers causal LM of a family listed in `HF_MODEL_TYPES`: stage ``k`` runs a
+  contiguous run of the decoder layers; the first stage also embeds the tokens, the last one
+  also applies the final norm and the LM head (`tensorpar.pipeline.decoder` runs them);
 - a model that lists its own blocks (`has_blocks`): ``model.pipeline_blocks()`` returns
   them in order, each a pair ``(names, fn)``: the dense names of the modules and
   parameters the block holds, and the function that runs it (``x = fn(x)``). The first
@@ -18,38 +18,18 @@ ranks run, so that the model keeps its dense names (``"3.weight"``,
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
+from tensorpar.pipeline.decoder import HF_MODEL_TYPES, Decoder, Elsewhere, run_decoder_stage
 
 __all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "has_blocks",
            "prune", "run_stage", "stage_specs", "tied_parameters"]
-
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""transformers ``model_type``\\ s whose decoder this module runs stage by stage: those
-whose model forward is the embedding, one causal mask per attention kind, the rotary
-embedding, the layers, the final norm and the LM head, with nothing scaled in between
-(checked against each family's forward; each is tested against dense with its sliding
-window reached)."""
-
-_SLIDING_EVERY_LAYER = ("mistral",)
-"""Families whose every layer takes the sliding-window mask when ``config.sliding_window``
-is set; the others name each layer's kind in ``config.layer_types``."""
-
-
-class Decoder(NamedTuple):
-    """Where a transformers causal LM keeps its parts: its config, decoder and head names."""
-
-    config: Any
-    prefix: str  # the decoder's name ("model")
-    head: str  # the LM head's name ("lm_head")
-
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -118,11 +98,35 @@ def _own_blocks(model: nn.Module) -> list[tuple[tuple[str, ...], Callable[..., A
 def _decoder(model: nn.Module) -> nn.Module:
     prefix = getattr(model, "base_model_prefix", "model")
     inner = getattr(model, prefix, None)
-    if not isinstance(inner, nn.Module) or not hasattr(inner, "layers"):
+    if not isinstance(inner, nn.Module) or not isinstance(getattr(inner, "layers", None),
+                                                           nn.ModuleList):
         raise CollectiveTypeError(
             f"pipeline: the transformers model {type(model).__name__} has no decoder "
             f"'{prefix}.layers'; expected a causal LM such as LlamaForCausalLM")
     return inner
+
+
+def ends(model: nn.Module) -> tuple[str, tuple[str, ...]]:
+    """A transformers causal LM's embedding (first stage) and what the last stage holds.
+
+    The last stage holds every module with parameters that is neither the embedding nor a
+    decoder layer (the final norm, the LM head), and the decoder's and model's own
+    parameters. Modules without parameters (rotary tables) stay with every stage: each
+    stage's forward builds its own.
+    """
+    inner = _decoder(model)
+    base = str(model.base_model_prefix)
+    embedding = model.get_input_embeddings()  # type: ignore[operator]
+    opening = next((n for n, m in model.named_modules() if m is embedding), None)
+    if opening is None:
+        raise CollectiveTypeError(f"pipeline: {type(model).__name__} has no input embedding "
+                                  f"among its modules; expected a causal LM")
+    closing = [f"{base}.{n}" for n, m in inner.named_children()
+               if n != "layers" and m is not embedding and any(True for _ in m.parameters())]
+    closing += [n for n, m in model.named_children()
+                if m is not inner and any(True for _ in m.parameters())]
+    closing += [f"{base}.{n}" for n in inner._parameters] + list(model._parameters)
+    return opening, tuple(closing)
 
 
 def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> list[StageSpec]:
@@ -148,9 +152,11 @@ def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> l
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in HF_MODEL_TYPES:
             raise CollectiveTypeError(
-                f"pipeline: transformers model_type {model_type!r} is not supported; "
-                f"supported: {HF_MODEL_TYPES}")
+                f"pipeline: transformers model_type {model_type!r} is not among the families "
+                f"tested stage by stage (tensorpar.pipeline.stages.HF_MODEL_TYPES); give the "
+                f"model a pipeline_blocks() method to cut it yourself")
         inner: Any = _decoder(model)
+        opening, closing = ends(model)
         names = list(inner.layers._modules)
         what = "decoder layers"
         prefix = f"{model.base_model_prefix}.layers."
@@ -182,22 +188,24 @@ def stage_specs(model: nn.Module, stages: int, split: Sequence[int] | None) -> l
             blocks = tuple(prefix + name for name in names[start:start + n])
             extra: tuple[str, ...] = ()
             if prefix:  # transformers: the embedding, the final norm and the LM head
-                base = model.base_model_prefix
-                extra = ((f"{base}.embed_tokens",) if first else ()) + (
-                    (f"{base}.norm", decoder_of(model).head) if last else ())
+                extra = ((opening,) if first else ()) + (closing if last else ())
             specs.append(StageSpec(k, blocks, first, last, blocks + extra))
         start += n
     return specs
 
 
 def decoder_of(model: nn.Module) -> Decoder:
-    """The config, decoder name and LM head name of a transformers causal LM."""
+    """What running the stages of a transformers causal LM needs (before `prune`)."""
     head = model.get_output_embeddings()  # type: ignore[operator]
     name = next((n for n, c in model._modules.items() if c is head), None)
     if name is None:
         raise CollectiveTypeError(f"pipeline: {type(model).__name__} has no LM head among its "
                                   f"top-level modules; expected a causal LM")
-    return Decoder(model.config, str(model.base_model_prefix), name)
+    embedding: Any = model.get_input_embeddings()  # type: ignore[operator]
+    layers: Any = _decoder(model).layers
+    return Decoder(model, model.config, str(model.base_model_prefix), name,
+                   int(embedding.weight.shape[-1]), tuple(Elsewhere(layer) for layer in layers),
+                   {})
 
 
 def prune(model: nn.Module, kept: Sequence[StageSpec], specs: Sequence[StageSpec]) -> None:
@@ -240,40 +248,6 @@ def tied_parameters(model: nn.Module, specs: Sequence[StageSpec], ranks: int
     return tied
 
 
-def _mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor, sliding: bool) -> Any:
-    from transformers import masking_utils
-
-    create = masking_utils.create_sliding_window_causal_mask if sliding \
-        else masking_utils.create_causal_mask
-    params = inspect.signature(create).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
-                              "position_ids": positions}
-    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
-    for name in ("cache", "past_key_values"):
-        if name in params:
-            kwargs[name] = None
-    if "cache_position" in params:
-        kwargs["cache_position"] = positions[0]
-    return create(**kwargs)
-
-
-def _layer_masks(config: Any, hidden: torch.Tensor, positions: torch.Tensor,
-                 layers: Sequence[str]) -> list[Any]:
-    """The attention mask of each of ``layers``, as the family's own forward builds it.
-
-    ``layers``: dense names ending in the layer's index. Each mask is full causal or
-    sliding-window causal; each kind is built once.
-    """
-    if config.model_type in _SLIDING_EVERY_LAYER:
-        sliding = [getattr(config, "sliding_window", None) is not None] * len(layers)
-    else:
-        kinds = getattr(config, "layer_types", None)
-        sliding = [kinds is not None and kinds[int(name.rsplit(".", 1)[1])] ==
-                   "sliding_attention" for name in layers]
-    built = {kind: _mask(config, hidden, positions, kind) for kind in set(sliding)}
-    return [built[kind] for kind in sliding]
-
-
 def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decoder | None
               ) -> torch.Tensor:
     """Stage ``spec``'s forward on ``x``, looking its modules up in ``root`` by dense name.
@@ -292,18 +266,4 @@ def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decode
             block: Any = root.get_submodule(name)
             x = block(x)
         return x
-    inner: Any = root.get_submodule(decoder.prefix)
-    hidden = inner.embed_tokens(x) if spec.first else x  # (B, T, D)
-    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
-    masks = _layer_masks(decoder.config, hidden, positions, spec.blocks)
-    rotary = inner.rotary_emb(hidden, position_ids=positions)
-    for name, mask in zip(spec.blocks, masks, strict=True):
-        layer: Any = root.get_submodule(name)
-        out = layer(hidden, attention_mask=mask, position_ids=positions,
-                    position_embeddings=rotary)
-        hidden = out[0] if isinstance(out, tuple) else out
-    if spec.last:
-        head: Any = root.get_submodule(decoder.head)
-        logits: torch.Tensor = head(inner.norm(hidden))
-        return logits  # (B, T, vocab)
-    return hidden
+    return run_decoder_stage(root, spec.blocks, spec.first, spec.last, x, decoder)

@@ -1,0 +1,203 @@
+"""Every transformers causal LM family cut into pipeline stages, against its dense self.
+
+Each family of the installed transformers that has a tensor-parallel plan and a decoder
+``layers`` list (`tests._hf_sweep`'s tiny configs, four layers, float64) runs as a pipeline of
+two and of three stages in one process (virtual stages: no communication, the same stage
+runner), and its loss and every gradient are compared with the dense model's. The families
+`HF_MODEL_TYPES` lists must be exact; every other one must be refused by name, and, run
+anyway, must be shown not to be exact (so the list leaves out nothing that works). The fast
+tier runs a few families of different build; the slow tier runs them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.pipeline import stages
+from tensorpar.pipeline.decoder import HF_MODEL_TYPES
+from tensorpar.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+from tests._hf_sweep import _build, architectures
+
+TOL = 1e-10
+LAYERS = 4
+# scaled embeddings and soft-capped logits (gemma2), multipliers on both ends (granite),
+# latent attention and experts (deepseek_v3), other module names (gpt_neox), mamba and
+# attention layers mixed (jamba), a final norm with no parameters (olmo)
+FAST = ("gemma2", "granite", "deepseek_v3", "gpt_neox", "jamba", "olmo")
+
+
+def _families() -> dict[str, tuple[str, str]]:
+    return {model_type: (config, cls) for model_type, config, cls in architectures()}
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy in float64 (the model's own loss casts to float32)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                           labels[:, 1:].reshape(-1))
+
+
+def _model(model_type: str, layers: int = LAYERS, train: bool = False) -> torch.nn.Module:
+    """The family's tiny model; in eval mode unless ``train`` (dropout and router noise are
+    random in training: the two sides would draw different numbers)."""
+    config, cls = _families()[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _build(model_type, config, cls, layers=layers).train(train)
+
+
+def _errors(model_type: str, virtual: int) -> tuple[float, list[str]]:
+    """The largest difference from dense (loss and gradients) and the names that differ."""
+    dense, model = _model(model_type), _model(model_type)
+    ids = torch.randint(2, 101, (3, 7), generator=torch.Generator().manual_seed(1))
+    # one microbatch: the batch is not split, so a family that computes parts in float32
+    # (Gemma's norms) rounds as dense does, and any difference is the staging's
+    pipe = tp.nn.pipeline(model, microbatches=1, virtual_stages=virtual, loss_fn=lm_loss)
+    loss = pipe.step(ids, ids)
+    dense_loss = lm_loss(dense(ids, use_cache=False).logits, ids)
+    dense_loss.backward()
+    worst, wrong = (loss - dense_loss).abs().item(), []
+    grads = dict(dense.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        expected = grads[name].grad
+        if (p.grad is None) != (expected is None):
+            wrong.append(name)
+        elif p.grad is not None:
+            error = (p.grad - expected).abs().max().item()
+            worst = max(worst, error)
+            if error > TOL:
+                wrong.append(name)
+    if {n for n, _ in pipe.named_parameters()} != {n for n, _ in model.named_parameters()}:
+        wrong.append("(the stages do not hold every parameter)")
+    return worst, wrong
+
+
+def _check_listed(model_type: str) -> None:
+    for virtual in (2, 3):
+        worst, wrong = _errors(model_type, virtual)
+        assert worst <= TOL and not wrong, \
+            f"{model_type} at {virtual} stages: {worst:.1e} {wrong[:3]}"
+
+
+def _with_layers() -> list[str]:
+    out = []
+    for model_type in _families():
+        try:
+            model = _model(model_type)
+        except Exception:  # the tiny config builds no model (the TP sweep says why)
+            continue
+        inner = getattr(model, model.base_model_prefix, None)
+        if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+            out.append(model_type)
+    return out
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_listed_family_equals_dense_at_two_and_three_stages(model_type):
+    _check_listed(model_type)
+
+
+@pytest.mark.slow
+def test_every_listed_family_equals_dense_at_two_and_three_stages():
+    missing = [t for t in HF_MODEL_TYPES if t not in _families()]
+    assert not missing, f"listed but not in this transformers: {missing}"
+    for model_type in HF_MODEL_TYPES:
+        _check_listed(model_type)
+
+
+def test_an_unlisted_family_is_refused_by_name():
+    # dory loops a run of its layers: cut into stages it comes out wrong (below)
+    with pytest.raises(TypeError, match="model_type 'dory' is not among the families"):
+        tp.nn.pipeline(_model("dory"), microbatches=2, loss_fn=lm_loss)
+
+
+@pytest.mark.slow
+def test_every_unlisted_family_with_layers_is_not_exact_when_forced(monkeypatch):
+    unlisted = [t for t in _with_layers() if t not in HF_MODEL_TYPES]
+    assert "dory" in unlisted
+    exact = []
+    for model_type in unlisted:
+        monkeypatch.setattr(stages, "HF_MODEL_TYPES", (model_type,))
+        try:
+            worst, wrong = _errors(model_type, 2)
+        except Exception:  # cut into stages, the family's forward fails: not exact
+            continue
+        if worst <= TOL and not wrong:
+            exact.append(model_type)
+    assert not exact, f"exact at two stages but not listed in HF_MODEL_TYPES: {exact}"
+
+
+def test_a_looped_family_forced_into_stages_is_wrong(monkeypatch):
+    """Why the list: dory runs a block of layers several times; staged, it differs."""
+    monkeypatch.setattr(stages, "HF_MODEL_TYPES", ("dory",))
+    worst, wrong = _errors("dory", 2)
+    assert worst > 1e-6 and wrong
+
+
+def _family_over_ranks(model_type: str, schedule: str, virtual: int) -> None:
+    """Two steps of ``model_type`` (in training mode) over the ranks, microbatched, equal dense.
+
+    (Families that compute parts in float32, Gemma's norms, differ from dense by float32
+    rounding once the batch is split; granite and jamba compute in the model's dtype.)
+    """
+    torch.manual_seed(0)
+    layers = 6
+    dense, model = _model(model_type, layers, True), _model(model_type, layers, True)
+    pipe = tp.nn.pipeline(model, microbatches=3, schedule=schedule, virtual_stages=virtual,
+                          loss_fn=lm_loss)
+    # SGD: AdamW divides a gradient that is rounding noise by its own size
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+    for step, length in enumerate((7, 5)):  # a new sequence length per step
+        ids = torch.randint(2, 101, (5, length), generator=torch.Generator().manual_seed(step))
+        loss = pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+        dense_loss = lm_loss(dense(ids, use_cache=False).logits, ids)
+        dense_loss.backward()
+        if pipe.is_last:
+            torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
+        grads = dict(dense.named_parameters(remove_duplicate=False))
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL,
+                                       msg=f"{model_type} step {step}: {name}")
+        opt.step(), dense_opt.step(), opt.zero_grad(), dense_opt.zero_grad()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("zero-bubble", 1)])
+@pytest.mark.parametrize("model_type", ["granite", "jamba"])
+def test_family_over_ranks_equals_dense(model_type, schedule, virtual, world_size):
+    run_distributed(functools.partial(_family_over_ranks, model_type, schedule, virtual),
+                    world_size)
+
+
+def _checkpointed_over_ranks(reentrant: bool, schedule: str) -> None:
+    dense, model = _model("granite", 4, True), _model("granite", 4, True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    pipe = tp.nn.pipeline(model, microbatches=2, schedule=schedule, loss_fn=lm_loss)
+    ids = torch.randint(2, 101, (4, 7), generator=torch.Generator().manual_seed(0))
+    loss = pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+    dense_loss = lm_loss(dense(ids, use_cache=False).logits, ids)
+    dense_loss.backward()
+    if pipe.is_last:
+        torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_from_the_received_activation(reentrant, schedule):
+    # a recompute calls the layer again with what it was given: the received activation,
+    # not the stand-in hidden states the model's forward handed the stage's first layer
+    run_distributed(functools.partial(_checkpointed_over_ranks, reentrant, schedule), 2)
