@@ -201,3 +201,16 @@ def test_gradient_checkpointing_recomputes_from_the_received_activation(reentran
     # a recompute calls the layer again with what it was given: the received activation,
     # not the stand-in hidden states the model's forward handed the stage's first layer
     run_distributed(functools.partial(_checkpointed_over_ranks, reentrant, schedule), 2)
+
+
+def test_the_own_loss_of_a_model_that_adds_a_router_loss_is_refused():
+    # Mixtral's own loss adds a load-balancing loss over every layer's router logits, which
+    # the stages hold apart: the pipeline's loss would leave it out
+    model = _model("mixtral", train=True)
+    model.config.output_router_logits = True
+    ids = torch.randint(2, 101, (3, 7), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids, use_cache=False)
+    assert (out.loss - model.loss_function(out.logits, ids, 101)).abs() > 1e-6  # it matters
+    with pytest.raises(ValueError, match="output_router_logits"):
+        tp.nn.pipeline(model, microbatches=2)
+    tp.nn.pipeline(model, microbatches=2, loss_fn=lm_loss)  # a loss of one's own: the logits

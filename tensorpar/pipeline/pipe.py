@@ -101,6 +101,12 @@ class Pipeline(nn.Module):
             raise CollectiveArgumentError(
                 f"{fn}: {type(model).__name__} needs loss_fn=(output, target) -> loss; only "
                 f"a transformers causal LM brings its own loss")
+        if hf and loss_fn is None and getattr(model.config, "output_router_logits", False):
+            raise CollectiveArgumentError(
+                f"{fn}: {type(model).__name__} has config.output_router_logits=True: its own "
+                f"loss adds a load-balancing loss over every layer's router logits, which the "
+                f"stages hold apart, and the pipeline's loss would leave it out; set it to "
+                f"False, or pass a loss_fn of your own (it is given the logits only)")
         specs = stage_specs(model, g.size * virtual_stages, split)
         mine = [s for s in specs if s.index % g.size == g.rank]
         rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
