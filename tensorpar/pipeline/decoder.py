@@ -20,9 +20,10 @@ activation checkpointing see the received activation, in the forward and in a re
 A family where anything but the hidden states crosses from layer to layer (a second residual
 stream, a value carried from the first layer), whose layers run more than once (a looped
 block), or whose later layers read the token ids would come out wrong this way, silently.
-So the families run are listed (`HF_MODEL_TYPES`): each is compared with its dense self at
-two and three stages, every gradient, in ``tests/test_pipeline_hf_families.py``; any other is
-refused by name.
+So is a stage that calls a module with parameters that another stage holds. The families
+run are therefore listed (`HF_MODEL_TYPES`): each is compared with its dense self at two and
+three stages, every gradient, with each stage holding only what its rank keeps, in
+``tests/test_pipeline_hf_families.py``; any other is refused by name.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ HF_MODEL_TYPES = (
     "lfm2", "lfm2_moe", "lfm3", "llama", "longcat_flash", "mellum", "mimo_v2_flash",
     "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
     "ministral3", "mistral", "mixtral", "nanochat", "nemotron", "nemotron_h", "olmo",
-    "olmo2", "olmo3", "olmo_hybrid", "olmoe", "phi", "phi3", "phi4_multimodal",
-    "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text",
-    "qwen3_moe", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "seed_oss",
-    "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
+    "olmo2", "olmo3", "olmo_hybrid", "olmoe", "phi", "phi3", "phimoe", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+    "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open",
+    "starcoder2", "vaultgemma", "youtu",
 )
 """transformers ``model_type``\\ s run stage by stage: each causal LM with a decoder
 ``layers`` list whose pipeline equals its dense self (every gradient, float64, two and three
-stages) with the transformers the tests pin."""
+stages, each holding only its own modules) with the transformers the tests pin (5.24)."""
 
 _PLAIN = (str, int, float, bool, type(None))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
@@ -101,12 +102,13 @@ class Pipeline(nn.Module):
             raise CollectiveArgumentError(
                 f"{fn}: {type(model).__name__} needs loss_fn=(output, target) -> loss; only "
                 f"a transformers causal LM brings its own loss")
-        if hf and loss_fn is None and getattr(model.config, "output_router_logits", False):
+        if hf and getattr(model.config, "output_router_logits", False):
             raise CollectiveArgumentError(
-                f"{fn}: {type(model).__name__} has config.output_router_logits=True: its own "
-                f"loss adds a load-balancing loss over every layer's router logits, which the "
-                f"stages hold apart, and the pipeline's loss would leave it out; set it to "
-                f"False, or pass a loss_fn of your own (it is given the logits only)")
+                f"{fn}: {type(model).__name__} has config.output_router_logits=True: its "
+                f"load-balancing loss is computed over every layer's router logits together, "
+                f"which the stages hold apart (the model's own loss would leave it out, and "
+                f"its forward would look for the logits of layers this rank does not run); "
+                f"set it to False")
         specs = stage_specs(model, g.size * virtual_stages, split)
         mine = [s for s in specs if s.index % g.size == g.rank]
         rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
@@ -303,7 +305,8 @@ class Pipeline(nn.Module):
                 elif action.kind == "W":
                     work = deferred.pop((i, k), None)
                     if work is not None:
-                        work.run()
+                        with _outside_autocast(device):
+                            work.run()
                 elif spec.last or not single:  # the loss, or the send's placeholder
                     self._gradient_sync(final_backward[k] == i)
                     done = held.pop((i, k))
@@ -315,11 +318,13 @@ class Pipeline(nn.Module):
                             # received now, in the order the peer sends, also if W
                             # runs the whole backward (an input that needs no gradient)
                             fetch_gradient(out)
-                        deferred[(i, k)] = backward_input(out, grad,
-                                                          [came.edge] if came is not None else [])
+                        with _outside_autocast(device):
+                            deferred[(i, k)] = backward_input(
+                                out, grad, [came.edge] if came is not None else [])
                         del out, grad  # the graph lives on in W's hands only
                     elif done.requires_grad:
-                        done.backward()
+                        with _outside_autocast(device):
+                            done.backward()
                     del done
                     if came is not None and not gradient_sent(came.node):
                         # the stage did not use what it received: its sender still waits
@@ -730,8 +735,8 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
 
     Args:
         model: an ``nn.Sequential``, a transformers causal LM of a family in
-            ``tensorpar.pipeline.stages.HF_MODEL_TYPES`` (Llama, Mistral, Qwen, Gemma,
-            Phi, Granite, DeepSeek V3, Jamba and 94 more) or a model with
+            ``tensorpar.pipeline.stages.HF_MODEL_TYPES`` (101 families: Llama, Mistral,
+            Qwen, Gemma, Phi, Granite, DeepSeek, Jamba...) or a model with
             ``pipeline_blocks()`` (parallelize such a model before this call: its
             functions are taken now).
         group: the pipeline's process group (``None``: the default group, resolved at
@@ -779,6 +784,20 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
     return Pipeline(model, group=group, microbatches=microbatches, schedule=schedule,
                     loss_fn=loss_fn, virtual_stages=virtual_stages, split=split,
                     loss_reduction=loss_reduction)
+
+
+def _outside_autocast(device: torch.device) -> contextlib.ExitStack[bool | None]:
+    """Autocast off where the caller turned it on (for ``device``'s type and the CPU).
+
+    A step called under autocast runs its backwards as a dense loop runs
+    ``loss.backward()``: after the autocast block. (An activation checkpoint recomputes
+    under the autocast state of its forward, which it restores itself.)
+    """
+    stack = contextlib.ExitStack()
+    for kind in dict.fromkeys((device.type, "cpu")):
+        if torch.is_autocast_enabled(kind):
+            stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
 
 
 def _in_flight(pending: list[Any], inbox: Inbox | None) -> list[tuple[Any, Any]]:
