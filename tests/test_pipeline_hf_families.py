@@ -282,3 +282,77 @@ def test_backward_runs_outside_the_callers_autocast(model_type, schedule):
     grads = dict(dense.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=0, msg=name)
+
+
+def _masked_over_ranks(model_type: str, schedule: str, virtual: int, packed: bool) -> None:
+    """Left-padded rows with their attention mask, or packed rows with restarting positions,
+    given to every rank: loss and every gradient equal the dense model's on the same."""
+    dense, model = _model(model_type, 6), _model(model_type, 6)
+    for m in (dense, model):  # sdpa: a padding position's query has no key at all
+        m.config._attn_implementation = "sdpa"  # (eager attention gives it NaNs)
+    ids = torch.randint(2, 101, (5, 9), generator=torch.Generator().manual_seed(3))
+    extra: dict[str, torch.Tensor] = {}
+    labels = ids
+    if packed:  # each row two documents, cut at different places
+        extra["position_ids"] = torch.stack([torch.cat([torch.arange(c), torch.arange(9 - c)])
+                                             for c in (3, 5, 4, 6, 2)])
+    else:  # rows left-padded by 0 to 4 tokens, the padding not predicted
+        mask = (torch.arange(9) >= torch.tensor([[0], [2], [4], [1], [3]])).long()
+        extra["attention_mask"] = mask
+        labels = ids.masked_fill(mask == 0, -100)
+    count = (labels[:, 1:] != -100).sum()
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The batch's mean over its label tokens, a microbatch's share of it."""
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                               target[:, 1:].reshape(-1), reduction="sum") / count
+
+    pipe = tp.nn.pipeline(model, microbatches=3, schedule=schedule, virtual_stages=virtual,
+                          loss_fn=loss_fn, loss_reduction="sum")
+    loss = pipe.step(ids if pipe.is_first else None, labels if pipe.is_last else None,
+                     **extra)
+    dense_loss = loss_fn(dense(ids, use_cache=False, **extra).logits, labels)
+    dense_loss.backward()
+    unmasked = loss_fn(_model(model_type, 6)(ids, use_cache=False).logits, labels)
+    assert (unmasked - dense_loss).abs() > 1e-4  # the mask or the positions matter
+    if pipe.is_last:
+        torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("packed", [False, True], ids=["left-padded", "packed"])
+@pytest.mark.parametrize("model_type,schedule,virtual,world_size",
+                         [("granite", "1f1b", 1, 2), ("granite", "1f1b", 2, 3),
+                          ("jamba", "zero-bubble", 1, 3)])
+def test_attention_mask_and_position_ids_reach_every_stage(model_type, schedule, virtual,
+                                                           world_size, packed):
+    run_distributed(functools.partial(_masked_over_ranks, model_type, schedule, virtual,
+                                      packed), world_size)
+
+
+def _mask_on_one_rank_only() -> None:
+    pipe = tp.nn.pipeline(_model("granite"), microbatches=2, loss_fn=lm_loss)
+    ids = torch.randint(2, 101, (4, 7))
+    mask = torch.ones(4, 7, dtype=torch.long) if pipe.is_first else None
+    with pytest.raises(ValueError, match="attention_mask"):
+        pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None,
+                  attention_mask=mask)
+
+
+@pytest.mark.timeout(60)
+def test_a_mask_given_on_some_ranks_only_is_refused_on_every_rank():
+    run_distributed(_mask_on_one_rank_only, 2)
+
+
+def test_model_inputs_are_refused_where_they_do_not_fit():
+    ids = torch.randint(2, 101, (4, 7))
+    pipe = tp.nn.pipeline(_model("granite"), microbatches=2, loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="attention_mask has 3 rows"):
+        pipe.step(ids, ids, attention_mask=torch.ones(3, 7, dtype=torch.long))
+    blocks = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    pipe = tp.nn.pipeline(blocks, microbatches=2, loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="transformers"):
+        pipe.step(torch.ones(4, 3), torch.ones(4, 3), position_ids=torch.zeros(4, 3))

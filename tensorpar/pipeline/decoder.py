@@ -168,12 +168,15 @@ def _view(decoder: Decoder, blocks: tuple[str, ...], layers: list[nn.Module], fi
 
 
 def run_decoder_stage(root: nn.Module, blocks: tuple[str, ...], first: bool, last: bool,
-                      x: torch.Tensor, decoder: Decoder) -> torch.Tensor:
+                      x: torch.Tensor, decoder: Decoder,
+                      model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The stage of ``blocks`` (dense names of decoder layers) on ``x``: logits or hidden.
 
-    ``x``: the token ids on the first stage, else the previous stage's output. The layers
-    are looked up in ``root`` (the pipeline) at every call, so layers changed there since
-    (by ``parallelize``, ``fully_shard``) are the ones that run.
+    ``x``: the token ids on the first stage, else the previous stage's output;
+    ``model_inputs``: more keyword inputs of the model's forward (``attention_mask``,
+    ``position_ids``), this microbatch's rows. The layers are looked up in ``root`` (the
+    pipeline) at every call, so layers changed there since (by ``parallelize``,
+    ``fully_shard``) are the ones that run.
     """
     model = decoder.model
     _share(root, model)
@@ -190,10 +193,10 @@ def run_decoder_stage(root: nn.Module, blocks: tuple[str, ...], first: bool, las
     inner._modules["layers"] = view
     try:
         if first:
-            out = model(input_ids=x, use_cache=False)
+            out = model(input_ids=x, use_cache=False, **model_inputs)
         else:
             zeros = x.new_zeros((*x.shape[:2], decoder.width))
-            out = model(inputs_embeds=zeros, use_cache=False)
+            out = model(inputs_embeds=zeros, use_cache=False, **model_inputs)
     except _StageEnd as end:
         return end.hidden
     finally:

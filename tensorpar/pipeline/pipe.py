@@ -203,7 +203,8 @@ class Pipeline(nn.Module):
 
     # -- the step -------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor | TensorPlaceholder | None = None,
-             target: Any = None) -> torch.Tensor | TensorPlaceholder:
+             target: Any = None, *, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor | TensorPlaceholder:
         """One training step's forwards and backwards over the microbatches.
 
         Gradients accumulate into ``.grad`` as ``loss.backward()`` would (zero them
@@ -214,6 +215,11 @@ class Pipeline(nn.Module):
                 model); ``None`` or a placeholder elsewhere (ignored).
             target: the whole batch's target on the last stage (``labels`` for a
                 transformers model); ignored elsewhere.
+            attention_mask: a transformers model's attention mask for the whole batch
+                (``(B, T)``: 1 for a token, 0 for padding), given on every rank: each
+                stage's forward takes its microbatch's rows.
+            position_ids: a transformers model's positions (``(B, T)``; restarting
+                within a row for packed sequences), given on every rank likewise.
 
         Returns:
             The batch loss on the last stage (detached): the microbatch losses weighted by
@@ -222,8 +228,11 @@ class Pipeline(nn.Module):
                 placeholder (``owner``: the last stage's rank) elsewhere.
 
         Raises:
-            CollectiveArgumentError: the first stage got no tensor, the last no target, or
-                the batch has fewer rows than microbatches (raised on every rank).
+            CollectiveArgumentError: the first stage got no tensor, the last no target,
+                the batch has fewer rows than microbatches, or ``attention_mask`` /
+                ``position_ids`` are not given on every rank with the batch's rows, or
+                given to a model that is not a transformers causal LM (raised on every
+                rank).
             NothingSent: another rank raised during the step, and this one waited for an
                 activation or a gradient from it.
             StepFailed: another rank raised during the step after this one had done its
@@ -240,8 +249,10 @@ class Pipeline(nn.Module):
                 "pipeline on a new process group (torch.distributed.new_group)")
         # fully_shard may come after the pipeline is built: looked up at every step
         self._fsdp_modules = [(n, m) for n, m in self.named_modules() if is_fsdp_module(m)]
-        problem = self._check(inputs, target)
-        self._agree(problem, inputs, target)
+        given = {name: t for name, t in (("attention_mask", attention_mask),
+                                         ("position_ids", position_ids)) if t is not None}
+        problem = self._check(inputs, target) or self._check_model_inputs(given)
+        self._agree(problem, inputs, target, given)
         # each tied copy's gradient before the step, set aside: the holders add up what
         # this step adds to each copy (`_sum_tied_gradients`)
         before = {name: self._set_aside(name) for name, _, _ in self._tied}
@@ -249,6 +260,9 @@ class Pipeline(nn.Module):
         batch = list(torch.tensor_split(inputs, self.microbatches)) \
             if self.is_first and isinstance(inputs, torch.Tensor) else []
         targets, weights = self._targets(target) if self.is_last else ([], [])
+        cut = {name: torch.tensor_split(t, self.microbatches) for name, t in given.items()}
+        model_inputs = [{name: parts[i] for name, parts in cut.items()}
+                        for i in range(self.microbatches)]
         held: dict[tuple[int, int], Any] = {}
         total: torch.Tensor | None = None
         single = self._group.size == 1
@@ -285,7 +299,7 @@ class Pipeline(nn.Module):
                     if edge is not None:  # taken before the stage runs: it may modify x in place
                         received[(i, k)] = _Received(edge, x.grad_fn,
                                                      Meta(x.shape, x.dtype, x.device))
-                    y = run_stage(self, spec, x, self._decoder)
+                    y = run_stage(self, spec, x, self._decoder, model_inputs[i])
                     if spec.last:
                         loss = self._loss(y, targets[i], weights[i])
                         total = loss.detach() if total is None else total + loss.detach()
@@ -638,15 +652,39 @@ class Pipeline(nn.Module):
                             f"with plan_from_transformers(model, lm_head='gathered')")
         return ""
 
-    def _agree(self, problem: str, inputs: Any, target: Any) -> None:
-        """Raise on every rank if any rank found a problem, or the batch and target rows differ.
+    def _check_model_inputs(self, given: dict[str, torch.Tensor]) -> str:
+        """What is wrong with this rank's ``attention_mask`` / ``position_ids``, or ""."""
+        for name, t in given.items():
+            if self._decoder is None:
+                return (f"Pipeline.step: {name} is for a transformers causal LM; this "
+                        f"pipeline's model is not one")
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                return f"Pipeline.step: {name} must be a tensor of shape (B, T), got {got}"
+            rows = {u.shape[0] for u in given.values() if isinstance(u, torch.Tensor)}
+            if len(rows) > 1 or t.shape[0] < self.microbatches:
+                return (f"Pipeline.step: {name} has {t.shape[0]} rows; expected the batch's "
+                        f"(at least microbatches={self.microbatches}), the same for "
+                        f"attention_mask and position_ids")
+        return ""
 
-        One small all-reduce (max) of ``[problem, batch rows, target rows]``: the first stage
-        gives the batch's rows, the last the target's, so the two are compared everywhere.
+    def _agree(self, problem: str, inputs: Any, target: Any,
+               given: dict[str, torch.Tensor]) -> None:
+        """Raise on every rank if any rank found a problem, or the ranks' rows differ.
+
+        One small all-reduce (max) of ``[problem, batch rows, target rows]`` and of which
+        model inputs each rank gave, and their rows, each with its negation (so the max
+        also gives the min): the first stage gives the batch's rows, the last the
+        target's, every rank its ``attention_mask`` / ``position_ids``, so all are
+        compared everywhere.
         """
         rows_in = inputs.shape[0] if self.is_first and not problem else 0
         rows_target = target.shape[0] if self.is_last and not problem else 0
-        flags = [1 if problem else 0, rows_in, rows_target]
+        which = sum(1 << i for i, name in enumerate(("attention_mask", "position_ids"))
+                    if name in given)
+        rows_given = next(iter(given.values())).shape[0] if given and not problem else 0
+        flags = [1 if problem else 0, rows_in, rows_target, which, -which, rows_given,
+                 -rows_given]
         if self._group.size > 1:
             t = torch.tensor(flags, dtype=torch.int64,
                              device=self._group.comm_device(self._device()))
@@ -657,6 +695,14 @@ class Pipeline(nn.Module):
         if not problem and flags[1] != flags[2]:
             problem = (f"Pipeline.step: the first stage got a batch of {flags[1]} rows and the "
                        f"last stage a target of {flags[2]} rows; expected the same")
+        names = " and ".join(given) or "attention_mask / position_ids"
+        if not problem and flags[3] != -flags[4]:
+            problem = (f"Pipeline.step: {names} given on some ranks only; every stage's "
+                       f"forward needs them: give them on every rank")
+        elif not problem and flags[3] and (flags[5] != -flags[6] or flags[5] != flags[1]):
+            problem = (f"Pipeline.step: {names} has {rows_given} rows on this rank "
+                       f"({-flags[6]} to {flags[5]} over the ranks) and the batch {flags[1]}; "
+                       f"expected the batch's rows everywhere")
         if problem:
             raise CollectiveArgumentError(problem)
 

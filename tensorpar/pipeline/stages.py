@@ -248,14 +248,15 @@ def tied_parameters(model: nn.Module, specs: Sequence[StageSpec], ranks: int
     return tied
 
 
-def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decoder | None
-              ) -> torch.Tensor:
+def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decoder | None,
+              model_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Stage ``spec``'s forward on ``x``, looking its modules up in ``root`` by dense name.
 
     Looked up at every call, so modules that `tensorpar.parallelize` replaced after the
     pipeline was built are the ones that run (a model that lists its own blocks runs the
     functions it gave). ``decoder`` is ``None`` for an ``nn.Sequential``. The last
-    transformers stage returns the logits.
+    transformers stage returns the logits; ``model_inputs`` (an attention mask, positions)
+    go to a transformers model's forward.
     """
     if spec.calls is not None:
         for fn in spec.calls:
@@ -266,4 +267,5 @@ def run_stage(root: nn.Module, spec: StageSpec, x: torch.Tensor, decoder: Decode
             block: Any = root.get_submodule(name)
             x = block(x)
         return x
-    return run_decoder_stage(root, spec.blocks, spec.first, spec.last, x, decoder)
+    return run_decoder_stage(root, spec.blocks, spec.first, spec.last, x, decoder,
+                             model_inputs or {})
