@@ -45,6 +45,17 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            labels[:, 1:].reshape(-1))
 
 
+def _assert_equals_dense(pipe, loss, dense, dense_loss, tol: float = TOL, what: str = ""
+                         ) -> None:
+    """The step's loss (last stage) and every gradient this rank holds equal dense."""
+    if pipe.is_last:
+        torch.testing.assert_close(loss, dense_loss.detach(), rtol=tol, atol=tol)
+    grads = dict(dense.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=tol, atol=tol,
+                                   msg=f"{what}{name}")
+
+
 def _model(model_type: str, layers: int = LAYERS, train: bool = False) -> torch.nn.Module:
     """The family's tiny model; in eval mode unless ``train`` (dropout and router noise are
     random in training: the two sides would draw different numbers)."""
@@ -210,12 +221,7 @@ def _family_over_ranks(model_type: str, schedule: str, virtual: int) -> None:
         loss = pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
         dense_loss = lm_loss(dense(ids, use_cache=False).logits, ids)
         dense_loss.backward()
-        if pipe.is_last:
-            torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
-        grads = dict(dense.named_parameters(remove_duplicate=False))
-        for name, p in pipe.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL,
-                                       msg=f"{model_type} step {step}: {name}")
+        _assert_equals_dense(pipe, loss, dense, dense_loss, what=f"{model_type} step {step}: ")
         opt.step(), dense_opt.step(), opt.zero_grad(), dense_opt.zero_grad()
 
 
@@ -236,11 +242,7 @@ def _checkpointed_over_ranks(reentrant: bool, schedule: str) -> None:
     loss = pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
     dense_loss = lm_loss(dense(ids, use_cache=False).logits, ids)
     dense_loss.backward()
-    if pipe.is_last:
-        torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
-    grads = dict(dense.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+    _assert_equals_dense(pipe, loss, dense, dense_loss)
 
 
 @pytest.mark.timeout(120)
@@ -282,9 +284,7 @@ def test_backward_runs_outside_the_callers_autocast(model_type, schedule):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(ids, ids)
     assert loss == dense_loss
-    grads = dict(dense.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=0, msg=name)
+    _assert_equals_dense(pipe, loss, dense, dense_loss, tol=0)
 
 
 def _masked_over_ranks(model_type: str, schedule: str, virtual: int, packed: bool) -> None:
@@ -318,11 +318,7 @@ def _masked_over_ranks(model_type: str, schedule: str, virtual: int, packed: boo
     dense_loss.backward()
     unmasked = loss_fn(_model(model_type, 6)(ids, use_cache=False).logits, labels)
     assert (unmasked - dense_loss).abs() > 1e-4  # the mask or the positions matter
-    if pipe.is_last:
-        torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
-    grads = dict(dense.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+    _assert_equals_dense(pipe, loss, dense, dense_loss)
 
 
 @pytest.mark.timeout(120)

@@ -66,7 +66,6 @@ class Decoder(NamedTuple):
 
     Attributes:
         model: the causal LM, whose forward runs each stage.
-        config: its config.
         prefix: the decoder's name (``"model"``).
         head: the LM head's name (``"lm_head"``).
         width: the embedding's width (a zero embedding of it feeds the later stages).
@@ -75,8 +74,7 @@ class Decoder(NamedTuple):
             with the layers it was built from (built again if one of them changed).
     """
 
-    model: nn.Module
-    config: Any
+    model: Any  # a transformers PreTrainedModel (transformers is not imported here)
     prefix: str
     head: str
     width: int

@@ -53,6 +53,9 @@ __all__ = ["Pipeline", "StepFailed", "pipeline"]
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
+_MODEL_INPUTS = ("attention_mask", "position_ids")
+"""The keyword inputs of a transformers model that `Pipeline.step` splits by microbatch."""
+
 
 class Pipeline(nn.Module):
     """This rank's stages of a dense model, run over microbatches by a schedule.
@@ -249,8 +252,8 @@ class Pipeline(nn.Module):
                 "pipeline on a new process group (torch.distributed.new_group)")
         # fully_shard may come after the pipeline is built: looked up at every step
         self._fsdp_modules = [(n, m) for n, m in self.named_modules() if is_fsdp_module(m)]
-        given = {name: t for name, t in (("attention_mask", attention_mask),
-                                         ("position_ids", position_ids)) if t is not None}
+        given = {name: t for name, t in zip(_MODEL_INPUTS, (attention_mask, position_ids),
+                                            strict=True) if t is not None}
         problem = self._check(inputs, target) or self._check_model_inputs(given)
         self._agree(problem, inputs, target, given)
         # each tied copy's gradient before the step, set aside: the holders add up what
@@ -654,6 +657,7 @@ class Pipeline(nn.Module):
 
     def _check_model_inputs(self, given: dict[str, torch.Tensor]) -> str:
         """What is wrong with this rank's ``attention_mask`` / ``position_ids``, or ""."""
+        rows = {t.shape[0] for t in given.values() if isinstance(t, torch.Tensor)}
         for name, t in given.items():
             if self._decoder is None:
                 return (f"Pipeline.step: {name} is for a transformers causal LM; this "
@@ -661,7 +665,6 @@ class Pipeline(nn.Module):
             if not isinstance(t, torch.Tensor) or t.dim() < 2:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 return f"Pipeline.step: {name} must be a tensor of shape (B, T), got {got}"
-            rows = {u.shape[0] for u in given.values() if isinstance(u, torch.Tensor)}
             if len(rows) > 1 or t.shape[0] < self.microbatches:
                 return (f"Pipeline.step: {name} has {t.shape[0]} rows; expected the batch's "
                         f"(at least microbatches={self.microbatches}), the same for "
@@ -680,8 +683,7 @@ class Pipeline(nn.Module):
         """
         rows_in = inputs.shape[0] if self.is_first and not problem else 0
         rows_target = target.shape[0] if self.is_last and not problem else 0
-        which = sum(1 << i for i, name in enumerate(("attention_mask", "position_ids"))
-                    if name in given)
+        which = sum(1 << i for i, name in enumerate(_MODEL_INPUTS) if name in given)
         rows_given = next(iter(given.values())).shape[0] if given and not problem else 0
         flags = [1 if problem else 0, rows_in, rows_target, which, -which, rows_given,
                  -rows_given]
@@ -720,7 +722,7 @@ class Pipeline(nn.Module):
         if self.loss_fn is None:
             assert self._decoder is not None
             loss: torch.Tensor = self._loss_function(
-                logits=output, labels=target, vocab_size=self._decoder.config.vocab_size,
+                logits=output, labels=target, vocab_size=self._decoder.model.config.vocab_size,
                 num_items_in_batch=weight)
             return loss
         loss = self.loss_fn(output, target) * weight

@@ -28,8 +28,8 @@ from torch import nn
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.pipeline.decoder import HF_MODEL_TYPES, Decoder, Elsewhere, run_decoder_stage
 
-__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "has_blocks",
-           "prune", "run_stage", "stage_specs", "tied_parameters"]
+__all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "ends",
+           "has_blocks", "prune", "run_stage", "stage_specs", "tied_parameters"]
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -203,7 +203,7 @@ def decoder_of(model: nn.Module) -> Decoder:
                                   f"top-level modules; expected a causal LM")
     embedding: Any = model.get_input_embeddings()  # type: ignore[operator]
     layers: Any = _decoder(model).layers
-    return Decoder(model, model.config, str(model.base_model_prefix), name,
+    return Decoder(model, str(model.base_model_prefix), name,
                    int(embedding.weight.shape[-1]), tuple(Elsewhere(layer) for layer in layers),
                    {})
 
