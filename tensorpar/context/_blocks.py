@@ -18,13 +18,16 @@ kernel everywhere else. Both are exact up to rounding.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import NamedTuple, cast
 
 import torch
 
 from tensorpar._torch import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
 
-__all__ = ["CAUSAL", "SKIP", "Segment", "block_backward", "block_forward", "merge", "pair_mask"]
+__all__ = ["CAUSAL", "SKIP", "Documents", "Piece", "Segment", "block_backward", "block_forward",
+           "blocks", "merge", "pair_mask"]
 
 _NEG_INF = float("-inf")
 SKIP = "skip"
@@ -43,6 +46,99 @@ class Segment(NamedTuple):
 
     start: int
     length: int
+
+
+class Piece(NamedTuple):
+    """One block to compute: ``rows`` of the batch, queries ``q`` against keys ``k``."""
+
+    rows: slice
+    q: Segment
+    k: Segment
+    mask: Mask
+
+
+MAX_PIECES = 64
+"""More pieces than this in one pair of segments (many short documents): one masked
+block instead (each piece is a kernel call and a merge)."""
+
+
+class Documents:
+    """Which document each position of each row belongs to: a packed row's documents.
+
+    ``ids``: ``(B, T)`` integers over the whole sequence, nondecreasing along each row.
+    Queries see keys of their own document only. A pair of segments is computed as one
+    block per document they share (the kernels' own causal mode on the diagonal, no mask
+    elsewhere), which is the work a variable-length kernel does; rows with other
+    documents are computed apart. The documents are kept on the host (the pieces are
+    planned there, without a device sync) and on the attention's device (the masks of
+    `MAX_PIECES` fallbacks).
+    """
+
+    def __init__(self, ids: torch.Tensor, device: torch.device) -> None:
+        host = ids.to("cpu", torch.int64)
+        self.on_device = ids.to(device, torch.int64)
+        runs = [_runs(row) for row in host]
+        # one plan for the whole batch where every row holds the same documents
+        rows = [(slice(None), runs[0])] if all(r == runs[0] for r in runs) else \
+            [(slice(b, b + 1), r) for b, r in enumerate(runs)]
+        self.groups = [(at, r, [end for _, end in r]) for at, r in rows]
+
+    def pieces(self, q: Segment, k: Segment, causal: bool, window: int | None,
+               device: torch.device) -> list[Piece]:
+        """The blocks of the pair ``(q, k)``: within each document they share."""
+        out: list[Piece] = []
+        for rows, runs, ends in self.groups:
+            for start, end in _shared(runs, ends, q, k):
+                qp = _clip(q, start, end)
+                kp = _clip(k, start, end)
+                mask = pair_mask(qp, kp, causal, window, device)
+                if mask is not SKIP:
+                    out.append(Piece(rows, qp, kp, mask))
+        if len(out) <= MAX_PIECES:
+            return out
+        positions = pair_mask(q, k, causal, window, device)
+        ids = self.on_device
+        same = ids[:, q.start:q.start + q.length, None] == ids[:, None, k.start:k.start + k.length]
+        if positions is CAUSAL:
+            same &= torch.ones(q.length, k.length, dtype=torch.bool, device=ids.device).tril()
+        elif positions is not None:
+            same &= cast(torch.Tensor, positions)
+        return [Piece(slice(None), q, k, same.unsqueeze(1))]
+
+
+def _runs(row: torch.Tensor) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of equal ids in ``row``."""
+    if row.numel() == 0:
+        return []
+    cuts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.numel()]
+    return list(itertools.pairwise(cuts))
+
+
+def _shared(runs: list[tuple[int, int]], ends: list[int], q: Segment, k: Segment
+            ) -> list[tuple[int, int]]:
+    """The runs (sorted, ``ends`` their ends) that overlap both segments."""
+    after = max(q.start, k.start)  # a shared run ends after both starts...
+    before = min(q.start + q.length, k.start + k.length)  # ...and starts before both ends
+    out = []
+    i = bisect.bisect_right(ends, after)
+    while i < len(runs) and runs[i][0] < before:
+        out.append(runs[i])
+        i += 1
+    return out
+
+
+def _clip(seg: Segment, start: int, end: int) -> Segment:
+    lo = max(seg.start, start)
+    return Segment(lo, min(seg.start + seg.length, end) - lo)
+
+
+def blocks(q: Segment, k: Segment, causal: bool, window: int | None, device: torch.device,
+           documents: Documents | None = None) -> list[Piece]:
+    """The blocks to compute for queries of segment ``q`` against keys of segment ``k``."""
+    if documents is not None:
+        return documents.pieces(q, k, causal, window, device)
+    mask = pair_mask(q, k, causal, window, device)
+    return [] if mask is SKIP else [Piece(slice(None), q, k, mask)]
 
 
 def pair_mask(q: Segment, k: Segment, causal: bool, window: int | None,
@@ -105,7 +201,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
 
     Shape:
         ``q``: ``(B, H, Lq, D)``; ``k``: ``(B, H, Lk, D)``; ``v``: ``(B, H, Lk, Dv)``;
-        ``mask``: ``(Lq, Lk)`` or ``None``; returns ``(B, H, Lq, Dv)`` and ``(B, H, Lq)``.
+        ``mask``: ``(Lq, Lk)``, ``(B, 1, Lq, Lk)`` or ``None``; returns ``(B, H, Lq, Dv)``
+        and ``(B, H, Lq)``.
     """
     if _fused(q) and k.shape[-1] == v.shape[-1]:
         if mask is CAUSAL:  # every query sees itself

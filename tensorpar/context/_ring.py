@@ -27,7 +27,15 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from tensorpar.comm._group import Group
-from tensorpar.context._blocks import SKIP, Segment, block_backward, block_forward, merge, pair_mask
+from tensorpar.context._blocks import (
+    Documents,
+    Piece,
+    Segment,
+    block_backward,
+    block_forward,
+    blocks,
+    merge,
+)
 
 __all__ = ["RingSpec", "ring_apply"]
 
@@ -39,7 +47,8 @@ _GRAD_TAG = 0x52A2
 class RingSpec:
     """Everything a ring attention call needs besides its tensors (the same on every rank).
 
-    ``layout[r]`` lists rank ``r``'s segments in the order its rows hold them.
+    ``layout[r]`` lists rank ``r``'s segments in the order its rows hold them;
+    ``documents``: a packed row's documents (queries see their own document's keys only).
     """
 
     group: Group
@@ -48,6 +57,7 @@ class RingSpec:
     window: int | None
     scale: float
     kv_groups: int  # query heads per key/value head
+    documents: Documents | None = None
 
     def rows(self, rank: int) -> int:
         return sum(seg.length for seg in self.layout[rank])
@@ -129,6 +139,20 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _pieces(spec: RingSpec, mine: list[tuple[Segment, slice]], owner: int,
+            device: torch.device) -> list[tuple[Piece, slice, slice, slice]]:
+    """This rank's blocks against ``owner``'s keys: each with its rows and local slices."""
+    out = []
+    for qseg, qs in mine:
+        for kseg, ks in spec.slices(owner):
+            for piece in blocks(qseg, kseg, spec.causal, spec.window, device, spec.documents):
+                q0 = qs.start + piece.q.start - qseg.start
+                k0 = ks.start + piece.k.start - kseg.start
+                out.append((piece, piece.rows, slice(q0, q0 + piece.q.length),
+                            slice(k0, k0 + piece.k.length)))
+    return out
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -149,14 +173,11 @@ class _RingAttention(torch.autograd.Function):
                 incoming = kv.new_empty(_numel(nxt_shapes[0]) + _numel(nxt_shapes[1]))
                 transfer = _Transfer(spec, kv, incoming, _KV_TAG)
             kj, vj = _unpack(kv, *_shapes(k, v, spec.rows(owner)))
-            for qseg, qs in mine:
-                for kseg, ks in spec.slices(owner):
-                    mask = pair_mask(qseg, kseg, spec.causal, spec.window, q.device)
-                    if mask is SKIP:
-                        continue
-                    o, l_ = block_forward(q[:, :, qs], _repeat(kj[:, :, ks], spec.kv_groups),
-                                          _repeat(vj[:, :, ks], spec.kv_groups), mask, spec.scale)
-                    merge(out[:, :, qs], lse[:, :, qs], o.to(acc), l_.to(acc))
+            for piece, rows, qs, ks in _pieces(spec, mine, owner, q.device):
+                o, l_ = block_forward(q[rows, :, qs], _repeat(kj[rows, :, ks], spec.kv_groups),
+                                      _repeat(vj[rows, :, ks], spec.kv_groups), piece.mask,
+                                      spec.scale)
+                merge(out[rows, :, qs], lse[rows, :, qs], o.to(acc), l_.to(acc))
             if transfer is not None:
                 transfer.wait()
                 kv = incoming
@@ -190,18 +211,14 @@ class _RingAttention(torch.autograd.Function):
             kj, vj = _unpack(kv, k_shape, v_shape)
             dkv = kv.new_zeros(kv.shape, dtype=acc)
             dkj, dvj = _unpack(dkv, k_shape, v_shape)
-            for qseg, qs in mine:
-                for kseg, ks in spec.slices(owner):
-                    mask = pair_mask(qseg, kseg, spec.causal, spec.window, q.device)
-                    if mask is SKIP:
-                        continue
-                    dqb, dkb, dvb = block_backward(
-                        dout[:, :, qs], q[:, :, qs], _repeat(kj[:, :, ks], spec.kv_groups),
-                        _repeat(vj[:, :, ks], spec.kv_groups), out[:, :, qs], lse[:, :, qs],
-                        delta[:, :, qs], mask, spec.scale)
-                    dq[:, :, qs] += dqb
-                    dkj[:, :, ks] += _unrepeat(dkb, spec.kv_groups)
-                    dvj[:, :, ks] += _unrepeat(dvb, spec.kv_groups)
+            for piece, rows, qs, ks in _pieces(spec, mine, owner, q.device):
+                dqb, dkb, dvb = block_backward(
+                    dout[rows, :, qs], q[rows, :, qs], _repeat(kj[rows, :, ks], spec.kv_groups),
+                    _repeat(vj[rows, :, ks], spec.kv_groups), out[rows, :, qs],
+                    lse[rows, :, qs], delta[rows, :, qs], piece.mask, spec.scale)
+                dq[rows, :, qs] += dqb
+                dkj[rows, :, ks] += _unrepeat(dkb, spec.kv_groups)
+                dvj[rows, :, ks] += _unrepeat(dvb, spec.kv_groups)
             if pending is not None:  # the accumulator of this chunk, from the ranks before
                 pending[0].wait()
                 dkv += pending[1]

@@ -10,21 +10,22 @@ import torch
 
 from tensorpar.collectives.functional import all_gather
 from tensorpar.comm._group import GroupLike, resolve_group
-from tensorpar.context._blocks import Segment
+from tensorpar.context._blocks import Documents, Segment
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 
 __all__ = ["ring_attention"]
 
 _FN = "ring_attention"
-# one row per rank: [ok, T, B, H, Hkv, D, Dv, causal, window + 1, dtype code]
-_META = 10
+# one row per rank: [ok, T, B, H, Hkv, D, Dv, causal, window + 1, dtype code,
+# documents' length + 1 (0: none), a fingerprint of the documents]
+_META = 12
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                    group: GroupLike = None, scale: float | None = None, enable_gqa: bool = False,
-                   window: int | None = None, lengths: Sequence[int] | None = None
-                   ) -> torch.Tensor:
+                   window: int | None = None, lengths: Sequence[int] | None = None,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention over a sequence split in contiguous chunks over ``group``.
 
     Rank ``r`` (a rank within ``group``) holds the ``r``-th chunk of the sequence's queries,
@@ -55,6 +56,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
             without, those with ``|q_pos - k_pos| < window``.
         lengths: every rank's chunk length, the same list on every rank, to skip the one
             small exchange that learns them (and checks that the ranks agree).
+        documents: packed sequences: each position's document over the *whole* sequence,
+            ``(B, T)`` integers that never decrease along a row, the same on every rank (a
+            query sees keys of its own document only, within the causal mask and the
+            window). Blocks of keys in other documents are skipped, as the causal ones.
 
     Returns:
         This rank's chunk of the attention output.
@@ -63,7 +68,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         CollectiveTypeError: an argument of the wrong type (every rank, after the exchange).
         CollectiveArgumentError: shapes, head counts, dtypes, ``is_causal`` or ``window``
             that are inconsistent on a rank or differ between the ranks (raised on every
-            rank); ``lengths`` malformed or disagreeing with this rank's chunk.
+            rank); ``lengths`` malformed or disagreeing with this rank's chunk;
+            ``documents`` of another shape than ``(B, T)``, decreasing along a row, or
+            differing between the ranks (checked by the exchange; with ``lengths`` given,
+            only this rank's own checks run).
 
     Shape:
         ``q``: ``(B, H, T_r, D)``; ``k``: ``(B, Hkv, T_r, D)``; ``v``: ``(B, Hkv, T_r, Dv)``;
@@ -77,12 +85,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         torch.Size([1, 2, 3, 4])
     """
     g = resolve_group(group, _FN)
-    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window)
+    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window) or \
+        _documents_problem(documents, q)
     if lengths is None:
         lengths = _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
-                            group=g)
+                            group=g, documents=documents)
     else:
         problem = problem or _check_lengths(lengths, g.size, g.rank, q)
+        if not problem and documents is not None and documents.shape[1] != sum(lengths):
+            problem = (f"documents cover {documents.shape[1]} positions but the chunks "
+                       f"{list(lengths)} make {sum(lengths)}")
         if problem:
             raise CollectiveArgumentError(f"{_FN}: {problem}")
     offsets = [sum(lengths[:r]) for r in range(g.size)]
@@ -90,7 +102,30 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
     return ring_apply(q, k, v, RingSpec(
         group=g, layout=layout, causal=is_causal, window=window,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-        kv_groups=q.shape[1] // k.shape[1]))
+        kv_groups=q.shape[1] // k.shape[1],
+        documents=None if documents is None else Documents(documents, q.device)))
+
+
+def _documents_problem(documents: object, q: torch.Tensor) -> str | None:
+    """What is wrong with ``documents`` on this rank (its length is checked later)."""
+    if documents is None:
+        return None
+    if not isinstance(documents, torch.Tensor) or documents.is_floating_point() or \
+            documents.is_complex() or documents.dtype == torch.bool:
+        got = documents.dtype if isinstance(documents, torch.Tensor) else type(documents).__name__
+        return f"documents must be a torch.Tensor of integers, got {got}"
+    if documents.ndim != 2 or documents.shape[0] != q.shape[0]:
+        return (f"documents must be (B, T) with B = {q.shape[0]} (q's batch), got shape "
+                f"{tuple(documents.shape)}")
+    if documents.shape[1] and not bool((documents.diff(dim=-1) >= 0).all()):
+        return "documents must not decrease along a row (each document one run of positions)"
+    return None
+
+
+def _fingerprint(documents: torch.Tensor) -> int:
+    """A number every rank computes alike from the same ``documents`` (int64, wrapping)."""
+    ids = documents.to("cpu", torch.int64).flatten()
+    return int((ids * torch.arange(1, ids.numel() + 1)).sum())
 
 
 def _local_problem(q: object, k: object, v: object, is_causal: object, scale: object,
@@ -137,14 +172,24 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
               window: int | None, problem: str | None, size: int, device: torch.device,
-              group: GroupLike, fn: str = _FN) -> list[int]:
-    """All-gather every rank's chunk length and shapes; raise on every rank if any disagree."""
+              group: GroupLike, fn: str = _FN, documents: torch.Tensor | None = None
+              ) -> list[int]:
+    """All-gather every rank's chunk length and shapes; raise on every rank if any disagree.
+
+    ``documents`` (checked by `_documents_problem`): their length must be the whole
+    sequence's, and every rank's the same.
+    """
     row = [0] * _META
     if problem is None:
         code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
         row = [1, q.shape[2], q.shape[0], q.shape[1], k.shape[1], q.shape[3], v.shape[3],
-               int(is_causal), 0 if window is None else window + 1, code]
+               int(is_causal), 0 if window is None else window + 1, code,
+               0 if documents is None else documents.shape[1] + 1,
+               0 if documents is None else _fingerprint(documents)]
     if size == 1:
+        if problem is None and documents is not None and documents.shape[1] != q.shape[2]:
+            problem = (f"documents cover {documents.shape[1]} positions but the sequence has "
+                       f"{q.shape[2]}")
         if problem is not None:
             raise _error(problem, fn)
         return [q.shape[2]]
@@ -156,10 +201,18 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     if bad:
         raise CollectiveArgumentError(f"{fn}: rank(s) {bad} of the group got bad arguments "
                                       f"(their own error says which)")
+    total = sum(m[1] for m in meta)
+    short = [(r, m[10] - 1) for r, m in enumerate(meta) if m[10] and m[10] - 1 != total]
+    if short:
+        raise CollectiveArgumentError(
+            f"{fn}: the documents given on rank(s) {[r for r, _ in short]} cover "
+            f"{[n for _, n in short]} positions but the chunks {[m[1] for m in meta]} make "
+            f"{total}")
     names = ["", "", "batch", "query heads", "key/value heads", "head dim", "value head dim",
-             "is_causal", "window + 1", "dtype"]
+             "is_causal", "window + 1", "dtype", "documents (given or not)",
+             "documents (a fingerprint of their values)"]
     for i in range(2, _META):
-        values = [m[i] for m in meta]
+        values = [m[i] for m in meta] if i != 10 else [bool(m[i]) for m in meta]
         if len(set(values)) > 1:
             raise CollectiveArgumentError(f"{fn}: the ranks disagree on the {names[i]}: "
                                           f"{values} (rank order); expected one value")

@@ -8,6 +8,9 @@ only this rank's share of the positions from the embedding on:
   (so rotary tables follow global positions), switches the cache off and takes ``labels``
   aside;
 - a forward hook on the input embedding keeps the rank's rows of its output;
+- packed rows (``position_ids`` that restart, no attention mask, no cache: where
+  transformers' own masks keep each document to itself) become per-position document
+  ids, computed from the whole ``position_ids`` every rank holds;
 - the attention layers run `tensorpar`'s ring attention (a transformers attention
   implementation registered under ``"tensorpar_ring"``); it reads the layer's causality,
   scaling and sliding window as the model passes them, so masks follow global positions and
@@ -29,6 +32,7 @@ from torch import nn
 
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.context._blocks import Documents
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 
@@ -48,6 +52,7 @@ class _State:
     layout: Layout | None = None
     index: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    documents: Documents | None = None
 
 
 def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
@@ -59,6 +64,12 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     rank and every parameter's gradient is the dense gradient (summed over ``group``).
     ``out.logits`` holds this rank's positions, in the order of
     `tensorpar.context.layout.zigzag_layout`.
+
+    Packed rows (several documents, ``position_ids`` restarting at each) keep each
+    document to itself where transformers' own masks do: called without an
+    ``attention_mask`` and without a cache (``use_cache=False``, or the config's, or
+    gradient checkpointing in training). With a cache transformers attends across the
+    documents, and so does this.
 
     Works with the decoder LMs whose attention goes through transformers'
     ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma2/3, ...), sliding windows
@@ -156,9 +167,43 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     global_pos = (given if given is not None
                   else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
     kwargs["position_ids"] = global_pos[:, state.index]
+    state.documents = None
+    if given is not None and mask is None and not _would_cache(model, kwargs):
+        ids_of_documents = _documents(global_pos.expand(batch, -1))
+        if ids_of_documents is not None:
+            state.documents = Documents(ids_of_documents, ids.device)
     kwargs["use_cache"] = False
     state.labels = kwargs.pop("labels", None)
     return (ids,), kwargs
+
+
+def _would_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the dense model, called with ``kwargs``, would run with a cache.
+
+    As transformers decides: ``use_cache`` if given, else the config's; never under
+    gradient checkpointing in training (with gradients on).
+    """
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return True
+    use = kwargs.get("use_cache")
+    if use is None:
+        config = model.config
+        use = getattr(getattr(config, "get_text_config", lambda: config)(), "use_cache", None)
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
+                        for m in model.modules())
+    if checkpointing and model.training and torch.is_grad_enabled():
+        return False
+    return bool(use)
+
+
+def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Each position's document in packed rows, or ``None`` (one document per row).
+
+    A document starts wherever the position does not go up by one from the last.
+    """
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    documents = (step != 1).cumsum(-1)
+    return documents if bool((documents[:, -1] != 0).any()) else None
 
 
 def _keep_rows(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -214,6 +259,6 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                     causal=bool(getattr(module, "is_causal", True)),
                     window=sliding_window if sliding_window else None,
                     scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
-                    kv_groups=query.shape[1] // key.shape[1])
+                    kv_groups=query.shape[1] // key.shape[1], documents=state.documents)
     out = ring_apply(query, key.contiguous(), value.contiguous(), spec)  # (B, H, T_local, D)
     return out.transpose(1, 2).contiguous(), None

@@ -10,6 +10,10 @@ Per rank, forward+backward, float32, causal, the zigzag layout:
   (one ring hop of a key/value chunk, timed, times the hops: ``2 (W - 1)`` chunk hops and
   ``W`` gradient hops per attention).
 - torch's experimental ``context_parallel`` on the same layer, where it runs.
+- ``packed attention layer``: the same layer over a row packed with documents of
+  ``PACKED_DOCUMENT`` tokens (ring attention's ``documents``); its ideal computes each
+  query segment's pieces against their own document's keys only (what a variable-length
+  kernel does), and the paired ``ring/compute`` compares the two in the same rounds.
 - saved activations per rank (``saved_tensors_hooks``), against the dense layer or model.
 """
 
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from tensorpar.bench.workloads._timing import time_side_by_side
 from tensorpar.comm._group import resolve_group
+from tensorpar.context._blocks import Documents
 from tensorpar.context._ring import RingSpec, _Transfer, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 
@@ -33,6 +38,9 @@ LLAMA: dict[str, Any] = {"vocab_size": 512, "hidden_size": 128, "intermediate_si
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
          "head_dim": 32}
 _IDEAL = "tensorpar_bench_ideal"
+PACKED_DOCUMENT = 700
+"""Tokens per document of the packed case (not a divisor of the chunk lengths: documents
+cross the chunk cuts)."""
 
 
 def _saved_bytes(fn: Any, exclude: set[int]) -> int:
@@ -61,6 +69,25 @@ def _ideal_attention(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor
         mask = torch.arange(end) <= qpos  # (L, end): causal by global position
         outs.append(F.scaled_dot_product_attention(qs, k_full[:, :, :end], v_full[:, :, :end],
                                                    attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
+def _ideal_packed(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor,
+                  layout: Layout, rank: int, document: int) -> torch.Tensor:
+    """Like `_ideal_attention`, each query piece against its own document's keys only."""
+    outs, at = [], 0
+    for seg in layout[rank]:
+        start = seg.start
+        while start < seg.start + seg.length:
+            first = start - start % document  # its document's first position
+            end = min(seg.start + seg.length, first + document)
+            qs = q[:, :, at: at + end - start]
+            at += end - start
+            qpos = torch.arange(start, end).unsqueeze(1)
+            mask = torch.arange(first, end) <= qpos
+            outs.append(F.scaled_dot_product_attention(
+                qs, k_full[:, :, first:end], v_full[:, :, first:end], attn_mask=mask))
+            start = end
     return torch.cat(outs, dim=2)
 
 
@@ -127,6 +154,41 @@ def layer_rank(total: int, rounds: int) -> dict[str, Any]:
             "torch_note": torch_note, "saved": saved, "dense_saved": dense}
 
 
+def packed_layer_rank(total: int, rounds: int) -> dict[str, Any]:
+    """The layer over one row packed with documents of ``PACKED_DOCUMENT`` tokens."""
+    g = resolve_group(None, "bench")
+    b, h, d = LAYER["batch"], LAYER["heads"], LAYER["head_dim"]
+    layout = zigzag_layout(total, g.size)
+    rows = positions(layout, g.rank)
+    torch.manual_seed(g.rank)
+    q, k, v = (torch.randn(b, h, len(rows), d, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, len(rows), d)
+    documents = (torch.arange(total) // PACKED_DOCUMENT).expand(b, -1)
+    spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=d ** -0.5,
+                    kv_groups=1, documents=Documents(documents, q.device))
+    k_full, v_full = (torch.randn(b, h, total, d, requires_grad=True) for _ in range(2))
+    longest = max(len(positions(layout, r)) for r in range(g.size))
+    chunk = torch.randn(2 * b * h * longest * d)
+
+    def ring() -> None:
+        ring_apply(q, k, v, spec).backward(dout)
+
+    def compute() -> None:
+        _ideal_packed(q, k_full, v_full, layout, g.rank, PACKED_DOCUMENT).backward(dout)
+
+    times = time_side_by_side({"ring": ring, "compute": compute, "hop": _hop(spec, chunk)},
+                              rounds=rounds, pairs=(("ring", "compute"),))
+    ideal = times["compute"] + (2 * (g.size - 1) + g.size) * times["hop"]
+    saved = _saved_bytes(lambda: ring_apply(q, k, v, spec), set())
+    qf = torch.randn(b, h, total, d, requires_grad=True)
+    dense = _saved_bytes(lambda: F.scaled_dot_product_attention(qf, k_full, v_full,
+                                                                is_causal=True), set())
+    return {"case": f"packed attention layer ({PACKED_DOCUMENT}-token documents)",
+            "world_size": g.size, "total": total, **times, "ideal": ideal,
+            "ring/ideal": times["ring"] / ideal, "torch_cp": None,
+            "torch_note": "", "saved": saved, "dense_saved": dense}
+
+
 def _ideal_hf_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: Any, **kwargs: Any
                         ) -> tuple[torch.Tensor, None]:
@@ -190,5 +252,6 @@ def llama_rank(total: int, rounds: int) -> dict[str, Any]:
 
 
 def run_rank(total: int, rounds: int) -> list[dict[str, Any]]:
-    """Both cases at one sequence length; the slowest rank's times, rank 0's bytes."""
-    return [layer_rank(total, rounds), llama_rank(total, rounds)]
+    """Every case at one sequence length; the slowest rank's times, rank 0's bytes."""
+    return [layer_rank(total, rounds), packed_layer_rank(total, rounds),
+            llama_rank(total, rounds)]
