@@ -116,21 +116,22 @@ def _documents_of(total, batch, seed, same_rows=False):
 
 
 def _ring_errors(lengths, causal, window=None, heads=(4, 4), kernel="auto", pass_lengths=False,
-                 documents_kind="rows differ"):
+                 documents_kind="rows differ", ulysses=False):
     """This rank's output and q/k/v gradients against SDPA with the documents' mask.
 
     ``documents_kind``: each row its own documents, the ``"same rows"`` (the batch planned
     as one), or ``"masked"``: pieces capped at 2, so the pairs a boundary crosses run as
-    one masked block instead.
+    one masked block instead. ``ulysses``: `ulysses_attention` instead.
     """
     import torch.nn.functional as F
 
     from tensorpar.context import _blocks
-    from tensorpar.nn import ring_attention
+    from tensorpar.nn import ring_attention, ulysses_attention
     from tests.test_ring_attention import dense_mask
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     total, batch_size, dim = sum(lengths), 2, 5
+    attention = ulysses_attention if ulysses else ring_attention
     documents = _documents_of(total, batch_size, seed=3, same_rows=documents_kind == "same rows")
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(batch_size, h, total, dim, generator=g, dtype=torch.float64)
@@ -150,9 +151,9 @@ def _ring_errors(lengths, causal, window=None, heads=(4, 4), kernel="auto", pass
     if documents_kind == "masked":
         _blocks.MAX_PIECES = 2
     try:
-        out = ring_attention(*local, is_causal=causal, window=window, documents=documents,
-                             enable_gqa=heads[0] != heads[1],
-                             lengths=list(lengths) if pass_lengths else None)
+        out = attention(*local, is_causal=causal, window=window, documents=documents,
+                        enable_gqa=heads[0] != heads[1],
+                        lengths=list(lengths) if pass_lengths else None)
         out.backward(dout[:, :, mine])
     finally:
         _blocks._fused, _blocks.MAX_PIECES = fused, cap
@@ -177,6 +178,18 @@ RING_CASES = [((9, 14), True, None, (4, 4), "auto", False, "rows differ"),
 def test_ring_attention_with_documents_equals_sdpa(case):
     lengths = case[0]
     for rank, errors in enumerate(run_distributed(_ring_errors, len(lengths), *case,
+                                                  timeout=300)):
+        for name, err in errors.items():
+            assert err < 1e-10, f"rank {rank}: {name} off by {err}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [((9, 14), True, None, (4, 2), "auto", False, "rows differ"),
+                                  ((5, 0, 8), False, 3, (4, 4), "auto", True, "same rows")],
+                         ids=["causal-gqa", "window-empty-chunk"])
+def test_ulysses_attention_with_documents_equals_sdpa(case):
+    lengths = case[0]
+    for rank, errors in enumerate(run_distributed(_ring_errors, len(lengths), *case, True,
                                                   timeout=300)):
         for name, err in errors.items():
             assert err < 1e-10, f"rank {rank}: {name} off by {err}"

@@ -9,12 +9,12 @@ from typing import cast
 import torch
 
 from tensorpar.collectives.functional import all_gather
-from tensorpar.comm._group import GroupLike, resolve_group
+from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context._blocks import Documents, Segment
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 
-__all__ = ["ring_attention"]
+__all__ = ["agreed_lengths", "ring_attention"]
 
 _FN = "ring_attention"
 # one row per rank: [ok, T, B, H, Hkv, D, Dv, causal, window + 1, dtype code,
@@ -85,18 +85,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         torch.Size([1, 2, 3, 4])
     """
     g = resolve_group(group, _FN)
-    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window) or \
-        _documents_problem(documents, q)
-    if lengths is None:
-        lengths = _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
-                            group=g, documents=documents)
-    else:
-        problem = problem or _check_lengths(lengths, g.size, g.rank, q)
-        if not problem and documents is not None and documents.shape[1] != sum(lengths):
-            problem = (f"documents cover {documents.shape[1]} positions but the chunks "
-                       f"{list(lengths)} make {sum(lengths)}")
-        if problem:
-            raise CollectiveArgumentError(f"{_FN}: {problem}")
+    lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
+                             g, _FN)
     offsets = [sum(lengths[:r]) for r in range(g.size)]
     layout = tuple((Segment(offsets[r], lengths[r]),) for r in range(g.size))
     return ring_apply(q, k, v, RingSpec(
@@ -104,6 +94,28 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
         kv_groups=q.shape[1] // k.shape[1],
         documents=None if documents is None else Documents(documents, q.device)))
+
+
+def agreed_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   scale: float | None, enable_gqa: bool, window: int | None,
+                   lengths: Sequence[int] | None, documents: torch.Tensor | None, g: Group,
+                   fn: str) -> list[int]:
+    """Every rank's chunk length, once the arguments are checked.
+
+    Checked on every rank by the exchange, or on this rank only where ``lengths`` is given.
+    """
+    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window) or \
+        _documents_problem(documents, q)
+    if lengths is None:
+        return _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
+                         group=g, fn=fn, documents=documents)
+    problem = problem or _check_lengths(lengths, g.size, g.rank, q)
+    if not problem and documents is not None and documents.shape[1] != sum(lengths):
+        problem = (f"documents cover {documents.shape[1]} positions but the chunks "
+                   f"{list(lengths)} make {sum(lengths)}")
+    if problem:
+        raise _error(problem, fn)
+    return list(lengths)
 
 
 def _documents_problem(documents: object, q: torch.Tensor) -> str | None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tensorpar.collectives.functional import all_to_all
 from tensorpar.comm._group import GroupLike, resolve_group
-from tensorpar.context.attention import _check_lengths, _error, _exchange, _local_problem
+from tensorpar.context.attention import agreed_lengths
 
 __all__ = ["ulysses_attention"]
 
@@ -28,8 +28,8 @@ _FN = "ulysses_attention"
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       is_causal: bool = False, group: GroupLike = None,
                       scale: float | None = None, enable_gqa: bool = False,
-                      window: int | None = None, lengths: Sequence[int] | None = None
-                      ) -> torch.Tensor:
+                      window: int | None = None, lengths: Sequence[int] | None = None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """The same result as `ring_attention`, by two all-to-alls (sequence split <-> head split).
 
     Arguments, chunks and masks are `ring_attention`'s. With ``enable_gqa`` the key/value
@@ -49,6 +49,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         enable_gqa: allow fewer key/value heads than query heads.
         window: a sliding window, as in `ring_attention`.
         lengths: every rank's chunk length (skips the exchange that learns them).
+        documents: packed sequences, as in `ring_attention` (a ``(B, 1, T, T)`` mask here).
 
     Returns:
         This rank's chunk of the attention output.
@@ -61,14 +62,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ``(B, H, T_r, D)``.
     """
     g = resolve_group(group, _FN)
-    problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window)
-    if lengths is None:
-        lengths = _exchange(q, k, v, is_causal, window, problem, g.size,
-                            g.comm_device(q.device), group=g, fn=_FN)
-    else:
-        problem = problem or _check_lengths(lengths, g.size, g.rank, q)
-        if problem:
-            raise _error(problem, _FN)
+    lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
+                             g, _FN)
     heads = q.shape[1]
     if k.shape[1] != heads:
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
@@ -88,6 +83,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         mask = dist >= 0 if is_causal else torch.ones_like(dist, dtype=torch.bool)
         if window is not None:
             mask &= dist.abs() < window
+    if documents is not None:
+        ids = documents.to(q.device)
+        same = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+        mask = same if mask is None else same & mask
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
