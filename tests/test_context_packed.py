@@ -95,7 +95,8 @@ def test_packed_trains_like_dense(arch, world):
 
 @pytest.mark.timeout(900)
 def test_packed_with_all_ones_mask_four_ranks():
-    """An all-ones mask given beside packed positions: still packed, as dense."""
+    """An all-ones mask beside packed positions: transformers then attends across the
+    documents, and so does context_parallel."""
     _assert_close(run_distributed(_train, 4, "llama", 13, 1, True, timeout=600), 1)
 
 
@@ -234,6 +235,10 @@ def _bad_documents(case):
         documents = documents.double()
     elif case == "disagree" and rank == 0:
         documents[0, 5] = 1
+    elif case == "same sum":  # two splits whose position-weighted id sums agree (26)
+        documents[0] = torch.tensor([0, 0, 0, 1, 2, 2] if rank == 0 else [0, 1, 1, 1, 1, 2])
+    elif case == "unsigned" and rank == 1:
+        documents = torch.tensor([[0, 1, 0, 0, 0, 0]] * 2, dtype=torch.uint8)
     try:
         ring_attention(q, q, q, is_causal=True, documents=documents)
     except (CollectiveArgumentError, CollectiveTypeError) as error:
@@ -243,7 +248,8 @@ def _bad_documents(case):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case,words", [("decreasing", "decrease"), ("length", "positions"),
-                                        ("float", "integers"), ("disagree", "disagree")])
+                                        ("float", "integers"), ("disagree", "disagree"),
+                                        ("same sum", "disagree"), ("unsigned", "decrease")])
 def test_bad_documents_refused_on_every_rank(case, words):
     for rank, message in enumerate(run_distributed(_bad_documents, 2, case, timeout=120)):
         assert message is not None, f"rank {rank} did not raise"
@@ -277,3 +283,33 @@ def test_packed_follows_transformers_cache_rule(setting):
     context_parallel); gradient checkpointing in training switches the cache off, and the
     documents are masked apart on both sides."""
     _assert_close(run_distributed(_cache_or_checkpointing, 2, "llama", setting, timeout=300), 1)
+
+
+def _two_forwards_then_backward(arch, total):
+    """Under gradient checkpointing: a packed forward, an unpacked one, one backward of both.
+
+    The recompute of the first forward's attention must use the first call's documents,
+    not the documents of the forward that ran last.
+    """
+    dense, parallel = build(arch), context_parallel(build(arch))
+    for model in (dense, parallel):
+        model.gradient_checkpointing_enable()
+        model.train()
+    ids, labels, positions = packed_batch(0, total)
+    other_ids, other_labels = batch(1, total)
+    for model in (dense, parallel):
+        first = model(ids, labels=labels, position_ids=positions).loss
+        second = model(other_ids, labels=other_labels).loss
+        (first + second).backward()
+    dense_params = dict(dense.named_parameters())
+    errors = {"loss": 0.0}
+    for name, p in parallel.named_parameters():
+        ref = dense_params[name].grad
+        errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return [errors], 0.0, dist.get_rank() if dist.is_initialized() else 0
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_recompute_uses_its_own_call():
+    _assert_close(run_distributed(_two_forwards_then_backward, 2, "llama", 29, timeout=300), 1)
+    _assert_close([_two_forwards_then_backward("qwen3", 17)], 1)

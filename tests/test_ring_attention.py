@@ -179,3 +179,25 @@ def test_ulysses_matches_sdpa(lengths, causal):
     _check(len(lengths), lengths, causal, heads=(6, 3), fn=ulysses_attention)
     _check(len(lengths), lengths, causal, heads=(4, 4), window=3, scale=0.7,
            fn=ulysses_attention)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_math_kernel_half_precision_backward(dtype):
+    """The matmul/softmax kernel (every device but the CPU) in half precision, both passes."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 9, 4, generator=g) for _ in range(3))
+    dout = torch.randn(2, 2, 9, 4, generator=g)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    fused = _blocks._fused
+    _blocks._fused = lambda t: False
+    try:
+        out = ring_attention(*low, is_causal=True, window=5)
+        out.backward(dout.to(dtype))
+    finally:
+        _blocks._fused = fused
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*want, attn_mask=dense_mask(9, True, 5)).backward(dout)
+    assert out.dtype == dtype
+    for got, full in zip(low, want, strict=True):
+        assert got.grad.dtype == dtype
+        assert (got.grad.float() - full.grad).abs().max() < 5e-2

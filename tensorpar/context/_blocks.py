@@ -58,8 +58,9 @@ class Piece(NamedTuple):
 
 
 MAX_PIECES = 64
-"""More pieces than this in one pair of segments (many short documents): one masked
-block instead (each piece is a kernel call and a merge)."""
+"""More shared documents than this per row (or per batch, where every row holds the same
+documents) in one pair of segments: one masked block instead (each piece is a kernel call
+and a merge)."""
 
 
 class Documents:
@@ -86,17 +87,24 @@ class Documents:
     def pieces(self, q: Segment, k: Segment, causal: bool, window: int | None,
                device: torch.device) -> list[Piece]:
         """The blocks of the pair ``(q, k)``: within each document they share."""
+        shared = [(rows, _shared(runs, ends, q, k)) for rows, runs, ends in self.groups]
+        if sum(len(runs) for _, runs in shared) > MAX_PIECES * len(self.groups):
+            return self._masked(q, k, causal, window, device)  # counted before any is built
         out: list[Piece] = []
-        for rows, runs, ends in self.groups:
-            for start, end in _shared(runs, ends, q, k):
-                qp = _clip(q, start, end)
-                kp = _clip(k, start, end)
+        for rows, runs in shared:
+            for start, end in runs:
+                qp, kp = _clip(q, start, end), _clip(k, start, end)
                 mask = pair_mask(qp, kp, causal, window, device)
                 if mask is not SKIP:
                     out.append(Piece(rows, qp, kp, mask))
-        if len(out) <= MAX_PIECES:
-            return out
+        return out
+
+    def _masked(self, q: Segment, k: Segment, causal: bool, window: int | None,
+                device: torch.device) -> list[Piece]:
+        """The pair as one block, masked to each row's documents."""
         positions = pair_mask(q, k, causal, window, device)
+        if positions is SKIP:
+            return []
         ids = self.on_device
         same = ids[:, q.start:q.start + q.length, None] == ids[:, None, k.start:k.start + k.length]
         if positions is CAUSAL:
@@ -248,7 +256,8 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, Lq, Lk): the final probabilities
     dv = torch.matmul(p.transpose(-1, -2).to(dout.dtype), dout)
     dp = torch.matmul(dout, v.transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1)) * scale
+    # p is in the log-sum-exp's (accumulation) dtype: back to the operands' for the matmuls
+    ds = (p * (dp - delta.unsqueeze(-1)) * scale).to(k.dtype)
     return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
 
 

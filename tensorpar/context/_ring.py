@@ -70,9 +70,15 @@ class RingSpec:
         return out
 
 
-def ring_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> torch.Tensor:
-    """Run `_RingAttention` (inputs already validated)."""
-    out: torch.Tensor = _RingAttention.apply(q, k, v, spec)  # type: ignore[no-untyped-call]
+def ring_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Run `_RingAttention` (inputs already validated).
+
+    ``sinks``: one logit per query head (``(H,)``, not scaled) that joins every query's
+    softmax without a value (gpt-oss's attention sinks): the output is scaled by the share
+    of the normaliser the keys hold.
+    """
+    out: torch.Tensor = _RingAttention.apply(q, k, v, spec, sinks)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -156,7 +162,7 @@ def _pieces(spec: RingSpec, mine: list[tuple[Segment, slice]], owner: int,
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                spec: RingSpec) -> torch.Tensor:
+                spec: RingSpec, sinks: torch.Tensor | None) -> torch.Tensor:
         g, rank = spec.group, spec.group.rank
         acc = _acc_dtype(q)
         # (B, H, Tq, Dv) laid out as (B, Tq, H, Dv): what attention layers reshape it to next
@@ -181,16 +187,21 @@ class _RingAttention(torch.autograd.Function):
             if transfer is not None:
                 transfer.wait()
                 kv = incoming
+        if sinks is not None:  # the sink's share of each normaliser, taken from the keys'
+            sink = sinks.detach().to(acc).view(1, -1, 1)
+            total = torch.logaddexp(lse, sink.expand_as(lse))
+            out.mul_(torch.exp(lse - total).unsqueeze(-1))
+            lse = total
         out = out.to(q.dtype)
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, torch.Tensor | None]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         spec: RingSpec = ctx.spec
         g, rank = spec.group, spec.group.rank
         acc = _acc_dtype(q)
@@ -235,4 +246,8 @@ class _RingAttention(torch.autograd.Function):
             pending[0].wait()
             dkv = pending[1]
         dk, dv = _unpack(dkv, *_shapes(k, v, k.shape[2]))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dsinks = None
+        if sinks is not None:  # d out / d sink = -p_sink * out, so -sum of p_sink * delta
+            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import cast
@@ -129,15 +130,22 @@ def _documents_problem(documents: object, q: torch.Tensor) -> str | None:
     if documents.ndim != 2 or documents.shape[0] != q.shape[0]:
         return (f"documents must be (B, T) with B = {q.shape[0]} (q's batch), got shape "
                 f"{tuple(documents.shape)}")
-    if documents.shape[1] and not bool((documents.diff(dim=-1) >= 0).all()):
+    if documents.shape[1] and not bool((documents.to(torch.int64).diff(dim=-1) >= 0).all()):
         return "documents must not decrease along a row (each document one run of positions)"
     return None
 
 
 def _fingerprint(documents: torch.Tensor) -> int:
-    """A number every rank computes alike from the same ``documents`` (int64, wrapping)."""
-    ids = documents.to("cpu", torch.int64).flatten()
-    return int((ids * torch.arange(1, ids.numel() + 1)).sum())
+    """A hash of where the documents start: one number, alike on ranks that split alike.
+
+    The ids themselves do not count (the same split under other ids masks the same). A
+    56-bit digest, so that it fits an int64.
+    """
+    ids = documents.to("cpu", torch.int64)
+    starts = (ids.diff(dim=-1) != 0).to(torch.uint8).contiguous()
+    digest = hashlib.blake2b(starts.numpy().tobytes() + repr(tuple(ids.shape)).encode(),
+                             digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _local_problem(q: object, k: object, v: object, is_causal: object, scale: object,

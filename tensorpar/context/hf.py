@@ -11,6 +11,8 @@ only this rank's share of the positions from the embedding on:
 - packed rows (``position_ids`` that restart, no attention mask, no cache: where
   transformers' own masks keep each document to itself) become per-position document
   ids, computed from the whole ``position_ids`` every rank holds;
+- the layout and the documents travel to the attention layers as one keyword argument of
+  the forward (`Call`), so that an activation checkpoint's recompute gets its own call's;
 - the attention layers run `tensorpar`'s ring attention (a transformers attention
   implementation registered under ``"tensorpar_ring"``); it reads the layer's causality,
   scaling and sliding window as the model passes them, so masks follow global positions and
@@ -36,7 +38,7 @@ from tensorpar.context._blocks import Documents
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 
-__all__ = ["context_parallel"]
+__all__ = ["CALL", "Call", "context_parallel"]
 
 _FN = "context_parallel"
 IMPLEMENTATION = "tensorpar_ring"
@@ -44,15 +46,30 @@ _STATE = "_tensorpar_context"
 _SUMMED = "_tensorpar_context_grad"
 
 
+CALL = "tensorpar_context"
+"""The keyword under which a forward's `Call` travels to the attention layers."""
+
+
 @dataclass
 class _State:
-    """The group and, during a forward, the layout of the current sequence."""
+    """The group and, during a forward, this rank's positions and the labels."""
 
     group: Group
-    layout: Layout | None = None
     index: torch.Tensor | None = None
     labels: torch.Tensor | None = None
-    documents: Documents | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one forward's attention needs: the layout and the packed documents.
+
+    It travels with the forward's keyword arguments (transformers hands them down to the
+    attention), so an activation checkpoint's recompute gets its own call's, whatever
+    forwards ran in between.
+    """
+
+    layout: Layout
+    documents: Documents | None
 
 
 def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
@@ -161,17 +178,18 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if len(args) > 1:
         raise ValueError(f"{_FN}: pass the arguments after input_ids by keyword")
     batch, total = ids.shape
-    state.layout = zigzag_layout(total, state.group.size)
-    state.index = positions(state.layout, state.group.rank, ids.device)
+    layout = zigzag_layout(total, state.group.size)
+    state.index = positions(layout, state.group.rank, ids.device)
     given = kwargs.get("position_ids")
     global_pos = (given if given is not None
                   else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
     kwargs["position_ids"] = global_pos[:, state.index]
-    state.documents = None
+    documents = None
     if given is not None and mask is None and not _would_cache(model, kwargs):
         ids_of_documents = _documents(global_pos.expand(batch, -1))
         if ids_of_documents is not None:
-            state.documents = Documents(ids_of_documents, ids.device)
+            documents = Documents(ids_of_documents, ids.device)
+    kwargs[CALL] = Call(layout, documents)
     kwargs["use_cache"] = False
     state.labels = kwargs.pop("labels", None)
     return (ids,), kwargs
@@ -248,17 +266,22 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The transformers attention implementation: ring attention over the context-parallel group."""
     state: _State | None = module.__dict__.get(_STATE)
-    if state is None or state.layout is None:
+    call = kwargs.get(CALL)
+    if state is None or not isinstance(call, Call):
         raise RuntimeError(f"{_FN}: the {IMPLEMENTATION!r} attention ran outside a context-"
-                           f"parallel model's forward")
+                           f"parallel model's forward, or the model did not hand its keyword "
+                           f"arguments down to its attention")
     if dropout:
         raise ValueError(f"{_FN}: attention dropout ({dropout}) is not supported; expected 0")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{_FN}: attention soft-capping is not supported")
-    spec = RingSpec(group=state.group, layout=state.layout,
+    spec = RingSpec(group=state.group, layout=call.layout,
                     causal=bool(getattr(module, "is_causal", True)),
                     window=sliding_window if sliding_window else None,
                     scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
-                    kv_groups=query.shape[1] // key.shape[1], documents=state.documents)
-    out = ring_apply(query, key.contiguous(), value.contiguous(), spec)  # (B, H, T_local, D)
+                    kv_groups=query.shape[1] // key.shape[1], documents=call.documents)
+    # gpt-oss-style attention sinks: one logit per head in every query's softmax
+    sinks = kwargs.get("s_aux")
+    out = ring_apply(query, key.contiguous(), value.contiguous(), spec,  # (B, H, T_local, D)
+                     sinks if isinstance(sinks, torch.Tensor) else None)
     return out.transpose(1, 2).contiguous(), None

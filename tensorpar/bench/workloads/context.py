@@ -29,6 +29,7 @@ from tensorpar.bench.workloads._timing import time_side_by_side
 from tensorpar.comm._group import resolve_group
 from tensorpar.context._blocks import Documents
 from tensorpar.context._ring import RingSpec, _Transfer, ring_apply
+from tensorpar.context.hf import CALL
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 
 __all__ = ["LAYER", "LLAMA", "run_rank"]
@@ -192,12 +193,12 @@ def packed_layer_rank(total: int, rounds: int) -> dict[str, Any]:
 def _ideal_hf_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: Any, **kwargs: Any
                         ) -> tuple[torch.Tensor, None]:
-    state = module.__dict__["_tensorpar_context"]
-    total = sum(seg.length for r in state.layout for seg in r)
+    state, call = module.__dict__["_tensorpar_context"], kwargs[CALL]
+    total = sum(seg.length for r in call.layout for seg in r)
     reps = -(-total // max(1, key.shape[2]))
     k_full = key.repeat(1, 1, reps, 1)[:, :, :total]  # the right size; values do not matter
     v_full = value.repeat(1, 1, reps, 1)[:, :, :total]
-    out = _ideal_attention(query, k_full, v_full, state.layout, state.group.rank)
+    out = _ideal_attention(query, k_full, v_full, call.layout, state.group.rank)
     return out.transpose(1, 2).contiguous(), None
 
 
