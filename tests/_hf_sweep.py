@@ -112,7 +112,8 @@ def architectures() -> list[tuple[str, str, str]]:
 
 
 def _build(model_type: str, config_name: str, cls: str,  # type: ignore[no-untyped-def]
-           layers: int = 2):
+           layers: int = 2, extra: dict[str, object] | None = None):
+    """The tiny model; ``extra``: more fields, each set where the config declares it."""
     import transformers
 
     fields = {**TINY, **OVERRIDES.get(model_type, {}), "num_hidden_layers": layers}
@@ -120,7 +121,7 @@ def _build(model_type: str, config_name: str, cls: str,  # type: ignore[no-untyp
         if name in ("layer_types", "activation_sparsity_pattern") and isinstance(value, list):
             fields[name] = [value[i % len(value)] for i in range(layers)]
     if "text_config" in fields:  # a composite config whose text part makes the causal LM
-        fields = {"text_config": {**TINY, **fields["text_config"]}}
+        fields = {"text_config": {**TINY, **fields["text_config"], **(extra or {})}}
     config_cls = getattr(transformers, config_name)
     declared = {f.name for f in dataclasses.fields(config_cls)} | set(config_cls.attribute_map)
     if "num_layers" in declared and layers != TINY["num_hidden_layers"]:
@@ -131,6 +132,7 @@ def _build(model_type: str, config_name: str, cls: str,  # type: ignore[no-untyp
     for name in ("num_key_value_heads", "head_dim"):  # a config without them has no such
         if name not in declared:  # attribute, which the planner would otherwise read
             fields.pop(name, None)
+    fields.update({name: value for name, value in (extra or {}).items() if name in declared})
     config = config_cls(**fields)
     model_cls = getattr(transformers, cls)
     if not isinstance(config, model_cls.config_class):  # as AutoModelForCausalLM does

@@ -62,3 +62,125 @@ def test_ring_attention_with_sinks(lengths, causal, window):
                                                   window, timeout=120)):
         for name, err in errors.items():
             assert err < TOL, f"rank {rank}: {name} off by {err}"
+
+
+# Sliding windows and attention chunks of 4 at T = 13 on 2 ranks (chunks of 3 and 4 tokens):
+# every window crosses a cut. Set where a family's config declares the field.
+WINDOWS = {"sliding_window": 4, "attention_chunk_size": 4, "sliding_window_size": 4,
+           "use_sliding_window": True, "max_window_layers": 1}
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-5  # float32 islands in float64 models (test_context_parallel)
+
+
+def _families():
+    from tests._hf_sweep import architectures
+
+    return {model_type: (config, cls) for model_type, config, cls in architectures()}
+
+
+def _family_errors(model_type, force=False):
+    """``(loss error / loss, worst gradient error / its tensor's largest entry, name)``."""
+    import warnings
+
+    from tensorpar.context import hf
+    from tensorpar.nn import context_parallel
+    from tests._hf_sweep import _build
+
+    config, cls = _families()[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = _build(model_type, config, cls, layers=4, extra=WINDOWS)
+        model = _build(model_type, config, cls, layers=4, extra=WINDOWS)
+        if force:  # run it whatever the checks say
+            hf._unsupported = lambda config, text: None
+        context_parallel(model)
+        ids = torch.randint(2, 101, (2, 13), generator=torch.Generator().manual_seed(0))
+        want = dense(ids, labels=ids, use_cache=False)
+        want.loss.backward()
+        got = model(ids, labels=ids, use_cache=False)
+        got.loss.backward()
+    loss = abs(got.loss.item() - want.loss.item()) / abs(want.loss.item())
+    worst, where = 0.0, ""
+    grads = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        ref = grads[name].grad
+        if ref is None and p.grad is None:
+            continue
+        err = float("inf") if ref is None or p.grad is None else \
+            ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        if not err <= worst:  # NaN counts
+            worst, where = err, name
+    return loss, worst, where
+
+
+def _listed_errors(names):
+    return {name: _family_errors(name) for name in names}
+
+
+def _assert_listed_equal_dense(names):
+    for rank, results in enumerate(run_distributed(_listed_errors, 2, names, timeout=900)):
+        for name, (loss, worst, where) in results.items():
+            assert loss < LOSS_TOL and worst < GRAD_TOL, \
+                f"{name} on rank {rank}: loss off by {loss:.1e}, {where} by {worst:.1e}"
+
+
+@pytest.mark.timeout(600)
+def test_listed_families_equal_dense():
+    """Attention sinks (gpt-oss, granitemoe_swa), sliding and full layers (cohere2), latent
+    attention (deepseek_v3), biases (starcoder2), a parallel block (phi), a fused qkv
+    (gpt_neox)."""
+    _assert_listed_equal_dense(["gpt_oss", "granitemoe_swa", "cohere2", "deepseek_v3",
+                                "starcoder2", "phi", "gpt_neox"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_every_listed_family_equals_dense():
+    from tensorpar.context.hf import CONTEXT_MODEL_TYPES
+
+    missing = [t for t in CONTEXT_MODEL_TYPES if t not in _families()]
+    assert not missing, f"listed but not in this transformers: {missing}"
+    _assert_listed_equal_dense(list(CONTEXT_MODEL_TYPES))
+
+
+def test_unlisted_families_and_layer_kinds_are_refused():
+    import transformers
+
+    from tensorpar.nn import context_parallel
+
+    def tiny(config_cls, **extra):
+        config = config_cls(vocab_size=11, hidden_size=8, intermediate_size=8,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                            **extra)
+        return config
+
+    jamba = transformers.JambaForCausalLM(tiny(transformers.JambaConfig))
+    with pytest.raises(ValueError, match="model_type 'jamba' has not been measured"):
+        context_parallel(jamba)
+    lfm2 = transformers.Lfm2ForCausalLM(tiny(transformers.Lfm2Config, full_attn_idxs=[1]))
+    with pytest.raises(ValueError, match="layers of kind conv"):
+        context_parallel(lfm2)
+    assert not hasattr(lfm2, "_tensorpar_context")  # refused before anything changed
+
+
+def _forced(model_type):
+    loss, worst, where = _family_errors(model_type, force=True)
+    return loss < LOSS_TOL and worst < GRAD_TOL, f"loss {loss:.1e}, {where} {worst:.1e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_every_unlisted_family_is_wrong_when_forced():
+    """The list leaves out nothing that works: each other family, run anyway, differs from
+    dense, fails, or hangs (its own processes, with a timeout)."""
+    from tensorpar.context.hf import CONTEXT_MODEL_TYPES
+
+    unlisted = [t for t in _families() if t not in CONTEXT_MODEL_TYPES]
+    close = []
+    for model_type in unlisted:
+        try:
+            results = run_distributed(_forced, 2, model_type, timeout=120)
+        except Exception:  # any failure, or a hang: not a family that works
+            continue
+        if all(ok for ok, _ in results):
+            close.append(f"{model_type} ({results[0][1]})")
+    assert not close, f"equal to dense but not listed in CONTEXT_MODEL_TYPES: {close}"

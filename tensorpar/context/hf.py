@@ -38,13 +38,34 @@ from tensorpar.context._blocks import Documents
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 
-__all__ = ["CALL", "Call", "context_parallel"]
+__all__ = ["CALL", "CONTEXT_MODEL_TYPES", "Call", "context_parallel"]
 
 _FN = "context_parallel"
 IMPLEMENTATION = "tensorpar_ring"
 _STATE = "_tensorpar_context"
 _SUMMED = "_tensorpar_context_grad"
 
+
+CONTEXT_MODEL_TYPES = (
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "cohere",
+    "cohere2", "cohere2_moe", "cohere_compass_text", "cwm", "deepseek_v2", "deepseek_v3",
+    "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe",
+    "flex_olmo", "flint", "gemma", "gemma3_text", "gemma4_unified_text", "glm", "glm4",
+    "glm4_moe", "glm4_moe_lite", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa",
+    "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3",
+    "iquestcoder", "jais2", "kolibri1", "laguna", "lfm2", "llama", "mellum",
+    "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral",
+    "ministral3", "mistral", "mixtral", "nanochat", "olmo", "olmo2", "olmo3", "olmoe",
+    "phi", "phi3", "phi4_multimodal", "qwen2", "qwen3", "qwen3_moe", "sarvam_mla",
+    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "starcoder2", "youtu",
+)
+"""transformers ``model_type``\\ s that `context_parallel` runs: each family's causal LM
+equals its dense self (loss and every gradient, float64, two ranks, sliding windows and
+chunks smaller than the sequence) with the transformers the tests pin (5.24), in
+``tests/test_context_families.py``."""
+
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 CALL = "tensorpar_context"
 """The keyword under which a forward's `Call` travels to the attention layers."""
@@ -88,9 +109,13 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     gradient checkpointing in training). With a cache transformers attends across the
     documents, and so does this.
 
-    Works with the decoder LMs whose attention goes through transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma2/3, ...), sliding windows
-    included. Apply it after `tensorpar.parallelize` (tensor parallelism over another group).
+    Runs the families listed in `CONTEXT_MODEL_TYPES` (measured equal to dense: every
+    gradient, at two ranks, with sliding windows that cross the chunks), whose layers are
+    attention layers (``config.layer_types`` of full or sliding attention only); attention
+    sinks (gpt-oss) included. Others are refused by name: a mamba, convolution or
+    linear-attention layer, a chunked or indexed attention, or a per-layer input computed
+    from the token ids would see only this rank's share of the sequence, silently. Apply
+    it after `tensorpar.parallelize` (tensor parallelism over another group).
 
     Args:
         model: a transformers ``PreTrainedModel`` for causal LM (``...ForCausalLM``).
@@ -101,8 +126,9 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
 
     Raises:
         TypeError: ``model`` has no input embedding or no transformers config.
-        ValueError: the model is already context parallel, or uses attention logit
-            soft-capping.
+        ValueError: the model is already context parallel, of a family not in
+            `CONTEXT_MODEL_TYPES`, has layers other than attention layers, or uses attention
+            logit soft-capping.
 
     Example:
         >>> import torch, transformers
@@ -123,10 +149,9 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     if getattr(model, _STATE, None) is not None:
         raise ValueError(f"{_FN}: {type(model).__name__} is already context parallel")
     text = getattr(config, "get_text_config", lambda: config)()
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{_FN}: attention logit soft-capping "
-                         f"(attn_logit_softcapping={text.attn_logit_softcapping}) is not "
-                         f"supported by ring attention; expected None")
+    problem = _unsupported(config, text)
+    if problem:
+        raise ValueError(f"{_FN}: {problem}")
     _register()
     state = _State(g)
     setattr(model, _STATE, state)
@@ -146,6 +171,27 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
             setattr(p, _SUMMED, True)
             p.register_hook(_summer(g))
     return model
+
+
+def _unsupported(config: Any, text: Any) -> str | None:
+    """Why a model with this config cannot be split by sequence, or ``None``."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in CONTEXT_MODEL_TYPES and \
+            getattr(text, "model_type", None) not in CONTEXT_MODEL_TYPES:
+        return (f"model_type {model_type!r} has not been measured equal to dense with its "
+                f"sequence split (tensorpar.context.hf.CONTEXT_MODEL_TYPES): a layer that "
+                f"mixes positions outside attention, or an attention mask the ring does not "
+                f"implement, would see only this rank's share of the sequence")
+    kinds = sorted({str(k) for k in getattr(text, "layer_types", None) or ()}
+                   - set(_ATTENTION_LAYERS))
+    if kinds:
+        return (f"layers of kind {', '.join(kinds)} (config.layer_types) are not attention "
+                f"layers the ring runs (only {', '.join(_ATTENTION_LAYERS)})")
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return (f"attention logit soft-capping (attn_logit_softcapping="
+                f"{text.attn_logit_softcapping}) is not supported by ring attention; "
+                f"expected None")
+    return None
 
 
 def _register() -> None:
