@@ -77,8 +77,15 @@ def _families():
     return {model_type: (config, cls) for model_type, config, cls in architectures()}
 
 
-def _family_errors(model_type, force=False):
-    """``(loss error / loss, worst gradient error / its tensor's largest entry, name)``."""
+PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8],  # documents across the cuts
+                       [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]])
+
+
+def _family_errors(model_type, force=False, packed=False):
+    """``(loss error / loss, worst gradient error / its tensor's largest entry, name)``.
+
+    ``packed``: two documents per row (restarting ``position_ids``), without a cache.
+    """
     import warnings
 
     from tensorpar.context import hf
@@ -90,13 +97,18 @@ def _family_errors(model_type, force=False):
         warnings.simplefilter("ignore")
         dense = _build(model_type, config, cls, layers=4, extra=WINDOWS)
         model = _build(model_type, config, cls, layers=4, extra=WINDOWS)
-        if force:  # run it whatever the checks say
-            hf._unsupported = lambda config, text: None
-        context_parallel(model)
+        checks = hf._unsupported
+        if force:  # run it whatever the checks say (these processes serve other tests too)
+            hf._unsupported = lambda config: None
+        try:
+            context_parallel(model)
+        finally:
+            hf._unsupported = checks
         ids = torch.randint(2, 101, (2, 13), generator=torch.Generator().manual_seed(0))
-        want = dense(ids, labels=ids, use_cache=False)
+        extra = {"position_ids": PACKED} if packed else {}
+        want = dense(ids, labels=ids, use_cache=False, **extra)
         want.loss.backward()
-        got = model(ids, labels=ids, use_cache=False)
+        got = model(ids, labels=ids, use_cache=False, **extra)
         got.loss.backward()
     loss = abs(got.loss.item() - want.loss.item()) / abs(want.loss.item())
     worst, where = 0.0, ""
@@ -112,12 +124,13 @@ def _family_errors(model_type, force=False):
     return loss, worst, where
 
 
-def _listed_errors(names):
-    return {name: _family_errors(name) for name in names}
+def _listed_errors(names, packed):
+    return {name: _family_errors(name, packed=packed) for name in names}
 
 
-def _assert_listed_equal_dense(names):
-    for rank, results in enumerate(run_distributed(_listed_errors, 2, names, timeout=900)):
+def _assert_listed_equal_dense(names, packed=False):
+    for rank, results in enumerate(run_distributed(_listed_errors, 2, names, packed,
+                                                   timeout=900)):
         for name, (loss, worst, where) in results.items():
             assert loss < LOSS_TOL and worst < GRAD_TOL, \
                 f"{name} on rank {rank}: loss off by {loss:.1e}, {where} by {worst:.1e}"
@@ -132,14 +145,22 @@ def test_listed_families_equal_dense():
                                 "starcoder2", "phi", "gpt_neox"])
 
 
+@pytest.mark.timeout(600)
+def test_packed_rows_follow_each_familys_masks():
+    """gpt-oss and AFMoE attend across packed documents in dense transformers (their masks
+    are not given the positions), Cohere2 and Llama keep them apart: each as dense."""
+    _assert_listed_equal_dense(["gpt_oss", "afmoe", "cohere2", "llama"], packed=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_every_listed_family_equals_dense():
+@pytest.mark.parametrize("packed", [False, True])
+def test_every_listed_family_equals_dense(packed):
     from tensorpar.context.hf import CONTEXT_MODEL_TYPES
 
     missing = [t for t in CONTEXT_MODEL_TYPES if t not in _families()]
     assert not missing, f"listed but not in this transformers: {missing}"
-    _assert_listed_equal_dense(list(CONTEXT_MODEL_TYPES))
+    _assert_listed_equal_dense(list(CONTEXT_MODEL_TYPES), packed=packed)
 
 
 def test_unlisted_families_and_layer_kinds_are_refused():
@@ -160,6 +181,45 @@ def test_unlisted_families_and_layer_kinds_are_refused():
     with pytest.raises(ValueError, match="layers of kind conv"):
         context_parallel(lfm2)
     assert not hasattr(lfm2, "_tensorpar_context")  # refused before anything changed
+    gemma = transformers.GemmaForCausalLM(tiny(transformers.GemmaConfig,
+                                               use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        context_parallel(gemma)
+
+
+def test_a_composite_model_is_judged_by_its_own_type():
+    """A multimodal config whose text part is listed is not itself listed (not measured)."""
+    import transformers
+
+    from tensorpar.context.hf import _unsupported
+
+    assert "model_type 'gemma3' has not been measured" in _unsupported(transformers.Gemma3Config())
+    assert _unsupported(transformers.Gemma3TextConfig()) is None
+
+
+def test_inputs_that_shape_attention_are_refused():
+    from tensorpar.nn import context_parallel
+    from tests.test_context_parallel import batch, build
+
+    model = context_parallel(build("llama"))
+    ids, labels = batch(0, 9)
+    with pytest.raises(ValueError, match="token_type_ids"):
+        model(ids, labels=labels, token_type_ids=torch.ones_like(ids))
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, labels=labels, logits_to_keep=1)
+
+
+def test_num_items_in_batch_is_the_losss_denominator():
+    """As the dense model's loss (gradient accumulation divides by the whole step's count)."""
+    from tensorpar.nn import context_parallel
+    from tests.test_context_parallel import batch, build
+
+    dense, model = build("llama"), context_parallel(build("llama"))
+    ids, labels = batch(0, 9)
+    want = dense(ids, labels=labels, num_items_in_batch=40).loss
+    got = model(ids, labels=labels, num_items_in_batch=40).loss
+    assert abs(got.item() - want.item()) < 1e-6
+    assert abs(want.item() - dense(ids, labels=labels).loss.item()) > 1e-3  # it matters
 
 
 def _forced(model_type):
@@ -175,12 +235,16 @@ def test_every_unlisted_family_is_wrong_when_forced():
     from tensorpar.context.hf import CONTEXT_MODEL_TYPES
 
     unlisted = [t for t in _families() if t not in CONTEXT_MODEL_TYPES]
-    close = []
+    close, ran = [], []
     for model_type in unlisted:
         try:
             results = run_distributed(_forced, 2, model_type, timeout=120)
         except Exception:  # any failure, or a hang: not a family that works
             continue
+        ran.append(model_type)
         if all(ok for ok, _ in results):
             close.append(f"{model_type} ({results[0][1]})")
     assert not close, f"equal to dense but not listed in CONTEXT_MODEL_TYPES: {close}"
+    # the forcing works: families that run to the end, wrong (mamba, convolution, sinks-free
+    # linear attention, a mask of their own)
+    assert {"jamba", "lfm2_moe", "qwen3_next", "doge"} <= set(ran), ran

@@ -67,6 +67,17 @@ chunks smaller than the sequence) with the transformers the tests pin (5.24), in
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
+PACKED_ACROSS = ("afmoe", "gpt_oss")
+"""Listed families whose transformers masks do not keep packed documents apart (their mask
+builders are not given ``position_ids``): dense attends across the documents, and so does
+`context_parallel` (measured: their dense logits do not change when transformers' packed
+sequence detection is switched off; every other listed family's do)."""
+
+_INPUTS = frozenset({"labels", "position_ids", "use_cache", "return_dict",
+                     "output_hidden_states", "output_attentions"})
+"""Keyword inputs besides ``input_ids``, ``attention_mask`` (all ones) and
+``num_items_in_batch`` that `context_parallel` takes; any other is refused."""
+
 CALL = "tensorpar_context"
 """The keyword under which a forward's `Call` travels to the attention layers."""
 
@@ -78,6 +89,7 @@ class _State:
     group: Group
     index: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    count: Any = None  # num_items_in_batch, where the caller gives it
 
 
 @dataclass(frozen=True)
@@ -148,10 +160,10 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
                         f"input embedding), got {type(model).__name__}")
     if getattr(model, _STATE, None) is not None:
         raise ValueError(f"{_FN}: {type(model).__name__} is already context parallel")
-    text = getattr(config, "get_text_config", lambda: config)()
-    problem = _unsupported(config, text)
+    problem = _unsupported(config)
     if problem:
         raise ValueError(f"{_FN}: {problem}")
+    text = getattr(config, "get_text_config", lambda: config)()
     _register()
     state = _State(g)
     setattr(model, _STATE, state)
@@ -173,20 +185,26 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     return model
 
 
-def _unsupported(config: Any, text: Any) -> str | None:
+def _unsupported(config: Any) -> str | None:
     """Why a model with this config cannot be split by sequence, or ``None``."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in CONTEXT_MODEL_TYPES and \
-            getattr(text, "model_type", None) not in CONTEXT_MODEL_TYPES:
+    model_type = getattr(config, "model_type", None)  # the model's own (measured) config
+    if model_type not in CONTEXT_MODEL_TYPES:
         return (f"model_type {model_type!r} has not been measured equal to dense with its "
                 f"sequence split (tensorpar.context.hf.CONTEXT_MODEL_TYPES): a layer that "
                 f"mixes positions outside attention, or an attention mask the ring does not "
                 f"implement, would see only this rank's share of the sequence")
+    text = getattr(config, "get_text_config", lambda: config)()
     kinds = sorted({str(k) for k in getattr(text, "layer_types", None) or ()}
                    - set(_ATTENTION_LAYERS))
     if kinds:
         return (f"layers of kind {', '.join(kinds)} (config.layer_types) are not attention "
                 f"layers the ring runs (only {', '.join(_ATTENTION_LAYERS)})")
+    # "vision": bidirectional among image tokens only, and only token ids come in here
+    bidirectional = getattr(text, "use_bidirectional_attention", None)
+    if bidirectional not in (None, False, "vision"):
+        return (f"use_bidirectional_attention={bidirectional!r} is not supported (some "
+                f"families' attention layers then say non-causal while their masks stay "
+                f"causal)")
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return (f"attention logit soft-capping (attn_logit_softcapping="
                 f"{text.attn_logit_softcapping}) is not supported by ring attention; "
@@ -223,6 +241,19 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                          f"None or all ones")
     if len(args) > 1:
         raise ValueError(f"{_FN}: pass the arguments after input_ids by keyword")
+    state.count = kwargs.pop("num_items_in_batch", None)  # the loss's denominator, if given
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{_FN}: a cache ({name}) is not supported (training and scoring "
+                             f"only: the cache is switched off)")
+    if kwargs.get("logits_to_keep"):
+        raise ValueError(f"{_FN}: logits_to_keep is not supported (each rank holds positions "
+                         f"from all over the sequence); expected 0")
+    other = sorted(k for k, v in kwargs.items() if k not in _INPUTS and v is not None)
+    if other:
+        raise ValueError(f"{_FN}: inputs {other} are not supported (they may shape the "
+                         f"attention, as a prefix's token_type_ids do, which the ring does "
+                         f"not follow); expected only {sorted(_INPUTS)}")
     batch, total = ids.shape
     layout = zigzag_layout(total, state.group.size)
     state.index = positions(layout, state.group.rank, ids.device)
@@ -231,7 +262,8 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                   else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
     kwargs["position_ids"] = global_pos[:, state.index]
     documents = None
-    if given is not None and mask is None and not _would_cache(model, kwargs):
+    if given is not None and mask is None and not _would_cache(model, kwargs) and \
+            getattr(model.config, "model_type", None) not in PACKED_ACROSS:
         ids_of_documents = _documents(global_pos.expand(batch, -1))
         if ids_of_documents is not None:
             documents = Documents(ids_of_documents, ids.device)
@@ -285,7 +317,8 @@ def _loss(model: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
         return out
     ignore = -100
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore)], dim=1)
-    count = (shifted != ignore).sum()  # every rank holds every label: no communication
+    count = state.count if state.count is not None else \
+        (shifted != ignore).sum()  # every rank holds every label: no communication
     target = shifted[:, index].contiguous()
     shard = getattr(model.get_output_embeddings(), "shard", None)  # type: ignore[operator]
     if shard is not None and out.logits.shape[-1] != sum(shard.sizes):  # vocab-parallel head
