@@ -13,7 +13,14 @@ import torch.distributed as dist
 
 from tensorpar.nn import context_parallel
 from tensorpar.testing import run_distributed
-from tests.test_context_parallel import ARCHS, GRAD_TOL, _assert_close, batch, build
+from tests.test_context_parallel import (
+    ARCHS,
+    GRAD_TOL,
+    _assert_close,
+    backward_errors,
+    batch,
+    build,
+)
 
 pytest.importorskip("transformers")
 
@@ -49,15 +56,8 @@ def _errors(dense, parallel, ids, labels, position_ids, mask):
     extra = {"position_ids": position_ids, "use_cache": False}
     if mask:
         extra["attention_mask"] = torch.ones_like(ids)
-    want, got = dense(ids, labels=labels, **extra), parallel(ids, labels=labels, **extra)
-    want.loss.backward()
-    got.loss.backward()
-    errors = {"loss": abs(got.loss.double().item() - want.loss.double().item())}
-    dense_params = dict(dense.named_parameters())
-    for name, p in parallel.named_parameters():
-        ref = dense_params[name].grad
-        errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    return errors
+    return backward_errors(dense, parallel, dense(ids, labels=labels, **extra).loss,
+                           parallel(ids, labels=labels, **extra).loss)
 
 
 def _train(arch, total, steps, mask=False):
@@ -264,15 +264,9 @@ def _cache_or_checkpointing(arch, setting):
             model.gradient_checkpointing_enable()
             model.train()
     ids, labels, positions = packed_batch(0, 29)
-    want = dense(ids, labels=labels, position_ids=positions)
-    got = parallel(ids, labels=labels, position_ids=positions)
-    want.loss.backward()
-    got.loss.backward()
-    errors = {"loss": abs(got.loss.double().item() - want.loss.double().item())}
-    dense_params = dict(dense.named_parameters())
-    for name, p in parallel.named_parameters():
-        ref = dense_params[name].grad
-        errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    inputs = {"labels": labels, "position_ids": positions}
+    errors = backward_errors(dense, parallel, dense(ids, **inputs).loss,
+                             parallel(ids, **inputs).loss)
     return [errors], 0.0, dist.get_rank()
 
 
@@ -297,15 +291,12 @@ def _two_forwards_then_backward(arch, total):
         model.train()
     ids, labels, positions = packed_batch(0, total)
     other_ids, other_labels = batch(1, total)
-    for model in (dense, parallel):
-        first = model(ids, labels=labels, position_ids=positions).loss
-        second = model(other_ids, labels=other_labels).loss
-        (first + second).backward()
-    dense_params = dict(dense.named_parameters())
-    errors = {"loss": 0.0}
-    for name, p in parallel.named_parameters():
-        ref = dense_params[name].grad
-        errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+    def both(model):
+        return model(ids, labels=labels, position_ids=positions).loss + \
+            model(other_ids, labels=other_labels).loss
+
+    errors = backward_errors(dense, parallel, both(dense), both(parallel))
     return [errors], 0.0, dist.get_rank() if dist.is_initialized() else 0
 
 

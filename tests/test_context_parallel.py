@@ -49,17 +49,22 @@ def batch(seed, total):
     return ids, labels
 
 
-def _errors(dense, parallel, ids, labels):
-    """One forward and backward of both models: the loss's and each gradient's error."""
-    want, got = dense(ids, labels=labels), parallel(ids, labels=labels)
-    want.loss.backward()
-    got.loss.backward()
-    errors = {"loss": abs(got.loss.double().item() - want.loss.double().item())}
+def backward_errors(dense, parallel, want, got):
+    """Backward of both losses: the loss's error and each gradient's (relative to its max)."""
+    want.backward()
+    got.backward()
+    errors = {"loss": abs(got.double().item() - want.double().item())}
     dense_params = dict(dense.named_parameters())
     for name, p in parallel.named_parameters():
         ref = dense_params[name].grad
         errors[name] = ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
     return errors
+
+
+def _errors(dense, parallel, ids, labels):
+    """One forward and backward of both models: the loss's and each gradient's error."""
+    return backward_errors(dense, parallel, dense(ids, labels=labels).loss,
+                           parallel(ids, labels=labels).loss)
 
 
 def _train(arch, total, steps):

@@ -120,8 +120,13 @@ def _torch_cp_layer(total: int, rounds: int) -> tuple[float | None, str]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
 
-def layer_rank(total: int, rounds: int) -> dict[str, Any]:
-    """One causal attention layer (``LAYER``) at sequence length ``total``."""
+def layer_rank(total: int, rounds: int, document: int | None = None) -> dict[str, Any]:
+    """One causal attention layer (``LAYER``) at sequence length ``total``.
+
+    ``document``: one row packed with documents of that many tokens (ring attention's
+    ``documents``), against an ideal that computes each query piece against its own
+    document's keys only; torch's context_parallel is not run then.
+    """
     g = resolve_group(None, "bench")
     b, h, d = LAYER["batch"], LAYER["heads"], LAYER["head_dim"]
     layout = zigzag_layout(total, g.size)
@@ -129,44 +134,10 @@ def layer_rank(total: int, rounds: int) -> dict[str, Any]:
     torch.manual_seed(g.rank)
     q, k, v = (torch.randn(b, h, len(rows), d, requires_grad=True) for _ in range(3))
     dout = torch.randn(b, h, len(rows), d)
+    documents = None if document is None else \
+        Documents((torch.arange(total) // document).expand(b, -1), q.device)
     spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=d ** -0.5,
-                    kv_groups=1)
-    k_full, v_full = (torch.randn(b, h, total, d, requires_grad=True) for _ in range(2))
-    chunk = torch.randn(2 * b * h * max(len(r) for r in map(lambda s: positions(layout, s),
-                                                              range(g.size))) * d)
-
-    def ring() -> None:
-        ring_apply(q, k, v, spec).backward(dout)
-
-    def compute() -> None:
-        _ideal_attention(q, k_full, v_full, layout, g.rank).backward(dout)
-
-    times = time_side_by_side({"ring": ring, "compute": compute, "hop": _hop(spec, chunk)},
-                              rounds=rounds, pairs=(("ring", "compute"),))
-    hops = 2 * (g.size - 1) + g.size
-    ideal = times["compute"] + hops * times["hop"]
-    torch_time, torch_note = _torch_cp_layer(total, max(1, rounds // 2))
-    saved = _saved_bytes(lambda: ring_apply(q, k, v, spec), set())
-    qf = torch.randn(b, h, total, d, requires_grad=True)
-    dense = _saved_bytes(lambda: F.scaled_dot_product_attention(qf, k_full, v_full,
-                                                                is_causal=True), set())
-    return {"case": "attention layer", "world_size": g.size, "total": total, **times,
-            "ideal": ideal, "ring/ideal": times["ring"] / ideal, "torch_cp": torch_time,
-            "torch_note": torch_note, "saved": saved, "dense_saved": dense}
-
-
-def packed_layer_rank(total: int, rounds: int) -> dict[str, Any]:
-    """The layer over one row packed with documents of ``PACKED_DOCUMENT`` tokens."""
-    g = resolve_group(None, "bench")
-    b, h, d = LAYER["batch"], LAYER["heads"], LAYER["head_dim"]
-    layout = zigzag_layout(total, g.size)
-    rows = positions(layout, g.rank)
-    torch.manual_seed(g.rank)
-    q, k, v = (torch.randn(b, h, len(rows), d, requires_grad=True) for _ in range(3))
-    dout = torch.randn(b, h, len(rows), d)
-    documents = (torch.arange(total) // PACKED_DOCUMENT).expand(b, -1)
-    spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=d ** -0.5,
-                    kv_groups=1, documents=Documents(documents, q.device))
+                    kv_groups=1, documents=documents)
     k_full, v_full = (torch.randn(b, h, total, d, requires_grad=True) for _ in range(2))
     longest = max(len(positions(layout, r)) for r in range(g.size))
     chunk = torch.randn(2 * b * h * longest * d)
@@ -175,19 +146,25 @@ def packed_layer_rank(total: int, rounds: int) -> dict[str, Any]:
         ring_apply(q, k, v, spec).backward(dout)
 
     def compute() -> None:
-        _ideal_packed(q, k_full, v_full, layout, g.rank, PACKED_DOCUMENT).backward(dout)
+        out = _ideal_attention(q, k_full, v_full, layout, g.rank) if document is None else \
+            _ideal_packed(q, k_full, v_full, layout, g.rank, document)
+        out.backward(dout)
 
     times = time_side_by_side({"ring": ring, "compute": compute, "hop": _hop(spec, chunk)},
                               rounds=rounds, pairs=(("ring", "compute"),))
-    ideal = times["compute"] + (2 * (g.size - 1) + g.size) * times["hop"]
+    hops = 2 * (g.size - 1) + g.size
+    ideal = times["compute"] + hops * times["hop"]
+    torch_time, torch_note = _torch_cp_layer(total, max(1, rounds // 2)) \
+        if document is None else (None, "")
     saved = _saved_bytes(lambda: ring_apply(q, k, v, spec), set())
     qf = torch.randn(b, h, total, d, requires_grad=True)
     dense = _saved_bytes(lambda: F.scaled_dot_product_attention(qf, k_full, v_full,
                                                                 is_causal=True), set())
-    return {"case": f"packed attention layer ({PACKED_DOCUMENT}-token documents)",
-            "world_size": g.size, "total": total, **times, "ideal": ideal,
-            "ring/ideal": times["ring"] / ideal, "torch_cp": None,
-            "torch_note": "", "saved": saved, "dense_saved": dense}
+    case = "attention layer" if document is None else \
+        f"packed attention layer ({document}-token documents)"
+    return {"case": case, "world_size": g.size, "total": total, **times,
+            "ideal": ideal, "ring/ideal": times["ring"] / ideal, "torch_cp": torch_time,
+            "torch_note": torch_note, "saved": saved, "dense_saved": dense}
 
 
 def _ideal_hf_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
@@ -254,5 +231,5 @@ def llama_rank(total: int, rounds: int) -> dict[str, Any]:
 
 def run_rank(total: int, rounds: int) -> list[dict[str, Any]]:
     """Every case at one sequence length; the slowest rank's times, rank 0's bytes."""
-    return [layer_rank(total, rounds), packed_layer_rank(total, rounds),
+    return [layer_rank(total, rounds), layer_rank(total, rounds, PACKED_DOCUMENT),
             llama_rank(total, rounds)]
