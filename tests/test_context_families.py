@@ -248,3 +248,17 @@ def test_every_unlisted_family_is_wrong_when_forced():
     # the forcing works: families that run to the end, wrong (mamba, convolution, sinks-free
     # linear attention, a mask of their own)
     assert {"jamba", "lfm2_moe", "qwen3_next", "doge"} <= set(ran), ran
+
+
+def test_return_dict_false_gives_the_loss_first():
+    """As the dense model's tuple (it raised: the loss hook read ``out.logits``)."""
+    from tensorpar.nn import context_parallel
+    from tests.test_context_parallel import batch, build
+
+    dense, model = build("llama"), context_parallel(build("llama"))
+    ids, labels = batch(0, 9)
+    want = dense(ids, labels=labels, return_dict=False, use_cache=False)  # (no cache here)
+    got = model(ids, labels=labels, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == len(want)
+    assert abs(got[0].item() - want[0].item()) < 1e-6
+    assert torch.allclose(got[1], want[1], atol=1e-6)  # one rank: the whole sequence

@@ -320,22 +320,26 @@ def _loss(model: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
     count = state.count if state.count is not None else \
         (shifted != ignore).sum()  # every rank holds every label: no communication
     target = shifted[:, index].contiguous()
+    logits = out[0] if isinstance(out, tuple) else out.logits  # return_dict=False: a tuple
     shard = getattr(model.get_output_embeddings(), "shard", None)  # type: ignore[operator]
-    if shard is not None and out.logits.shape[-1] != sum(shard.sizes):  # vocab-parallel head
+    if shard is not None and logits.shape[-1] != sum(shard.sizes):  # vocab-parallel head
         from tensorpar.nn.layers.loss import (
             vocab_parallel_cross_entropy,  # (nn imports this module)
         )
 
         local = vocab_parallel_cross_entropy(
-            out.logits.float().flatten(0, 1), target.flatten(), group=shard.group,
+            logits.float().flatten(0, 1), target.flatten(), group=shard.group,
             sizes=shard.sizes, ignore_index=ignore, reduction="sum") / count
     else:
-        local = model.loss_function(logits=out.logits, labels=None,  # type: ignore[operator]
-                                    vocab_size=out.logits.shape[-1], shift_labels=target,
+        local = model.loss_function(logits=logits, labels=None,  # type: ignore[operator]
+                                    vocab_size=logits.shape[-1], shift_labels=target,
                                     num_items_in_batch=count, ignore_index=ignore)
     # each rank's share of the mean; the sum is the dense loss, replicated on every rank
-    out.loss = local if state.group.is_single else all_reduce(
+    loss = local if state.group.is_single else all_reduce(
         local, backward="identity", group=state.group)
+    if isinstance(out, tuple):  # as the dense model's: the loss first
+        return (loss, *out)
+    out.loss = loss
     return out
 
 
