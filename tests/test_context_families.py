@@ -262,3 +262,42 @@ def test_return_dict_false_gives_the_loss_first():
     assert isinstance(got, tuple) and len(got) == len(want)
     assert abs(got[0].item() - want[0].item()) < 1e-6
     assert torch.allclose(got[1], want[1], atol=1e-6)  # one rank: the whole sequence
+
+
+def _tp_cp_family(model_type):
+    """TP 2 x CP 2 on 4 ranks (tensor parallel over (0, 1) and (2, 3))."""
+    import warnings
+
+    import tensorpar
+    from tensorpar.nn import context_parallel, plan_from_transformers
+    from tests._hf_sweep import _build
+    from tests.test_clip import dense_slice
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    tp, cp = groups[rank // 2], groups[2 + rank % 2]
+    config, cls = _families()[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = _build(model_type, config, cls, layers=4, extra=WINDOWS)
+        model = _build(model_type, config, cls, layers=4, extra=WINDOWS)
+        tensorpar.parallelize(model, plan_from_transformers(model), group=tp)
+        context_parallel(model, group=cp)
+        ids = torch.randint(2, 101, (2, 13), generator=torch.Generator().manual_seed(0))
+        want = dense(ids, labels=ids, use_cache=False)
+        want.loss.backward()
+        got = model(ids, labels=ids, use_cache=False)
+        got.loss.backward()
+    grads = dict(dense.named_parameters())
+    worst = max(((p.grad - dense_slice(model, n, grads[n].grad)).abs().max()
+                 / grads[n].grad.abs().max().clamp_min(1e-30)).item()
+                for n, p in model.named_parameters())
+    return abs(got.loss.item() - want.loss.item()) / abs(want.loss.item()), worst
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sinks_under_tensor_and_context_parallelism():
+    """gpt-oss: each rank's heads' sinks, over its share of the sequence."""
+    for loss, worst in run_distributed(_tp_cp_family, 4, "gpt_oss", timeout=600):
+        assert loss < LOSS_TOL and worst < GRAD_TOL, (loss, worst)
