@@ -22,8 +22,14 @@ def _child(fn, rank, world_size, store, pg_timeout, conn, path, args):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size,
+    # every rank at the door before the short timeout starts: on a loaded machine a rank
+    # that imports torch late would otherwise make the others' connection time out
+    files = dist.FileStore(store, world_size)
+    files.set_timeout(datetime.timedelta(seconds=120))
+    files.set(f"ready {rank}", "1")
+    files.wait([f"ready {r}" for r in range(world_size)])
+    files.set_timeout(datetime.timedelta(seconds=pg_timeout))
+    dist.init_process_group("gloo", store=files, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     start = time.monotonic()
     try:
