@@ -81,10 +81,25 @@ PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8],  # documents acr
                        [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]])
 
 
-def _family_errors(model_type, force=False, packed=False):
+def _padding(dense):
+    """A padding mask: row 0 padded before its tokens, row 1 after them (queries that see no
+    key: a window of 4 over 4 padded tokens), where dense runs SDPA; else both after, 3 at
+    most (eager attention gives NaN at a query that sees no key)."""
+    mask = torch.ones(2, 13, dtype=torch.long)
+    try:
+        dense.set_attn_implementation("sdpa")
+        mask[0, :3] = mask[1, 9:] = 0
+    except (ValueError, ImportError):
+        mask[0, 11:] = mask[1, 10:] = 0
+    return mask
+
+
+def _family_errors(model_type, force=False, inputs="plain"):
     """``(loss error / loss, worst gradient error / its tensor's largest entry, name)``.
 
-    ``packed``: two documents per row (restarting ``position_ids``), without a cache.
+    ``inputs``: ``"packed"``: two documents per row (restarting ``position_ids``), without a
+    cache; ``"padded"``: a padding ``attention_mask`` (the padded tokens' labels kept, so
+    their logits count too).
     """
     import warnings
 
@@ -105,7 +120,8 @@ def _family_errors(model_type, force=False, packed=False):
         finally:
             hf._unsupported = checks
         ids = torch.randint(2, 101, (2, 13), generator=torch.Generator().manual_seed(0))
-        extra = {"position_ids": PACKED} if packed else {}
+        extra = {"position_ids": PACKED} if inputs == "packed" else \
+            {"attention_mask": _padding(dense)} if inputs == "padded" else {}
         want = dense(ids, labels=ids, use_cache=False, **extra)
         want.loss.backward()
         got = model(ids, labels=ids, use_cache=False, **extra)
@@ -124,16 +140,17 @@ def _family_errors(model_type, force=False, packed=False):
     return loss, worst, where
 
 
-def _listed_errors(names, packed):
-    return {name: _family_errors(name, packed=packed) for name in names}
+def _listed_errors(names, inputs):
+    return {name: _family_errors(name, inputs=inputs) for name in names}
 
 
-def _assert_listed_equal_dense(names, packed=False):
-    for rank, results in enumerate(run_distributed(_listed_errors, 2, names, packed,
-                                                   timeout=900)):
-        for name, (loss, worst, where) in results.items():
-            assert loss < LOSS_TOL and worst < GRAD_TOL, \
-                f"{name} on rank {rank}: loss off by {loss:.1e}, {where} by {worst:.1e}"
+def _assert_listed_equal_dense(names, inputs="plain"):
+    wrong = [f"{name} on rank {rank}: loss off by {loss:.1e}, {where} by {worst:.1e}"
+             for rank, results in enumerate(run_distributed(_listed_errors, 2, names, inputs,
+                                                            timeout=900))
+             for name, (loss, worst, where) in results.items()
+             if not (loss < LOSS_TOL and worst < GRAD_TOL)]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.timeout(600)
@@ -149,18 +166,26 @@ def test_listed_families_equal_dense():
 def test_packed_rows_follow_each_familys_masks():
     """gpt-oss and AFMoE attend across packed documents in dense transformers (their masks
     are not given the positions), Cohere2 and Llama keep them apart: each as dense."""
-    _assert_listed_equal_dense(["gpt_oss", "afmoe", "cohere2", "llama"], packed=True)
+    _assert_listed_equal_dense(["gpt_oss", "afmoe", "cohere2", "llama"], inputs="packed")
+
+
+@pytest.mark.timeout(600)
+def test_padding_masks_follow_each_familys_masks():
+    """Sinks with padding (gpt-oss), sliding and full layers (cohere2), latent attention
+    (deepseek_v3), a parallel block (phi), a fused qkv (gpt_neox)."""
+    _assert_listed_equal_dense(["gpt_oss", "cohere2", "deepseek_v3", "phi", "gpt_neox"],
+                               inputs="padded")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("packed", [False, True])
-def test_every_listed_family_equals_dense(packed):
+@pytest.mark.parametrize("inputs", ["plain", "packed", "padded"])
+def test_every_listed_family_equals_dense(inputs):
     from tensorpar.context.hf import CONTEXT_MODEL_TYPES
 
     missing = [t for t in CONTEXT_MODEL_TYPES if t not in _families()]
     assert not missing, f"listed but not in this transformers: {missing}"
-    _assert_listed_equal_dense(list(CONTEXT_MODEL_TYPES), packed=packed)
+    _assert_listed_equal_dense(list(CONTEXT_MODEL_TYPES), inputs=inputs)
 
 
 def test_unlisted_families_and_layer_kinds_are_refused():

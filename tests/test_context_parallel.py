@@ -218,7 +218,7 @@ def test_keyword_input_ids_and_refusals():
     model = context_parallel(build("llama"))
     ids, labels = batch(0, 5)
     assert model(input_ids=ids, labels=labels).loss.ndim == 0
-    with pytest.raises(ValueError, match="attention_mask"):
-        model(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="attention_mask must be a padding mask"):
+        model(ids, attention_mask=torch.ones(2, 1, 5, 5, dtype=torch.bool))  # 4-D
     with pytest.raises(ValueError, match="already context parallel"):
         context_parallel(model)

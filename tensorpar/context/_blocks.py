@@ -26,8 +26,8 @@ import torch
 
 from tensorpar._torch import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
 
-__all__ = ["CAUSAL", "SKIP", "Documents", "Piece", "Segment", "block_backward", "block_forward",
-           "blocks", "merge", "pair_mask"]
+__all__ = ["CAUSAL", "SKIP", "Documents", "Padding", "Piece", "Segment", "Visible",
+           "block_backward", "block_forward", "blocks", "merge", "pair_mask"]
 
 _NEG_INF = float("-inf")
 SKIP = "skip"
@@ -107,11 +107,52 @@ class Documents:
             return []
         ids = self.on_device
         same = ids[:, q.start:q.start + q.length, None] == ids[:, None, k.start:k.start + k.length]
-        if positions is CAUSAL:
-            same &= torch.ones(q.length, k.length, dtype=torch.bool, device=ids.device).tril()
-        elif positions is not None:
-            same &= cast(torch.Tensor, positions)
+        visible = _visible(positions, q.length, k.length, ids.device)
+        if visible is not None:
+            same &= visible
         return [Piece(slice(None), q, k, same.unsqueeze(1))]
+
+
+class Padding:
+    """Keys that no query sees: a padding attention mask's zeros.
+
+    ``keep``: ``(B, T)`` booleans over the whole sequence, True where a key takes part (an
+    attention mask's ones). A pair of segments first drops the keys at its ends that no row
+    keeps; if every row keeps the rest, the pair runs as without padding, else as one block
+    masked to each row's kept keys (``(B, 1, Lq, Lk)``). Padding gathers at the rows' ends,
+    so only the pairs across its edge build a mask. A query that sees no key at all (a
+    left-padding position) gets a zero output, as SDPA gives it.
+    """
+
+    def __init__(self, keep: torch.Tensor, device: torch.device) -> None:
+        host = keep.to("cpu", torch.bool)
+        self.on_device = keep.to(device, torch.bool)
+        self._kept = torch.nonzero(host.any(0)).flatten().tolist()  # by some row
+        every = host.all(0).to(torch.int64).cumsum(0)  # kept by every row, up to each
+        self._every = [0, *every.tolist()]
+
+    def pieces(self, q: Segment, k: Segment, causal: bool, window: int | None,
+               device: torch.device) -> list[Piece]:
+        """The pair ``(q, k)``: its keys that some row keeps, masked where a row does not."""
+        lo = bisect.bisect_left(self._kept, k.start)
+        hi = bisect.bisect_left(self._kept, k.start + k.length)
+        if lo == hi:
+            return []
+        k = Segment(self._kept[lo], self._kept[hi - 1] + 1 - self._kept[lo])
+        positions = pair_mask(q, k, causal, window, device)
+        if positions is SKIP:
+            return []
+        end = k.start + k.length
+        if self._every[end] - self._every[k.start] == k.length:
+            return [Piece(slice(None), q, k, positions)]
+        kept = self.on_device[:, None, None, k.start:end]  # (B, 1, 1, Lk)
+        visible = _visible(positions, q.length, k.length, kept.device)
+        mask = kept.expand(-1, 1, q.length, -1) if visible is None else kept & visible
+        return [Piece(slice(None), q, k, mask)]
+
+
+Visible = Documents | Padding
+"""Which keys each query sees besides the causal mask and the window."""
 
 
 def _runs(row: torch.Tensor) -> list[tuple[int, int]]:
@@ -141,10 +182,10 @@ def _clip(seg: Segment, start: int, end: int) -> Segment:
 
 
 def blocks(q: Segment, k: Segment, causal: bool, window: int | None, device: torch.device,
-           documents: Documents | None = None) -> list[Piece]:
+           visible: Visible | None = None) -> list[Piece]:
     """The blocks to compute for queries of segment ``q`` against keys of segment ``k``."""
-    if documents is not None:
-        return documents.pieces(q, k, causal, window, device)
+    if visible is not None:
+        return visible.pieces(q, k, causal, window, device)
     mask = pair_mask(q, k, causal, window, device)
     return [] if mask is SKIP else [Piece(slice(None), q, k, mask)]
 
@@ -188,10 +229,15 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
 
 
-def _boolean(mask: Mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+def _visible(mask: Mask, lq: int, lk: int, device: torch.device) -> torch.Tensor | None:
+    """`pair_mask`'s answer (not `SKIP`) as a boolean tensor, or ``None``: every key."""
     if mask is CAUSAL:
-        return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    return cast(torch.Tensor | None, mask)  # a tensor or None: SKIP never reaches a kernel
+        return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+    return cast(torch.Tensor | None, mask)
+
+
+def _boolean(mask: Mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    return _visible(mask, q.shape[-2], k.shape[-2], q.device)
 
 
 def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -238,11 +284,13 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block from the final output ``out`` and log-sum-exp ``lse``.
 
-    ``delta`` is ``(dout * out).sum(-1)``, computed once per query segment.
+    ``delta`` is ``(dout * out).sum(-1)``, computed once per query segment. A query that
+    sees no key anywhere (``lse = -inf``, a zero output) gets no gradient.
 
     Returns:
         ``dq``, ``dk``, ``dv`` of this block (``dq`` to be added over the blocks).
     """
+    lse = _finite(lse)  # exp(-inf - -inf) would be NaN where a query sees no key
     if _fused(q) and k.shape[-1] == v.shape[-1]:
         causal = mask is CAUSAL
         attn_mask = None if causal else _additive(_boolean(mask, q, k), q)

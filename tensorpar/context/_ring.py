@@ -28,9 +28,9 @@ from torch.autograd.function import once_differentiable
 
 from tensorpar.comm._group import Group
 from tensorpar.context._blocks import (
-    Documents,
     Piece,
     Segment,
+    Visible,
     block_backward,
     block_forward,
     blocks,
@@ -48,7 +48,8 @@ class RingSpec:
     """Everything a ring attention call needs besides its tensors (the same on every rank).
 
     ``layout[r]`` lists rank ``r``'s segments in the order its rows hold them;
-    ``documents``: a packed row's documents (queries see their own document's keys only).
+    ``visible``: which keys each query sees besides the causal mask and the window (a
+    packed row's documents, or a padding mask's kept keys).
     """
 
     group: Group
@@ -57,7 +58,7 @@ class RingSpec:
     window: int | None
     scale: float
     kv_groups: int  # query heads per key/value head
-    documents: Documents | None = None
+    visible: Visible | None = None
 
     def rows(self, rank: int) -> int:
         return sum(seg.length for seg in self.layout[rank])
@@ -151,7 +152,7 @@ def _pieces(spec: RingSpec, mine: list[tuple[Segment, slice]], owner: int,
     out = []
     for qseg, qs in mine:
         for kseg, ks in spec.slices(owner):
-            for piece in blocks(qseg, kseg, spec.causal, spec.window, device, spec.documents):
+            for piece in blocks(qseg, kseg, spec.causal, spec.window, device, spec.visible):
                 q0 = qs.start + piece.q.start - qseg.start
                 k0 = ks.start + piece.k.start - kseg.start
                 out.append((piece, piece.rows, slice(q0, q0 + piece.q.length),

@@ -11,7 +11,7 @@ import torch
 
 from tensorpar.collectives.functional import all_gather
 from tensorpar.comm._group import Group, GroupLike, resolve_group
-from tensorpar.context._blocks import Documents, Segment
+from tensorpar.context._blocks import Documents, Padding, Segment
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 
@@ -19,14 +19,15 @@ __all__ = ["agreed_lengths", "ring_attention"]
 
 _FN = "ring_attention"
 # one row per rank: [ok, T, B, H, Hkv, D, Dv, causal, window + 1, dtype code,
-# documents' length + 1 (0: none), a fingerprint of the documents]
+# the length of the documents or key mask + 1 (0: none), a fingerprint of them]
 _META = 12
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                    group: GroupLike = None, scale: float | None = None, enable_gqa: bool = False,
                    window: int | None = None, lengths: Sequence[int] | None = None,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | None = None,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention over a sequence split in contiguous chunks over ``group``.
 
     Rank ``r`` (a rank within ``group``) holds the ``r``-th chunk of the sequence's queries,
@@ -61,6 +62,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
             ``(B, T)`` integers that never decrease along a row, the same on every rank (a
             query sees keys of its own document only, within the causal mask and the
             window). Blocks of keys in other documents are skipped, as the causal ones.
+        key_mask: padding: which keys take part, ``(B, T)`` booleans (or 0/1 integers, as
+            transformers' ``attention_mask``) over the *whole* sequence, the same on every
+            rank. A key where it is False is hidden from every query; a query that sees no
+            key at all gets a zero output (as SDPA gives it) and no gradient. Only the blocks
+            across the padding's edge build a mask. Not with ``documents`` (a padded packed
+            row's padding can be a document of its own).
 
     Returns:
         This rank's chunk of the attention output.
@@ -70,9 +77,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         CollectiveArgumentError: shapes, head counts, dtypes, ``is_causal`` or ``window``
             that are inconsistent on a rank or differ between the ranks (raised on every
             rank); ``lengths`` malformed or disagreeing with this rank's chunk;
-            ``documents`` of another shape than ``(B, T)``, decreasing along a row, or
+            ``documents`` or ``key_mask`` of another shape than ``(B, T)``, documents
+            decreasing along a row, a key mask of values other than 0 and 1, either
             differing between the ranks (checked by the exchange; with ``lengths`` given,
-            only this rank's own checks run).
+            only this rank's own checks run), or both given.
 
     Shape:
         ``q``: ``(B, H, T_r, D)``; ``k``: ``(B, Hkv, T_r, D)``; ``v``: ``(B, Hkv, T_r, Dv)``;
@@ -87,32 +95,34 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
     """
     g = resolve_group(group, _FN)
     lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
-                             g, _FN)
+                             g, _FN, key_mask)
     offsets = [sum(lengths[:r]) for r in range(g.size)]
     layout = tuple((Segment(offsets[r], lengths[r]),) for r in range(g.size))
+    visible = Documents(documents, q.device) if documents is not None else \
+        Padding(key_mask, q.device) if key_mask is not None else None
     return ring_apply(q, k, v, RingSpec(
         group=g, layout=layout, causal=is_causal, window=window,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-        kv_groups=q.shape[1] // k.shape[1],
-        documents=None if documents is None else Documents(documents, q.device)))
+        kv_groups=q.shape[1] // k.shape[1], visible=visible))
 
 
 def agreed_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    scale: float | None, enable_gqa: bool, window: int | None,
                    lengths: Sequence[int] | None, documents: torch.Tensor | None, g: Group,
-                   fn: str) -> list[int]:
+                   fn: str, key_mask: torch.Tensor | None = None) -> list[int]:
     """Every rank's chunk length, once the arguments are checked.
 
     Checked on every rank by the exchange, or on this rank only where ``lengths`` is given.
     """
     problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window) or \
-        _documents_problem(documents, q)
+        _documents_problem(documents, q) or _key_mask_problem(key_mask, documents, q)
+    whole = documents if documents is not None else key_mask
     if lengths is None:
         return _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
-                         group=g, fn=fn, documents=documents)
+                         group=g, fn=fn, documents=documents, key_mask=key_mask)
     problem = problem or _check_lengths(lengths, g.size, g.rank, q)
-    if not problem and documents is not None and documents.shape[1] != sum(lengths):
-        problem = (f"documents cover {documents.shape[1]} positions but the chunks "
+    if not problem and whole is not None and whole.shape[1] != sum(lengths):
+        problem = (f"{_whole_name(documents)} cover {whole.shape[1]} positions but the chunks "
                    f"{list(lengths)} make {sum(lengths)}")
     if problem:
         raise _error(problem, fn)
@@ -135,16 +145,40 @@ def _documents_problem(documents: object, q: torch.Tensor) -> str | None:
     return None
 
 
-def _fingerprint(documents: torch.Tensor) -> int:
-    """A hash of where the documents start: one number, alike on ranks that split alike.
+def _key_mask_problem(key_mask: object, documents: object, q: torch.Tensor) -> str | None:
+    """What is wrong with ``key_mask`` on this rank (its length is checked later)."""
+    if key_mask is None:
+        return None
+    if documents is not None:
+        return ("documents and key_mask cannot both be given (a padded packed row's padding "
+                "can be a document of its own)")
+    if not isinstance(key_mask, torch.Tensor) or key_mask.is_floating_point() or \
+            key_mask.is_complex():
+        got = key_mask.dtype if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+        return f"key_mask must be a torch.Tensor of booleans or 0/1 integers, got {got}"
+    if key_mask.ndim != 2 or key_mask.shape[0] != q.shape[0]:
+        return (f"key_mask must be (B, T) with B = {q.shape[0]} (q's batch), got shape "
+                f"{tuple(key_mask.shape)}")
+    if key_mask.dtype != torch.bool and not bool(((key_mask == 0) | (key_mask == 1)).all()):
+        return "key_mask must hold only 0 and 1 (1: the key takes part)"
+    return None
 
-    The ids themselves do not count (the same split under other ids masks the same). A
-    56-bit digest, so that it fits an int64.
+
+def _whole_name(documents: torch.Tensor | None) -> str:
+    return "documents" if documents is not None else "key_mask"
+
+
+def _fingerprint(whole: torch.Tensor, documents: bool) -> int:
+    """A hash of where the documents start, or of the key mask: alike where they mask alike.
+
+    Document ids themselves do not count (the same split under other ids masks the same).
+    A 56-bit digest, so that it fits an int64.
     """
-    ids = documents.to("cpu", torch.int64)
-    starts = (ids.diff(dim=-1) != 0).to(torch.uint8).contiguous()
-    digest = hashlib.blake2b(starts.numpy().tobytes() + repr(tuple(ids.shape)).encode(),
-                             digest_size=7).digest()
+    ids = whole.to("cpu", torch.int64)
+    marks = ids.diff(dim=-1).ne(0) if documents else ids.ne(0)
+    digest = hashlib.blake2b((b"documents" if documents else b"key_mask") +
+                             marks.to(torch.uint8).contiguous().numpy().tobytes() +
+                             repr(tuple(ids.shape)).encode(), digest_size=7).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -192,24 +226,25 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
               window: int | None, problem: str | None, size: int, device: torch.device,
-              group: GroupLike, fn: str = _FN, documents: torch.Tensor | None = None
-              ) -> list[int]:
+              group: GroupLike, fn: str = _FN, documents: torch.Tensor | None = None,
+              key_mask: torch.Tensor | None = None) -> list[int]:
     """All-gather every rank's chunk length and shapes; raise on every rank if any disagree.
 
-    ``documents`` (checked by `_documents_problem`): their length must be the whole
-    sequence's, and every rank's the same.
+    ``documents`` or ``key_mask`` (checked by `_documents_problem` and `_key_mask_problem`):
+    their length must be the whole sequence's, and every rank's the same.
     """
+    whole = documents if documents is not None else key_mask
+    name = _whole_name(documents)
     row = [0] * _META
     if problem is None:
         code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
         row = [1, q.shape[2], q.shape[0], q.shape[1], k.shape[1], q.shape[3], v.shape[3],
                int(is_causal), 0 if window is None else window + 1, code,
-               0 if documents is None else documents.shape[1] + 1,
-               0 if documents is None else _fingerprint(documents)]
+               0 if whole is None else whole.shape[1] + 1,
+               0 if whole is None else _fingerprint(whole, documents is not None)]
     if size == 1:
-        if problem is None and documents is not None and documents.shape[1] != q.shape[2]:
-            problem = (f"documents cover {documents.shape[1]} positions but the sequence has "
-                       f"{q.shape[2]}")
+        if problem is None and whole is not None and whole.shape[1] != q.shape[2]:
+            problem = f"{name} cover {whole.shape[1]} positions but the sequence has {q.shape[2]}"
         if problem is not None:
             raise _error(problem, fn)
         return [q.shape[2]]
@@ -225,12 +260,12 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     short = [(r, m[10] - 1) for r, m in enumerate(meta) if m[10] and m[10] - 1 != total]
     if short:
         raise CollectiveArgumentError(
-            f"{fn}: the documents given on rank(s) {[r for r, _ in short]} cover "
+            f"{fn}: the {name} given on rank(s) {[r for r, _ in short]} cover "
             f"{[n for _, n in short]} positions but the chunks {[m[1] for m in meta]} make "
             f"{total}")
     names = ["", "", "batch", "query heads", "key/value heads", "head dim", "value head dim",
-             "is_causal", "window + 1", "dtype", "documents (given or not)",
-             "documents (a fingerprint of their values)"]
+             "is_causal", "window + 1", "dtype", "documents or key_mask (given or not)",
+             "documents or key_mask (a fingerprint of their values)"]
     for i in range(2, _META):
         values = [m[i] for m in meta] if i != 10 else [bool(m[i]) for m in meta]
         if len(set(values)) > 1:

@@ -10,9 +10,11 @@ only this rank's share of the positions from the embedding on:
 - a forward hook on the input embedding keeps the rank's rows of its output;
 - packed rows (``position_ids`` that restart, no attention mask, no cache: where
   transformers' own masks keep each document to itself) become per-position document
-  ids, computed from the whole ``position_ids`` every rank holds;
-- the layout and the documents travel to the attention layers as one keyword argument of
-  the forward (`Call`), so that an activation checkpoint's recompute gets its own call's;
+  ids, computed from the whole ``position_ids`` every rank holds; a padding
+  ``attention_mask`` (the whole of it on every rank) hides its padded keys from every query;
+- the layout and the documents or padding travel to the attention layers as one keyword
+  argument of the forward (`Call`), so that an activation checkpoint's recompute gets its
+  own call's;
 - the attention layers run `tensorpar`'s ring attention (a transformers attention
   implementation registered under ``"tensorpar_ring"``); it reads the layer's causality,
   scaling and sliding window as the model passes them, so masks follow global positions and
@@ -34,7 +36,7 @@ from torch import nn
 
 from tensorpar.collectives.functional import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
-from tensorpar.context._blocks import Documents
+from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 
@@ -75,7 +77,7 @@ sequence detection is switched off; every other listed family's do)."""
 
 _INPUTS = frozenset({"labels", "position_ids", "use_cache", "return_dict",
                      "output_hidden_states", "output_attentions"})
-"""Keyword inputs besides ``input_ids``, ``attention_mask`` (all ones) and
+"""Keyword inputs besides ``input_ids``, ``attention_mask`` (``(B, T)`` of 0 and 1) and
 ``num_items_in_batch`` that `context_parallel` takes; any other is refused."""
 
 CALL = "tensorpar_context"
@@ -94,7 +96,7 @@ class _State:
 
 @dataclass(frozen=True)
 class Call:
-    """What one forward's attention needs: the layout and the packed documents.
+    """What one forward's attention needs: the layout, and the packed documents or padding.
 
     It travels with the forward's keyword arguments (transformers hands them down to the
     attention), so an activation checkpoint's recompute gets its own call's, whatever
@@ -102,7 +104,7 @@ class Call:
     """
 
     layout: Layout
-    documents: Documents | None
+    visible: Visible | None
 
 
 def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
@@ -119,7 +121,9 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     document to itself where transformers' own masks do: called without an
     ``attention_mask`` and without a cache (``use_cache=False``, or the config's, or
     gradient checkpointing in training). With a cache transformers attends across the
-    documents, and so does this.
+    documents, and so does this. A padding ``attention_mask`` (``(B, T)``, 0 at padding,
+    the whole of it on every rank) hides padded keys from every query, as transformers'
+    sdpa mask does: a query with no key left (left padding) gets a zero attention output.
 
     Runs the families listed in `CONTEXT_MODEL_TYPES` (measured equal to dense: every
     gradient, at two ranks, with sliding windows that cross the chunks), whose layers are
@@ -236,9 +240,7 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError(f"{_FN}: inputs_embeds is not supported; pass input_ids")
     mask = kwargs.pop("attention_mask", None)
-    if mask is not None and not bool(torch.all(mask != 0)):
-        raise ValueError(f"{_FN}: a padding attention_mask (zeros) is not supported; expected "
-                         f"None or all ones")
+    padding = _padding(mask, ids)
     if len(args) > 1:
         raise ValueError(f"{_FN}: pass the arguments after input_ids by keyword")
     state.count = kwargs.pop("num_items_in_batch", None)  # the loss's denominator, if given
@@ -261,13 +263,13 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     global_pos = (given if given is not None
                   else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
     kwargs["position_ids"] = global_pos[:, state.index]
-    documents = None
+    visible: Visible | None = None if padding is None else Padding(padding, ids.device)
     if given is not None and mask is None and not _would_cache(model, kwargs) and \
             getattr(model.config, "model_type", None) not in PACKED_ACROSS:
         ids_of_documents = _documents(global_pos.expand(batch, -1))
         if ids_of_documents is not None:
-            documents = Documents(ids_of_documents, ids.device)
-    kwargs[CALL] = Call(layout, documents)
+            visible = Documents(ids_of_documents, ids.device)
+    kwargs[CALL] = Call(layout, visible)
     kwargs["use_cache"] = False
     state.labels = kwargs.pop("labels", None)
     return (ids,), kwargs
@@ -290,6 +292,23 @@ def _would_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
     if checkpointing and model.training and torch.is_grad_enabled():
         return False
     return bool(use)
+
+
+def _padding(mask: Any, ids: torch.Tensor) -> torch.Tensor | None:
+    """The keys a ``(B, T)`` padding mask keeps, or ``None`` where it keeps every key."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.is_complex() or \
+            tuple(mask.shape) != tuple(ids.shape):
+        got = (f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
+               else type(mask).__name__)
+        raise ValueError(f"{_FN}: attention_mask must be a padding mask of 0 and 1 shaped as "
+                         f"input_ids {tuple(ids.shape)}, got {got}")
+    keep = mask != 0
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{_FN}: attention_mask must hold only 0 and 1 (1: the token takes "
+                         f"part)")
+    return None if bool(keep.all()) else keep
 
 
 def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -362,7 +381,7 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                     causal=bool(getattr(module, "is_causal", True)),
                     window=sliding_window if sliding_window else None,
                     scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
-                    kv_groups=query.shape[1] // key.shape[1], documents=call.documents)
+                    kv_groups=query.shape[1] // key.shape[1], visible=call.visible)
     # gpt-oss-style attention sinks: one logit per head in every query's softmax
     sinks = kwargs.get("s_aux")
     out = ring_apply(query, key.contiguous(), value.contiguous(), spec,  # (B, H, T_local, D)

@@ -29,7 +29,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       is_causal: bool = False, group: GroupLike = None,
                       scale: float | None = None, enable_gqa: bool = False,
                       window: int | None = None, lengths: Sequence[int] | None = None,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
+                      documents: torch.Tensor | None = None,
+                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The same result as `ring_attention`, by two all-to-alls (sequence split <-> head split).
 
     Arguments, chunks and masks are `ring_attention`'s. With ``enable_gqa`` the key/value
@@ -50,6 +51,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         window: a sliding window, as in `ring_attention`.
         lengths: every rank's chunk length (skips the exchange that learns them).
         documents: packed sequences, as in `ring_attention` (a ``(B, 1, T, T)`` mask here).
+        key_mask: padding, as in `ring_attention`.
 
     Returns:
         This rank's chunk of the attention output.
@@ -63,7 +65,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     g = resolve_group(group, _FN)
     lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
-                             g, _FN)
+                             g, _FN, key_mask)
     heads = q.shape[1]
     if k.shape[1] != heads:
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
@@ -87,6 +89,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ids = documents.to(q.device)
         same = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
         mask = same if mask is None else same & mask
+    if key_mask is not None:
+        kept = key_mask.to(q.device, torch.bool)[:, None, None, :]  # (B, 1, 1, T)
+        mask = kept if mask is None else kept & mask
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))

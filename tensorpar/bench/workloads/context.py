@@ -137,7 +137,7 @@ def layer_rank(total: int, rounds: int, document: int | None = None) -> dict[str
     documents = None if document is None else \
         Documents((torch.arange(total) // document).expand(b, -1), q.device)
     spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=d ** -0.5,
-                    kv_groups=1, documents=documents)
+                    kv_groups=1, visible=documents)
     k_full, v_full = (torch.randn(b, h, total, d, requires_grad=True) for _ in range(2))
     longest = max(len(positions(layout, r)) for r in range(g.size))
     chunk = torch.randn(2 * b * h * longest * d)
