@@ -14,6 +14,9 @@ Per rank, forward+backward, float32, causal, the zigzag layout:
   ``PACKED_DOCUMENT`` tokens (ring attention's ``documents``); its ideal computes each
   query segment's pieces against their own document's keys only (what a variable-length
   kernel does), and the paired ``ring/compute`` compares the two in the same rounds.
+- ``padded attention layer``: the same layer over a row whose first quarter is left
+  padding (ring attention's ``key_mask``); its ideal computes only the kept queries
+  against the kept keys they see (a padded query's output is zero).
 - saved activations per rank (``saved_tensors_hooks``), against the dense layer or model.
 """
 
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from tensorpar.bench.workloads._timing import time_side_by_side
 from tensorpar.comm._group import resolve_group
-from tensorpar.context._blocks import Documents
+from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, _Transfer, ring_apply
 from tensorpar.context.hf import CALL
 from tensorpar.context.layout import Layout, positions, zigzag_layout
@@ -92,6 +95,24 @@ def _ideal_packed(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor,
     return torch.cat(outs, dim=2)
 
 
+def _ideal_padded(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor,
+                  layout: Layout, rank: int, first: int) -> torch.Tensor:
+    """Like `_ideal_attention`, the kept queries (from ``first`` on) against the kept keys."""
+    outs, at = [], 0
+    for seg in layout[rank]:
+        end = seg.start + seg.length
+        padded = min(max(first - seg.start, 0), seg.length)
+        outs.append(q.new_zeros((*q.shape[:2], padded, v_full.shape[-1])))
+        qs = q[:, :, at + padded: at + seg.length]
+        at += seg.length
+        if qs.shape[2]:
+            qpos = torch.arange(seg.start + padded, end).unsqueeze(1)
+            mask = torch.arange(first, end) <= qpos
+            outs.append(F.scaled_dot_product_attention(
+                qs, k_full[:, :, first:end], v_full[:, :, first:end], attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
 def _hop(spec: RingSpec, chunk: torch.Tensor) -> Any:
     recv = torch.empty_like(chunk)
 
@@ -120,12 +141,15 @@ def _torch_cp_layer(total: int, rounds: int) -> tuple[float | None, str]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
 
-def layer_rank(total: int, rounds: int, document: int | None = None) -> dict[str, Any]:
+def layer_rank(total: int, rounds: int, document: int | None = None,
+               padded: int | None = None) -> dict[str, Any]:
     """One causal attention layer (``LAYER``) at sequence length ``total``.
 
     ``document``: one row packed with documents of that many tokens (ring attention's
     ``documents``), against an ideal that computes each query piece against its own
-    document's keys only; torch's context_parallel is not run then.
+    document's keys only. ``padded``: that many tokens of left padding (``key_mask``),
+    against an ideal that computes the kept queries only. torch's context_parallel is run
+    on the plain layer only.
     """
     g = resolve_group(None, "bench")
     b, h, d = LAYER["batch"], LAYER["heads"], LAYER["head_dim"]
@@ -134,10 +158,13 @@ def layer_rank(total: int, rounds: int, document: int | None = None) -> dict[str
     torch.manual_seed(g.rank)
     q, k, v = (torch.randn(b, h, len(rows), d, requires_grad=True) for _ in range(3))
     dout = torch.randn(b, h, len(rows), d)
-    documents = None if document is None else \
-        Documents((torch.arange(total) // document).expand(b, -1), q.device)
+    visible: Visible | None = None
+    if document is not None:
+        visible = Documents((torch.arange(total) // document).expand(b, -1), q.device)
+    elif padded is not None:
+        visible = Padding((torch.arange(total) >= padded).expand(b, -1), q.device)
     spec = RingSpec(group=g, layout=layout, causal=True, window=None, scale=d ** -0.5,
-                    kv_groups=1, visible=documents)
+                    kv_groups=1, visible=visible)
     k_full, v_full = (torch.randn(b, h, total, d, requires_grad=True) for _ in range(2))
     longest = max(len(positions(layout, r)) for r in range(g.size))
     chunk = torch.randn(2 * b * h * longest * d)
@@ -146,22 +173,28 @@ def layer_rank(total: int, rounds: int, document: int | None = None) -> dict[str
         ring_apply(q, k, v, spec).backward(dout)
 
     def compute() -> None:
-        out = _ideal_attention(q, k_full, v_full, layout, g.rank) if document is None else \
-            _ideal_packed(q, k_full, v_full, layout, g.rank, document)
+        if document is not None:
+            out = _ideal_packed(q, k_full, v_full, layout, g.rank, document)
+        elif padded is not None:
+            out = _ideal_padded(q, k_full, v_full, layout, g.rank, padded)
+        else:
+            out = _ideal_attention(q, k_full, v_full, layout, g.rank)
         out.backward(dout)
 
     times = time_side_by_side({"ring": ring, "compute": compute, "hop": _hop(spec, chunk)},
                               rounds=rounds, pairs=(("ring", "compute"),))
     hops = 2 * (g.size - 1) + g.size
     ideal = times["compute"] + hops * times["hop"]
-    torch_time, torch_note = _torch_cp_layer(total, max(1, rounds // 2)) \
-        if document is None else (None, "")
+    plain = document is None and padded is None
+    torch_time, torch_note = _torch_cp_layer(total, max(1, rounds // 2)) if plain else \
+        (None, "")
     saved = _saved_bytes(lambda: ring_apply(q, k, v, spec), set())
     qf = torch.randn(b, h, total, d, requires_grad=True)
     dense = _saved_bytes(lambda: F.scaled_dot_product_attention(qf, k_full, v_full,
                                                                 is_causal=True), set())
-    case = "attention layer" if document is None else \
-        f"packed attention layer ({document}-token documents)"
+    case = "attention layer" if plain else \
+        f"packed attention layer ({document}-token documents)" if document is not None else \
+        f"padded attention layer ({padded} tokens of left padding)"
     return {"case": case, "world_size": g.size, "total": total, **times,
             "ideal": ideal, "ring/ideal": times["ring"] / ideal, "torch_cp": torch_time,
             "torch_note": torch_note, "saved": saved, "dense_saved": dense}
@@ -232,4 +265,4 @@ def llama_rank(total: int, rounds: int) -> dict[str, Any]:
 def run_rank(total: int, rounds: int) -> list[dict[str, Any]]:
     """Every case at one sequence length; the slowest rank's times, rank 0's bytes."""
     return [layer_rank(total, rounds), layer_rank(total, rounds, PACKED_DOCUMENT),
-            llama_rank(total, rounds)]
+            layer_rank(total, rounds, padded=total // 4), llama_rank(total, rounds)]
