@@ -99,7 +99,8 @@ def _family_errors(model_type, force=False, inputs="plain"):
 
     ``inputs``: ``"packed"``: two documents per row (restarting ``position_ids``), without a
     cache; ``"padded"``: a padding ``attention_mask`` (the padded tokens' labels kept, so
-    their logits count too).
+    their logits count too); ``"router"``: padded, with the MoE families' router logits
+    and load-balancing loss on (``output_router_logits``), the ``aux_loss`` compared too.
     """
     import warnings
 
@@ -110,8 +111,9 @@ def _family_errors(model_type, force=False, inputs="plain"):
     config, cls = _families()[model_type]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dense = _build(model_type, config, cls, layers=4, extra=WINDOWS)
-        model = _build(model_type, config, cls, layers=4, extra=WINDOWS)
+        extra = {**WINDOWS, "output_router_logits": inputs == "router"}
+        dense = _build(model_type, config, cls, layers=4, extra=extra)
+        model = _build(model_type, config, cls, layers=4, extra=extra)
         checks = hf._unsupported
         if force:  # run it whatever the checks say (these processes serve other tests too)
             hf._unsupported = lambda config: None
@@ -121,12 +123,17 @@ def _family_errors(model_type, force=False, inputs="plain"):
             hf._unsupported = checks
         ids = torch.randint(2, 101, (2, 13), generator=torch.Generator().manual_seed(0))
         extra = {"position_ids": PACKED} if inputs == "packed" else \
-            {"attention_mask": _padding(dense)} if inputs == "padded" else {}
+            {"attention_mask": _padding(dense)} if inputs in ("padded", "router") else {}
         want = dense(ids, labels=ids, use_cache=False, **extra)
         want.loss.backward()
         got = model(ids, labels=ids, use_cache=False, **extra)
         got.loss.backward()
     loss = abs(got.loss.item() - want.loss.item()) / abs(want.loss.item())
+    want_aux, got_aux = getattr(want, "aux_loss", None), getattr(got, "aux_loss", None)
+    if want_aux is not None or got_aux is not None:
+        aux = float("inf") if want_aux is None or got_aux is None else \
+            abs(got_aux.item() - want_aux.item()) / abs(want_aux.item())
+        loss = max(loss, aux)
     worst, where = 0.0, ""
     grads = dict(dense.named_parameters())
     for name, p in model.named_parameters():
@@ -144,10 +151,10 @@ def _listed_errors(names, inputs):
     return {name: _family_errors(name, inputs=inputs) for name in names}
 
 
-def _assert_listed_equal_dense(names, inputs="plain"):
+def _assert_listed_equal_dense(names, inputs="plain", world=2):
     wrong = [f"{name} on rank {rank}: loss off by {loss:.1e}, {where} by {worst:.1e}"
-             for rank, results in enumerate(run_distributed(_listed_errors, 2, names, inputs,
-                                                            timeout=900))
+             for rank, results in enumerate(run_distributed(_listed_errors, world, names,
+                                                            inputs, timeout=900))
              for name, (loss, worst, where) in results.items()
              if not (loss < LOSS_TOL and worst < GRAD_TOL)]
     assert not wrong, "\n".join(wrong)
@@ -170,6 +177,27 @@ def test_packed_rows_follow_each_familys_masks():
 
 
 @pytest.mark.timeout(600)
+def test_load_balancing_loss_is_the_whole_sequences():
+    """MoE families with ``output_router_logits``: transformers adds a load-balancing loss
+    over every token's router logits (masked by the padding); the ``aux_loss`` and the loss
+    equal dense, and so does the router's gradient."""
+    _assert_listed_equal_dense(["mixtral", "qwen3_moe", "gpt_oss", "olmoe"], inputs="router")
+    _assert_listed_equal_dense(["mixtral"], inputs="router", world=3)
+
+
+def test_load_balancing_loss_refuses_tuple_outputs():
+    from tensorpar.nn import context_parallel
+    from tests._hf_sweep import _build
+
+    config, cls = _families()["mixtral"]
+    model = context_parallel(_build("mixtral", config, cls, extra={"output_router_logits": True}))
+    ids = torch.randint(2, 101, (1, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="return_dict=False with output_router_logits"):
+        model(ids, labels=ids, return_dict=False)
+    assert model(ids, labels=ids).aux_loss is not None  # one rank: as the dense model
+
+
+@pytest.mark.timeout(600)
 def test_padding_masks_follow_each_familys_masks():
     """Sinks with padding (gpt-oss), sliding and full layers (cohere2), latent attention
     (deepseek_v3), a parallel block (phi), a fused qkv (gpt_neox)."""
@@ -179,7 +207,7 @@ def test_padding_masks_follow_each_familys_masks():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("inputs", ["plain", "packed", "padded"])
+@pytest.mark.parametrize("inputs", ["plain", "packed", "padded", "router"])
 def test_every_listed_family_equals_dense(inputs):
     from tensorpar.context.hf import CONTEXT_MODEL_TYPES
 

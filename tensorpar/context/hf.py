@@ -21,13 +21,16 @@ only this rank's share of the positions from the embedding on:
   no ``(T, T)`` mask is ever built;
 - a forward hook on the model computes the loss of the rank's rows with the model's own loss
   function, normalised by the whole batch's token count, and sums it over the group, so
-  ``out.loss`` is the dense loss on every rank (``out.logits`` holds the rank's rows);
+  ``out.loss`` is the dense loss on every rank (``out.logits`` holds the rank's rows); an
+  MoE family's load-balancing loss (``output_router_logits``) is computed by the family's
+  own function over every rank's router logits, gathered in the dense order;
 - every parameter is replicated over the group but sees only the rank's rows: a gradient
   hook sums its gradient over the group once per backward.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 
 from tensorpar.collectives.functional import all_reduce
+from tensorpar.collectives.regions import gather_from_group
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, ring_apply
@@ -76,7 +80,7 @@ builders are not given ``position_ids``): dense attends across the documents, an
 sequence detection is switched off; every other listed family's do)."""
 
 _INPUTS = frozenset({"labels", "position_ids", "use_cache", "return_dict",
-                     "output_hidden_states", "output_attentions"})
+                     "output_hidden_states", "output_attentions", "output_router_logits"})
 """Keyword inputs besides ``input_ids``, ``attention_mask`` (``(B, T)`` of 0 and 1) and
 ``num_items_in_batch`` that `context_parallel` takes; any other is refused."""
 
@@ -92,6 +96,9 @@ class _State:
     index: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     count: Any = None  # num_items_in_batch, where the caller gives it
+    layout: Layout | None = None
+    mask: torch.Tensor | None = None  # the whole attention mask, for a load-balancing loss
+    routes: bool = False  # output_router_logits, given or the config's
 
 
 @dataclass(frozen=True)
@@ -272,6 +279,13 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     kwargs[CALL] = Call(layout, visible)
     kwargs["use_cache"] = False
     state.labels = kwargs.pop("labels", None)
+    state.layout, state.mask = layout, mask
+    routes = kwargs.get("output_router_logits")
+    state.routes = bool(_routes(model) if routes is None else routes)
+    if state.routes and kwargs.get("return_dict") is False and _balancing(model) is not None:
+        raise ValueError(f"{_FN}: return_dict=False with output_router_logits is not "
+                         f"supported (the load-balancing loss is computed over the whole "
+                         f"sequence, into out.aux_loss)")
     return (ids,), kwargs
 
 
@@ -332,6 +346,8 @@ def _loss(model: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
     state: _State = getattr(model, _STATE)
     labels, index = state.labels, state.index
     state.labels = state.index = None
+    aux = _load_balancing(model, state, out)
+    state.layout = state.mask = None
     if labels is None or index is None:
         return out
     ignore = -100
@@ -356,10 +372,59 @@ def _loss(model: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
     # each rank's share of the mean; the sum is the dense loss, replicated on every rank
     loss = local if state.group.is_single else all_reduce(
         local, backward="identity", group=state.group)
+    if aux is not None:  # as the dense model adds it
+        coefficient: float = model.router_aux_loss_coef  # type: ignore[assignment]
+        loss = loss + coefficient * aux.to(loss.device)
     if isinstance(out, tuple):  # as the dense model's: the loss first
         return (loss, *out)
     out.loss = loss
     return out
+
+
+def _load_balancing(model: nn.Module, state: _State, out: Any) -> torch.Tensor | None:
+    """The load-balancing loss over the whole sequence, where the model computed one.
+
+    An MoE family with ``output_router_logits`` computes it in its forward from the router
+    logits it saw: this rank's rows only. It is computed again by the family's own
+    function from every rank's router logits, gathered (the gradient of this replicated
+    loss flows back to each rank's own rows) and put in the dense order, and stored as
+    ``out.aux_loss``.
+    """
+    function = _balancing(model)
+    if not state.routes or function is None:
+        return None
+    if isinstance(out, tuple):  # (a config without return_dict)
+        raise ValueError(f"{_FN}: tuple outputs with output_router_logits are not supported "
+                         f"(the load-balancing loss is computed over the whole sequence, into "
+                         f"out.aux_loss)")
+    router_logits = getattr(out, "router_logits", None)
+    if getattr(out, "aux_loss", None) is None or not isinstance(router_logits, tuple):
+        return None
+    layout, g = state.layout, state.group
+    assert layout is not None
+    rows = [positions(layout, r, torch.device("cpu")) for r in range(g.size)]
+    order = torch.argsort(torch.cat(rows))  # gathered position -> dense position
+    gathered = []
+    for logits in router_logits:  # (B * T_rank, E) per layer
+        per_row = logits.view(-1, len(rows[g.rank]), logits.shape[-1])
+        every = per_row if g.is_single else gather_from_group(
+            per_row, dim=1, group=g, sizes=[len(r) for r in rows])
+        gathered.append(every.index_select(1, order.to(every.device)).flatten(0, 1))
+    aux: torch.Tensor = function(tuple(gathered), model.num_experts,
+                                 model.num_experts_per_tok, state.mask)
+    out.aux_loss = aux
+    return aux
+
+
+def _balancing(model: nn.Module) -> Any:
+    """The family's load-balancing loss function (transformers' MoE families), or ``None``."""
+    return getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None)
+
+
+def _routes(model: nn.Module) -> bool:
+    config = model.config
+    text = getattr(config, "get_text_config", lambda: config)()
+    return bool(getattr(text, "output_router_logits", False))
 
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
