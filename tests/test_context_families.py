@@ -94,7 +94,7 @@ def _padding(dense):
     return mask
 
 
-def _family_errors(model_type, force=False, inputs="plain"):
+def _family_errors(model_type, force=False, inputs="plain", attention="ring"):
     """``(loss error / loss, worst gradient error / its tensor's largest entry, name)``.
 
     ``inputs``: ``"packed"``: two documents per row (restarting ``position_ids``), without a
@@ -118,7 +118,7 @@ def _family_errors(model_type, force=False, inputs="plain"):
         if force:  # run it whatever the checks say (these processes serve other tests too)
             hf._unsupported = lambda config: None
         try:
-            context_parallel(model)
+            context_parallel(model, attention=attention)
         finally:
             hf._unsupported = checks
         ids = torch.randint(2, 101, (2, 13), generator=torch.Generator().manual_seed(0))
@@ -147,14 +147,14 @@ def _family_errors(model_type, force=False, inputs="plain"):
     return loss, worst, where
 
 
-def _listed_errors(names, inputs):
-    return {name: _family_errors(name, inputs=inputs) for name in names}
+def _listed_errors(names, inputs, attention):
+    return {name: _family_errors(name, inputs=inputs, attention=attention) for name in names}
 
 
-def _assert_listed_equal_dense(names, inputs="plain", world=2):
+def _assert_listed_equal_dense(names, inputs="plain", world=2, attention="ring"):
     wrong = [f"{name} on rank {rank}: loss off by {loss:.1e}, {where} by {worst:.1e}"
              for rank, results in enumerate(run_distributed(_listed_errors, world, names,
-                                                            inputs, timeout=900))
+                                                            inputs, attention, timeout=900))
              for name, (loss, worst, where) in results.items()
              if not (loss < LOSS_TOL and worst < GRAD_TOL)]
     assert not wrong, "\n".join(wrong)
@@ -214,6 +214,53 @@ def test_every_listed_family_equals_dense(inputs):
     missing = [t for t in CONTEXT_MODEL_TYPES if t not in _families()]
     assert not missing, f"listed but not in this transformers: {missing}"
     _assert_listed_equal_dense(list(CONTEXT_MODEL_TYPES), inputs=inputs)
+
+
+def _has_sinks(model_type):
+    import warnings
+
+    from tests._hf_sweep import _build
+
+    config, cls = _families()[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build(model_type, config, cls, layers=4, extra=WINDOWS)  # as the tests
+    return any(name.endswith("sinks") for name, _ in model.named_parameters())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("inputs", ["plain", "packed", "padded"])
+def test_ulysses_attention_in_listed_families_equals_dense(inputs):
+    """Sliding and full layers (cohere2), latent attention (deepseek_v3), a parallel block
+    (phi), GQA (llama), per-head norms (qwen3), at 2 and 3 ranks."""
+    names = ["cohere2", "deepseek_v3", "phi", "llama", "qwen3"]
+    _assert_listed_equal_dense(names, inputs=inputs, attention="ulysses")
+    _assert_listed_equal_dense(names[:2], inputs=inputs, world=3, attention="ulysses")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("inputs", ["plain", "packed", "padded"])
+def test_every_listed_family_without_sinks_equals_dense_with_ulysses(inputs):
+    from tensorpar.context.hf import CONTEXT_MODEL_TYPES
+
+    names = [t for t in CONTEXT_MODEL_TYPES if not _has_sinks(t)]
+    assert len(names) >= 70, names
+    _assert_listed_equal_dense(names, inputs=inputs, attention="ulysses")
+
+
+def test_ulysses_refuses_attention_sinks_and_unknown_kinds():
+    from tensorpar.nn import context_parallel
+    from tests._hf_sweep import _build
+
+    config, cls = _families()["gpt_oss"]
+    model = _build("gpt_oss", config, cls, extra=WINDOWS)
+    with pytest.raises(ValueError, match="sinks are not supported with attention='ulysses'"):
+        context_parallel(model, attention="ulysses")
+    assert not hasattr(model, "_tensorpar_context")  # refused before anything changed
+    config, cls = _families()["llama"]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        context_parallel(_build("llama", config, cls), attention="flash")
 
 
 def test_unlisted_families_and_layer_kinds_are_refused():

@@ -426,11 +426,11 @@ def _context(args: argparse.Namespace) -> list[dict[str, Any]]:
                          args.rounds)[0]
     print(format_table(
         ["case", "ranks", "T", "ring ms", "ideal ms", "ring/ideal", "compute ms",
-         "paired ring/compute", "hop ms", "torch cp ms", "ring/torch", "saved MiB/rank",
-         "saved x W / dense"],
+         "paired ring/compute", "hop ms", "ulysses ms", "paired ulysses/ring", "torch cp ms",
+         "ring/torch", "saved MiB/rank", "saved x W / dense"],
         [[r["case"], r["world_size"], r["total"], _ms(r["ring"]), _ms(r["ideal"]),
           _x(r["ring/ideal"]), _ms(r["compute"]), _x(r["ring/compute"]), _ms(r["hop"]),
-          _ms(r["torch_cp"]),
+          _ms(r.get("ulysses")), _x(r.get("ulysses/ring")), _ms(r["torch_cp"]),
           _x(r["ring"] / r["torch_cp"] if r["torch_cp"] else None),
           f"{r['saved'] / 2**20:.2f}",
           f"{r['saved'] * r['world_size'] / r['dense_saved']:.2f}"] for r in rows]))

@@ -18,7 +18,8 @@ only this rank's share of the positions from the embedding on:
 - the attention layers run `tensorpar`'s ring attention (a transformers attention
   implementation registered under ``"tensorpar_ring"``); it reads the layer's causality,
   scaling and sliding window as the model passes them, so masks follow global positions and
-  no ``(T, T)`` mask is ever built;
+  no ``(T, T)`` mask is ever built; or, with ``attention="ulysses"``, two all-to-alls
+  around SDPA over the whole sequence of a share of the heads;
 - a forward hook on the model computes the loss of the rank's rows with the model's own loss
   function, normalised by the whole batch's token count, and sums it over the group, so
   ``out.loss`` is the dense loss on every rank (``out.logits`` holds the rank's rows); an
@@ -43,6 +44,7 @@ from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
+from tensorpar.context.ulysses import ulysses_apply
 
 __all__ = ["CALL", "CONTEXT_MODEL_TYPES", "Call", "context_parallel"]
 
@@ -93,6 +95,7 @@ class _State:
     """The group and, during a forward, this rank's positions and the labels."""
 
     group: Group
+    attention: str = "ring"
     index: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     count: Any = None  # num_items_in_batch, where the caller gives it
@@ -114,7 +117,11 @@ class Call:
     visible: Visible | None
 
 
-def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
+ATTENTIONS = ("ring", "ulysses")
+
+
+def context_parallel(model: nn.Module, *, group: GroupLike = None,
+                     attention: str = "ring") -> nn.Module:
     """Split a transformers decoder LM's sequence over ``group`` (ring attention), in place.
 
     Every rank calls the model with the whole ``input_ids`` and ``labels``; the model keeps
@@ -143,6 +150,11 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     Args:
         model: a transformers ``PreTrainedModel`` for causal LM (``...ForCausalLM``).
         group: the context-parallel group (``None``: the default group, resolved now).
+        attention: ``"ring"`` (`ring_attention`: key/value chunks travel the ring, no rank
+            holds the whole sequence) or ``"ulysses"`` (`ulysses_attention`: two
+            all-to-alls trade the sequence split for a head split around SDPA; each rank
+            briefly holds the whole sequence of ``H / W`` heads and a ``(T, T)`` mask where
+            a window, documents or padding mask it; no attention sinks).
 
     Returns:
         ``model`` itself.
@@ -151,7 +163,7 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
         TypeError: ``model`` has no input embedding or no transformers config.
         ValueError: the model is already context parallel, of a family not in
             `CONTEXT_MODEL_TYPES`, has layers other than attention layers, or uses attention
-            logit soft-capping.
+            logit soft-capping; ``attention`` not one of ``"ring"``, ``"ulysses"``.
 
     Example:
         >>> import torch, transformers
@@ -164,6 +176,8 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
         torch.Size([1, 4, 11])
     """
     g = resolve_group(group, _FN)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"{_FN}: attention must be one of {ATTENTIONS}, got {attention!r}")
     config = getattr(model, "config", None)
     get_embedding = getattr(model, "get_input_embeddings", None)
     if config is None or get_embedding is None:
@@ -174,9 +188,13 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None) -> nn.Module:
     problem = _unsupported(config)
     if problem:
         raise ValueError(f"{_FN}: {problem}")
+    if attention == "ulysses" and any(isinstance(getattr(m, "sinks", None), torch.Tensor)
+                                      for m in model.modules()):
+        raise ValueError(f"{_FN}: attention sinks are not supported with attention='ulysses' "
+                         f"(SDPA has none); use attention='ring'")
     text = getattr(config, "get_text_config", lambda: config)()
     _register()
-    state = _State(g)
+    state = _State(g, attention)
     setattr(model, _STATE, state)
     for module in model.modules():
         module.__dict__[_STATE] = state
@@ -442,13 +460,30 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"{_FN}: attention dropout ({dropout}) is not supported; expected 0")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{_FN}: attention soft-capping is not supported")
-    spec = RingSpec(group=state.group, layout=call.layout,
-                    causal=bool(getattr(module, "is_causal", True)),
-                    window=sliding_window if sliding_window else None,
-                    scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
-                    kv_groups=query.shape[1] // key.shape[1], visible=call.visible)
+    causal = bool(getattr(module, "is_causal", True))
+    window = sliding_window if sliding_window else None
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # gpt-oss-style attention sinks: one logit per head in every query's softmax
     sinks = kwargs.get("s_aux")
+    if state.attention == "ulysses":
+        if isinstance(sinks, torch.Tensor):
+            raise ValueError(f"{_FN}: attention sinks are not supported with "
+                             f"attention='ulysses' (SDPA has none); use attention='ring'")
+        return _ulysses(query, key, value, state.group, call, causal, window, scale), None
+    spec = RingSpec(group=state.group, layout=call.layout, causal=causal, window=window,
+                    scale=scale, kv_groups=query.shape[1] // key.shape[1], visible=call.visible)
     out = ring_apply(query, key.contiguous(), value.contiguous(), spec,  # (B, H, T_local, D)
                      sinks if isinstance(sinks, torch.Tensor) else None)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ulysses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: Group, call: Call,
+             causal: bool, window: int | None, scale: float) -> torch.Tensor:
+    """`ulysses_apply` over the layout's rows, masked by the call's documents or padding."""
+    rows = [sum(seg.length for seg in ranks) for ranks in call.layout]
+    order = torch.cat([positions(call.layout, r, query.device) for r in range(g.size)])
+    visible = call.visible
+    out = ulysses_apply(query, key, value, g, rows, order, causal, window, scale,
+                        visible.on_device if isinstance(visible, Documents) else None,
+                        visible.on_device if isinstance(visible, Padding) else None)
+    return out.transpose(1, 2).contiguous()  # (B, T_local, H, D)

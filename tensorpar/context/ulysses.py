@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.collectives.functional import all_to_all
-from tensorpar.comm._group import GroupLike, resolve_group
+from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context.attention import agreed_lengths
 
-__all__ = ["ulysses_attention"]
+__all__ = ["ulysses_apply", "ulysses_attention"]
 
 _FN = "ulysses_attention"
 
@@ -66,23 +66,41 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     g = resolve_group(group, _FN)
     lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
                              g, _FN, key_mask)
+    return ulysses_apply(q, k, v, g, list(lengths), None, is_causal, window,
+                         1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+                         documents, key_mask)
+
+
+def ulysses_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Group,
+                  rows: list[int], order: torch.Tensor | None, causal: bool,
+                  window: int | None, scale: float, documents: torch.Tensor | None,
+                  key_mask: torch.Tensor | None) -> torch.Tensor:
+    """The exchange and SDPA of `ulysses_attention` (arguments already checked).
+
+    ``rows``: every rank's row count. ``order``: the global position of each row of the
+    ranks' rows put end to end in rank order (``None``: contiguous chunks, already in
+    order). The whole sequence is put in position order for SDPA (causal by its own kernel
+    where nothing else masks), and back.
+    """
     heads = q.shape[1]
     if k.shape[1] != heads:
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
     padded = -(-heads // g.size) * g.size
-    total = sum(lengths)
+    total = sum(rows)
 
     def spread(t: torch.Tensor) -> torch.Tensor:  # (B, H, T_r, D) -> (B, H'/W, T, D)
         if padded != heads:
             t = torch.cat([t, t.new_zeros((t.shape[0], padded - heads, *t.shape[2:]))], dim=1)
-        return t if g.is_single else all_to_all(t, split_dim=1, concat_dim=2, group=g)
+        t = t if g.is_single else all_to_all(t, split_dim=1, concat_dim=2, group=g)
+        return t if back is None else t.index_select(2, back)  # position order
 
+    back = None if order is None else torch.argsort(order)
     qh, kh, vh = spread(q), spread(k), spread(v)
-    pos = torch.arange(total, device=q.device)
-    dist = pos.unsqueeze(1) - pos
     mask = None
-    if window is not None or is_causal:
-        mask = dist >= 0 if is_causal else torch.ones_like(dist, dtype=torch.bool)
+    if window is not None or (causal and (documents is not None or key_mask is not None)):
+        pos = torch.arange(total, device=q.device)
+        dist = pos.unsqueeze(1) - pos  # (T, T): only where something else masks too
+        mask = dist >= 0 if causal else torch.ones_like(dist, dtype=torch.bool)
         if window is not None:
             mask &= dist.abs() < window
     if documents is not None:
@@ -92,9 +110,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if key_mask is not None:
         kept = key_mask.to(q.device, torch.bool)[:, None, None, :]  # (B, 1, 1, T)
         mask = kept if mask is None else kept & mask
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask,
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                         is_causal=causal and mask is None, scale=scale)
+    if order is not None:
+        out = out.index_select(2, order)  # rank order
     if not g.is_single:  # (B, H'/W, T, D) -> (B, H', T_r, D): every rank the same shape
-        out = all_to_all(out, split_dim=2, concat_dim=1, group=g, sizes=list(lengths))
+        out = all_to_all(out, split_dim=2, concat_dim=1, group=g, sizes=rows)
     return out[:, :heads]

@@ -17,6 +17,8 @@ Per rank, forward+backward, float32, causal, the zigzag layout:
 - ``padded attention layer``: the same layer over a row whose first quarter is left
   padding (ring attention's ``key_mask``); its ideal computes only the kept queries
   against the kept keys they see (a padded query's output is zero).
+- ``ulysses`` (the Llama): the same model under ``context_parallel(attention="ulysses")``,
+  paired with the ring in the same rounds.
 - saved activations per rank (``saved_tensors_hooks``), against the dense layer or model.
 """
 
@@ -241,16 +243,21 @@ def llama_rank(total: int, rounds: int) -> dict[str, Any]:
     longest = max(sum(s.length for s in r) for r in layout)
     chunk = torch.randn(2 * LLAMA["num_key_value_heads"] * longest * LLAMA["head_dim"])
 
-    def step(name: str) -> Any:
+    state: Any = model.__dict__["_tensorpar_context"]
+
+    def step(name: str, attention: str = "ring") -> Any:
         def run() -> None:
             _set_attention(model, name)
+            state.attention = attention
             model(ids, labels=ids).loss.backward()
         return run
 
     times = time_side_by_side({"ring": step("tensorpar_ring"), "compute": step(_IDEAL),
+                               "ulysses": step("tensorpar_ring", "ulysses"),
                                "hop": _hop(spec, chunk)},
-                              rounds=rounds, pairs=(("ring", "compute"),))
+                              rounds=rounds, pairs=(("ring", "compute"), ("ulysses", "ring")))
     _set_attention(model, "tensorpar_ring")
+    state.attention = "ring"
     layers = LLAMA["num_hidden_layers"]
     ideal = times["compute"] + layers * (2 * (g.size - 1) + g.size) * times["hop"]
     params = {p.untyped_storage().data_ptr() for m in (model, dense) for p in m.parameters()}
