@@ -128,7 +128,7 @@ def _ring_errors(lengths, causal, window=None, heads=(4, 4), kernel="auto", pass
 
     from tensorpar.context import _blocks
     from tensorpar.nn import ring_attention, ulysses_attention
-    from tests.test_ring_attention import dense_mask
+    from tests.test_ring_attention import chunk_errors, dense_mask
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     total, batch_size, dim = sum(lengths), 2, 5
@@ -158,11 +158,7 @@ def _ring_errors(lengths, causal, window=None, heads=(4, 4), kernel="auto", pass
         out.backward(dout[:, :, mine])
     finally:
         _blocks._fused, _blocks.MAX_PIECES = fused, cap
-    errors = {"out": (out - ref[:, :, mine]).abs().max().item() if out.numel() else 0.0}
-    for name, loc, full in zip("qkv", local, leaves, strict=True):
-        diff = loc.grad - full.grad[:, :, mine]
-        errors["d" + name] = diff.abs().max().item() if diff.numel() else 0.0
-    return errors
+    return chunk_errors(out, ref, local, leaves, mine)
 
 
 RING_CASES = [((9, 14), True, None, (4, 4), "auto", False, "rows differ"),

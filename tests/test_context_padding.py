@@ -41,7 +41,7 @@ def _ring_errors(lengths, causal, window, heads, kernel, kind, ulysses=False, as
 
     from tensorpar.context import _blocks
     from tensorpar.nn import ring_attention, ulysses_attention
-    from tests.test_ring_attention import dense_mask
+    from tests.test_ring_attention import chunk_errors, dense_mask
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     total, dim = sum(lengths), 5
@@ -68,11 +68,7 @@ def _ring_errors(lengths, causal, window, heads, kernel, kind, ulysses=False, as
         out.backward(dout[:, :, mine])
     finally:
         _blocks._fused = fused
-    errors = {"out": (out - ref[:, :, mine]).abs().max().item() if out.numel() else 0.0}
-    for name, loc, full in zip("qkv", local, leaves, strict=True):
-        diff = loc.grad - full.grad[:, :, mine]
-        errors["d" + name] = diff.abs().max().item() if diff.numel() else 0.0
-    return errors
+    return chunk_errors(out, ref, local, leaves, mine)
 
 
 RING_CASES = [((9, 14), True, None, (4, 4), "auto", "left"),

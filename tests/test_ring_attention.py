@@ -49,6 +49,11 @@ def _compare(lengths, causal, heads=(4, 4), window=None, scale=None, kernel="aut
         out.backward(dout[:, :, mine])
     finally:
         _blocks._fused = fused
+    return chunk_errors(out, ref, local, leaves, mine)
+
+
+def chunk_errors(out, ref, local, leaves, mine):
+    """This rank's output and q/k/v gradients against the dense ones' rows ``mine``."""
     errors = {"out": (out - ref[:, :, mine]).abs().max().item() if out.numel() else 0.0}
     for name, loc, full in zip("qkv", local, leaves, strict=True):
         diff = loc.grad - full.grad[:, :, mine]
