@@ -285,3 +285,25 @@ def test_the_benchmarks_padded_ideal_computes_what_the_ring_does():
                     scale=0.5, kv_groups=1, visible=Padding(keep, q.device))
     ideal = _ideal_padded(q * 0.5 * 4 ** 0.5, k, v, layout, 0, padded)  # SDPA scales 1/sqrt(D)
     assert (ring_apply(q, k, v, spec) - ideal).abs().max() < TOL
+
+
+def _shorter_than_the_group(attention):
+    from tensorpar.nn import context_parallel
+
+    model = context_parallel(build("llama"), attention=attention)
+    ids, labels = batch(0, 2)
+    try:
+        model(ids, labels=labels)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_a_sequence_shorter_than_the_group_is_refused_on_every_rank(attention):
+    """A rank without a position would fail inside the model while its peers wait in the
+    attention's exchange (they hung): every rank refuses it before communicating."""
+    for rank, message in enumerate(run_distributed(_shorter_than_the_group, 3, attention,
+                                                   timeout=120)):
+        assert message is not None and "shorter than the group" in message, (rank, message)

@@ -126,8 +126,9 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
 
     Every rank calls the model with the whole ``input_ids`` and ``labels``; the model keeps
     only this rank's share of the activations (an early and a late chunk of the sequence,
-    any length), attention runs across the ranks, ``out.loss`` is the dense loss on every
-    rank and every parameter's gradient is the dense gradient (summed over ``group``).
+    any length of at least one position per rank), attention runs across the ranks,
+    ``out.loss`` is the dense loss on every rank and every parameter's gradient is the
+    dense gradient (summed over ``group``).
     ``out.logits`` holds this rank's positions, in the order of
     `tensorpar.context.layout.zigzag_layout`.
 
@@ -163,7 +164,8 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
         TypeError: ``model`` has no input embedding or no transformers config.
         ValueError: the model is already context parallel, of a family not in
             `CONTEXT_MODEL_TYPES`, has layers other than attention layers, or uses attention
-            logit soft-capping; ``attention`` not one of ``"ring"``, ``"ulysses"``.
+            logit soft-capping; ``attention`` not one of ``"ring"``, ``"ulysses"``; at
+            the call: a sequence shorter than the group, or inputs it does not take.
 
     Example:
         >>> import torch, transformers
@@ -282,6 +284,9 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                          f"attention, as a prefix's token_type_ids do, which the ring does "
                          f"not follow); expected only {sorted(_INPUTS)}")
     batch, total = ids.shape
+    if total < state.group.size:  # a rank without a position would fail inside the model
+        raise ValueError(f"{_FN}: the sequence ({total} positions) is shorter than the group "
+                         f"({state.group.size} ranks): every rank needs a position")
     layout = zigzag_layout(total, state.group.size)
     state.index = positions(layout, state.group.rank, ids.device)
     given = kwargs.get("position_ids")
