@@ -92,7 +92,11 @@ CALL = "tensorpar_context"
 
 @dataclass
 class _State:
-    """The group and, during a forward, this rank's positions and the labels."""
+    """The group and the attention kind; the rest is set during a forward.
+
+    This rank's positions, the labels, the layout and the attention mask (for a
+    load-balancing loss).
+    """
 
     group: Group
     attention: str = "ring"
