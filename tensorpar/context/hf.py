@@ -119,6 +119,7 @@ class Call:
 
     layout: Layout
     visible: Visible | None
+    order: torch.Tensor | None = None  # Ulysses: the ranks' rows end to end, their positions
 
 
 ATTENTIONS = ("ring", "ulysses")
@@ -303,7 +304,9 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ids_of_documents = _documents(global_pos.expand(batch, -1))
         if ids_of_documents is not None:
             visible = Documents(ids_of_documents, ids.device)
-    kwargs[CALL] = Call(layout, visible)
+    order = None if state.attention != "ulysses" else torch.cat(
+        [positions(layout, r, ids.device) for r in range(state.group.size)])
+    kwargs[CALL] = Call(layout, visible, order)
     kwargs["use_cache"] = False
     state.labels = kwargs.pop("labels", None)
     state.layout, state.mask = layout, mask
@@ -490,9 +493,8 @@ def _ulysses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: Gro
              causal: bool, window: int | None, scale: float) -> torch.Tensor:
     """`ulysses_apply` over the layout's rows, masked by the call's documents or padding."""
     rows = [sum(seg.length for seg in ranks) for ranks in call.layout]
-    order = torch.cat([positions(call.layout, r, query.device) for r in range(g.size)])
     visible = call.visible
-    out = ulysses_apply(query, key, value, g, rows, order, causal, window, scale,
+    out = ulysses_apply(query, key, value, g, rows, call.order, causal, window, scale,
                         visible.on_device if isinstance(visible, Documents) else None,
                         visible.on_device if isinstance(visible, Padding) else None)
     return out.transpose(1, 2).contiguous()  # (B, T_local, H, D)
