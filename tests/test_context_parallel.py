@@ -222,3 +222,78 @@ def test_keyword_input_ids_and_refusals():
         model(ids, attention_mask=torch.ones(2, 1, 5, 5, dtype=torch.bool))  # 4-D
     with pytest.raises(ValueError, match="already context parallel"):
         context_parallel(model)
+
+
+DISAGREEMENTS = ("input_ids", "labels", "attention_mask", "position_ids", "length", "batch",
+                 "num_items_in_batch", "no_grad", "refused")
+
+
+def _call_disagreeing(case, rank, model, ids, labels):
+    """Call ``model`` as ``case`` has it: rank 1 differs from the others in one input."""
+    kwargs = {"labels": labels}
+    odd = rank == 1
+    if case == "input_ids" and odd:
+        ids = ids.flip(-1)
+    if case == "labels" and odd:
+        kwargs["labels"] = labels.roll(1, -1)
+    if case == "attention_mask":
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0 if odd else 1  # padding on rank 1 only (all ones masks nothing)
+        kwargs["attention_mask"] = mask
+    if case == "position_ids":
+        kwargs["position_ids"] = torch.arange(ids.shape[1]).unsqueeze(0) + (1 if odd else 0)
+    if case == "length" and odd:
+        ids, kwargs["labels"] = ids[:, :-2], labels[:, :-2]
+    if case == "batch" and odd:
+        ids, kwargs["labels"] = ids[:1], labels[:1]
+    if case == "num_items_in_batch":
+        kwargs["num_items_in_batch"] = torch.tensor(20 + int(odd))
+    if case == "refused" and odd:
+        kwargs["token_type_ids"] = torch.zeros_like(ids)
+    with torch.set_grad_enabled(not (case == "no_grad" and odd)):
+        return model(ids, **kwargs)
+
+
+def _disagreeing_inputs(world):
+    """Each case refused on every rank (type and message), then a call equal to dense."""
+    rank = dist.get_rank()
+    dense, parallel = build("llama"), context_parallel(build("llama"))
+    ids, labels = batch(0, 13)
+    refused = {}
+    for case in DISAGREEMENTS:
+        try:
+            _call_disagreeing(case, rank, parallel, ids, labels)
+            refused[case] = None
+        except Exception as e:  # the test compares what each rank raised
+            refused[case] = (type(e).__name__, str(e))
+    return refused, _errors(dense, parallel, ids, labels)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_on_the_inputs_are_refused_on_every_rank(world):
+    """A rank given another batch (or none, or another shape) is refused on every rank.
+
+    Before, other tokens, labels, masks or positions on one rank gave every rank the same
+    wrong loss, silently, and another shape crashed the ranks in gloo.
+    """
+    results = run_distributed(_disagreeing_inputs, world, world, timeout=600)
+    expected = {"input_ids": "input_ids differ", "labels": "labels differ",
+                "attention_mask": "the padding of attention_mask differ",
+                "position_ids": "position_ids differ", "length": "shapes",
+                "batch": "shapes", "num_items_in_batch": "num_items_in_batch differ",
+                "no_grad": "whether gradients are on", "refused": "refused their inputs"}
+    for rank, (refused, errors) in enumerate(results):
+        for case, words in expected.items():
+            got = refused[case]
+            assert got is not None, f"rank {rank}: {case} was not refused"
+            kind, message = got
+            if case == "refused" and rank == 1:  # the rank's own error
+                assert "token_type_ids" in message, message
+                continue
+            assert kind == "CollectiveArgumentError", (rank, case, got)
+            assert words in message, (rank, case, message)
+            if case not in ("length", "batch", "refused"):
+                assert "rank(s) [1]" in message, message
+        assert errors["loss"] < LOSS_TOL, errors  # nothing left over from the refusals
+        assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors

@@ -6,7 +6,9 @@ only this rank's share of the positions from the embedding on:
 - a forward pre-hook on the model computes the layout for the sequence length (`zigzag_layout`:
   an early and a late chunk per rank), passes the global ``position_ids`` of the rank's rows
   (so rotary tables follow global positions), switches the cache off and takes ``labels``
-  aside;
+  aside; one all-gather first compares every rank's call (shapes, and a hash of the
+  tokens, labels, mask and positions), so a rank given another batch is refused on every
+  rank instead of computing its share of it;
 - a forward hook on the input embedding keeps the rank's rows of its output;
 - packed rows (``position_ids`` that restart, no attention mask, no cache: where
   transformers' own masks keep each document to itself) become per-position document
@@ -31,6 +33,7 @@ only this rank's share of the positions from the embedding on:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorpar.collectives.functional import all_reduce
+from tensorpar.collectives.functional import all_gather, all_reduce
 from tensorpar.collectives.regions import gather_from_group
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 from tensorpar.context.ulysses import ulysses_apply
+from tensorpar.errors import CollectiveArgumentError
 
 __all__ = ["CALL", "CONTEXT_MODEL_TYPES", "Call", "context_parallel"]
 
@@ -171,6 +175,10 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
             `CONTEXT_MODEL_TYPES`, has layers other than attention layers, or uses attention
             logit soft-capping; ``attention`` not one of ``"ring"``, ``"ulysses"``; at
             the call: a sequence shorter than the group, or inputs it does not take.
+        CollectiveArgumentError: at the call, on every rank: the ranks' calls differ (every
+            rank must pass the same ``input_ids``, ``labels``, mask, positions and
+            ``num_items_in_batch``; one all-gather per forward compares shapes and hashes),
+            or another rank refused its inputs.
 
     Example:
         >>> import torch, transformers
@@ -264,18 +272,64 @@ def _summer(g: Group) -> Any:
 def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     state: _State = getattr(model, _STATE)
+    try:
+        ids, mask, padding = _take_inputs(model, state, args, kwargs)
+        problem = None
+    except ValueError as e:
+        ids, mask, padding, problem = None, None, None, e
+    given = kwargs.get("position_ids")
+    routes = kwargs.get("output_router_logits")
+    state.routes = bool(_routes(model) if routes is None else routes)
+    visible: Visible | None = None if padding is None else Padding(padding, padding.device)
+    if ids is not None and given is not None and mask is None and \
+            not _would_cache(model, kwargs) and \
+            getattr(model.config, "model_type", None) not in PACKED_ACROSS:
+        ids_of_documents = _documents(given.expand(ids.shape[0], -1))
+        if ids_of_documents is not None:
+            visible = Documents(ids_of_documents, ids.device)
+    if not state.group.is_single:  # before anything travels the ring: no rank left waiting
+        whole = None if given is None or ids is None else given.expand(ids.shape[0], -1)
+        _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible)
+    if problem is not None:
+        raise problem
+    assert ids is not None
+    batch, total = ids.shape
+    layout = zigzag_layout(total, state.group.size)
+    state.index = positions(layout, state.group.rank, ids.device)
+    global_pos = (given if given is not None
+                  else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
+    kwargs["position_ids"] = global_pos[:, state.index]
+    order = None if state.attention != "ulysses" else torch.cat(
+        [positions(layout, r, ids.device) for r in range(state.group.size)])
+    kwargs[CALL] = Call(layout, visible, order)
+    kwargs["use_cache"] = False
+    state.labels = kwargs.pop("labels", None)
+    state.layout, state.mask = layout, mask
+    return (ids,), kwargs
+
+
+def _take_inputs(model: nn.Module, state: _State, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    """This rank's checks of a call: ``input_ids``, the attention mask and its padding.
+
+    Takes ``input_ids``, ``attention_mask`` and ``num_items_in_batch`` out of ``kwargs``.
+
+    Raises:
+        ValueError: an input `context_parallel` does not take (raised on every rank, by
+            `_agree`, once the ranks have compared).
+    """
     ids = args[0] if args else kwargs.pop("input_ids", None)
+    mask = kwargs.pop("attention_mask", None)
+    state.count = kwargs.pop("num_items_in_batch", None)  # the loss's denominator, if given
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
         got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{_FN}: the model must be called with input_ids of shape (B, T) "
                          f"(inputs_embeds are not split), got {got}")
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError(f"{_FN}: inputs_embeds is not supported; pass input_ids")
-    mask = kwargs.pop("attention_mask", None)
     padding = _padding(mask, ids)
     if len(args) > 1:
         raise ValueError(f"{_FN}: pass the arguments after input_ids by keyword")
-    state.count = kwargs.pop("num_items_in_batch", None)  # the loss's denominator, if given
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{_FN}: a cache ({name}) is not supported (training and scoring "
@@ -288,35 +342,84 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         raise ValueError(f"{_FN}: inputs {other} are not supported (they may shape the "
                          f"attention, as a prefix's token_type_ids do, which the ring does "
                          f"not follow); expected only {sorted(_INPUTS)}")
-    batch, total = ids.shape
-    if total < state.group.size:  # a rank without a position would fail inside the model
-        raise ValueError(f"{_FN}: the sequence ({total} positions) is shorter than the group "
-                         f"({state.group.size} ranks): every rank needs a position")
-    layout = zigzag_layout(total, state.group.size)
-    state.index = positions(layout, state.group.rank, ids.device)
     given = kwargs.get("position_ids")
-    global_pos = (given if given is not None
-                  else torch.arange(total, device=ids.device).unsqueeze(0).expand(batch, -1))
-    kwargs["position_ids"] = global_pos[:, state.index]
-    visible: Visible | None = None if padding is None else Padding(padding, ids.device)
-    if given is not None and mask is None and not _would_cache(model, kwargs) and \
-            getattr(model.config, "model_type", None) not in PACKED_ACROSS:
-        ids_of_documents = _documents(global_pos.expand(batch, -1))
-        if ids_of_documents is not None:
-            visible = Documents(ids_of_documents, ids.device)
-    order = None if state.attention != "ulysses" else torch.cat(
-        [positions(layout, r, ids.device) for r in range(state.group.size)])
-    kwargs[CALL] = Call(layout, visible, order)
-    kwargs["use_cache"] = False
-    state.labels = kwargs.pop("labels", None)
-    state.layout, state.mask = layout, mask
+    if given is not None and (not isinstance(given, torch.Tensor) or given.ndim != 2 or
+                              given.shape[1] != ids.shape[1] or
+                              given.shape[0] not in (1, ids.shape[0])):
+        got = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+        raise ValueError(f"{_FN}: position_ids must be shaped (B, T) or (1, T) as input_ids "
+                         f"{tuple(ids.shape)}, got {got}")
+    if ids.shape[1] < state.group.size:  # a rank without a position would fail in the model
+        raise ValueError(f"{_FN}: the sequence ({ids.shape[1]} positions) is shorter than the "
+                         f"group ({state.group.size} ranks): every rank needs a position")
     routes = kwargs.get("output_router_logits")
-    state.routes = bool(_routes(model) if routes is None else routes)
-    if state.routes and kwargs.get("return_dict") is False and _balancing(model) is not None:
+    if bool(_routes(model) if routes is None else routes) and \
+            kwargs.get("return_dict") is False and _balancing(model) is not None:
         raise ValueError(f"{_FN}: return_dict=False with output_router_logits is not "
                          f"supported (the load-balancing loss is computed over the whole "
                          f"sequence, into out.aux_loss)")
-    return (ids,), kwargs
+    return ids, mask, padding
+
+
+_AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels",
+           "num_items_in_batch", "output_router_logits",
+           "whether gradients are on (torch.is_grad_enabled)",
+           "the masking (packed documents, padding or none)")
+"""What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
+
+
+def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
+           padding: torch.Tensor | None, positions_given: Any, labels: Any,
+           visible: Visible | None) -> None:
+    """Compare this call's inputs with every rank's (one all-gather); raise on every rank.
+
+    Every rank must pass the whole, same batch: a rank with other tokens, labels, masks or
+    positions would compute its share of another batch, silently; one with another shape
+    would send the ring chunks of another size.
+
+    Raises:
+        ValueError: a rank's own inputs were refused (`CollectiveArgumentError` on the
+            others), or the ranks' inputs differ.
+    """
+    g = state.group
+    row = [0] * (3 + len(_AGREED))
+    if problem is None and ids is not None:
+        kind = 0 if visible is None else 1 if isinstance(visible, Padding) else 2
+        row = [1, ids.shape[0], ids.shape[1], _digest(ids), _digest(padding),
+               _digest(positions_given), _digest(labels), _digest(state.count),
+               int(state.routes), int(torch.is_grad_enabled()), kind]
+    device = g.comm_device(ids.device if ids is not None else None)
+    rows = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=g.handle,
+                      sizes=[1] * g.size).tolist()
+    if problem is not None:
+        return  # the caller raises this rank's own error
+    bad = [r for r, m in enumerate(rows) if not m[0]]
+    if bad:
+        raise CollectiveArgumentError(f"{_FN}: rank(s) {bad} of the group refused their inputs "
+                                      f"(their own error says why)")
+    shapes = [tuple(m[1:3]) for m in rows]
+    if len(set(shapes)) > 1:
+        raise CollectiveArgumentError(
+            f"{_FN}: every rank must pass the whole batch, the same on each; the ranks passed "
+            f"input_ids of shapes {shapes} (rank order)")
+    for i, name in enumerate(_AGREED):
+        values = [m[3 + i] for m in rows]
+        if len(set(values)) > 1:
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise CollectiveArgumentError(
+                f"{_FN}: every rank must pass the whole batch, the same on each; {name} "
+                f"differ between rank 0 and rank(s) {differ}")
+
+
+def _digest(x: Any) -> int:
+    """A 56-bit hash of a tensor's (or a number's) shape, dtype and values; 0: ``None``."""
+    if x is None:
+        return 0
+    data = torch.as_tensor(x).detach().to("cpu").contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    digest = hashlib.blake2b(repr((tuple(data.shape), str(data.dtype))).encode() + raw,
+                             digest_size=7).digest()
+    return int.from_bytes(digest, "little") | 1 << 56
 
 
 def _would_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
