@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tensorpar.errors import CollectiveArgumentError
 from tensorpar.nn import context_parallel
 from tensorpar.testing import run_distributed
 
@@ -297,3 +298,27 @@ def test_ranks_that_disagree_on_the_inputs_are_refused_on_every_rank(world):
                 assert "rank(s) [1]" in message, message
         assert errors["loss"] < LOSS_TOL, errors  # nothing left over from the refusals
         assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors
+
+
+def _compiled(world):
+    """A compiled context-parallel Llama against dense; then another batch on rank 1."""
+    dense, parallel = build("llama"), context_parallel(build("llama"))
+    compiled = torch.compile(parallel, backend="eager")
+    ids, labels = batch(0, 13)
+    errors = backward_errors(dense, parallel, dense(ids, labels=labels).loss,
+                             compiled(ids, labels=labels).loss)
+    try:
+        compiled(ids.flip(-1) if dist.get_rank() == 1 else ids, labels=labels)
+        refused = None
+    except CollectiveArgumentError as e:
+        refused = str(e)
+    return errors, refused
+
+
+@pytest.mark.timeout(900)
+def test_compiled_model_equals_dense_and_still_compares_the_ranks():
+    """torch.compile over a context-parallel model (its hooks traced with it) equals dense."""
+    for errors, refused in run_distributed(_compiled, 2, 2, timeout=600):
+        assert errors["loss"] < LOSS_TOL, errors
+        assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors
+        assert refused is not None and "input_ids differ" in refused, refused

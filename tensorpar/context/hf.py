@@ -368,6 +368,7 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
 """What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
 
 
+@torch.compiler.disable  # hashes on the host; the ring's transfers break the graph anyway
 def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
            padding: torch.Tensor | None, positions_given: Any, labels: Any,
            visible: Visible | None) -> None:
