@@ -172,3 +172,13 @@ def test_hf_tensor_parallel():
     pytest.importorskip("transformers")
     out = torchrun("hf_tensor_parallel.py", 2, "--steps", 3)
     assert "tied: True" in out and out.rstrip().endswith("OK"), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [("--dp", 2, "--cp", 2, "--packed"),
+                                    ("--dp", 1, "--cp", 2, "--tp", 2, "--attention", "ulysses")])
+def test_context_parallel_lm(layout):
+    pytest.importorskip("transformers")
+    out = torchrun("context_parallel_lm.py", 4, *layout, "--steps", 3)
+    assert "OK: 3 steps" in out and "equal the dense model's losses" in out, out
