@@ -322,3 +322,62 @@ def test_compiled_model_equals_dense_and_still_compares_the_ranks():
         assert errors["loss"] < LOSS_TOL, errors
         assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors
         assert refused is not None and "input_ids differ" in refused, refused
+
+
+def test_padding_goes_to_the_tokens_device():
+    """A mask on another device than input_ids (dense moves it to the embedding's) follows
+    the tokens: ``meta`` stands for an accelerator here."""
+    from tensorpar.context import hf
+
+    model = context_parallel(build("llama"))
+    ids = torch.randint(0, 50, (2, 8), device="meta")
+    mask = torch.ones(2, 8, dtype=torch.long)  # on the CPU
+    mask[0, :2] = 0
+    _, kwargs = hf._before(model, (ids,), {"attention_mask": mask})
+    assert kwargs[hf.CALL].visible.on_device.device == ids.device
+
+
+def _exchange_devices(world):
+    """The device hint each rank's input comparison uses, rank 1 refusing its inputs."""
+    from tensorpar.comm._group import Group
+
+    model = context_parallel(build("llama"))
+    ids, labels = batch(0, 9)
+    hints, real = [], Group.comm_device
+
+    def spy(self, hint=None):
+        hints.append(hint)
+        return real(self, hint)
+
+    Group.comm_device = spy
+    try:
+        kwargs = {"token_type_ids": torch.zeros_like(ids)} if dist.get_rank() == 1 else {}
+        with pytest.raises(ValueError):
+            model(ids, labels=labels, **kwargs)
+    finally:
+        Group.comm_device = real
+    return hints[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_refusing_rank_compares_on_the_same_device_as_the_others():
+    """The comparison's buffer goes where the model's embedding is, on every rank: a rank
+    whose inputs were refused once put it on the group's default device (with a CPU and a
+    CUDA backend in one group, the ranks would meet in two backends and wait for ever)."""
+    hints = run_distributed(_exchange_devices, 2, 2, timeout=120)
+    assert hints == [torch.device("cpu")] * 2, hints
+
+
+def _same_values_other_dtypes(world):
+    model = context_parallel(build("llama"))
+    ids, labels = batch(0, 9)
+    narrow = dist.get_rank() == 1
+    out = model(ids.int() if narrow else ids, labels=labels,
+                num_items_in_batch=torch.tensor(16, dtype=torch.int32 if narrow else torch.int64))
+    return out.loss.item()
+
+
+@pytest.mark.timeout(300)
+def test_the_same_values_in_other_dtypes_agree():
+    losses = run_distributed(_same_values_other_dtypes, 2, 2, timeout=120)
+    assert losses[0] == losses[1], losses

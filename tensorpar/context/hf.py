@@ -280,7 +280,8 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     given = kwargs.get("position_ids")
     routes = kwargs.get("output_router_logits")
     state.routes = bool(_routes(model) if routes is None else routes)
-    visible: Visible | None = None if padding is None else Padding(padding, padding.device)
+    visible: Visible | None = None if padding is None or ids is None else \
+        Padding(padding, ids.device)  # (dense transformers moves the mask to the tokens')
     if ids is not None and given is not None and mask is None and \
             not _would_cache(model, kwargs) and \
             getattr(model.config, "model_type", None) not in PACKED_ACROSS:
@@ -289,7 +290,8 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             visible = Documents(ids_of_documents, ids.device)
     if not state.group.is_single:  # before anything travels the ring: no rank left waiting
         whole = None if given is None or ids is None else given.expand(ids.shape[0], -1)
-        _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible)
+        _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible,
+               _home(model))
     if problem is not None:
         raise problem
     assert ids is not None
@@ -368,15 +370,19 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
 """What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
 
 
-@torch.compiler.disable  # hashes on the host; the ring's transfers break the graph anyway
+# eager: it hashes on the host (the ring's transfers break the graph anyway)
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
            padding: torch.Tensor | None, positions_given: Any, labels: Any,
-           visible: Visible | None) -> None:
+           visible: Visible | None, home: torch.device | None) -> None:
     """Compare this call's inputs with every rank's (one all-gather); raise on every rank.
 
     Every rank must pass the whole, same batch: a rank with other tokens, labels, masks or
     positions would compute its share of another batch, silently; one with another shape
-    would send the ring chunks of another size.
+    would send the ring chunks of another size. ``home``: the device of the model's input
+    embedding, where every rank's exchange buffer goes (a refused rank's inputs may be on
+    no device at all: on a group with a CPU and a CUDA backend, buffers on two kinds of
+    device would meet in two backends, and wait for ever).
 
     Raises:
         ValueError: a rank's own inputs were refused (`CollectiveArgumentError` on the
@@ -389,7 +395,7 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
         row = [1, ids.shape[0], ids.shape[1], _digest(ids), _digest(padding),
                _digest(positions_given), _digest(labels), _digest(state.count),
                int(state.routes), int(torch.is_grad_enabled()), kind]
-    device = g.comm_device(ids.device if ids is not None else None)
+    device = g.comm_device(home)
     rows = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=g.handle,
                       sizes=[1] * g.size).tolist()
     if problem is not None:
@@ -412,13 +418,26 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
                 f"differ between rank 0 and rank(s) {differ}")
 
 
+def _home(model: nn.Module) -> torch.device | None:
+    """The device of the model's input embedding (``None``: it holds no parameter)."""
+    weight = next(model.get_input_embeddings().parameters(), None)  # type: ignore[operator]
+    return None if weight is None else weight.device
+
+
 def _digest(x: Any) -> int:
-    """A 56-bit hash of a tensor's (or a number's) shape, dtype and values; 0: ``None``."""
+    """A 56-bit hash of a tensor's (or a number's) shape and values; 0: ``None``.
+
+    Values, not their dtype: integers hash as int64, floats as float64 (``input_ids`` of
+    int32 on one rank and int64 on another are the same tokens).
+    """
     if x is None:
         return 0
-    data = torch.as_tensor(x).detach().to("cpu").contiguous()
+    data = torch.as_tensor(x).detach().to("cpu")
+    wide = torch.float64 if data.is_floating_point() else \
+        torch.complex128 if data.is_complex() else torch.int64
+    data = data.to(wide).contiguous()
     raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-    digest = hashlib.blake2b(repr((tuple(data.shape), str(data.dtype))).encode() + raw,
+    digest = hashlib.blake2b(repr(tuple(data.shape)).encode() + raw,
                              digest_size=7).digest()
     return int.from_bytes(digest, "little") | 1 << 56
 
