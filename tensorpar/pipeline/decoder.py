@@ -33,11 +33,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["HF_MODEL_TYPES", "Decoder", "Elsewhere", "run_decoder_stage"]
+__all__ = ["HF_MODEL_TYPES", "LAYER_OUTPUTS", "Decoder", "Elsewhere", "run_decoder_stage"]
 
 HF_MODEL_TYPES = (
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2",
-    "bailing_hybrid", "beam", "cohere", "cohere2", "cohere2_moe", "cohere_compass_text",
+    "bailing_hybrid", "bamba", "beam", "cohere", "cohere2", "cohere2_moe", "cohere_compass_text",
     "cwm", "deepseek_v2", "deepseek_v3", "deepseek_v32", "diffllama", "doge", "dots1",
     "dots3_note_text", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe",
     "falcon_h1", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text",
@@ -57,6 +57,12 @@ HF_MODEL_TYPES = (
 """transformers ``model_type``\\ s run stage by stage: each causal LM with a decoder
 ``layers`` list whose pipeline equals its dense self (every gradient, float64, two and three
 stages, each holding only its own modules) with the transformers the tests pin (5.24)."""
+
+LAYER_OUTPUTS = {"bamba": 2}
+"""Families whose forward unpacks several values from each decoder layer, of which only the
+first (the hidden states) goes on to the next layer (Bamba's second is its attention
+weights): their stand-ins return as many, the rest ``None``. Families whose later values
+go on (top-k indices handed to the next layer) are not listed in `HF_MODEL_TYPES`."""
 
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -89,15 +95,20 @@ class Elsewhere(nn.Module):
     a family's forward may read from each layer as it loops; it holds no parameters.
     """
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, outputs: int = 1) -> None:
         super().__init__()
         for name, value in vars(layer).items():
             if not name.startswith("_") and name != "training" and isinstance(value, _PLAIN):
                 setattr(self, name, value)
+        self.outputs = outputs  # how many values the family's forward unpacks (`LAYER_OUTPUTS`)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The hidden states it was given (first argument, or ``hidden_states=``)."""
-        return args[0] if args else kwargs.get("hidden_states")
+        """The hidden states it was given (first argument, or ``hidden_states=``).
+
+        With ``outputs`` > 1: a tuple of them and ``None`` for each other value.
+        """
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        return hidden if self.outputs == 1 else (hidden, *(None,) * (self.outputs - 1))
 
 
 class _StageEnd(Exception):

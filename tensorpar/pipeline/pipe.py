@@ -783,7 +783,7 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
 
     Args:
         model: an ``nn.Sequential``, a transformers causal LM of a family in
-            ``tensorpar.pipeline.stages.HF_MODEL_TYPES`` (101 families: Llama, Mistral,
+            ``tensorpar.pipeline.stages.HF_MODEL_TYPES`` (102 families: Llama, Mistral,
             Qwen, Gemma, Phi, Granite, DeepSeek, Jamba...) or a model with
             ``pipeline_blocks()`` (parallelize such a model before this call: its
             functions are taken now).

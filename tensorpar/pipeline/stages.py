@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
-from tensorpar.pipeline.decoder import HF_MODEL_TYPES, Decoder, Elsewhere, run_decoder_stage
+from tensorpar.pipeline.decoder import (
+    HF_MODEL_TYPES,
+    LAYER_OUTPUTS,
+    Decoder,
+    Elsewhere,
+    run_decoder_stage,
+)
 
 __all__ = ["HF_MODEL_TYPES", "Decoder", "StageSpec", "balanced", "decoder_of", "ends",
            "has_blocks", "prune", "run_stage", "stage_specs", "tied_parameters"]
@@ -203,9 +209,9 @@ def decoder_of(model: nn.Module) -> Decoder:
                                   f"top-level modules; expected a causal LM")
     embedding: Any = model.get_input_embeddings()  # type: ignore[operator]
     layers: Any = _decoder(model).layers
-    return Decoder(model, str(model.base_model_prefix), name,
-                   int(embedding.weight.shape[-1]), tuple(Elsewhere(layer) for layer in layers),
-                   {})
+    outputs = LAYER_OUTPUTS.get(str(getattr(model.config, "model_type", "")), 1)
+    return Decoder(model, str(model.base_model_prefix), name, int(embedding.weight.shape[-1]),
+                   tuple(Elsewhere(layer, outputs) for layer in layers), {})
 
 
 def prune(model: nn.Module, kept: Sequence[StageSpec], specs: Sequence[StageSpec]) -> None:
