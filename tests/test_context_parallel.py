@@ -315,6 +315,7 @@ def _compiled(world):
     return errors, refused
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_compiled_model_equals_dense_and_still_compares_the_ranks():
     """torch.compile over a context-parallel model (its hooks traced with it) equals dense."""

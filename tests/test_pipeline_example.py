@@ -24,7 +24,8 @@ PIPELINED = ("--steps", 8, "--batch", 4, "--microbatches", 4, "--dtype", "float6
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("ranks,layout", [(2, ("--pp", 2, "--tp", 1)),
-                                          (4, ("--pp", 2, "--tp", 2))])
+                                          pytest.param(4, ("--pp", 2, "--tp", 2),
+                                                       marks=pytest.mark.slow)])
 def test_train_lm_pipelined_equals_dense(ranks, layout, tmp_path):
     out = torchrun("train_lm.py", ranks, *layout, *PIPELINED, "--out", tmp_path)
     assert f"dp 1 x pp 2 x tp {layout[-1]} (1f1b, 4 microbatches)" in out, out

@@ -188,8 +188,10 @@ class _RankPool:
         for conn in self.conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send_bytes(pickle.dumps(("stop",)))
+        deadline = time.monotonic() + 1.0  # one second for all of them, not for each
         for proc in self.procs:
-            proc.join(timeout=1.0)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5.0)
