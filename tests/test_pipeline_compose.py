@@ -339,3 +339,91 @@ def test_own_loss_on_a_vocab_parallel_head_raises_on_every_rank():
     messages = run_distributed(_own_loss_on_vocab_parallel_head_raises, 4, timeout=100)
     assert all("vocab-parallel" in m for m in messages[2:])  # the last stage's ranks
     assert all("another rank" in m for m in messages[:2])
+
+
+# ---------------------------------------------------------------------------------------
+# the optimizer's state across pipeline sizes and the dense model (tied weights included)
+# ---------------------------------------------------------------------------------------
+
+def _train_steps(model, step_fn, opt, steps):
+    for step in steps:
+        step_fn(model, step)
+        opt.step()
+        opt.zero_grad()
+
+
+def _dense_step(model, step):
+    ids = tokens(step)
+    lm_loss(model(ids).logits, ids).backward()
+
+
+def _pipe_step(pipe, step):
+    ids = tokens(step)
+    pipe.step(ids if pipe.is_first else None, ids if pipe.is_last else None)
+
+
+def _optim_state(model, opt):
+    return {"model": tp.sharded_state_dict(model),
+            "optim": tp.sharded_optimizer_state_dict(model, opt)}
+
+
+def _save_trained(path, pipelined, steps):
+    """``steps`` AdamW steps of a tied Llama (a pipeline over the world, or dense), saved."""
+    import torch.distributed.checkpoint as dcp
+
+    model = llama(tied=True)
+    if pipelined:
+        model = tp.nn.pipeline(model, microbatches=2, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train_steps(model, _pipe_step if pipelined else _dense_step, opt, range(steps))
+    dcp.save(_optim_state(model, opt), checkpoint_id=path)
+
+
+def _resume(path, pipelined, start, total):
+    """Load into a fresh tied Llama (pipeline or dense) and its AdamW; train to ``total``."""
+    import torch.distributed.checkpoint as dcp
+
+    model = llama(tied=True)
+    with torch.no_grad():  # other weights: the checkpoint must bring them back
+        for p in model.parameters():
+            p.add_(1.0)
+    if pipelined:
+        model = tp.nn.pipeline(model, microbatches=2, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)  # the checkpoint's lr comes back
+    state = _optim_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(model, state["model"])
+    tp.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    _train_steps(model, _pipe_step if pipelined else _dense_step, opt, range(start, total))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_like_dense_run(got, total):
+    dense = llama(tied=True)
+    opt = torch.optim.AdamW(dense.parameters(), lr=0.01)
+    _train_steps(dense, _dense_step, opt, range(total))
+    want = dict(dense.named_parameters(remove_duplicate=False))
+    for name, p in got.items():
+        torch.testing.assert_close(p, want[name], rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_optimizer_state_saved_at_pp2_resumes_at_pp3_and_in_the_dense_model(tmp_path):
+    """Two AdamW steps at PP 2, saved; a third at PP 3 and in the dense model equals a dense
+    run of three (the pipeline's ranks hold other parameter groups' names: the checkpoint
+    kept one rank's list, and the dense model's load refused it)."""
+    path = str(tmp_path / "pp2")
+    run_distributed(_save_trained, 2, path, True, 2, timeout=200)
+    for held in run_distributed(_resume, 3, path, True, 2, 3, timeout=200):
+        _assert_like_dense_run(held, 3)
+    _assert_like_dense_run(_resume(path, False, 2, 3), 3)
+
+
+@pytest.mark.timeout(300)
+def test_a_dense_optimizer_checkpoint_resumes_a_pipeline_with_tied_weights(tmp_path):
+    """The dense optimizer holds a tied embedding and head once; a pipeline's last stage
+    holds the head as a parameter of its own, whose state the checkpoint must carry."""
+    path = str(tmp_path / "dense")
+    _save_trained(path, False, 2)
+    for held in run_distributed(_resume, 2, path, True, 2, 3, timeout=200):
+        _assert_like_dense_run(held, 3)

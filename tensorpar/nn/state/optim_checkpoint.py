@@ -39,7 +39,11 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     Under ``fully_shard`` (FSDP2 beside tensor parallelism) the state of a shard is the
     FSDP slice's pieces at their dense offsets and the state of a replica stays a
     ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
-    without FSDP2. No communication.
+    without FSDP2. A tied parameter's state is saved under each of its names (a pipeline's
+    last stage holds a tied LM head as a parameter of its own). A pipeline of several ranks
+    saves each group's options with ``"params": PER_RANK`` instead of its names (each rank
+    holds others): it loads at another pipeline size or into the dense model's optimizer.
+    No communication.
 
     Args:
         model: the model whose parameters ``optimizer`` updates.
@@ -69,20 +73,45 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     fn = "sharded_optimizer_state_dict"
     infos = _infos(model, optimizer, fn)
     initial = _initial_states(optimizer, fn)
+    aliases = _aliases(model)
     state: dict[str, Any] = {}
     has_state: dict[str, torch.Tensor] = {}
     groups = []
+    per_rank = _per_rank(model)
     for group in optimizer.param_groups:
         names = []
         for p in group["params"]:
             info = infos[id(p)]
             names.append(info.name)
             own = optimizer.state.get(p)
-            has_state[info.name] = torch.tensor(int(bool(own)), dtype=torch.int8)
-            state[info.name] = {key: _value(info, key, value)
-                                for key, value in (own or initial[id(p)]).items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+            # under each name of a tied parameter: a pipeline stage may hold it as its own
+            for name in aliases.get(id(p), [info.name]):
+                has_state[name] = torch.tensor(int(bool(own)), dtype=torch.int8)
+                state[name] = {key: _value(info, key, value)
+                               for key, value in (own or initial[id(p)]).items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": PER_RANK if per_rank else names})
     return {"state": state, "param_groups": groups, "has_state": has_state}
+
+
+PER_RANK = "names held per pipeline rank"
+"""A group's ``params`` as a pipeline saves them: each stage holds other parameters, and a
+checkpoint keeps one rank's value, so the names are not saved (the state under each name
+is what a load checks)."""
+
+
+def _per_rank(model: nn.Module) -> bool:
+    """Whether ``model`` is a pipeline of several ranks (each holding other parameters)."""
+    stages = getattr(model, "stage_group", None)
+    return stages is not None and not stages.is_single
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter that has several (tied weights), by parameter id."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {pid: found for pid, found in names.items() if len(found) > 1}
 
 
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -116,15 +145,16 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
         raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
                          f"optimizer {len(optimizer.param_groups)}; expected the same groups")
     # a pipeline's stages hold other parameters on every rank, and the checkpoint keeps one
-    # rank's lists of names: there, the state saved under each name is what is checked
-    stages = getattr(model, "stage_group", None)
-    per_rank = stages is not None and not stages.is_single
+    # rank's lists of names (saved by a pipeline, or loaded into one): there, the state
+    # saved under each name is what is checked
+    per_rank = _per_rank(model)
     with torch.no_grad():
         for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
             names = [infos[id(p)].name for p in group["params"]]
-            if not per_rank and list(saved_group["params"]) != names:
-                raise ValueError(f"{fn}: a parameter group holds {list(saved_group['params'])} "
-                                 f"in the checkpoint and {names} in the optimizer")
+            saved_names = saved_group["params"]
+            if not per_rank and saved_names != PER_RANK and list(saved_names) != names:
+                raise ValueError(f"{fn}: a parameter group holds {list(saved_names)} in the "
+                                 f"checkpoint and {names} in the optimizer")
             for k, v in saved_group.items():
                 if k != "params":
                     group[k] = v
