@@ -77,3 +77,41 @@ def test_a_rank_that_dies_mid_training_gives_every_survivor_a_lost_peer_error():
         assert "PeerLostError" in names, (rank, names, message)
         assert "on a group of 3" in message and "rank 2 went away" in message, message
         assert seconds < 15, seconds
+
+
+def _pipeline_until_rank_1_dies(mid_step):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    pipe = tp.nn.pipeline(model, microbatches=4, loss_fn=lambda out, y: out.square().mean())
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    forwards = []
+
+    def die_at_the_tenth_forward(module, args):
+        forwards.append(1)
+        if len(forwards) == 10:  # step 3's second microbatch, its activations in flight
+            os._exit(1)
+
+    if dist.get_rank() == 1 and mid_step:
+        model._modules["2"].register_forward_pre_hook(die_at_the_tenth_forward)  # (its stage)
+    for step in range(6):
+        x = torch.randn(8, 8)
+        if dist.get_rank() == 1 and step == 3 and not mid_step:
+            os._exit(1)  # the last stage dies between two steps
+        pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
+        optimizer.step()
+        optimizer.zero_grad()
+    return "finished"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mid_step", [False, True], ids=["between steps", "mid-step"])
+def test_a_pipeline_stage_that_dies_gives_its_peer_a_lost_peer_error(mid_step):
+    """The pipeline's transfers and agreements: their failure names the peer, as the
+    collectives' do (a raw gloo error before)."""
+    results = run_fresh(_pipeline_until_rank_1_dies, 2, mid_step, pg_timeout=PG_TIMEOUT,
+                        timeout=60)
+    assert results[1] is None  # the dead rank sent nothing
+    status, (names, message, trace), seconds = results[0]
+    assert status == "err" and "PeerLostError" in names, (message, trace[-3000:])
+    assert "rank 1 went away" in message and "on a group of 2" in message, message
+    assert seconds < 15, seconds

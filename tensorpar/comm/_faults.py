@@ -52,23 +52,44 @@ def raise_translated(exc: RuntimeError, kind: str, group: Group, seq: int | None
     ``seq`` is the collective's sequence number when known (an asynchronous collective's
     number at launch); otherwise the group's count now.
     """
-    text = str(exc)
-    lowered = text.lower()
-    lost = any(s in lowered for s in _LOST)
-    if not lost and not any(s in lowered for s in _TIMED_OUT):
-        raise exc
+    lost = _lost(exc)
     number = sequence_number(group) if seq is None else seq
     missing = _missing_ranks(group, kind, number)
     where = f"{kind} #{number}" if number >= 0 else kind
-    head = f"{where} on a group of {group.size} (this rank is {group.rank})"
+    _raise(exc, lost, f"{where} on a group of {group.size} (this rank is {group.rank})",
+           _ranks(missing) if missing else None)
+
+
+def raise_translated_peer(exc: RuntimeError, kind: str, group: Group, peer: int) -> NoReturn:
+    """`raise_translated` for a point-to-point transfer ``kind`` with rank ``peer``.
+
+    ``peer`` is a rank within ``group``: the one that went away or did not arrive.
+    """
+    lost = _lost(exc)
+    _raise(exc, lost, f"{kind} with rank {peer} on a group of {group.size} (this rank is "
+                      f"{group.rank})", f"rank {peer}")
+
+
+def _lost(exc: RuntimeError) -> bool:
+    """Whether ``exc`` says a peer went away (else it timed out); re-raises any other."""
+    lowered = str(exc).lower()
+    lost = any(s in lowered for s in _LOST)
+    if not lost and not any(s in lowered for s in _TIMED_OUT):
+        raise exc
+    return lost
+
+
+def _raise(exc: RuntimeError, lost: bool, head: str, missing: str | None) -> NoReturn:
+    """`PeerLostError` (``lost``) or `CollectiveTimeoutError` for ``exc``; ``missing``: who."""
+    text = str(exc)
     raw = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if lost:
-        who = f"{_ranks(missing)} went away" if missing else "a peer went away"
+        who = f"{missing} went away" if missing else "a peer went away"
         raise PeerLostError(
             f"{head}: {who}: its connection closed mid-collective (the process died, was "
             f"killed or exited). The process group cannot be used again; restart the job and "
             f"resume from a checkpoint. Backend: {raw}") from exc
-    who = f"{_ranks(missing)} did not arrive" if missing else "a peer did not arrive"
+    who = f"{missing} did not arrive" if missing else "a peer did not arrive"
     raise CollectiveTimeoutError(
         f"{head}: timed out: {who} within the process group's timeout (it skipped this "
         f"collective or issued a different one, is stuck, or died). Turn on "
@@ -112,21 +133,25 @@ def _missing_ranks(group: Group, kind: str, seq: int) -> list[int]:
 class Pending:
     """A backend work handle whose ``wait`` names the collective if it fails.
 
+    ``peer``: the other rank of a point-to-point transfer (within ``group``), else ``None``.
     Everything else (``is_completed``, ``get_future``, ...) is the work's own.
     """
 
-    __slots__ = ("group", "kind", "seq", "work")
+    __slots__ = ("group", "kind", "peer", "seq", "work")
 
-    def __init__(self, work: Any, kind: str, group: Group) -> None:
+    def __init__(self, work: Any, kind: str, group: Group, peer: int | None = None) -> None:
         self.work = work
         self.kind = kind
         self.group = group
-        self.seq = sequence_number(group)
+        self.peer = peer
+        self.seq = sequence_number(group) if peer is None else -1
 
     def wait(self, *args: Any) -> bool:
         try:
             return bool(self.work.wait(*args))
         except RuntimeError as exc:
+            if self.peer is not None:
+                raise_translated_peer(exc, self.kind, self.group, self.peer)
             raise_translated(exc, self.kind, self.group, self.seq)
 
     def __getattr__(self, name: str) -> Any:

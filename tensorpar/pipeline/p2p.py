@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge
 
+from tensorpar.comm._faults import Pending, raise_translated_peer
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
@@ -87,16 +88,22 @@ class Link:
 
     def post_receive(self, buffer: torch.Tensor) -> Posted:
         """Post a receive into ``buffer`` (``irecv``); `Posted.wait` returns it."""
-        work = dist.irecv(buffer, src=self.group.global_rank(self.peer),
-                          group=self.group.handle, tag=self.tag)
-        return Posted(work, buffer, self.waited)
+        try:
+            work = dist.irecv(buffer, src=self.group.global_rank(self.peer),
+                              group=self.group.handle, tag=self.tag)
+        except RuntimeError as exc:  # a peer gone: named, as a collective's would be
+            raise_translated_peer(exc, "recv", self.group, self.peer)
+        return Posted(self._named(work, "recv"), buffer, self.waited)
 
     def post_send(self, *tensors: torch.Tensor) -> None:
         """Post a send of each tensor (``isend``); wait at once when there is no ``pending``."""
         handle = self.group.handle
         dst = self.group.global_rank(self.peer)
         for t in tensors:
-            work = dist.isend(t, dst=dst, group=handle, tag=self.tag)
+            try:
+                work = self._named(dist.isend(t, dst=dst, group=handle, tag=self.tag), "send")
+            except RuntimeError as exc:
+                raise_translated_peer(exc, "send", self.group, self.peer)
             if work is None:  # pragma: no cover - not a member of the group
                 continue
             if self.pending is None:
@@ -107,11 +114,18 @@ class Link:
     def receive(self, buffer: torch.Tensor) -> torch.Tensor:
         """Receive into ``buffer`` (blocking) and return it."""
         start = time.perf_counter()
-        dist.recv(buffer, src=self.group.global_rank(self.peer), group=self.group.handle,
-                  tag=self.tag)
+        try:
+            dist.recv(buffer, src=self.group.global_rank(self.peer), group=self.group.handle,
+                      tag=self.tag)
+        except RuntimeError as exc:
+            raise_translated_peer(exc, "recv", self.group, self.peer)
         if self.waited is not None:
             self.waited[0] += time.perf_counter() - start
         return buffer
+
+    def _named(self, work: Any, kind: str) -> Any:
+        """``work`` whose ``wait`` raises `PeerLostError` naming the peer if it went away."""
+        return None if work is None else Pending(work, kind, self.group, self.peer)
 
 
 @dataclass(eq=False)
@@ -629,6 +643,7 @@ def send(x: torch.Tensor, *, dst: int, group: GroupLike = None, tag: int = 0
             raises `NothingSent` then, instead of waiting).
         CollectiveTypeError: ``x`` is not a tensor (``dst``'s `recv` raises too), or
             ``tag`` is not an int >= 0.
+        PeerLostError: ``dst`` went away (its process died) during the transfer.
 
     Shape:
         ``x``: any; the placeholder has its shape.
@@ -657,6 +672,7 @@ def recv(like: TensorPlaceholder | None = None, *, src: int, group: GroupLike = 
         CollectiveArgumentError: ``src`` is not another rank of the group, or the metadata
             disagrees with ``like``.
         NothingSent: ``src``'s `send` raised instead of sending (a `CollectiveTypeError`).
+        PeerLostError: ``src`` went away (its process died) during the transfer.
 
     Shape:
         output: the sender's shape.

@@ -15,6 +15,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from tensorpar._torch import is_fsdp_module
+from tensorpar.collectives._autograd import torch_op
+from tensorpar.comm._comm import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, TensorparError
 from tensorpar.pipeline.p2p import (
@@ -496,7 +498,7 @@ class Pipeline(nn.Module):
         flags = torch.zeros(self._group.size, dtype=torch.int32,
                             device=self._group.comm_device(self._device()))
         flags[self._group.rank] = int(failed)
-        dist.all_reduce(flags, group=self.group)
+        all_reduce(flags, torch_op("sum"), self._group)
         return [r for r, flag in enumerate(flags.tolist()) if flag]
 
     def _restore_tied(self, before: dict[str, torch.Tensor | None]) -> None:
@@ -690,7 +692,7 @@ class Pipeline(nn.Module):
         if self._group.size > 1:
             t = torch.tensor(flags, dtype=torch.int64,
                              device=self._group.comm_device(self._device()))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            all_reduce(t, torch_op("max"), self._group)  # (a peer gone: PeerLostError)
             flags = [int(v) for v in t.tolist()]
             if flags[0] and not problem:
                 problem = "Pipeline.step: another rank of the pipeline got invalid inputs"
