@@ -24,6 +24,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import tensorpar
 from tensorpar.nn import DistributedDataParallel, context_parallel, plan_from_transformers
@@ -60,23 +61,6 @@ def batch(step: int, packed: bool) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def groups(dp: int, cp: int, tp: int) -> tuple:
-    """This rank's (dp, cp, tp) groups on a dp x cp x tp layout; every rank makes every group."""
-    rank = dist.get_rank()
-    coords = [(d, c, t) for d in range(dp) for c in range(cp) for t in range(tp)]
-    me = coords[rank]
-    out = {}
-    for axis in range(3):
-        lines: dict[tuple, list[int]] = {}
-        for r, c in enumerate(coords):
-            lines.setdefault(c[:axis] + c[axis + 1:], []).append(r)
-        for key, ranks in sorted(lines.items()):
-            g = dist.new_group(ranks)
-            if key == me[:axis] + me[axis + 1:]:
-                out[axis] = g
-    return out[0], out[1], out[2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=2)
@@ -94,8 +78,9 @@ def main() -> None:
                          f"({dist.get_world_size()})")
     if BATCH % args.dp:
         raise SystemExit(f"--dp {args.dp} must divide the global batch of {BATCH} rows")
-    dp_group, cp_group, tp_group = groups(args.dp, args.cp, args.tp)
-    replica = dist.get_rank(dp_group)
+    mesh = init_device_mesh("cpu", (args.dp, args.cp, args.tp), mesh_dim_names=("dp", "cp", "tp"))
+    dp_group, cp_group, tp_group = (mesh[name].get_group() for name in ("dp", "cp", "tp"))
+    replica = mesh.get_local_rank("dp")
 
     model = build_model(args.layers)
     if args.tp > 1:  # the LM head stays vocab-parallel: the loss never gathers the logits
