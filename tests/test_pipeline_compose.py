@@ -427,3 +427,65 @@ def test_a_dense_optimizer_checkpoint_resumes_a_pipeline_with_tied_weights(tmp_p
     _save_trained(path, False, 2)
     for held in run_distributed(_resume, 2, path, True, 2, 3, timeout=200):
         _assert_like_dense_run(held, 3)
+
+
+def _two_groups(model, swapped=False):
+    """AdamW with weight decay on the matrices and none on the vectors (norms)."""
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.1},
+              {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups[::-1] if swapped else groups, lr=0.01)
+
+
+def _save_grouped(path):
+    import torch.distributed.checkpoint as dcp
+
+    pipe = tp.nn.pipeline(llama(tied=True), microbatches=2, loss_fn=lm_loss)
+    opt = _two_groups(pipe)
+    _train_steps(pipe, _pipe_step, opt, range(1))
+    state = _optim_state(pipe, opt)
+    dcp.save(state, checkpoint_id=path)
+    return [list(g["params"]) for g in state["optim"]["param_groups"]]
+
+
+def _load_grouped(path, pipelined, swapped):
+    import torch.distributed.checkpoint as dcp
+
+    model = llama(tied=True)
+    if pipelined:
+        model = tp.nn.pipeline(model, microbatches=2, loss_fn=lm_loss)
+    opt = _two_groups(model, swapped)
+    state = _optim_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    try:
+        tp.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    except ValueError as e:
+        return str(e)
+    return [g["weight_decay"] for g in opt.param_groups]
+
+
+@pytest.mark.timeout(300)
+def test_a_pipelines_groups_list_every_stage_and_a_group_out_of_order_is_refused(tmp_path):
+    """The groups of a PP 2 checkpoint list every stage's names (each rank's optimizer holds
+    its own stage's); loaded with the groups in another order, a weight would take the
+    other group's options (its weight decay): refused, in the dense model and at PP 3."""
+    path = str(tmp_path / "grouped")
+    saved = run_distributed(_save_grouped, 2, path, timeout=200)
+    dense = llama(tied=True)
+    names = [n for n, p in dense.named_parameters()]
+    assert saved[0] == saved[1]
+    assert sorted(saved[0][0] + saved[0][1]) == sorted(names)
+    assert _load_grouped(path, False, False) == [0.1, 0.0]
+    assert "in another group" in _load_grouped(path, False, True)
+    for got in run_distributed(_load_grouped, 3, path, True, True, timeout=200):
+        assert "in another group" in got, got
+    assert run_distributed(_load_grouped, 3, path, True, False, timeout=200) == [[0.1, 0.0]] * 3
+
+
+def test_a_dense_tied_model_saves_the_pair_once():
+    """The dense optimizer's state holds a tied embedding and head once, under the first
+    name: checkpoints written before pipelines read them load as they are."""
+    model = llama(tied=True)
+    state = tp.sharded_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
+    assert "model.embed_tokens.weight" in state["state"]
+    assert "lm_head.weight" not in state["state"]

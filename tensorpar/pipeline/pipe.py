@@ -132,10 +132,17 @@ class Pipeline(nn.Module):
         # a parameter on two ranks' stages (an embedding tied to the LM head): the two
         # halves of its gradient are summed after each step
         self._tied: list[tuple[str, int, int]] = []  # (name here, peer, which pair)
-        for pair, where in enumerate(tied_parameters(model, specs, g.size).values()):
+        first = {id(p): n for n, p in reversed(list(model.named_parameters(
+            remove_duplicate=False)))}  # the name the dense model's named_parameters gives
+        self.saved_as: dict[str, str] = {}
+        """Each tied copy held here under another name than the dense model's first one
+        (a tied LM head on the last stage): the name its checkpointed state goes by."""
+        for pair, (pid, where) in enumerate(tied_parameters(model, specs, g.size).items()):
             for r, name in where:
                 if r == g.rank:
                     self._tied.append((name, next(o for o, _ in where if o != r), pair))
+                    if first[pid] != name:
+                        self.saved_as[name] = first[pid]
         prune(model, mine, specs)
         for name, child in model._modules.items():
             if child is not None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tensorpar.nn.state._params import ParamInfo, parameter_infos, retag
@@ -39,11 +40,11 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     Under ``fully_shard`` (FSDP2 beside tensor parallelism) the state of a shard is the
     FSDP slice's pieces at their dense offsets and the state of a replica stays a
     ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
-    without FSDP2. A tied parameter's state is saved under each of its names (a pipeline's
-    last stage holds a tied LM head as a parameter of its own). A pipeline of several ranks
-    saves each group's options with ``"params": PER_RANK`` instead of its names (each rank
-    holds others): it loads at another pipeline size or into the dense model's optimizer.
-    No communication.
+    without FSDP2. A pipeline's tied LM head (a parameter of its own on the last stage) is
+    saved under the dense model's name for it, the embedding's; a pipeline's groups list
+    the names of every stage (one small all-gather of names over the pipeline's ranks, the
+    only communication), so the checkpoint loads at another pipeline size or into the
+    dense model's optimizer.
 
     Args:
         model: the model whose parameters ``optimizer`` updates.
@@ -73,45 +74,72 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     fn = "sharded_optimizer_state_dict"
     infos = _infos(model, optimizer, fn)
     initial = _initial_states(optimizer, fn)
-    aliases = _aliases(model)
     state: dict[str, Any] = {}
     has_state: dict[str, torch.Tensor] = {}
     groups = []
-    per_rank = _per_rank(model)
     for group in optimizer.param_groups:
         names = []
         for p in group["params"]:
             info = infos[id(p)]
-            names.append(info.name)
+            name = _saved_name(model, info.name)
+            names.append(name)
             own = optimizer.state.get(p)
-            # under each name of a tied parameter: a pipeline stage may hold it as its own
-            for name in aliases.get(id(p), [info.name]):
-                has_state[name] = torch.tensor(int(bool(own)), dtype=torch.int8)
-                state[name] = {key: _value(info, key, value)
-                               for key, value in (own or initial[id(p)]).items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": PER_RANK if per_rank else names})
+            has_state[name] = torch.tensor(int(bool(own)), dtype=torch.int8)
+            state[name] = {key: _value(info, key, value)
+                           for key, value in (own or initial[id(p)]).items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    for group, names in zip(groups, _every_stage_names(model, groups), strict=True):
+        group["params"] = names
     return {"state": state, "param_groups": groups, "has_state": has_state}
 
 
-PER_RANK = "names held per pipeline rank"
-"""A group's ``params`` as a pipeline saves them: each stage holds other parameters, and a
-checkpoint keeps one rank's value, so the names are not saved (the state under each name
-is what a load checks)."""
+def _saved_name(model: nn.Module, name: str) -> str:
+    """The name a parameter's state is checkpointed under: the dense model's.
+
+    A pipeline's last stage holds a tied LM head as a parameter of its own; the dense
+    model's optimizer holds it once, under the embedding's name (`Pipeline.saved_as`).
+    """
+    saved_as: Mapping[str, str] = getattr(model, "saved_as", None) or {}
+    return saved_as.get(name, name)
 
 
-def _per_rank(model: nn.Module) -> bool:
-    """Whether ``model`` is a pipeline of several ranks (each holding other parameters)."""
+def _every_stage_names(model: nn.Module, groups: list[dict[str, Any]]) -> list[list[str]]:
+    """Each group's names over every stage of a pipeline (one small all-gather), in order.
+
+    Each pipeline rank's groups hold its own stages' parameters, and a checkpoint keeps
+    one rank's copy of such a value: the union is the same on every rank, and what the
+    dense model's optimizer holds. Anything but a pipeline of several ranks: its own.
+    """
+    mine = [list(g["params"]) for g in groups]
     stages = getattr(model, "stage_group", None)
-    return stages is not None and not stages.is_single
+    if stages is None or stages.is_single:
+        return mine
+    gathered: list[Any] = [None] * stages.size
+    dist.all_gather_object(gathered, mine, group=stages.handle)
+    if len({len(theirs) for theirs in gathered}) > 1:
+        raise ValueError(f"sharded_optimizer_state_dict: the pipeline's ranks hold "
+                         f"{[len(theirs) for theirs in gathered]} parameter groups (rank "
+                         f"order); expected the same groups on every rank")
+    return [list(dict.fromkeys(n for theirs in gathered for n in theirs[i]))
+            for i in range(len(mine))]
 
 
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of each parameter that has several (tied weights), by parameter id."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {pid: found for pid, found in names.items() if len(found) > 1}
+def _check_groups(fn: str, here: list[list[str]], saved: list[list[str]]) -> None:
+    """Refuse a parameter that the checkpoint puts in another group than the optimizer.
+
+    A group's options are loaded by position, so such a parameter would take another
+    group's (a weight without its decay). Names a group of the checkpoint does not list
+    are not checked (a checkpoint of a pipeline saved before its groups listed every
+    stage's names holds one rank's).
+    """
+    where = {name: j for j, names in enumerate(saved) for name in names}
+    moved = [(name, where[name], i) for i, names in enumerate(here) for name in names
+             if where.get(name, i) != i]
+    if moved:
+        name, j, i = moved[0]
+        raise ValueError(f"{fn}: {len(moved)} parameter(s) are in another group in the "
+                         f"checkpoint than in the optimizer, e.g. {name!r}: group {j} there, "
+                         f"group {i} here; expected the groups in the same order")
 
 
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -139,22 +167,18 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     has_state = state.get("has_state", {})
     # state to create: typed like the parameters (DTensor under FSDP2); only where it is
     # saved, so a parameter that stays without state costs no throwaway step
-    fresh = _initial_states(optimizer, fn, {id(p) for p, name in _named(optimizer, infos)
-                                            if int(has_state.get(name, 1))})
+    fresh = _initial_states(optimizer, fn, {
+        id(p) for g in optimizer.param_groups for p in g["params"]
+        if int(has_state.get(_saved_name(model, infos[id(p)].name), 1))})
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
                          f"optimizer {len(optimizer.param_groups)}; expected the same groups")
-    # a pipeline's stages hold other parameters on every rank, and the checkpoint keeps one
-    # rank's lists of names (saved by a pipeline, or loaded into one): there, the state
-    # saved under each name is what is checked
-    per_rank = _per_rank(model)
+    names_of = [[_saved_name(model, infos[id(p)].name) for p in g["params"]]
+                for g in optimizer.param_groups]
+    _check_groups(fn, names_of, [list(g["params"]) for g in saved_groups])
     with torch.no_grad():
-        for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
-            names = [infos[id(p)].name for p in group["params"]]
-            saved_names = saved_group["params"]
-            if not per_rank and saved_names != PER_RANK and list(saved_names) != names:
-                raise ValueError(f"{fn}: a parameter group holds {list(saved_names)} in the "
-                                 f"checkpoint and {names} in the optimizer")
+        for group, saved_group, names in zip(optimizer.param_groups, saved_groups, names_of,
+                                             strict=True):
             for k, v in saved_group.items():
                 if k != "params":
                     group[k] = v
@@ -231,9 +255,3 @@ def _initial_states(optimizer: torch.optim.Optimizer, fn: str,
         twin.grad = torch.zeros_like(twin)
     shadow.step()
     return {pid: shadow.state[twin] for pid, twin in twins.items()}
-
-
-def _named(optimizer: torch.optim.Optimizer, infos: dict[int, ParamInfo]
-           ) -> list[tuple[torch.Tensor, str]]:
-    """Every parameter of ``optimizer`` with its dense name."""
-    return [(p, infos[id(p)].name) for g in optimizer.param_groups for p in g["params"]]
