@@ -489,3 +489,33 @@ def test_a_dense_tied_model_saves_the_pair_once():
     state = tp.sharded_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
     assert "model.embed_tokens.weight" in state["state"]
     assert "lm_head.weight" not in state["state"]
+
+
+def _state_dict_error(case):
+    pipe = tp.nn.pipeline(llama(tied=True), microbatches=2, loss_fn=lm_loss)
+    named = list(pipe.named_parameters())
+    if case == "tied copies split":  # the head's copy without decay, the embedding's with
+        groups = [{"params": [p for n, p in named if "lm_head" not in n]},
+                  {"params": [p for n, p in named if "lm_head" in n], "weight_decay": 0.0}]
+    else:  # rank 1's optimizer holds a parameter that is not the pipeline's
+        extra = [torch.nn.Parameter(torch.zeros(2))] if dist.get_rank() == 1 else []
+        groups = [{"params": [p for _, p in named] + extra}]
+    try:
+        tp.sharded_optimizer_state_dict(pipe, torch.optim.AdamW(groups))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["tied copies split", "a foreign parameter on one rank"])
+def test_a_pipelines_optimizer_state_dict_refuses_on_every_rank(case):
+    """Refused on every rank (the names' all-gather is where the ranks meet): a tied
+    weight's two copies in different groups (resuming would refuse the checkpoint on one
+    rank), or one rank's own error (the others waited in the all-gather)."""
+    got = run_distributed(_state_dict_error, 2, case, timeout=60)
+    if case == "tied copies split":
+        assert all("'model.embed_tokens.weight' is in group" in m for m in got), got
+    else:
+        assert "not a parameter of the model" in got[1], got
+        assert "rank(s) [1] of the pipeline raised" in got[0], got

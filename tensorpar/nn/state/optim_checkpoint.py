@@ -42,9 +42,10 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     ``DTensor``, so the checkpoint loads at any data x tensor-parallel layout, with or
     without FSDP2. A pipeline's tied LM head (a parameter of its own on the last stage) is
     saved under the dense model's name for it, the embedding's; a pipeline's groups list
-    the names of every stage (one small all-gather of names over the pipeline's ranks, the
-    only communication), so the checkpoint loads at another pipeline size or into the
-    dense model's optimizer.
+    the names of every stage, so the checkpoint loads at another pipeline size or into the
+    dense model's optimizer. For a pipeline over several ranks, call it on **every rank
+    of the pipeline** (as ``dcp.save`` and ``dcp.load`` are): it all-gathers the groups'
+    names over the pipeline's ranks; otherwise there is no communication.
 
     Args:
         model: the model whose parameters ``optimizer`` updates.
@@ -59,6 +60,8 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
             tensor whose shape is neither the parameter's nor a scalar.
         TypeError: a parameter has no state yet and the optimizer's class cannot be built
             from its parameter groups alone.
+        ValueError: (a pipeline, on every rank) another rank raised, or the ranks' groups
+            differ in number, or a tied weight's two copies are in different groups.
 
     Example:
         >>> import torch
@@ -72,23 +75,31 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
         (0, 0)
     """
     fn = "sharded_optimizer_state_dict"
-    infos = _infos(model, optimizer, fn)
-    initial = _initial_states(optimizer, fn)
     state: dict[str, Any] = {}
     has_state: dict[str, torch.Tensor] = {}
-    groups = []
-    for group in optimizer.param_groups:
-        names = []
-        for p in group["params"]:
-            info = infos[id(p)]
-            name = _saved_name(model, info.name)
-            names.append(name)
-            own = optimizer.state.get(p)
-            has_state[name] = torch.tensor(int(bool(own)), dtype=torch.int8)
-            state[name] = {key: _value(info, key, value)
-                           for key, value in (own or initial[id(p)]).items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    for group, names in zip(groups, _every_stage_names(model, groups), strict=True):
+    groups: list[dict[str, Any]] = []
+    problem: Exception | None = None
+    try:  # (a pipeline's ranks then gather their names: every rank gets there)
+        infos = _infos(model, optimizer, fn)
+        initial = _initial_states(optimizer, fn)
+        for group in optimizer.param_groups:
+            names = []
+            for p in group["params"]:
+                info = infos[id(p)]
+                name = _saved_name(model, info.name)
+                names.append(name)
+                own = optimizer.state.get(p)
+                has_state[name] = torch.tensor(int(bool(own)), dtype=torch.int8)
+                state[name] = {key: _value(info, key, value)
+                               for key, value in (own or initial[id(p)]).items()}
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": names})
+    except (ValueError, TypeError) as e:
+        problem = e
+    every = _every_stage_names(model, groups, problem)
+    if problem is not None:
+        raise problem
+    for group, names in zip(groups, every, strict=True):
         group["params"] = names
     return {"state": state, "param_groups": groups, "has_state": has_state}
 
@@ -103,25 +114,46 @@ def _saved_name(model: nn.Module, name: str) -> str:
     return saved_as.get(name, name)
 
 
-def _every_stage_names(model: nn.Module, groups: list[dict[str, Any]]) -> list[list[str]]:
+def _every_stage_names(model: nn.Module, groups: list[dict[str, Any]],
+                       problem: Exception | None) -> list[list[str]]:
     """Each group's names over every stage of a pipeline (one small all-gather), in order.
 
     Each pipeline rank's groups hold its own stages' parameters, and a checkpoint keeps
     one rank's copy of such a value: the union is the same on every rank, and what the
     dense model's optimizer holds. Anything but a pipeline of several ranks: its own.
+    ``problem``: this rank's error, if it had one; the others then raise too.
+
+    Raises:
+        ValueError: on every rank of the pipeline: another rank raised, the ranks hold
+            different numbers of groups, or a tied weight's copies are in different groups.
     """
+    fn = "sharded_optimizer_state_dict"
     mine = [list(g["params"]) for g in groups]
     stages = getattr(model, "stage_group", None)
     if stages is None or stages.is_single:
         return mine
     gathered: list[Any] = [None] * stages.size
-    dist.all_gather_object(gathered, mine, group=stages.handle)
-    if len({len(theirs) for theirs in gathered}) > 1:
-        raise ValueError(f"sharded_optimizer_state_dict: the pipeline's ranks hold "
-                         f"{[len(theirs) for theirs in gathered]} parameter groups (rank "
+    dist.all_gather_object(gathered, (problem is not None, mine), group=stages.handle)
+    failed = [r for r, (bad, _) in enumerate(gathered) if bad]
+    if failed:
+        if problem is not None:
+            return []  # the caller raises this rank's own error
+        raise ValueError(f"{fn}: rank(s) {failed} of the pipeline raised (their error says "
+                         f"why)")
+    counts = [len(theirs) for _, theirs in gathered]
+    if len(set(counts)) > 1:
+        raise ValueError(f"{fn}: the pipeline's ranks hold {counts} parameter groups (rank "
                          f"order); expected the same groups on every rank")
-    return [list(dict.fromkeys(n for theirs in gathered for n in theirs[i]))
-            for i in range(len(mine))]
+    every = [list(dict.fromkeys(n for _, theirs in gathered for n in theirs[i]))
+             for i in range(len(mine))]
+    seen: dict[str, int] = {}
+    for i, names in enumerate(every):
+        for name in names:
+            if seen.setdefault(name, i) != i:  # a tied weight's copies, on two ranks
+                raise ValueError(f"{fn}: {name!r} is in group {seen[name]} on one rank of the "
+                                 f"pipeline and in group {i} on another (a tied weight's two "
+                                 f"copies); expected one group, as in the dense model")
+    return every
 
 
 def _check_groups(fn: str, here: list[list[str]], saved: list[list[str]]) -> None:
