@@ -300,13 +300,16 @@ def test_ranks_that_disagree_on_the_inputs_are_refused_on_every_rank(world):
         assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors
 
 
-def _compiled(world):
-    """A compiled context-parallel Llama against dense; then another batch on rank 1."""
-    dense, parallel = build("llama"), context_parallel(build("llama"))
+def _compiled(world, attention):
+    """A compiled context-parallel Llama against dense (a padding mask on one row); then
+    another batch on rank 1."""
+    dense, parallel = build("llama"), context_parallel(build("llama"), attention=attention)
     compiled = torch.compile(parallel, backend="eager")
     ids, labels = batch(0, 13)
-    errors = backward_errors(dense, parallel, dense(ids, labels=labels).loss,
-                             compiled(ids, labels=labels).loss)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    errors = backward_errors(dense, parallel, dense(ids, labels=labels, attention_mask=mask).loss,
+                             compiled(ids, labels=labels, attention_mask=mask).loss)
     try:
         compiled(ids.flip(-1) if dist.get_rank() == 1 else ids, labels=labels)
         refused = None
@@ -317,9 +320,10 @@ def _compiled(world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_compiled_model_equals_dense_and_still_compares_the_ranks():
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_compiled_model_equals_dense_and_still_compares_the_ranks(attention):
     """torch.compile over a context-parallel model (its hooks traced with it) equals dense."""
-    for errors, refused in run_distributed(_compiled, 2, 2, timeout=600):
+    for errors, refused in run_distributed(_compiled, 2, 2, attention, timeout=600):
         assert errors["loss"] < LOSS_TOL, errors
         assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors
         assert refused is not None and "input_ids differ" in refused, refused
