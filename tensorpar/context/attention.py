@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -172,14 +172,29 @@ def _fingerprint(whole: torch.Tensor, documents: bool) -> int:
     """A hash of where the documents start, or of the key mask: alike where they mask alike.
 
     Document ids themselves do not count (the same split under other ids masks the same).
-    A 56-bit digest, so that it fits an int64.
     """
     ids = whole.to("cpu", torch.int64)
     marks = ids.diff(dim=-1).ne(0) if documents else ids.ne(0)
-    digest = hashlib.blake2b((b"documents" if documents else b"key_mask") +
-                             marks.to(torch.uint8).contiguous().numpy().tobytes() +
-                             repr(tuple(ids.shape)).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
+    return digest(marks, b"documents" if documents else b"key_mask")
+
+
+def digest(x: Any, tag: bytes = b"") -> int:
+    """A 56-bit hash (it fits an int64) of ``tag`` and a tensor's shape and values.
+
+    A number hashes as a 0-d tensor; ``None`` is 0. Values, not their dtype: integers hash
+    as int64, floats as float64 (``input_ids`` of int32 on one rank and int64 on another
+    are the same tokens).
+    """
+    if x is None:
+        return 0
+    data = torch.as_tensor(x).detach().to("cpu")
+    wide = torch.float64 if data.is_floating_point() else \
+        torch.complex128 if data.is_complex() else torch.int64
+    data = data.to(wide).contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    hashed = hashlib.blake2b(tag + repr(tuple(data.shape)).encode() + raw,
+                             digest_size=7).digest()
+    return int.from_bytes(hashed, "little") | 1 << 56
 
 
 def _local_problem(q: object, k: object, v: object, is_causal: object, scale: object,

@@ -33,7 +33,6 @@ only this rank's share of the positions from the embedding on:
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +45,7 @@ from tensorpar.collectives.regions import gather_from_group
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, ring_apply
+from tensorpar.context.attention import digest
 from tensorpar.context.layout import Layout, positions, zigzag_layout
 from tensorpar.context.ulysses import ulysses_apply
 from tensorpar.errors import CollectiveArgumentError
@@ -282,14 +282,13 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     state.routes = bool(_routes(model) if routes is None else routes)
     visible: Visible | None = None if padding is None or ids is None else \
         Padding(padding, ids.device)  # (dense transformers moves the mask to the tokens')
-    if ids is not None and given is not None and mask is None and \
-            not _would_cache(model, kwargs) and \
+    whole = None if given is None or ids is None else given.expand(ids.shape[0], -1)
+    if whole is not None and mask is None and not _would_cache(model, kwargs) and \
             getattr(model.config, "model_type", None) not in PACKED_ACROSS:
-        ids_of_documents = _documents(given.expand(ids.shape[0], -1))
+        ids_of_documents = _documents(whole)
         if ids_of_documents is not None:
-            visible = Documents(ids_of_documents, ids.device)
+            visible = Documents(ids_of_documents, whole.device)
     if not state.group.is_single:  # before anything travels the ring: no rank left waiting
-        whole = None if given is None or ids is None else given.expand(ids.shape[0], -1)
         _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible,
                _home(model))
     if problem is not None:
@@ -392,8 +391,8 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
     row = [0] * (3 + len(_AGREED))
     if problem is None and ids is not None:
         kind = 0 if visible is None else 1 if isinstance(visible, Padding) else 2
-        row = [1, ids.shape[0], ids.shape[1], _digest(ids), _digest(padding),
-               _digest(positions_given), _digest(labels), _digest(state.count),
+        row = [1, ids.shape[0], ids.shape[1], digest(ids), digest(padding),
+               digest(positions_given), digest(labels), digest(state.count),
                int(state.routes), int(torch.is_grad_enabled()), kind]
     device = g.comm_device(home)
     rows = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=g.handle,
@@ -422,24 +421,6 @@ def _home(model: nn.Module) -> torch.device | None:
     """The device of the model's input embedding (``None``: it holds no parameter)."""
     weight = next(model.get_input_embeddings().parameters(), None)  # type: ignore[operator]
     return None if weight is None else weight.device
-
-
-def _digest(x: Any) -> int:
-    """A 56-bit hash of a tensor's (or a number's) shape and values; 0: ``None``.
-
-    Values, not their dtype: integers hash as int64, floats as float64 (``input_ids`` of
-    int32 on one rank and int64 on another are the same tokens).
-    """
-    if x is None:
-        return 0
-    data = torch.as_tensor(x).detach().to("cpu")
-    wide = torch.float64 if data.is_floating_point() else \
-        torch.complex128 if data.is_complex() else torch.int64
-    data = data.to(wide).contiguous()
-    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-    digest = hashlib.blake2b(repr(tuple(data.shape)).encode() + raw,
-                             digest_size=7).digest()
-    return int.from_bytes(digest, "little") | 1 << 56
 
 
 def _would_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
