@@ -19,6 +19,7 @@ from tensorpar.collectives._autograd import torch_op
 from tensorpar.comm._comm import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, TensorparError
+from tensorpar.pipeline.agreement import agree_on_build, build_facts
 from tensorpar.pipeline.p2p import (
     Inbox,
     Link,
@@ -83,50 +84,19 @@ class Pipeline(nn.Module):
                  schedule: str, loss_fn: LossFn | None, virtual_stages: int,
                  split: Sequence[int] | None, loss_reduction: str = "mean") -> None:
         super().__init__()
-        fn = "pipeline"
-        g = resolve_group(group, fn)
-        for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CollectiveArgumentError(f"{fn}: {name} must be an int >= 1, got {value!r}")
-        if schedule not in SCHEDULES:
-            raise CollectiveArgumentError(
-                f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
-        if schedule == SPLIT and not supported():
-            raise CollectiveArgumentError(
-                f"{fn}: schedule={SPLIT!r} needs torch 2.5 or later (a backward that starts "
-                f"from a node of the graph); this is torch {torch.__version__}")
-        if loss_reduction not in ("mean", "sum"):
-            raise CollectiveArgumentError(
-                f"{fn}: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if loss_fn is None and loss_reduction != "mean":
-            raise CollectiveArgumentError(
-                f"{fn}: loss_reduction={loss_reduction!r} applies to a loss_fn; the model's "
-                f"own loss (loss_fn=None) is weighed by its label tokens")
-        hf = is_transformers(model) and not has_blocks(model)
-        if loss_fn is None and not hf:
-            raise CollectiveArgumentError(
-                f"{fn}: {type(model).__name__} needs loss_fn=(output, target) -> loss; only "
-                f"a transformers causal LM brings its own loss")
-        if hf and getattr(model.config, "output_router_logits", False):
-            raise CollectiveArgumentError(
-                f"{fn}: {type(model).__name__} has config.output_router_logits=True: its "
-                f"load-balancing loss is computed over every layer's router logits together, "
-                f"which the stages hold apart (the model's own loss would leave it out, and "
-                f"its forward would look for the logits of layers this rank does not run); "
-                f"set it to False")
-        specs = stage_specs(model, g.size * virtual_stages, split)
+        g = resolve_group(group, "pipeline")
+        device = next((t.device for t in model.parameters()), None)
+        try:  # a call refused on one rank is refused on every rank
+            specs, rows, hf, tied = _cut(model, g, microbatches, schedule, loss_fn,
+                                         virtual_stages, split, loss_reduction)
+        except Exception:
+            agree_on_build(g, None, device)
+            raise
+        agree_on_build(g, build_facts(
+            model, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+            loss_reduction=loss_reduction, loss_fn_given=loss_fn is not None, specs=specs),
+            device)
         mine = [s for s in specs if s.index % g.size == g.rank]
-        rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
-        if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
-            even = -(-microbatches // g.size) * g.size
-            fix = f"use a number of microbatches divisible by {g.size}" \
-                if in_order(build_schedule(schedule, g.size, even, virtual_stages), g.size) \
-                else "use 3 or more ranks, virtual_stages=1 or schedule='1f1b'"
-            raise CollectiveArgumentError(
-                f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
-                f"microbatches={microbatches}, activations and gradients travel the same way "
-                f"between two ranks in an order the receiver cannot follow without tags, "
-                f"which the {_backend(g)!r} backend ignores; {fix}")
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
         # a parameter on two ranks' stages (an embedding tied to the LM head): the two
@@ -137,7 +107,7 @@ class Pipeline(nn.Module):
         self.saved_as: dict[str, str] = {}
         """Each tied copy held here under another name than the dense model's first one
         (a tied LM head on the last stage): the name its checkpointed state goes by."""
-        for pair, (pid, where) in enumerate(tied_parameters(model, specs, g.size).items()):
+        for pair, (pid, where) in enumerate(tied.items()):
             for r, name in where:
                 if r == g.rank:
                     self._tied.append((name, next(o for o, _ in where if o != r), pair))
@@ -773,6 +743,60 @@ def _backend(g: Group) -> str:
         return ""
 
 
+def _cut(model: nn.Module, g: Group, microbatches: int, schedule: str,
+         loss_fn: LossFn | None, virtual_stages: int, split: Sequence[int] | None,
+         loss_reduction: str) -> tuple[list[StageSpec], list[list[Action]], bool,
+                                       dict[int, list[tuple[int, str]]]]:
+    """`pipeline`'s arguments checked on this rank.
+
+    Returns the stages, the schedule's rows, whether ``model`` is a transformers causal LM
+    (cut by decoder layers), and its parameters tied across ranks (`tied_parameters`).
+    """
+    fn = "pipeline"
+    for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CollectiveArgumentError(f"{fn}: {name} must be an int >= 1, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise CollectiveArgumentError(
+            f"{fn}: schedule={schedule!r} is not known; expected one of {SCHEDULES}")
+    if schedule == SPLIT and not supported():
+        raise CollectiveArgumentError(
+            f"{fn}: schedule={SPLIT!r} needs torch 2.5 or later (a backward that starts "
+            f"from a node of the graph); this is torch {torch.__version__}")
+    if loss_reduction not in ("mean", "sum"):
+        raise CollectiveArgumentError(
+            f"{fn}: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if loss_fn is None and loss_reduction != "mean":
+        raise CollectiveArgumentError(
+            f"{fn}: loss_reduction={loss_reduction!r} applies to a loss_fn; the model's "
+            f"own loss (loss_fn=None) is weighed by its label tokens")
+    hf = is_transformers(model) and not has_blocks(model)
+    if loss_fn is None and not hf:
+        raise CollectiveArgumentError(
+            f"{fn}: {type(model).__name__} needs loss_fn=(output, target) -> loss; only "
+            f"a transformers causal LM brings its own loss")
+    if hf and getattr(model.config, "output_router_logits", False):
+        raise CollectiveArgumentError(
+            f"{fn}: {type(model).__name__} has config.output_router_logits=True: its "
+            f"load-balancing loss is computed over every layer's router logits together, "
+            f"which the stages hold apart (the model's own loss would leave it out, and "
+            f"its forward would look for the logits of layers this rank does not run); "
+            f"set it to False")
+    specs = stage_specs(model, g.size * virtual_stages, split)
+    rows = build_schedule(schedule, g.size, microbatches, virtual_stages)
+    if g.size > 1 and not in_order(rows, g.size) and "gloo" not in _backend(g):
+        even = -(-microbatches // g.size) * g.size
+        fix = f"use a number of microbatches divisible by {g.size}" \
+            if in_order(build_schedule(schedule, g.size, even, virtual_stages), g.size) \
+            else "use 3 or more ranks, virtual_stages=1 or schedule='1f1b'"
+        raise CollectiveArgumentError(
+            f"{fn}: with {g.size} ranks, virtual_stages={virtual_stages} and "
+            f"microbatches={microbatches}, activations and gradients travel the same way "
+            f"between two ranks in an order the receiver cannot follow without tags, "
+            f"which the {_backend(g)!r} backend ignores; {fix}")
+    return specs, rows, hf, tied_parameters(model, specs, g.size)
+
+
 def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
              schedule: str = "1f1b", loss_fn: LossFn | None = None, virtual_stages: int = 1,
              split: Sequence[int] | None = None, loss_reduction: str = "mean") -> Pipeline:
@@ -820,9 +844,13 @@ def pipeline(model: nn.Module, *, group: GroupLike = None, microbatches: int,
 
     Raises:
         CollectiveArgumentError: bad counts, an unknown schedule or ``loss_reduction``, a
-            split that does not add up, or an ``nn.Sequential`` without ``loss_fn``.
+            split that does not add up, or an ``nn.Sequential`` without ``loss_fn``; the
+            ranks' calls differ (arguments, the blocks of each stage, the model's
+            parameter names, shapes or dtypes: compared on every rank before anything is
+            cut); another rank's call was refused.
         CollectiveTypeError: a model of none of these kinds, or ``pipeline_blocks()``
-            items that are not ``(names, fn)`` with names of the model's.
+            items that are not ``(names, fn)`` with names of the model's. (Any error of
+            this rank's call raises `CollectiveArgumentError` on the group's other ranks.)
 
     Shape:
         ``inputs``: ``(B, *)`` on the first stage; ``target``: ``(B, *)`` on the last;
