@@ -19,7 +19,6 @@ from tensorpar.collectives._autograd import torch_op
 from tensorpar.comm._comm import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, TensorparError
-from tensorpar.pipeline.agreement import agree_on_build, build_facts
 from tensorpar.pipeline.p2p import (
     Inbox,
     Link,
@@ -50,7 +49,8 @@ from tensorpar.pipeline.stages import (
     stage_specs,
     tied_parameters,
 )
-from tensorpar.placeholder import TensorPlaceholder
+from tensorpar.placeholder import FORMAT_VERSION, TensorPlaceholder
+from tensorpar.validation.calls import agree_on_call, structure
 
 __all__ = ["Pipeline", "StepFailed", "pipeline"]
 
@@ -90,12 +90,13 @@ class Pipeline(nn.Module):
             specs, rows, hf, tied = _cut(model, g, microbatches, schedule, loss_fn,
                                          virtual_stages, split, loss_reduction)
         except Exception:
-            agree_on_build(g, None, device)
+            agree_on_call("pipeline", [g], None, device, n_facts=len(_FACTS))
             raise
-        agree_on_build(g, build_facts(
-            model, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
-            loss_reduction=loss_reduction, loss_fn_given=loss_fn is not None, specs=specs),
-            device)
+        values: tuple[int | str, ...] = (
+            microbatches, schedule, virtual_stages, loss_reduction, str(loss_fn is not None),
+            FORMAT_VERSION, repr([s.blocks for s in specs]), structure(model))
+        agree_on_call("pipeline", [g], list(zip(_FACTS, values, strict=True)), device,
+                      n_facts=len(_FACTS))
         mine = [s for s in specs if s.index % g.size == g.rank]
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None
@@ -741,6 +742,12 @@ def _backend(g: Group) -> str:
         return str(dist.get_backend(g.handle))
     except (RuntimeError, ValueError):  # pragma: no cover - no backend to ask
         return ""
+
+
+_FACTS = ("microbatches", "schedule", "virtual_stages", "loss_reduction", "loss_fn given",
+          "tensorpar's wire format", "the blocks of each stage (split, or the model's blocks)",
+          "the model's layers and parameters (classes, settings, names, shapes, dtypes)")
+"""What every rank's `pipeline` call must agree on (compared before anything is cut)."""
 
 
 def _cut(model: nn.Module, g: Group, microbatches: int, schedule: str,
