@@ -30,6 +30,7 @@ from tensorpar.domain._layers import (
 from tensorpar.domain._tiles.agree import over_groups
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import POOLED, TILE
+from tensorpar.validation.calls import agree_on_call, structure
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
 
@@ -231,14 +232,16 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     if len(set(dims_t)) != len(dims_t):
         raise ValueError(f"{fn}: dims has a repeated entry: {dims_t}")
     groups = _groups(fn, dims_t, group)
-    if getattr(model, _CTX, None) is not None:
-        raise ValueError(f"{fn}: the model is already domain-parallel")
-    inside = _inside_converted(model) | monai.handled_inside(model)
-    problems = [p for name, m in model.named_modules()
-                if id(m) not in inside and (p := _refusal(name, m, pointwise, dims_t))]
-    if problems:
-        raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
-                         + "\n  ".join(problems))
+    device = next((t.device for t in model.parameters()), None)
+    try:  # a call refused on one rank is refused on every rank
+        inside = _checked(fn, model, dims_t, pointwise)
+    except Exception:
+        agree_on_call(fn, groups, None, device, n_facts=len(_FACTS))
+        raise
+    pointwise_names = sorted(p if isinstance(p, str) else p.__qualname__ for p in pointwise)
+    values = (repr(dims_t), repr(pointwise_names), str(double_backward), structure(model))
+    agree_on_call(fn, groups, list(zip(_FACTS, values, strict=True)), device,
+                  n_facts=len(_FACTS))
     ctx = DomainContext(dims_t, groups)
     ctx.fast = not double_backward
     for m in model.modules():
@@ -262,6 +265,28 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     model.register_forward_hook(_exit, always_call=True)
     _run_eagerly(model)
     return model
+
+
+_FACTS = ("dims", "pointwise", "double_backward",
+          "the model's layers and parameters (classes, settings, names, shapes, dtypes)")
+"""What every rank's call must agree on (compared before anything changes)."""
+
+
+def _checked(fn: str, model: nn.Module, dims: tuple[int, ...],
+             pointwise: Sequence[type | str]) -> set[int]:
+    """Refuse ``model`` if it cannot be converted.
+
+    Returns the ids of the modules converted as parts of a whole (left as they are).
+    """
+    if getattr(model, _CTX, None) is not None:
+        raise ValueError(f"{fn}: the model is already domain-parallel")
+    inside = _inside_converted(model) | monai.handled_inside(model)
+    problems = [p for name, m in model.named_modules()
+                if id(m) not in inside and (p := _refusal(name, m, pointwise, dims))]
+    if problems:
+        raise ValueError(f"{fn}: cannot convert {len(problems)} layer(s):\n  "
+                         + "\n  ".join(problems))
+    return inside
 
 
 def _run_eagerly(model: nn.Module) -> None:

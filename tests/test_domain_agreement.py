@@ -1,0 +1,62 @@
+"""Every rank's `parallelize_domain` call is compared before anything changes: ranks given
+other dims or another model raise on every rank (before, gloo aborted the processes at the
+first forward, "Received data size doesn't match expected size"; NCCL has no such check),
+and a model refused on one rank is refused on every rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensorpar.nn import parallelize_domain
+from tensorpar.testing import run_distributed
+
+
+def _convert_and_run(what):
+    """Rank 1 converts differently (``what``); then a forward and backward. What it raised."""
+    other = dist.get_rank() == 1
+    torch.manual_seed(0)
+    k = 5 if other and what == "kernel" else 3
+    model = nn.Sequential(nn.Conv2d(2, 4, k, padding=k // 2), nn.ReLU(),
+                          nn.Conv2d(4, 2, 3, padding=1)).double()
+    if other and what == "padding_mode":
+        model[0].padding_mode = "circular"
+    if other and what == "refused":
+        model.append(nn.LSTM(2, 2))  # a layer that cannot be converted
+    dims = -1 if other and what == "dims" else -2
+    pointwise = ("Tanh",) if other and what == "pointwise" else ()
+    try:
+        parallelize_domain(model, dims=dims, pointwise=pointwise)
+        model(torch.randn(1, 2, 4, 8, dtype=torch.float64)).sum().backward()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+DIFFER = {
+    "dims": r"dims differ between rank 0 and rank 1 \(this rank, \d: \(-[12],\)\)",
+    "pointwise": r"pointwise differ between rank 0 and rank 1",
+    "kernel": r"the model's layers and parameters .* differ between rank 0 and rank 1",
+    "padding_mode": r"the model's layers and parameters .* differ between rank 0 and rank 1",
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("what", sorted(DIFFER))
+def test_ranks_that_convert_differently_raise_on_every_rank(what):
+    import re
+
+    for name, message in run_distributed(_convert_and_run, 2, what, timeout=60):
+        assert name == "CollectiveArgumentError", message
+        assert message.startswith("parallelize_domain: every rank of a group of 2 must call "
+                                  "it with the same model and arguments"), message
+        assert re.search(DIFFER[what], message), message
+
+
+@pytest.mark.timeout(90)
+def test_a_model_refused_on_one_rank_is_refused_on_every_rank():
+    (name0, message0), (name1, message1) = run_distributed(_convert_and_run, 2, "refused",
+                                                           timeout=60)
+    assert name1 == "ValueError" and "cannot convert 1 layer(s)" in message1, message1
+    assert name0 == "CollectiveArgumentError", message0
+    assert "the call was refused on rank 1 of its group of 2" in message0, message0
