@@ -300,6 +300,25 @@ def test_ranks_that_disagree_on_the_inputs_are_refused_on_every_rank(world):
         assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors
 
 
+def _attention_differs():
+    attention = "ulysses" if dist.get_rank() == 1 else "ring"
+    parallel = context_parallel(build("llama"), attention=attention)
+    ids, labels = batch(0, 12)
+    try:
+        parallel(ids, labels=labels)
+    except CollectiveArgumentError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_given_other_attentions_are_refused_on_every_rank():
+    """Ring attention on one rank and Ulysses on another: refused before any exchange."""
+    for message in run_distributed(_attention_differs, 2, timeout=100):
+        assert message is not None and "attention (context_parallel's attention=) differ" \
+            in message, message
+
+
 def _compiled(world, attention):
     """A compiled context-parallel Llama against dense (a padding mask on one row); then
     another batch on rank 1."""

@@ -365,7 +365,8 @@ def _take_inputs(model: nn.Module, state: _State, args: tuple[Any, ...],
 _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels",
            "num_items_in_batch", "output_router_logits",
            "whether gradients are on (torch.is_grad_enabled)",
-           "the masking (packed documents, padding or none)")
+           "the masking (packed documents, padding or none)",
+           "attention (context_parallel's attention=)")
 """What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
 
 
@@ -393,7 +394,8 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
         kind = 0 if visible is None else 1 if isinstance(visible, Padding) else 2
         row = [1, ids.shape[0], ids.shape[1], digest(ids), digest(padding),
                digest(positions_given), digest(labels), digest(state.count),
-               int(state.routes), int(torch.is_grad_enabled()), kind]
+               int(state.routes), int(torch.is_grad_enabled()), kind,
+               ATTENTIONS.index(state.attention)]
     device = g.comm_device(home)
     rows = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=g.handle,
                       sizes=[1] * g.size).tolist()
