@@ -226,6 +226,39 @@ def test_require_backward_grad_sync_false_skips_the_sync_like_ddp():
             assert (a - b).abs().max() <= 1e-12
 
 
+def _forward_under_no_sync_before_a_backward(kind, order):
+    """A training forward, then one under ``no_sync()``, then their backwards in ``order``
+    (``"ab"``: the first forward's first). Each backward's gradients, then after a last
+    synchronised step."""
+    model = with_buffers()
+    wrapped = wrap(kind, model, broadcast_buffers=False)
+    grads = []
+    first = wrapped(data(0)).pow(2).mean()
+    with wrapped.no_sync():
+        second = wrapped(data(1)).pow(2).mean()
+    for loss in (first, second) if order == "ab" else (second, first):
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    wrapped(data(2)).pow(2).mean().backward()
+    grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_under_no_sync_leaves_an_earlier_forwards_backward_synchronised():
+    """The first forward's backward synchronises (DDP decides at that forward); the one
+    under ``no_sync`` accumulates locally. Before, the later forward's flag won: the first
+    backward was not averaged, and the replicas drifted apart with no error."""
+    ours = run_distributed(_forward_under_no_sync_before_a_backward, 2, "ours", "ab")
+    theirs = run_distributed(_forward_under_no_sync_before_a_backward, 2, "torch", "ab")
+    for rank in range(2):
+        for step, (a, b) in enumerate(zip(ours[rank], theirs[rank], strict=True)):
+            for x, y in zip(a, b, strict=True):
+                assert (x - y).abs().max() <= 1e-12, (rank, step)
+    for a, b in zip(ours[0][0], ours[1][0], strict=True):  # averaged: the ranks agree
+        assert (a - b).abs().max() == 0
+
+
 # -- join() with uneven inputs ---------------------------------------------------------------
 
 def _join(kind, find_unused, divide_by_initial=True):
@@ -414,3 +447,64 @@ def test_gradient_as_bucket_view_false_equals_ddp():
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
         for a, b in zip(grads, reference_grads, strict=True):
             assert (a - b).abs().max() <= 1e-12
+
+
+# -- what every rank's construction agrees on ------------------------------------------------
+
+def _constructed(what):
+    rank = dist.get_rank()
+    model = with_buffers()
+    try:
+        if what == "refused on one rank":
+            tp.nn.DistributedDataParallel(model, static_graph=rank == 0)
+        elif what == "bucket_cap_mb":
+            tp.nn.DistributedDataParallel(model, bucket_cap_mb=1 if rank == 0 else 2)
+        elif what == "find_unused_parameters":
+            tp.nn.DistributedDataParallel(model, find_unused_parameters=rank == 1)
+        elif what == "twice":
+            tp.nn.DistributedDataParallel(model)
+            tp.nn.DistributedDataParallel(model)
+        elif what == "a wrapped model's layer":
+            tp.nn.DistributedDataParallel(model)
+            BucketedAllReduce(model.fc)
+        elif what == "sparse":
+            tp.nn.DistributedDataParallel(nn.Sequential(nn.Embedding(6, 3, sparse=True)))
+        elif what == "again after remove":
+            tp.nn.DistributedDataParallel(model).reducer.remove()
+            again = tp.nn.DistributedDataParallel(model)
+            again(data(0)).pow(2).mean().backward()
+            return "no error", float(model.fc.weight.grad.abs().sum())
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what, error, says", [
+    ("refused on one rank", "CollectiveArgumentError", "refused on rank 0 of its group of 2"),
+    ("bucket_cap_mb", "CollectiveArgumentError",
+     "they differ in bucket_cap_mb: [1, 2] (rank order)"),
+    ("find_unused_parameters", "CollectiveArgumentError",
+     "find_unused_parameters differ between rank 0 and rank 1"),
+    ("twice", "ReducerError", "already have their gradients averaged by another"),
+    ("a wrapped model's layer", "ReducerError", "2 parameter(s) of Linear (weight, bias)"),
+    ("sparse", "ReducerError", "'0' compute(s) sparse gradients"),
+])
+def test_a_construction_refused_or_different_on_one_rank_raises_on_every_rank(what, error, says):
+    """Before: the refusal on one rank left the other waiting in the construction's
+    collectives; other options per rank went unnoticed; a module wrapped twice raised at
+    its first backward that a gradient was replaced; a sparse embedding failed inside
+    torch's division."""
+    results = run_distributed(_constructed, 2, what, timeout=50)
+    for rank, (name, message) in enumerate(results):
+        if what == "refused on one rank" and rank == 0:
+            assert name == "ValueError" and "static_graph=True" in message, message
+            continue
+        assert name == error and says in message, (rank, message)
+        assert message.startswith("DistributedDataParallel") or error == "ReducerError"
+
+
+def test_a_module_wraps_again_once_its_first_reducer_is_removed():
+    results = run_distributed(_constructed, 2, "again after remove", timeout=50)
+    assert [name for name, _ in results] == ["no error", "no error"], results
+    assert results[0][1] == results[1][1] > 0  # averaged: the same on both ranks

@@ -54,6 +54,9 @@ class SyncPoint:
     _post: float
     _divisor: float | None
     _unsynced: int
+    _sync_armed: bool
+    _awaiting_sync: bool
+    _disarm_after_sync: bool
     _joining: bool
     _rebuild_pending: bool
     _as_views: bool
@@ -110,6 +113,9 @@ class SyncPoint:
             self._divisor = None
             self._unsynced = 0
             self.iterations += 1
+            self._awaiting_sync = False
+            if self._disarm_after_sync:  # a forward under no_sync came after this one's
+                self._sync_armed = self._disarm_after_sync = False
             self._reset_iteration()
 
     def _fill_missing(self, i: int, pre: float) -> None:

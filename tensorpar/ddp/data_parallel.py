@@ -15,7 +15,7 @@ from tensorpar.collectives._buffers import common_rank, sum_flags
 from tensorpar.collectives._hierarchical import Algorithm
 from tensorpar.comm._group import GroupLike
 from tensorpar.ddp._join import DDPJoinHook
-from tensorpar.ddp.reducer import BucketedAllReduce
+from tensorpar.ddp.reducer import BucketedAllReduce, refused_here
 from tensorpar.errors import ReducerError
 from tensorpar.hierarchical.topology import Topology
 
@@ -115,12 +115,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         given = {"static_graph": static_graph,
                  "check_reduction": check_reduction, "batched_grad_copy": batched_grad_copy,
                  "skip_all_reduce_unused_params": skip_all_reduce_unused_params}
-        _refuse(name, given, bucket_cap_mb_list, dim, process_group, device_mesh,
-                {"mixed_precision": mixed_precision,
-                 "delay_all_reduce_named_params": delay_all_reduce_named_params,
-                 "param_to_hook_all_reduce": param_to_hook_all_reduce})
-        self._input_device = _input_device(name, module, device_ids, output_device)
-        forward_sync, init_buffers = _buffer_policy(broadcast_buffers, forward_sync_buffers)
+        try:  # refused on one rank: refused on every rank (`refused_here`)
+            _refuse(name, given, bucket_cap_mb_list, dim, process_group, device_mesh,
+                    {"mixed_precision": mixed_precision,
+                     "delay_all_reduce_named_params": delay_all_reduce_named_params,
+                     "param_to_hook_all_reduce": param_to_hook_all_reduce})
+            self._input_device = _input_device(name, module, device_ids, output_device)
+            forward_sync, init_buffers = _buffer_policy(broadcast_buffers, forward_sync_buffers)
+        except Exception:
+            refused_here(device_mesh if device_mesh is not None else process_group,
+                         next((p.device for p in module.parameters() if p.requires_grad), None),
+                         init_sync)
+            raise
         self.module = module
         self.require_backward_grad_sync = True
         self._divide_by_live_ranks = False
@@ -164,7 +170,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self.module(*args, **kwargs)
         reducer = self.reducer
         sync = self.require_backward_grad_sync
-        reducer._sync_armed = sync
+        reducer._arm(sync)
         reducer._begin_forward()
         reducer._joining = joining = self._join_config.enable and not reducer.group.is_single
         work = Join.notify_join_context(self)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tensorpar._torch import current_graph_task_id, queue_engine_callback
 from tensorpar.collectives._buffers import broadcast_coalesced
@@ -26,6 +27,7 @@ from tensorpar.hierarchical import shutdown_hierarchical
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.validation import check, validation_enabled
 from tensorpar.validation._replica import check_and_broadcast_replicas
+from tensorpar.validation.calls import agree_on_call
 
 __all__ = ["BucketedAllReduce"]
 
@@ -92,16 +94,21 @@ class BucketedAllReduce(SyncPoint):
             buckets take in turn, so that more buckets are on the wire at once (gloo runs at
             most two collectives of one group at a time). 1 (default): ``group`` alone. The
             flat algorithm only; a comm hook reduces on its own group.
-        init_sync: check that the ranks hold the same parameters and broadcast rank 0's
-            parameters and buffers (default); ``False``: neither (the ranks must already
-            agree).
+        init_sync: check that the ranks hold the same parameters and give the same options
+            (a construction refused on one rank is refused on every rank), and broadcast
+            rank 0's parameters and buffers (default); ``False``: none of it, no
+            collective at construction (the ranks must already agree).
         gradient_as_bucket_view: ``.grad`` is a view of its bucket (default: no copy, no
             second copy of the gradients in memory); ``False``: ``.grad`` stays a tensor of
             its own, copied into the bucket at the synchronised backward and back after
             the all-reduce (DDP's default; twice the gradient memory, two more copies).
 
     Raises:
-        ReducerError: the ranks' parameters differ (names the first difference and ranks).
+        ReducerError: the ranks' parameters differ (names the first difference and ranks);
+            a parameter another reducer already averages (a module wrapped twice); an
+            embedding with ``sparse=True``.
+        CollectiveArgumentError: the ranks' options differ, or another rank's construction
+            was refused (with ``init_sync``).
 
     Example:
         >>> import torch, tensorpar
@@ -122,10 +129,24 @@ class BucketedAllReduce(SyncPoint):
                  topology: Topology | None = None, overlap_groups: int = 1,
                  init_sync: bool = True, gradient_as_bucket_view: bool = True) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._configure_buckets([p for _, p in named], bucket_cap_mb, first_bucket_mb,
-                                reduce_dtype, compress_dtype)
-        self.module = module
         self.group = resolve_group(group, "BucketedAllReduce")
+        device = named[0][1].device if named else None
+        try:  # a reducer refused on one rank is refused on every rank
+            _refuse_model(module, named)
+            self._configure_buckets([p for _, p in named], bucket_cap_mb, first_bucket_mb,
+                                    reduce_dtype, compress_dtype)
+        except Exception:
+            refused_here(self.group, device, init_sync)
+            raise
+        options = (find_unused_parameters, bucket_cap_mb, first_bucket_mb, broadcast_buffers,
+                   average, gradient_predivide_factor, reduce_dtype, compress_dtype,
+                   rebuild_buckets, algorithm, overlap_groups, init_sync,
+                   gradient_as_bucket_view)
+        agree_on_call("BucketedAllReduce", [self.group] if init_sync else [], [
+            (name, value if isinstance(value, int) and not isinstance(value, bool)
+             else repr(value)) for name, value in zip(_OPTIONS, options, strict=True)],
+            device, n_facts=len(_OPTIONS))
+        self.module = module
         self.replicas = self.group.size
         """The number of replicas averaged over (``group``'s size)."""
         sums = partial_sums_of(module)
@@ -193,7 +214,9 @@ class BucketedAllReduce(SyncPoint):
         self.iterations = 0
         """Synchronised backward passes so far."""
         self._sync_enabled = True  # no_sync() clears it
-        self._sync_armed = True  # a wrapper's require_backward_grad_sync, set at its forward
+        self._sync_armed = True  # whether a backward synchronises (a wrapper's forward: `_arm`)
+        self._awaiting_sync = False  # a synchronising forward's backward has not run yet
+        self._disarm_after_sync = False  # a forward under no_sync came after that one
         self._forward_sync = True  # sync buffers at the next training forward (DDP's rule)
         self._joining = False  # in a Join context: the ranks' counts legitimately differ
         self._rebuild_pending = rebuild_buckets
@@ -217,6 +240,8 @@ class BucketedAllReduce(SyncPoint):
         # the parameters hold it weakly, so dropping the model frees everything.
         module.__dict__.setdefault("_tensorpar_reducers", []).append(self)
         me = weakref.ref(self)
+        for p in self._params:
+            _REDUCED[p] = me
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
         self._forward_hook = module.register_forward_pre_hook(_forward_hook(me))
@@ -228,6 +253,21 @@ class BucketedAllReduce(SyncPoint):
             return
         self._forward_hook.remove()
         self._hooks.remove(self._forward_hook)
+
+    def _arm(self, sync: bool) -> None:
+        """A wrapper's training forward: whether the backward of its graph synchronises.
+
+        As in DDP the decision is the forward's (``require_backward_grad_sync`` then): a
+        forward under ``no_sync`` after a synchronising one whose backward has not run yet
+        leaves that backward synchronising, and the backwards after it accumulate locally.
+        A backward run again on the same graph (``retain_graph=True``) synchronises again.
+        """
+        if sync:
+            self._sync_armed, self._awaiting_sync, self._disarm_after_sync = True, True, False
+        elif self._awaiting_sync:
+            self._disarm_after_sync = True
+        else:
+            self._sync_armed = False
 
     # -- public ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -290,6 +330,9 @@ class BucketedAllReduce(SyncPoint):
         owners = self.module.__dict__.get("_tensorpar_reducers", [])
         if self in owners:
             owners.remove(self)
+        for p in self._params:
+            if _REDUCED.get(p) is not None and _REDUCED[p]() is self:
+                del _REDUCED[p]
 
     # -- buckets --------------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -387,6 +430,10 @@ class BucketedAllReduce(SyncPoint):
         # under no_sync the sum accumulates and is divided by the synchronised backward.
         pre = self._factors()[0] if syncing else 1.0
         assert grad is not None  # the hook runs after a gradient was accumulated
+        if grad.layout != torch.strided:
+            raise ReducerError(f"BucketedAllReduce: {self._names[i]!r} got a {grad.layout} "
+                               f"gradient, which the buckets do not hold (a sparse embedding "
+                               f"lookup): compute a dense gradient")
         if not self._as_views:  # .grad keeps its own storage: the bucket gets a copy
             if syncing:
                 torch.div(grad, pre, out=view) if pre != 1.0 else view.copy_(grad)
@@ -455,6 +502,50 @@ class BucketedAllReduce(SyncPoint):
     def __repr__(self) -> str:
         return (f"BucketedAllReduce({len(self._params)} parameters in {len(self.buckets)} "
                 f"buckets, group size {self.group.size})")
+
+
+_OPTIONS = ("find_unused_parameters", "bucket_cap_mb", "first_bucket_mb", "broadcast_buffers",
+            "average", "gradient_predivide_factor", "reduce_dtype", "compress_dtype",
+            "rebuild_buckets", "algorithm", "overlap_groups", "init_sync",
+            "gradient_as_bucket_view")
+"""The options every rank's reducer must agree on (compared at construction)."""
+
+_REDUCED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The reducer each parameter's gradient goes to, by the parameter's identity (a second
+reducer would take the gradient too)."""
+
+
+def refused_here(group: GroupLike, device: torch.device | None, init_sync: bool) -> None:
+    """Tell the other ranks that this rank's reducer (or wrapper) was refused.
+
+    Their construction raises too, instead of waiting in its collectives for this rank.
+    With ``init_sync=False`` the construction communicates nothing (nor does this).
+    """
+    if not init_sync:
+        return
+    try:
+        g = resolve_group(group, "BucketedAllReduce")
+    except Exception:  # the group itself was refused: this rank's error says why
+        return
+    agree_on_call("BucketedAllReduce", [g], None, device, n_facts=len(_OPTIONS))
+
+
+def _refuse_model(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+    """Refuse parameters another reducer takes, and layers with sparse gradients."""
+    taken = [n for n, p in named if (r := _REDUCED.get(p)) is not None and r() is not None]
+    if taken:
+        raise ReducerError(
+            f"BucketedAllReduce: {len(taken)} parameter(s) of {type(module).__name__} "
+            f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) already have their "
+            f"gradients averaged by another BucketedAllReduce or DistributedDataParallel "
+            f"(the module, or a module holding it, was wrapped before): wrap it once, or "
+            f"call .remove() on the first reducer (the wrapper's .reducer)")
+    sparse = [n for n, m in module.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ReducerError(
+            f"BucketedAllReduce: {', '.join(repr(n) for n in sparse)} compute(s) sparse "
+            f"gradients (sparse=True), which the buckets do not hold: use sparse=False")
 
 
 def _grad_hook(reducer: weakref.ref[BucketedAllReduce], i: int) -> Any:
