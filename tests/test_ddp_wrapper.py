@@ -462,15 +462,18 @@ def _constructed(what):
         elif what == "find_unused_parameters":
             tp.nn.DistributedDataParallel(model, find_unused_parameters=rank == 1)
         elif what == "twice":
-            tp.nn.DistributedDataParallel(model)
+            first = tp.nn.DistributedDataParallel(model)  # still in use
             tp.nn.DistributedDataParallel(model)
         elif what == "a wrapped model's layer":
-            tp.nn.DistributedDataParallel(model)
+            first = tp.nn.DistributedDataParallel(model)
             BucketedAllReduce(model.fc)
         elif what == "sparse":
             tp.nn.DistributedDataParallel(nn.Sequential(nn.Embedding(6, 3, sparse=True)))
-        elif what == "again after remove":
-            tp.nn.DistributedDataParallel(model).reducer.remove()
+        elif what in ("again after remove", "again after dropping the wrapper"):
+            first = tp.nn.DistributedDataParallel(model)
+            if what == "again after remove":
+                first.reducer.remove()
+            del first  # dropped: its reducer goes with it, as DDP's does
             again = tp.nn.DistributedDataParallel(model)
             again(data(0)).pow(2).mean().backward()
             return "no error", float(model.fc.weight.grad.abs().sum())
@@ -504,7 +507,8 @@ def test_a_construction_refused_or_different_on_one_rank_raises_on_every_rank(wh
         assert message.startswith("DistributedDataParallel") or error == "ReducerError"
 
 
-def test_a_module_wraps_again_once_its_first_reducer_is_removed():
-    results = run_distributed(_constructed, 2, "again after remove", timeout=50)
+@pytest.mark.parametrize("what", ["again after remove", "again after dropping the wrapper"])
+def test_a_module_wraps_again_once_its_first_wrapper_is_gone(what):
+    results = run_distributed(_constructed, 2, what, timeout=50)
     assert [name for name, _ in results] == ["no error", "no error"], results
     assert results[0][1] == results[1][1] > 0  # averaged: the same on both ranks

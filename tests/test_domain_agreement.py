@@ -60,3 +60,39 @@ def test_a_model_refused_on_one_rank_is_refused_on_every_rank():
     assert name1 == "ValueError" and "cannot convert 1 layer(s)" in message1, message1
     assert name0 == "CollectiveArgumentError", message0
     assert "the call was refused on rank 1 of its group of 2" in message0, message0
+
+
+def _convert_on_a_mesh(what):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1)).double()
+    if dist.get_rank() == 0 and what == "refused":
+        model.append(nn.LSTM(2, 2))
+    if dist.get_rank() == 0 and what == "differ":
+        model[0].padding_mode = "circular"
+    try:
+        parallelize_domain(model, dims=(-2, -1), group=mesh)
+        model(torch.randn(1, 2, 4, 4, dtype=torch.float64)).sum().backward()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["refused", "differ", "same"])
+def test_a_difference_anywhere_on_a_mesh_of_tiles_raises_on_every_rank(what):
+    """Rank 3 shares no group with rank 0 on a 2 x 2 mesh: it hears of rank 0's call through
+    the exchange of its other dim (it went on to its first forward, and waited, when each
+    group's exchange raised on its own)."""
+    results = run_distributed(_convert_on_a_mesh, 4, what, timeout=90)
+    if what == "same":
+        assert [name for name, _ in results] == ["no error"] * 4, results
+        return
+    for rank, (name, message) in enumerate(results):
+        if rank == 0 and what == "refused":
+            assert name == "ValueError", message
+            continue
+        assert name == "CollectiveArgumentError", (rank, message)
+    assert "refused, or differs, on another rank of the mesh" in results[3][1], results[3]

@@ -98,3 +98,33 @@ def test_the_same_calls_agree_and_equal_dense():
     results = run_distributed(_same_calls_agree, 2, timeout=50)
     loss, dense_loss = results[1]
     assert abs(loss - dense_loss) < 1e-12, results
+
+
+class _Scaled(nn.Module):
+    """A module with a setting whose ``repr`` holds a memory address (a function)."""
+
+    __constants__ = ("fn",)
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fn = lambda x: 2 * x
+
+    def forward(self, x):
+        return self.fn(self.lin(x))
+
+
+def _lazy_and_unprintable_models():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), _Scaled(), nn.Linear(4, 4)).double()
+    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=F.mse_loss)
+    x = torch.ones(4, 4, dtype=torch.float64)
+    return type(pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)).__name__
+
+
+@pytest.mark.timeout(60)
+def test_lazy_parameters_and_settings_printed_with_an_address_are_compared_as_equal():
+    """Neither has a shape or a text that is the same in every process; both were refused
+    (an uninitialised parameter's shape raised, a function's address differed)."""
+    assert run_distributed(_lazy_and_unprintable_models, 2, timeout=50) == \
+        ["TensorPlaceholder", "Tensor"]

@@ -149,6 +149,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 for buffer, value in zip(module.buffers(), kept, strict=True):
                     buffer.copy_(value)
         self.reducer._leave_forward_to_caller()  # buffers are synchronised in forward()
+        self.reducer._owned_by_caller()  # dropping the wrapper drops its reducer, as in DDP
 
     @property
     def forward_sync_buffers(self) -> bool:

@@ -247,6 +247,16 @@ class BucketedAllReduce(SyncPoint):
         self._forward_hook = module.register_forward_pre_hook(_forward_hook(me))
         self._hooks.append(self._forward_hook)
 
+    def _owned_by_caller(self) -> None:
+        """Let the module no longer keep this reducer alive: a wrapper holds it instead.
+
+        Once the wrapper is dropped the reducer goes, its hooks do nothing, and the module
+        may be wrapped again (as a module whose DDP wrapper was dropped).
+        """
+        owners = self.module.__dict__.get("_tensorpar_reducers", [])
+        if self in owners:
+            owners.remove(self)
+
     def _leave_forward_to_caller(self) -> None:
         """Drop the forward hook: a wrapper calls `_begin_forward` from its own forward."""
         if self.group.is_single:
@@ -255,12 +265,15 @@ class BucketedAllReduce(SyncPoint):
         self._hooks.remove(self._forward_hook)
 
     def _arm(self, sync: bool) -> None:
-        """A wrapper's training forward: whether the backward of its graph synchronises.
+        """A wrapper's training forward: whether the backwards after it synchronise.
 
-        As in DDP the decision is the forward's (``require_backward_grad_sync`` then): a
-        forward under ``no_sync`` after a synchronising one whose backward has not run yet
-        leaves that backward synchronising, and the backwards after it accumulate locally.
-        A backward run again on the same graph (``retain_graph=True``) synchronises again.
+        After a forward outside ``no_sync`` backwards synchronise; after one under
+        ``no_sync`` they accumulate locally, except that such a forward does not take the
+        synchronisation from an earlier forward whose backward has not run yet (that
+        backward synchronises, as in DDP; the ones after it do not). Where DDP
+        synchronises only the first of several backwards after a synchronising forward
+        (two forwards then two backwards, ``retain_graph=True``), each one does here: the
+        replicas stay equal (DDP's differ).
         """
         if sync:
             self._sync_armed, self._awaiting_sync, self._disarm_after_sync = True, True, False

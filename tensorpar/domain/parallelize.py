@@ -235,11 +235,11 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
     device = next((t.device for t in model.parameters()), None)
     try:  # a call refused on one rank is refused on every rank
         inside = _checked(fn, model, dims_t, pointwise)
+        pointwise_names = sorted(p if isinstance(p, str) else p.__qualname__ for p in pointwise)
+        values = (repr(dims_t), repr(pointwise_names), str(double_backward), structure(model))
     except Exception:
         agree_on_call(fn, groups, None, device, n_facts=len(_FACTS))
         raise
-    pointwise_names = sorted(p if isinstance(p, str) else p.__qualname__ for p in pointwise)
-    values = (repr(dims_t), repr(pointwise_names), str(double_backward), structure(model))
     agree_on_call(fn, groups, list(zip(_FACTS, values, strict=True)), device,
                   n_facts=len(_FACTS))
     ctx = DomainContext(dims_t, groups)

@@ -89,12 +89,13 @@ class Pipeline(nn.Module):
         try:  # a call refused on one rank is refused on every rank
             specs, rows, hf, tied = _cut(model, g, microbatches, schedule, loss_fn,
                                          virtual_stages, split, loss_reduction)
+            values: tuple[int | str, ...] = (
+                microbatches, schedule, virtual_stages, loss_reduction,
+                str(loss_fn is not None), FORMAT_VERSION, repr([s.blocks for s in specs]),
+                structure(model))
         except Exception:
             agree_on_call("pipeline", [g], None, device, n_facts=len(_FACTS))
             raise
-        values: tuple[int | str, ...] = (
-            microbatches, schedule, virtual_stages, loss_reduction, str(loss_fn is not None),
-            FORMAT_VERSION, repr([s.blocks for s in specs]), structure(model))
         agree_on_call("pipeline", [g], list(zip(_FACTS, values, strict=True)), device,
                       n_facts=len(_FACTS))
         mine = [s for s in specs if s.index % g.size == g.rank]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
@@ -28,37 +29,61 @@ Fact = tuple[str, int | str]
 string travels as a hash, and each rank shows its own)."""
 
 
+OK, REFUSED, HEARD = 1, 0, -1
+"""A row's first integer: this rank's call is accepted, refused, or accepted but a problem
+was seen in an earlier group's exchange."""
+
+
 def agree_on_call(fn: str, groups: Sequence[Group], facts: Sequence[Fact] | None,
                   device: torch.device | None, *, n_facts: int) -> None:
-    """Compare ``facts`` with every rank's over each of ``groups``; raise on every rank.
+    """Compare ``facts`` with every rank's over ``groups``; raise on every rank.
 
-    ``facts``: this rank's, or ``None`` where its own call was refused (the caller raises
-    that error after this returns); ``n_facts``: how many every rank gives (a refused rank
-    sends as many integers). ``device``: where the call's tensors are (the exchange's
-    buffers go with them where the backend allows).
+    ``groups``: one group, or the groups of a mesh's dims in order (each rank of the mesh
+    in one group per dim). The groups exchange one after the other, each row carrying
+    whether its rank saw a problem in the earlier groups, so that a refusal or a
+    difference anywhere on the mesh reaches every rank. ``facts``: this rank's, or
+    ``None`` where its own call was refused (the caller raises that error after this
+    returns); ``n_facts``: how many every rank gives (a refused rank sends as many
+    integers). ``device``: where the call's tensors are (the exchange's buffers go with
+    them where the backend allows).
 
     Raises:
         CollectiveArgumentError: another rank's call was refused, or the calls differ.
     """
-    row = [0] * (1 + n_facts) if facts is None else [1, *(_code(v) for _, v in facts)]
-    for group in groups:
+    row = [REFUSED] * (1 + n_facts) if facts is None else \
+        [OK, *(_code(v) for _, v in facts)]
+    problem = None
+    for group in groups:  # every exchange before any raise: the next groups wait for it
         if group.size == 1:
             continue
         rows = exchange_ints(group, row, device)
         if facts is None:
             continue
-        refused = [r for r, m in enumerate(rows) if not m[0]]
-        if refused:
-            raise CollectiveArgumentError(
-                f"{fn}: the call was refused on rank{'s' if len(refused) > 1 else ''} "
+        problem = problem or _problem(fn, group, facts, rows)
+        if problem is not None:  # told to the next groups
+            row[0] = HEARD
+    if problem is not None:
+        raise CollectiveArgumentError(problem)
+
+
+def _problem(fn: str, group: Group, facts: Sequence[Fact], rows: list[list[int]]
+             ) -> str | None:
+    """What ``rows`` (a group's, rank order) show: a refusal, a difference, or ``None``."""
+    refused = [r for r, m in enumerate(rows) if m[0] == REFUSED]
+    if refused:
+        return (f"{fn}: the call was refused on rank{'s' if len(refused) > 1 else ''} "
                 f"{_ranks(refused)} of its group of {group.size} (the error there says "
                 f"why); every rank makes the same call, with the same model")
-        for i, (name, value) in enumerate(facts):
-            values = [m[1 + i] for m in rows]
-            if len(set(values)) > 1:
-                raise CollectiveArgumentError(
-                    f"{fn}: every rank of a group of {group.size} must call it with the same "
+    for i, (name, value) in enumerate(facts):
+        values = [m[1 + i] for m in rows]
+        if len(set(values)) > 1:
+            return (f"{fn}: every rank of a group of {group.size} must call it with the same "
                     f"model and arguments; {_differ(name, value, values, group.rank)}")
+    if any(m[0] == HEARD for m in rows):
+        return (f"{fn}: the call was refused, or differs, on another rank of the mesh (the "
+                f"errors there say which); every rank makes the same call, with the same "
+                f"model")
+    return None
 
 
 def structure(model: nn.Module) -> str:
@@ -69,11 +94,24 @@ def structure(model: nn.Module) -> str:
     shape and dtype.
     """
     modules = [(name, type(m).__qualname__,
-                [(c, repr(getattr(m, c, None))) for c in getattr(m, "__constants__", ())])
+                [(c, _setting(getattr(m, c, None))) for c in getattr(m, "__constants__", ())])
                for name, m in model.named_modules(remove_duplicate=False)]
-    tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in [
-        *model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
+    tensors = [(n, "uninitialized" if is_lazy(t) else tuple(t.shape), str(t.dtype)) for n, t in
+               [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
     return repr((modules, tensors))
+
+
+def _setting(value: object) -> str:
+    """A module setting as text: plain values as they are, anything else by its type.
+
+    (The ``repr`` of an object may hold its memory address, which differs between
+    processes.)
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"({', '.join(_setting(v) for v in value)})"
+    return type(value).__qualname__
 
 
 def _code(value: int | str) -> int:
