@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from tensorpar.hierarchical import shutdown_hierarchical
 from tensorpar.hierarchical.topology import Topology
 from tensorpar.validation import check, validation_enabled
 from tensorpar.validation._replica import check_and_broadcast_replicas
-from tensorpar.validation.calls import agree_on_call
+from tensorpar.validation.calls import agree_on_call, agreed
 
 __all__ = ["BucketedAllReduce"]
 
@@ -131,21 +131,17 @@ class BucketedAllReduce(SyncPoint):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.group = resolve_group(group, "BucketedAllReduce")
         device = named[0][1].device if named else None
-        try:  # a reducer refused on one rank is refused on every rank
+
+        def check() -> tuple[None, Sequence[object]]:
             _refuse_model(module, named)
             self._configure_buckets([p for _, p in named], bucket_cap_mb, first_bucket_mb,
                                     reduce_dtype, compress_dtype)
-        except Exception:
-            refused_here(self.group, device, init_sync)
-            raise
-        options = (find_unused_parameters, bucket_cap_mb, first_bucket_mb, broadcast_buffers,
-                   average, gradient_predivide_factor, reduce_dtype, compress_dtype,
-                   rebuild_buckets, algorithm, overlap_groups, init_sync,
-                   gradient_as_bucket_view)
-        agree_on_call("BucketedAllReduce", [self.group] if init_sync else [], [
-            (name, value if isinstance(value, int) and not isinstance(value, bool)
-             else repr(value)) for name, value in zip(_OPTIONS, options, strict=True)],
-            device, n_facts=len(_OPTIONS))
+            return None, (find_unused_parameters, bucket_cap_mb, first_bucket_mb,
+                          broadcast_buffers, average, gradient_predivide_factor, reduce_dtype,
+                          compress_dtype, rebuild_buckets, algorithm, overlap_groups,
+                          init_sync, gradient_as_bucket_view)
+
+        agreed("BucketedAllReduce", [self.group] if init_sync else [], _OPTIONS, device, check)
         self.module = module
         self.replicas = self.group.size
         """The number of replicas averaged over (``group``'s size)."""
@@ -540,7 +536,7 @@ def refused_here(group: GroupLike, device: torch.device | None, init_sync: bool)
         g = resolve_group(group, "BucketedAllReduce")
     except Exception:  # the group itself was refused: this rank's error says why
         return
-    agree_on_call("BucketedAllReduce", [g], None, device, n_facts=len(_OPTIONS))
+    agree_on_call("BucketedAllReduce", [g], _OPTIONS, None, device)
 
 
 def _refuse_model(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:

@@ -30,7 +30,7 @@ from tensorpar.domain._layers import (
 from tensorpar.domain._tiles.agree import over_groups
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import POOLED, TILE
-from tensorpar.validation.calls import agree_on_call, structure
+from tensorpar.validation.calls import agreed, structure
 
 __all__ = ["domain_context", "domain_layout", "parallelize_domain"]
 
@@ -233,15 +233,13 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         raise ValueError(f"{fn}: dims has a repeated entry: {dims_t}")
     groups = _groups(fn, dims_t, group)
     device = next((t.device for t in model.parameters()), None)
-    try:  # a call refused on one rank is refused on every rank
-        inside = _checked(fn, model, dims_t, pointwise)
-        pointwise_names = sorted(p if isinstance(p, str) else p.__qualname__ for p in pointwise)
-        values = (repr(dims_t), repr(pointwise_names), str(double_backward), structure(model))
-    except Exception:
-        agree_on_call(fn, groups, None, device, n_facts=len(_FACTS))
-        raise
-    agree_on_call(fn, groups, list(zip(_FACTS, values, strict=True)), device,
-                  n_facts=len(_FACTS))
+
+    def check() -> tuple[set[int], Sequence[object]]:
+        names = sorted(p if isinstance(p, str) else p.__qualname__ for p in pointwise)
+        return _checked(fn, model, dims_t, pointwise), (dims_t, names, double_backward,
+                                                         structure(model))
+
+    inside = agreed(fn, groups, _FACTS, device, check)
     ctx = DomainContext(dims_t, groups)
     ctx.fast = not double_backward
     for m in model.modules():

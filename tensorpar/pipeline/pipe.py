@@ -50,7 +50,7 @@ from tensorpar.pipeline.stages import (
     tied_parameters,
 )
 from tensorpar.placeholder import FORMAT_VERSION, TensorPlaceholder
-from tensorpar.validation.calls import agree_on_call, structure
+from tensorpar.validation.calls import agreed, structure
 
 __all__ = ["Pipeline", "StepFailed", "pipeline"]
 
@@ -86,18 +86,15 @@ class Pipeline(nn.Module):
         super().__init__()
         g = resolve_group(group, "pipeline")
         device = next((t.device for t in model.parameters()), None)
-        try:  # a call refused on one rank is refused on every rank
-            specs, rows, hf, tied = _cut(model, g, microbatches, schedule, loss_fn,
-                                         virtual_stages, split, loss_reduction)
-            values: tuple[int | str, ...] = (
-                microbatches, schedule, virtual_stages, loss_reduction,
-                str(loss_fn is not None), FORMAT_VERSION, repr([s.blocks for s in specs]),
-                structure(model))
-        except Exception:
-            agree_on_call("pipeline", [g], None, device, n_facts=len(_FACTS))
-            raise
-        agree_on_call("pipeline", [g], list(zip(_FACTS, values, strict=True)), device,
-                      n_facts=len(_FACTS))
+
+        def check() -> tuple[Any, Sequence[object]]:
+            cut = _cut(model, g, microbatches, schedule, loss_fn, virtual_stages, split,
+                       loss_reduction)
+            return cut, (microbatches, schedule, virtual_stages, loss_reduction,
+                         loss_fn is not None, FORMAT_VERSION, [s.blocks for s in cut[0]],
+                         structure(model))
+
+        specs, rows, hf, tied = agreed("pipeline", [g], _FACTS, device, check)
         mine = [s for s in specs if s.index % g.size == g.rank]
         self._decoder: Decoder | None = decoder_of(model) if hf else None
         self._loss_function: Any = getattr(model, "loss_function", None) if hf else None

@@ -12,7 +12,8 @@ raises instead of going on to wait for it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,11 +23,9 @@ from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
 from tensorpar.errors import CollectiveArgumentError
 
-__all__ = ["Fact", "agree_on_call", "structure"]
+__all__ = ["agree_on_call", "agreed", "structure"]
 
-Fact = tuple[str, int | str]
-"""A fact of a call: its name in messages and its value (an int is shown as it is; a
-string travels as a hash, and each rank shows its own)."""
+T = TypeVar("T")
 
 
 OK, REFUSED, HEARD = 1, 0, -1
@@ -34,47 +33,63 @@ OK, REFUSED, HEARD = 1, 0, -1
 was seen in an earlier group's exchange."""
 
 
-def agree_on_call(fn: str, groups: Sequence[Group], facts: Sequence[Fact] | None,
-                  device: torch.device | None, *, n_facts: int) -> None:
-    """Compare ``facts`` with every rank's over ``groups``; raise on every rank.
+def agreed(fn: str, groups: Sequence[Group], names: Sequence[str],
+           device: torch.device | None, check: Callable[[], tuple[T, Sequence[object]]]) -> T:
+    """Run this rank's ``check`` of its call, then compare the call with every rank's.
+
+    ``check()`` raises where this rank's call is refused, else returns its result and the
+    values of the facts ``names``. Either way the ranks meet in `agree_on_call`: a rank
+    whose call was refused tells the others, then raises its own error.
+    """
+    try:
+        result, values = check()
+    except Exception:
+        agree_on_call(fn, groups, names, None, device)
+        raise
+    agree_on_call(fn, groups, names, values, device)
+    return result
+
+
+def agree_on_call(fn: str, groups: Sequence[Group], names: Sequence[str],
+                  values: Sequence[object] | None, device: torch.device | None) -> None:
+    """Compare this rank's ``values`` of the facts ``names`` with every rank's; raise.
 
     ``groups``: one group, or the groups of a mesh's dims in order (each rank of the mesh
     in one group per dim). The groups exchange one after the other, each row carrying
     whether its rank saw a problem in the earlier groups, so that a refusal or a
-    difference anywhere on the mesh reaches every rank. ``facts``: this rank's, or
-    ``None`` where its own call was refused (the caller raises that error after this
-    returns); ``n_facts``: how many every rank gives (a refused rank sends as many
-    integers). ``device``: where the call's tensors are (the exchange's buffers go with
-    them where the backend allows).
+    difference anywhere on the mesh reaches every rank. ``values``: this rank's (an int
+    travels as it is, anything else as a hash of its text, and each rank shows its own in
+    the error), or ``None`` where its own call was refused (the caller raises that error
+    after this returns). ``device``: where the call's tensors are (the exchange's buffers
+    go with them where the backend allows).
 
     Raises:
         CollectiveArgumentError: another rank's call was refused, or the calls differ.
     """
-    row = [REFUSED] * (1 + n_facts) if facts is None else \
-        [OK, *(_code(v) for _, v in facts)]
+    row = [REFUSED] * (1 + len(names)) if values is None else [OK, *map(_code, values)]
     problem = None
     for group in groups:  # every exchange before any raise: the next groups wait for it
         if group.size == 1:
             continue
         rows = exchange_ints(group, row, device)
-        if facts is None:
+        if values is None:
             continue
-        problem = problem or _problem(fn, group, facts, rows)
+        problem = problem or _problem(fn, group, names, values, rows)
         if problem is not None:  # told to the next groups
             row[0] = HEARD
     if problem is not None:
         raise CollectiveArgumentError(problem)
 
 
-def _problem(fn: str, group: Group, facts: Sequence[Fact], rows: list[list[int]]
-             ) -> str | None:
+def _problem(fn: str, group: Group, names: Sequence[str], mine: Sequence[object],
+             rows: list[list[int]]) -> str | None:
     """What ``rows`` (a group's, rank order) show: a refusal, a difference, or ``None``."""
     refused = [r for r, m in enumerate(rows) if m[0] == REFUSED]
     if refused:
         return (f"{fn}: the call was refused on rank{'s' if len(refused) > 1 else ''} "
                 f"{_ranks(refused)} of its group of {group.size} (the error there says "
                 f"why); every rank makes the same call, with the same model")
-    for i, (name, value) in enumerate(facts):
+    for i, (name, value) in enumerate(zip(names, mine, strict=True)):
         values = [m[1 + i] for m in rows]
         if len(set(values)) > 1:
             return (f"{fn}: every rank of a group of {group.size} must call it with the same "
@@ -114,19 +129,25 @@ def _setting(value: object) -> str:
     return type(value).__qualname__
 
 
-def _code(value: int | str) -> int:
-    if isinstance(value, str):  # a 62-bit hash: it fits an int64
-        return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(),
-                              "little") >> 2
-    return int(value)
+def _code(value: object) -> int:
+    """An int as it is; anything else a 62-bit hash of its text (it fits an int64)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return int.from_bytes(hashlib.blake2b(_text(value).encode(), digest_size=8).digest(),
+                          "little") >> 2
 
 
-def _differ(name: str, mine: int | str, values: list[int], rank: int) -> str:
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _differ(name: str, mine: object, values: list[int], rank: int) -> str:
     """How ``values`` (rank order) of the fact ``name`` differ, for the error."""
-    if not isinstance(mine, str):
+    if isinstance(mine, int) and not isinstance(mine, bool):
         return f"they differ in {name}: {values} (rank order)"
     others = [r for r, v in enumerate(values) if v != values[0]]
-    shown = f" (this rank, {rank}: {mine})" if len(mine) <= 40 else ""
+    text = _text(mine)
+    shown = f" (this rank, {rank}: {text})" if len(text) <= 40 else ""
     return (f"{name} differ between rank 0 and rank{'s' if len(others) > 1 else ''} "
             f"{_ranks(others)}{shown}")
 
