@@ -512,3 +512,64 @@ def test_a_module_wraps_again_once_its_first_wrapper_is_gone(what):
     results = run_distributed(_constructed, 2, what, timeout=50)
     assert [name for name, _ in results] == ["no error", "no error"], results
     assert results[0][1] == results[1][1] > 0  # averaged: the same on both ranks
+
+
+# -- a copy of the wrapped model -------------------------------------------------------------
+
+def _copied(options):
+    """Train, deep-copy the wrapper on every rank, train copy and original: ours and DDP's."""
+    torch.manual_seed(0)
+    results = []
+    for kind in ("ours", "torch"):
+        model = with_buffers()
+        wrapped = wrap(kind, model, **options)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        wrapped(data(0)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        twin = copy.deepcopy(wrapped)
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+        for step in (1, 2):  # the twin and the original each average their own gradients
+            for net, optimizer in ((twin, twin_opt), (wrapped, opt)):
+                net(data(step) * step).pow(2).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        if kind == "ours" and dist.get_rank() == 0:  # a copy on one rank: no collective
+            with torch.no_grad(), CommCounter() as counter:
+                copy.deepcopy(wrapped)(data(9))
+            assert counter.count() == 0, counter.count()
+        results.append((twin.module, model, type(twin).__name__))
+    (ours_twin, ours, name), (their_twin, theirs, _) = results
+    return gap(ours_twin, their_twin), gap(ours, theirs), gap(ours_twin, ours), name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True}])
+def test_a_deep_copy_of_the_wrapper_trains_on_its_own_like_ddp(options):
+    for twin_gap, original_gap, apart, name in run_distributed(_copied, 2, options, timeout=50):
+        assert name == "DistributedDataParallel"
+        assert twin_gap < 1e-12 and original_gap < 1e-12, (twin_gap, original_gap)
+        assert apart > 1e-3  # the copy is a model of its own, not a view of the original
+
+
+def _copy_with_a_bare_reducer():
+    model = with_buffers()
+    reducer = BucketedAllReduce(model)
+    model(data(0)).pow(2).sum().backward()
+    try:
+        copy.deepcopy(model)
+    except TypeError as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    reducer.remove()  # a model whose reducer is gone copies as any other
+    twin = copy.deepcopy(model)
+    return refused, gap(twin, model)
+
+
+@pytest.mark.timeout(60)
+def test_a_deep_copy_of_a_model_with_a_bare_reducer_is_refused_not_left_unaveraged():
+    """The copy would carry no gradient hooks: its backward would not average, silently."""
+    for refused, apart in run_distributed(_copy_with_a_bare_reducer, 2, timeout=50):
+        assert "cannot be deep-copied" in refused and "DistributedDataParallel" in refused
+        assert apart == 0.0

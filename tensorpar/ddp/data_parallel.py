@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -73,7 +74,8 @@ class DistributedDataParallel(nn.Module, Joinable):
       (use ``reduce_dtype`` / ``compress_dtype`` or a comm hook).
 
     The keyword-only arguments after ``forward_sync_buffers`` are tensorpar's own (see
-    `BucketedAllReduce`).
+    `BucketedAllReduce`). ``copy.deepcopy`` gives a wrapper of its own around a copy of
+    the module (see `__deepcopy__`).
 
     Attributes:
         require_backward_grad_sync: as in DDP: ``False`` at a training forward makes its
@@ -150,6 +152,33 @@ class DistributedDataParallel(nn.Module, Joinable):
                     buffer.copy_(value)
         self.reducer._leave_forward_to_caller()  # buffers are synchronised in forward()
         self.reducer._owned_by_caller()  # dropping the wrapper drops its reducer, as in DDP
+        self._arguments = {  # what a copy is built with (`__deepcopy__`)
+            "device_ids": device_ids, "output_device": output_device,
+            "broadcast_buffers": broadcast_buffers, "process_group": process_group,
+            "bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view, "device_mesh": device_mesh,
+            "forward_sync_buffers": forward_sync_buffers, "first_bucket_mb": first_bucket_mb,
+            "average": average, "gradient_predivide_factor": gradient_predivide_factor,
+            "reduce_dtype": reduce_dtype, "compress_dtype": compress_dtype,
+            "rebuild_buckets": rebuild_buckets, "algorithm": algorithm, "topology": topology,
+            "overlap_groups": overlap_groups}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedDataParallel:
+        """A wrapper of its own around a deep copy of the module, as DDP's copies are.
+
+        The copy averages its own gradients over the same group, with the same arguments,
+        and is built without any collective (``init_sync=False``), so a copy made on one
+        rank (an evaluation or EMA model) is safe; with ``overlap_groups`` > 1 its reducer
+        creates process groups, so make such a copy on every rank at the same point. As in
+        DDP, a communication hook is not copied (register it on the copy).
+        """
+        module = copy.deepcopy(self.module, memo)
+        twin = type(self)(module, **self._arguments, init_sync=False)
+        twin.require_backward_grad_sync = self.require_backward_grad_sync
+        twin.forward_sync_buffers = self.forward_sync_buffers
+        twin.train(self.training)
+        memo[id(self)] = twin
+        return twin
 
     @property
     def forward_sync_buffers(self) -> bool:

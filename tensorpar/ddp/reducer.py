@@ -53,7 +53,9 @@ class BucketedAllReduce(SyncPoint):
     broadcasts the buffers from rank 0 in one collective, when DDP would (if
     ``broadcast_buffers`` and the previous training forward was synchronised, i.e. not
     under `no_sync`: once per step under accumulation). A training forward on one rank
-    alone would still broadcast; the wrapper has ``.module`` for that.
+    alone would still broadcast; the wrapper has ``.module`` for that. A model with a
+    reducer refuses ``copy.deepcopy`` (the copy would lack the hooks and not average); the
+    wrapper's copies are wrapped models of their own.
 
     Nothing is exchanged besides the buckets (no per-iteration host synchronisation)
     unless ``find_unused_parameters`` is on or validation mode is: then which rank used
@@ -507,6 +509,14 @@ class BucketedAllReduce(SyncPoint):
                                        algorithm=self._algorithm, topology=self._topology)
         bucket.launched = True
         self.bytes_reduced += target.numel() * target.element_size()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> BucketedAllReduce:
+        """Refused: a copy of the model would not carry the gradient hooks (not averaged)."""
+        raise TypeError("BucketedAllReduce: a model with a reducer cannot be deep-copied (the "
+                        "copy's gradients would not be averaged, silently); copy it before "
+                        "building the reducer or after its remove(), or wrap it in "
+                        "tensorpar.nn.DistributedDataParallel, whose copies are wrapped "
+                        "models of their own")
 
     def __repr__(self) -> str:
         return (f"BucketedAllReduce({len(self._params)} parameters in {len(self.buckets)} "
