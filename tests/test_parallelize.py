@@ -387,3 +387,64 @@ def test_heads_that_do_not_pair_up_are_described_by_projection():
     assert "key heads [1, 1] (k_proj), value heads [2, 0] (v_proj)" in problem, problem
     [problem] = check_heads(model, {**kv, "attn.q_proj": Colwise()}, 3)  # 16 rows: 6, 5, 5
     assert "q_proj split into rows [6, 5, 5], not whole heads of 4" in problem, problem
+
+
+# -- frozen parameters stay frozen ------------------------------------------------------------
+
+FROZEN = ("embed.weight", "layers.0.attn.q_proj.weight", "layers.0.up.weight",
+          "layers.0.up.bias", "layers.1.down.weight", "layers.1.down.bias", "lm_head.weight")
+
+
+def _frozen_training():
+    """A frozen embedding, projections and head (a frozen backbone, LoRA-style)."""
+    models = build(), build()
+    for model in models:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in FROZEN)
+    dense, parallel = models[0], tp.parallelize(models[1], plan(CONFIG["head_dim"]))
+    flags = {n: p.requires_grad for n, p in parallel.named_parameters()}
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (dense, parallel)]
+    for step in range(2):
+        ids, target = tokens(step)
+        losses = (F.cross_entropy(dense(ids).flatten(0, 1), target.flatten()),
+                  vocab_parallel_cross_entropy(parallel(ids).flatten(0, 1), target.flatten()))
+        for loss, opt in zip(losses, opts, strict=True):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    state, expected = tp.full_state_dict(parallel, dst=0), dense.state_dict()
+    gap = max((state[k] - expected[k]).abs().max().item() for k in expected) \
+        if dist.get_rank() == 0 else 0.0
+    return flags, gap
+
+
+def test_frozen_parameters_stay_frozen_and_train_like_dense():
+    """parallelize() gave every layer it converted trainable parameters (a frozen head moved)."""
+    for flags, gap in run_distributed(_frozen_training, 2, timeout=60):
+        assert {n for n, trainable in flags.items() if not trainable} == set(FROZEN)
+        assert gap < 1e-12, gap
+
+
+def _frozen_layers():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    built = []
+    for cls, dense in ((tp.nn.ColumnParallelLinear, nn.Linear(6, 5)),
+                       (tp.nn.RowParallelLinear, nn.Linear(6, 5)),
+                       (tp.nn.VocabParallelEmbedding, nn.Embedding(7, 4)),
+                       (tp.nn.ParallelEmbedding, nn.Embedding(7, 4)),
+                       (tp.nn.ColumnParallelConv1D, Conv1D(5, 6)),
+                       (tp.nn.RowParallelConv1D, Conv1D(5, 6))):
+        dense.weight.requires_grad_(False)
+        layer = cls.from_dense(dense)
+        built.append((cls.__name__, {n: p.requires_grad for n, p in layer.named_parameters()}))
+    return built
+
+
+def test_each_layer_from_dense_keeps_requires_grad():
+    for built in run_distributed(_frozen_layers, 2):
+        for name, flags in built:
+            assert flags.pop("weight") is False, name
+            assert all(flags.values()), (name, flags)  # the biases were left trainable

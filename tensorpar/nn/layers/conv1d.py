@@ -18,7 +18,7 @@ from tensorpar.comm._group import GroupLike
 from tensorpar.nn.layers._column_fn import column_linear
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.layers.linear import ShardedLayer, column_shard, row_output
-from tensorpar.nn.state._shards import AnyShard, Shard, shard_of
+from tensorpar.nn.state._shards import AnyShard, Shard, keep_frozen, shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 
 __all__ = ["ColumnParallelConv1D", "RowParallelConv1D"]
@@ -103,6 +103,7 @@ class ColumnParallelConv1D(ShardedLayer):
             layer.weight.copy_(layer.shard.take(weight, 1))
             if layer.bias is not None and bias is not None:
                 layer.bias.copy_(layer.shard.take(bias, 0))
+        keep_frozen(layer, conv)
         return layer
 
     def extra_repr(self) -> str:
@@ -181,6 +182,7 @@ class RowParallelConv1D(ShardedLayer):
             layer.weight.copy_(layer.shard.take(weight, 0))
             if layer.bias is not None and bias is not None:
                 layer.bias.copy_(bias)
+        keep_frozen(layer, conv)
         return layer
 
     def extra_repr(self) -> str:

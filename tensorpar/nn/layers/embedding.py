@@ -13,7 +13,7 @@ from tensorpar.collectives.functional import gather, scatter
 from tensorpar.collectives.regions import gather_from_group, reduce_from_group
 from tensorpar.comm._group import GroupLike
 from tensorpar.nn.sequence import SequenceShards
-from tensorpar.nn.state._shards import Shard, shard_of
+from tensorpar.nn.state._shards import Shard, keep_frozen, shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 from tensorpar.placeholder import TensorPlaceholder
 
@@ -60,6 +60,7 @@ class _ShardedEmbedding(nn.Module):
         scale = getattr(embedding, "embed_scale", None)
         if isinstance(scale, torch.Tensor):
             layer.embed_scale = scale.detach().clone()
+        keep_frozen(layer, embedding)
         return layer
 
     def full_state(self, dst: int = 0) -> dict[str, torch.Tensor | TensorPlaceholder]:

@@ -21,6 +21,7 @@ from tensorpar.nn.state._shards import (
     AnyShard,
     Shard,
     gather_shards,
+    keep_frozen,
     packed_shard_of,
     scatter_shards,
     shard_of,
@@ -192,6 +193,7 @@ class ColumnParallelLinear(ShardedLayer):
             layer.weight.copy_(s.take(linear.weight, 0))
             if layer.bias is not None and linear.bias is not None:
                 layer.bias.copy_(s.take(linear.bias, 0))
+        keep_frozen(layer, linear)
         return layer
 
     def to_dense(self, dst: int = 0) -> DenseOrPlaceholders:
@@ -288,6 +290,7 @@ class RowParallelLinear(ShardedLayer):
             layer.weight.copy_(linear.weight[:, s.start: s.stop])
             if layer.bias is not None and linear.bias is not None:
                 layer.bias.copy_(linear.bias)
+        keep_frozen(layer, linear)
         return layer
 
     def to_dense(self, dst: int = 0) -> DenseOrPlaceholders:

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
+from torch import nn
 
 from tensorpar.collectives._split import balanced_sizes
 from tensorpar.collectives.functional import gather, scatter
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.placeholder import TensorPlaceholder
 
-__all__ = ["AnyShard", "PackedShard", "Piece", "Shard", "gather_shards", "packed_shard_of",
-           "scatter_shards", "shard_of"]
+__all__ = ["AnyShard", "PackedShard", "Piece", "Shard", "gather_shards", "keep_frozen",
+           "packed_shard_of", "scatter_shards", "shard_of"]
 
 Piece: TypeAlias = tuple[int, int, int]
 """``(dense start, local start, length)``: one contiguous piece of a rank's shard."""
@@ -167,3 +168,14 @@ def scatter_shards(dense: Any, shard: AnyShard, dim: int, src: int) -> torch.Ten
     if isinstance(dense, torch.Tensor) and shard.group.rank == src:
         dense = shard.pack(dense, dim)
     return scatter(dense, dim=dim, src=src, group=shard.group, sizes=shard.sizes)
+
+
+def keep_frozen(layer: nn.Module, dense: nn.Module) -> None:
+    """Give ``layer``'s own parameters the ``requires_grad`` of ``dense``'s of the same name.
+
+    A sharded layer makes new parameters (trainable); a frozen dense weight stays frozen.
+    """
+    for name, p in layer.named_parameters(recurse=False):
+        source = getattr(dense, name, None)
+        if isinstance(source, torch.Tensor):
+            p.requires_grad_(source.requires_grad)
