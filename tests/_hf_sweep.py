@@ -51,7 +51,13 @@ OVERRIDES: dict[str, dict[str, object]] = {
     "diffllama": {"num_key_value_heads": 2},  # its differential attention needs an even count
     "dots1": {"n_shared_experts": 1},  # None by default, which the MoE block multiplies by
     "dots3_note_text": {"shared_experts_intermediate_size": 10,  # and its indexer's heads
-                        "index_head_dim": 4, "index_n_heads": 2, "index_topk": 4},
+                        "index_head_dim": 4, "index_n_heads": 2, "index_topk": 4,
+                        # its sliding layers' latent attention (64 heads of 256 by default)
+                        "swa_num_attention_heads": 6, "swa_num_key_value_heads": 6,
+                        "swa_q_lora_rank": 12, "swa_kv_lora_rank": 8, "swa_head_dim": 8,
+                        "swa_qk_nope_head_dim": 4, "swa_v_head_dim": 4},
+    "falcon_h1": {"mamba_d_ssm": 48, "mamba_n_heads": 6, "mamba_d_head": 8,  # 128 heads of 8
+                  "mamba_d_state": 8, "mamba_chunk_size": 8},  # and a state of 256 by default
     "gemma3n_text": {"vocab_size_per_layer_input": 101, "hidden_size_per_layer_input": 4,
                      "laurel_rank": 4, "num_kv_shared_layers": 0,  # 15 by default
                      "activation_sparsity_pattern": [0.95, 0.0],  # its checkpoints': 10 of 35
