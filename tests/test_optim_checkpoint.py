@@ -110,3 +110,52 @@ def test_optimizer_state_dict_handed_to_dcp_directly_raises_on_every_rank(tmp_pa
         assert message is not None, "one rank's optimizer shards were saved"
         assert "tensorpar.sharded_optimizer_state_dict" in message
     assert not list((tmp_path / "d").glob("*.metadata"))
+
+
+# -- a checkpoint of another model ------------------------------------------------------------
+
+def _blocks(count):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
+                                 for _ in range(count))).double()
+
+
+def _deeper_into_shallower(path, pipelined):
+    """Model and AdamW state of 7 blocks saved; loaded into 5 blocks (pipelined: 2 stages)."""
+    def build_pair(count):
+        model = _blocks(count)
+        if pipelined:
+            model = tp.nn.pipeline(model, microbatches=2,
+                                   loss_fn=lambda out, y: out.square().mean())
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    model, opt = build_pair(7)
+    if pipelined:
+        model.step(x if model.is_first else None, x if model.is_last else None)
+    else:
+        model(x).square().mean().backward()
+    opt.step()
+    dcp.save({"model": tp.sharded_state_dict(model),
+              "optim": tp.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    smaller, smaller_opt = build_pair(5)
+    state = {"model": tp.sharded_state_dict(smaller),
+             "optim": tp.sharded_optimizer_state_dict(smaller, smaller_opt)}
+    dcp.load(state, checkpoint_id=path)
+    tp.load_sharded_state_dict(smaller, state["model"])  # as DCP: extra keys are not read
+    try:
+        tp.load_sharded_optimizer_state_dict(smaller, smaller_opt, state["optim"])
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["dense", "pipeline"])
+def test_optimizer_state_of_a_deeper_model_is_refused_on_every_rank(tmp_path, pipelined):
+    """Loaded into a shallower model it was cut to fit, silently (the model state is DCP's:
+    a key the model does not ask for is not read)."""
+    results = run_distributed(_deeper_into_shallower, 2, str(tmp_path / "c"), pipelined,
+                              timeout=60)
+    for message in results:
+        assert "parameter(s) this model does not have" in message, message
+        assert "'5.0.weight'" in message, message

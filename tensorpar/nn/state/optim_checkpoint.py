@@ -115,7 +115,8 @@ def _saved_name(model: nn.Module, name: str) -> str:
 
 
 def _every_stage_names(model: nn.Module, groups: list[dict[str, Any]],
-                       problem: Exception | None) -> list[list[str]]:
+                       problem: Exception | None,
+                       fn: str = "sharded_optimizer_state_dict") -> list[list[str]]:
     """Each group's names over every stage of a pipeline (one small all-gather), in order.
 
     Each pipeline rank's groups hold its own stages' parameters, and a checkpoint keeps
@@ -127,7 +128,6 @@ def _every_stage_names(model: nn.Module, groups: list[dict[str, Any]],
         ValueError: on every rank of the pipeline: another rank raised, the ranks hold
             different numbers of groups, or a tied weight's copies are in different groups.
     """
-    fn = "sharded_optimizer_state_dict"
     mine = [list(g["params"]) for g in groups]
     stages = getattr(model, "stage_group", None)
     if stages is None or stages.is_single:
@@ -174,6 +174,20 @@ def _check_groups(fn: str, here: list[list[str]], saved: list[list[str]]) -> Non
                          f"group {i} here; expected the groups in the same order")
 
 
+def _refuse_unknown(fn: str, every: list[list[str]], saved: list[dict[str, Any]]) -> None:
+    """Refuse a checkpoint whose groups list parameters the model (every stage) lacks.
+
+    Such a checkpoint is another model's (deeper, or other names): DCP reads only the keys
+    asked for, so without this it would load cut to fit, silently.
+    """
+    known = {name for names in every for name in names}
+    unknown = [name for g in saved for name in g["params"] if name not in known]
+    if unknown:
+        raise ValueError(f"{fn}: the checkpoint holds optimizer state for {len(unknown)} "
+                         f"parameter(s) this model does not have, e.g. {unknown[0]!r}; "
+                         f"expected a checkpoint of this model (saved at any parallel size)")
+
+
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                       state: Mapping[str, Any]) -> None:
     """Copy a state filled by ``dcp.load`` into ``optimizer`` (hyperparameters included).
@@ -191,12 +205,25 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
 
     Raises:
         KeyError: ``state`` lacks one of the optimizer's parameters or a state key.
-        ValueError: the parameter groups differ from the checkpoint's.
+        ValueError: the parameter groups differ from the checkpoint's, or the checkpoint
+            holds state for a parameter the model does not have (another model's, e.g. a
+            deeper one; on every rank of a pipeline, which all-gathers its stages' names).
     """
     fn = "load_sharded_optimizer_state_dict"
-    infos = _infos(model, optimizer, fn)
     saved, saved_groups = state["state"], state["param_groups"]
     has_state = state.get("has_state", {})
+    names_of: list[list[str]] = []
+    problem: Exception | None = None
+    try:  # (a pipeline's ranks then gather their names: every rank gets there)
+        infos = _infos(model, optimizer, fn)
+        names_of = [[_saved_name(model, infos[id(p)].name) for p in g["params"]]
+                    for g in optimizer.param_groups]
+    except ValueError as e:
+        problem = e
+    every = _every_stage_names(model, [{"params": n} for n in names_of], problem, fn)
+    if problem is not None:
+        raise problem
+    _refuse_unknown(fn, every, saved_groups)
     # state to create: typed like the parameters (DTensor under FSDP2); only where it is
     # saved, so a parameter that stays without state costs no throwaway step
     fresh = _initial_states(optimizer, fn, {
@@ -205,8 +232,6 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"{fn}: the checkpoint has {len(saved_groups)} parameter groups, the "
                          f"optimizer {len(optimizer.param_groups)}; expected the same groups")
-    names_of = [[_saved_name(model, infos[id(p)].name) for p in g["params"]]
-                for g in optimizer.param_groups]
     _check_groups(fn, names_of, [list(g["params"]) for g in saved_groups])
     with torch.no_grad():
         for group, saved_group, names in zip(optimizer.param_groups, saved_groups, names_of,
