@@ -166,7 +166,7 @@ def test_listed_family_equals_dense_at_two_and_three_stages(model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 102 families in one process: about 3 minutes on an idle machine
+@pytest.mark.timeout(900)  # 102 families in one process: about a minute
 def test_every_listed_family_equals_dense_at_two_and_three_stages():
     missing = [t for t in HF_MODEL_TYPES if t not in _families()]
     assert not missing, f"listed but not in this transformers: {missing}"
