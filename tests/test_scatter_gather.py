@@ -376,3 +376,49 @@ def test_single_rank_errors():
         tensorpar.gather(torch.zeros(4), dst=1)
     with pytest.raises(ValueError, match="dim=1 is out of range"):
         tensorpar.gather(torch.zeros(4), dim=1)
+
+
+def _arguments_disagree(fn, case):
+    """Only the last rank passes another ``dim`` or ``sizes``; the others the same."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    full = _source_tensor(torch.float32)  # (7, 5, 3)
+    mine = {"sizes": {"sizes": [1, 2, 4] if rank == last else [3, 2, 2]},
+            "dim": {"dim": 1 if rank == last else 0},
+            "dim out of range": {"dim": 3 if rank == last else 0},
+            "same dim, counted from the end": {"dim": -3 if rank == last else 0}}[case]
+    try:
+        if fn == "scatter":
+            out = tensorpar.scatter(full if rank == 0 else None, **mine)
+        elif fn == "gather":
+            out = tensorpar.gather(torch.zeros(rank + 1, 4, 4), **mine)
+        else:
+            out = tensorpar.all_gather(torch.zeros(rank + 1, 4, 4), **mine)
+        outcome = ("ok", tuple(out.shape))
+    except Exception as e:
+        outcome = (type(e).__name__, str(e))
+    tensorpar.scatter(full if rank == 0 else None)  # the group is still usable
+    return outcome
+
+
+@pytest.mark.parametrize("fn, case, says", [
+    ("scatter", "sizes", r"disagree on sizes.*rank 2"),
+    ("scatter", "dim", r"disagree on dim.*rank 2.*dim=1"),
+    ("scatter", "dim out of range", r"disagree on dim.*rank 2.*dim=3"),
+    ("gather", "dim", r"disagree on dim.*rank 2.*dim=1"),
+    ("gather", "dim out of range", r"disagree on dim.*rank 2.*dim=3"),
+    ("all_gather", "dim", r"disagree on dim.*rank 2.*dim=1"),
+])
+def test_ranks_that_disagree_on_dim_or_sizes_raise_on_every_rank(fn, case, says):
+    """A scatter's chunks were cut by the source's sizes and received by each rank's own
+    (silently wrong, uninitialised memory); a gather hung or went wrong on another dim."""
+    import re
+    outcomes = run_distributed(_arguments_disagree, 3, fn, case, timeout=40)
+    for outcome in outcomes:
+        assert outcome[0] == "CollectiveArgumentError", outcomes
+        assert re.search(says, outcome[1]), outcome[1]
+
+
+@pytest.mark.parametrize("fn", ["scatter", "gather", "all_gather"])
+def test_the_same_dim_counted_from_either_end_agrees(fn):
+    outcomes = run_distributed(_arguments_disagree, 3, fn, "same dim, counted from the end")
+    assert all(status == "ok" for status, _ in outcomes), outcomes

@@ -8,6 +8,7 @@ waiting in the data collective.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,7 @@ from tensorpar.comm import _comm
 from tensorpar.comm._group import Group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError, ranks_by_value
 from tensorpar.placeholder import (
+    HEADER_LEN,
     KIND_NONE,
     KIND_OTHER,
     KIND_PLACEHOLDER,
@@ -28,7 +30,8 @@ from tensorpar.placeholder import (
     encode_header,
 )
 
-__all__ = ["check_roots", "check_source", "chunks_spec", "exchange", "local_header",
+__all__ = ["check_roots", "check_same_call", "check_source", "chunks_spec", "exchange",
+           "exchange_call", "local_header",
            "own_chunk", "placeholder_input", "require_tensor", "sole_chunk",
            "sole_input", "source_header"]
 
@@ -91,6 +94,38 @@ def exchange(g: Group, header: torch.Tensor) -> list[Header]:
     return [decode_header(torch.tensor(row)) for row in _comm.exchange_ints(g, header)]
 
 
+def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int] | None
+                  ) -> tuple[list[Header], list[int], list[int]]:
+    """`exchange` with this rank's ``dim`` and ``sizes`` (hashed) riding on the header.
+
+    Returns every rank's header, ``dim`` as given, and ``sizes`` code (-1: none given).
+    """
+    code = -1 if sizes is None else zlib.crc32(",".join(map(str, sizes)).encode())
+    rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor([dim, code])]))
+    return ([decode_header(torch.tensor(row[:HEADER_LEN])) for row in rows],
+            [row[HEADER_LEN] for row in rows], [row[HEADER_LEN + 1] for row in rows])
+
+
+def check_same_call(fn: str, ndim: int, dims: Sequence[int], codes: Sequence[int],
+                    sizes: Sequence[int] | None) -> None:
+    """Raise on every rank if the ranks gave other ``dim``s or ``sizes``.
+
+    ``dim`` is compared once normalised for ``ndim`` dimensions; each rank would otherwise
+    cut or size the chunks its own way.
+    """
+    normal = [d % ndim if -ndim <= d < ndim else None for d in dims]
+    if normal.count(normal[0]) != len(normal):
+        raise CollectiveArgumentError(
+            f"{fn}: the ranks disagree on dim (for a {ndim}-d tensor): "
+            + ranks_by_value(dims, lambda d: f"dim={d}"))
+    if codes.count(codes[0]) != len(codes):
+        mine = "none" if sizes is None else list(sizes)
+        raise CollectiveArgumentError(
+            f"{fn}: the ranks disagree on sizes: "
+            + ranks_by_value(codes, lambda c: "gave none" if c == -1 else f"gave sizes #{c}")
+            + f" (this rank: {mine}); every rank must pass the same sizes")
+
+
 def check_source(fn: str, x: object, src: int, g: Group) -> torch.Tensor | TensorPlaceholder:
     """A rooted collective's argument without a metadata exchange (``exchange_meta=False``).
 
@@ -117,17 +152,19 @@ def own_chunk(fn: str, x: object, dim: int, g: Group, sizes: Sequence[int]
     return tensor, d
 
 
-def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -> Header:
+def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool,
+                  dim: int = 0, sizes: Sequence[int] | None = None) -> Header:
     """The source tensor's metadata for a rooted collective (scatter, broadcast).
 
-    With ``exchange_meta`` every rank learns it and checks every rank's argument; without,
-    each rank checks only its own argument (a placeholder is then required off the source).
+    With ``exchange_meta`` every rank learns it and checks every rank's argument (``dim``
+    and ``sizes`` too); without, each rank checks only its own argument (a placeholder is
+    then required off the source).
     """
     if not exchange_meta:
         check_source(fn, x, src, g)
         return decode_header(local_header(x))
 
-    headers = exchange(g, local_header(x, src))
+    headers, dims, codes = exchange_call(g, local_header(x, src), dim, sizes)
     check_roots(fn, "src", headers)
     source = headers[src]
     if source.kind != KIND_TENSOR:
@@ -151,6 +188,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool) -
             raise CollectiveArgumentError(
                 f"{fn}(src={src}): rank {rank}'s placeholder describes {h.describe()}, but the "
                 f"source tensor is {source.describe()}")
+    check_same_call(fn, len(source.shape), dims, codes, sizes)
     return source
 
 
@@ -161,13 +199,14 @@ def chunk_headers(fn: str, x: object, dim: int, g: Group, root: int = -1
     Returns the normalised dim and every rank's header. Dtype, ndim, every dim but
     ``dim`` and ``root`` (a gather's ``dst``; ``-1`` for none) must agree.
     """
-    headers = exchange(g, local_header(x, root))
+    headers, dims, codes = exchange_call(g, local_header(x, root), dim, None)
     check_roots(fn, "dst", headers)
     for rank, h in enumerate(headers):
         if h.kind != KIND_TENSOR:
             raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, rank {rank} passed "
                                       f"{'None' if h.kind == KIND_NONE else 'a non-tensor'}")
     first = headers[0]
+    check_same_call(fn, len(first.shape), dims, codes, None)
     try:
         d = _normalize_dim(fn, dim, len(first.shape))
     except (TypeError, ValueError) as e:

@@ -114,7 +114,7 @@ def scatter(x: torch.Tensor | TensorPlaceholder | None, *, dim: int = 0, src: in
     g, sizes = resolve_args(fn, group, sizes, x=None if exchange_meta else x, dim=dim, src=src)
     if g.is_single:
         return source_chunk(fn, x, dim, sizes)
-    header = source_header(fn, x, src, g, exchange_meta)
+    header = source_header(fn, x, src, g, exchange_meta, dim, sizes)
     d = _normalize_dim(fn, dim, len(header.shape))
     sizes = sizes_or_balanced(fn, sizes, header.shape[d], d, g.size, "the source tensor")
     spec = SplitSpec(group=g, root=src, full_shape=header.shape, dtype=header.tensor_dtype,
