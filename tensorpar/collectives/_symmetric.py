@@ -117,9 +117,15 @@ def reduce_scatter_data(x: torch.Tensor, spec: SplitSpec, op: str, launch: Launc
     for r, part in enumerate(source.split(list(spec.sizes), spec.dim)):
         stage[r, : numels[r]].view(part.shape).copy_(part)
     recv = x.new_empty(width)
-    launch.add(_comm.reduce_scatter_into(recv, stage.view(-1), torch_op(op), g,
-                                         launch.async_op), stage)
-    return recv[: numels[g.rank]].view(shape)
+    work = _comm.reduce_scatter_into(recv, stage.view(-1), torch_op(op), g, launch.async_op)
+    if work is None:
+        return recv[: numels[g.rank]].view(shape)
+    # In flight: copied out of ``recv`` when the handle is resolved, through ``.data`` (as
+    # `all_gather_data`): a view of the buffer would be changed in place under autograd
+    out = x.new_empty(shape)
+    launch.add(work, stage, recv)
+    launch.then(lambda: out.data.copy_(recv[: numels[g.rank]].view(shape)))
+    return out
 
 
 def all_reduce_data(x: torch.Tensor, group: Group, op: str, inplace: bool, launch: Launch
