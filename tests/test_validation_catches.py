@@ -217,3 +217,26 @@ def test_all_to_all_without_sizes_joins_every_rank_to_the_backward():
     expected = torch.arange(1.0, 3).expand(p, 2)
     torch.testing.assert_close(grads[0], expected)
     assert grads[1] is None and grads[2] is None
+
+
+def _no_exchange_requires_grad(rank, p, fn):
+    x = torch.ones(2 * p, requires_grad=rank == p - 1)
+    out = {"all_reduce": lambda: tp.all_reduce(x),
+           "reduce_scatter": lambda: tp.reduce_scatter(x),
+           "reduce": lambda: tp.reduce(x, dst=0),
+           "copy_to_group": lambda: tp.copy_to_group(x)}[fn]()
+    if out.requires_grad:  # without validation mode: the last rank alone in the backward
+        out.sum().backward()
+    return out
+
+
+CASES["no exchange requires_grad"] = _no_exchange_requires_grad
+
+
+@pytest.mark.parametrize("fn", ["all_reduce", "reduce_scatter", "reduce", "copy_to_group"])
+def test_requires_grad_on_some_ranks_without_an_exchange_raises_instead_of_hanging(fn):
+    results = run_distributed(_outcome, 3, "no exchange requires_grad", fn, timeout=30)
+    for cls, text in results:
+        assert cls == "CollectiveMismatchError", results
+        assert "requires_grad differs" in text and fn in text, text
+        assert "ranks 0,1 False, rank 2 True" in text, text

@@ -300,8 +300,9 @@ def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: 
 
     ``x``: the tensor (or, for a rooted collective without a metadata exchange, the
     placeholder) whose dtype and shape every rank must agree on; ``None`` for nothing.
-    With ``sizes`` (or a placeholder) the ranks must also agree on ``requires_grad``, which
-    they cannot learn from each other; a region's replicated input must hold the same
+    Unless a concatenation's header exchange tells them (no ``sizes``), the ranks must also
+    agree on ``requires_grad``, which they cannot learn from each other (a rank without it
+    would skip the backward's collective); a region's replicated input must hold the same
     values on every rank. Outside validation mode (or on one rank) it does nothing.
     """
     if not VALIDATE[0] or g.size == 1:
@@ -312,7 +313,7 @@ def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: 
     concat = fn in _CONCATENATIONS
     skips = [dim] if concat and isinstance(dim, int) else []
     requires_grad = against = None
-    if described is not None and ((seq is not None and concat) or fn in _ROOTED_SOURCE):
+    if described is not None and not (concat and seq is None):  # (else the header shares it)
         requires_grad = described.requires_grad and torch.is_grad_enabled()
     if tensor is not None and seq is not None and concat:
         against = _against_sizes(tensor, dim, seq, g.rank)

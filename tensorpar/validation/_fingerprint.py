@@ -126,8 +126,9 @@ _HINTS = {
     "input values": " (an input every rank of a tensor-parallel group must hold alike is not "
                     "the same: give every rank of the group the same batch, and the same "
                     "random state for dropout before the region)",
-    "requires_grad": " (with sizes= or exchange_meta=False the ranks cannot learn it from each "
-                     "other: every rank's tensor or placeholder must require grad, or none)",
+    "requires_grad": " (a collective without a metadata exchange (all_reduce, reduce_scatter, "
+                     "sizes=, exchange_meta=False) cannot tell the ranks: every rank's tensor "
+                     "or placeholder must require grad, or none, or the backward hangs)",
     "this rank's chunk against sizes": " (a chunk's length along dim must be sizes[rank])",
 }
 
