@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tensorpar as tp
 from tensorpar.testing import run_distributed
 from tests._domain_check import check
 
@@ -205,3 +206,14 @@ def _tied(both, sizes):
 @pytest.mark.parametrize("both", [True, False])
 def test_tied_weights(both):
     assert max(run_distributed(_tied, 3, both, [4, 0, 5], timeout=T)) < 1e-10
+
+
+def _unbatched_in_validation_mode():
+    with tp.validation(True):
+        return _run("unbatched", [1, 9, 6])
+
+
+def test_validation_mode_takes_an_unbatched_tile_on_either_convolution_path():
+    """The 1-row tile's convolution exchanges its rows unbatched, the others' overlapped
+    path with a batch dim of 1: the same rows, which validation mode called a mismatch."""
+    assert max(run_distributed(_unbatched_in_validation_mode, 3, timeout=T)) < TOL

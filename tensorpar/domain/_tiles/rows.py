@@ -21,6 +21,7 @@ the sum of its gradients.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -303,11 +304,16 @@ def validate_rows(t: torch.Tensor, dim: int, plan: RowPlan, group: Group, backwa
 
 def validate_exchange(shape: torch.Size, dtype: torch.dtype, dim: int, plan: RowPlan,
                       group: Group, backward: bool) -> None:
-    """`validate_rows` of a tensor of this shape and dtype (one that need not exist)."""
+    """`validate_rows` of a tensor of this shape and dtype (one that need not exist).
+
+    The dims before ``dim`` count as one: what the exchange sends is the same whether a
+    path gave an unbatched tile a batch dim of 1 or not (ranks may take different paths).
+    """
     if plan.exchange:
         rows = plan.n_out if backward else plan.n_in
-        check("halo exchange", group, backward=backward, dtype=dtype, shape=shape,
-              shape_skips=[dim], dim=dim, sizes=plan.sizes,
+        flat = torch.Size((math.prod(shape[:dim]), *shape[dim:]))
+        check("halo exchange", group, backward=backward, dtype=dtype, shape=flat,
+              shape_skips=[1], dim=dim - len(shape), sizes=plan.sizes,
               against_sizes=shape[dim] - rows, label="a domain-parallel layer")
 
 
