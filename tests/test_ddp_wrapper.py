@@ -573,3 +573,34 @@ def test_a_deep_copy_of_a_model_with_a_bare_reducer_is_refused_not_left_unaverag
     for refused, apart in run_distributed(_copy_with_a_bare_reducer, 2, timeout=50):
         assert "cannot be deep-copied" in refused and "DistributedDataParallel" in refused
         assert apart == 0.0
+
+
+def _pickled():
+    """torch.save and torch.load of the wrapper on every rank, then a step: ours and DDP's."""
+    import io
+
+    models = []
+    for kind in ("ours", "torch"):
+        buffer = io.BytesIO()
+        torch.save(wrap(kind, with_buffers()), buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        loaded(data(0)).pow(2).sum().backward()
+        torch.optim.SGD(loaded.parameters(), lr=0.1).step()
+        models.append((loaded.module, type(loaded).__module__))
+    sub = dist.new_group([0, 1])
+    try:
+        torch.save(tp.nn.DistributedDataParallel(with_buffers(), process_group=sub),
+                   io.BytesIO())
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    (ours, module), (theirs, _) = models
+    return gap(ours, theirs), module, refused
+
+
+@pytest.mark.timeout(60)
+def test_the_wrapper_pickles_like_ddp_on_the_default_group():
+    for apart, module, refused in run_distributed(_pickled, 2, timeout=50):
+        assert module == "tensorpar.ddp.data_parallel" and apart < 1e-12, (module, apart)
+        assert "default process group" in refused, refused

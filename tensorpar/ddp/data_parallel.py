@@ -180,6 +180,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         memo[id(self)] = twin
         return twin
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as DDP is: the module and the arguments, on the default group only.
+
+        Loading builds a wrapper around the loaded module without any collective (see
+        `__deepcopy__`); process groups cannot be pickled, so a wrapper on another group
+        (or a mesh, or a topology) refuses.
+        """
+        if any(self._arguments[k] is not None for k in ("process_group", "device_mesh",
+                                                       "topology")):
+            raise TypeError(f"{type(self).__name__}: pickling is supported only with the "
+                            f"default process group (as DDP's), not with process_group=, "
+                            f"device_mesh= or topology=")
+        return (_unpickled, (type(self), self.module, self._arguments,
+                             self.require_backward_grad_sync, self.training))
+
     @property
     def forward_sync_buffers(self) -> bool:
         """Whether buffers are broadcast at the start of training forwards (DDP's flag)."""
@@ -281,6 +296,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self) -> Any:
         """The data-parallel process group."""
         return self.reducer.group.handle
+
+
+def _unpickled(cls: type[DistributedDataParallel], module: nn.Module,
+               arguments: dict[str, Any], sync: bool, training: bool
+               ) -> DistributedDataParallel:
+    wrapped = cls(module, **arguments, init_sync=False)
+    wrapped.require_backward_grad_sync = sync
+    return wrapped.train(training)
 
 
 def _refuse(name: str, given: Mapping[str, object], bucket_cap_mb_list: object, dim: int,
