@@ -74,8 +74,8 @@ class DistributedDataParallel(nn.Module, Joinable):
       (use ``reduce_dtype`` / ``compress_dtype`` or a comm hook).
 
     The keyword-only arguments after ``forward_sync_buffers`` are tensorpar's own (see
-    `BucketedAllReduce`). ``copy.deepcopy`` gives a wrapper of its own around a copy of
-    the module (see `__deepcopy__`).
+    `BucketedAllReduce`). ``copy.deepcopy`` and pickling give a wrapper of its own around a
+    copy of the module (see `__deepcopy__` and `__reduce__`).
 
     Attributes:
         require_backward_grad_sync: as in DDP: ``False`` at a training forward makes its
