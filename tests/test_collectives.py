@@ -545,14 +545,14 @@ def test_uneven_exchange_leaves_the_callers_messages_alone():
     assert rank1 == (None, [1.0, 2.0, 3.0, 11.0, 12.0, 13.0])
 
 
-def _async_reduce_scatter_with_grad(shape, dim):
+def _async_with_grad(fn, shape, dim):
     """async_op=True, then resolve, then autograd: as the synchronous call."""
     rank = dist.get_rank()
     results = []
     for async_op in (False, True):
         x = (torch.arange(float(torch.Size(shape).numel())).view(shape) + rank).double()
         x.requires_grad_()
-        y = tp.reduce_scatter(x, dim=dim, async_op=async_op)
+        y = getattr(tp, fn)(x, dim=dim, async_op=async_op)
         y = y.resolve() if async_op else y
         (y * torch.arange(1.0, y.numel() + 1).view(y.shape)).sum().backward()
         results.append((y.detach(), x.grad))
@@ -560,8 +560,13 @@ def _async_reduce_scatter_with_grad(shape, dim):
     return torch.equal(sync_y, async_y) and torch.equal(sync_grad, async_grad)
 
 
-@pytest.mark.parametrize("shape, dim", [((3,), 0), ((2, 4), 1), ((5, 2), 0)],
-                         ids=["uneven", "dim 1", "uneven 2-d"])
-def test_async_reduce_scatter_of_a_tensor_requiring_grad_equals_the_sync_one(shape, dim):
-    """The staged path handed back a view of its receive buffer: autograd refused it."""
-    assert all(run_distributed(_async_reduce_scatter_with_grad, 2, shape, dim, timeout=30))
+@pytest.mark.parametrize("fn", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("shape, dim", [((3,), 0), ((2, 4), 1), ((5, 2), 0), ((6,), 0),
+                                        ((6, 2), 0), ((1, 4), 1)],
+                         ids=["uneven", "dim 1", "uneven 2-d", "even", "even 2-d",
+                              "leading one"])
+def test_async_collective_of_a_tensor_requiring_grad_equals_the_sync_one(fn, shape, dim):
+    """reduce_scatter's staged path handed back a view of its receive buffer (autograd
+    refused it), and its even path a result that the backend's copy at the wait had made
+    the copy's (a zero gradient, silently)."""
+    assert all(run_distributed(_async_with_grad, 2, fn, shape, dim, timeout=30))

@@ -43,7 +43,9 @@ def all_gather_equal(x: torch.Tensor, group: Group, launch: Launch) -> torch.Ten
     """
     send = x.contiguous()  # only read: no graph is recorded on this path
     out = send.new_empty((group.size * send.shape[0], *send.shape[1:]))
-    launch.add(_comm.all_gather_into(out, send, group, async_op=launch.async_op), send)
+    # (through ``.data``: a backend that finishes with a copy into ``out`` when the handle
+    # is waited on must not record it on autograd's output, whose gradient it would take)
+    launch.add(_comm.all_gather_into(out.data, send, group, async_op=launch.async_op), send)
     return out
 
 
@@ -55,8 +57,8 @@ def reduce_scatter_equal(x: torch.Tensor, group: Group, op: str, launch: Launch
     """
     send = scale_for_mean(x, op, group.size).contiguous()  # no graph is recorded here
     out = send.new_empty((send.shape[0] // group.size, *send.shape[1:]))
-    launch.add(_comm.reduce_scatter_into(out, send, torch_op(op), group, launch.async_op),
-               send)
+    launch.add(_comm.reduce_scatter_into(out.data, send, torch_op(op), group,
+                                         launch.async_op), send)  # (.data: see above)
     return out
 
 
@@ -110,8 +112,8 @@ def reduce_scatter_data(x: torch.Tensor, spec: SplitSpec, op: str, launch: Launc
     if spec.is_even and spec.leading_is_one:
         inp = source.contiguous().view(-1)
         out = x.new_empty(shape)
-        launch.add(_comm.reduce_scatter_into(out.view(-1), inp, torch_op(op), g,
-                                             launch.async_op), inp)
+        launch.add(_comm.reduce_scatter_into(out.data.view(-1), inp, torch_op(op), g,
+                                             launch.async_op), inp)  # (.data: as above)
         return out
     stage = x.new_empty((g.size, width))  # the padding is reduced but never read
     for r, part in enumerate(source.split(list(spec.sizes), spec.dim)):
