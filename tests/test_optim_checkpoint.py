@@ -120,14 +120,16 @@ def _blocks(count):
                                  for _ in range(count))).double()
 
 
-def _deeper_into_shallower(path, pipelined):
-    """Model and AdamW state of 7 blocks saved; loaded into 5 blocks (pipelined: 2 stages)."""
-    def build_pair(count):
+def _deeper_into_shallower(path, pipelined, blocks=5):
+    """Model and AdamW state of 7 blocks saved; loaded into ``blocks`` blocks (pipelined: 2
+    stages); 7 blocks: the same model, its first block now frozen (out of the optimizer)."""
+    def build_pair(count, frozen=False):
         model = _blocks(count)
         if pipelined:
             model = tp.nn.pipeline(model, microbatches=2,
                                    loss_fn=lambda out, y: out.square().mean())
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trained = [p for n, p in model.named_parameters() if not (frozen and n[0] == "0")]
+        return model, torch.optim.AdamW(trained, lr=1e-2)
 
     x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     model, opt = build_pair(7)
@@ -138,7 +140,7 @@ def _deeper_into_shallower(path, pipelined):
     opt.step()
     dcp.save({"model": tp.sharded_state_dict(model),
               "optim": tp.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    smaller, smaller_opt = build_pair(5)
+    smaller, smaller_opt = build_pair(blocks, frozen=blocks == 7)
     state = {"model": tp.sharded_state_dict(smaller),
              "optim": tp.sharded_optimizer_state_dict(smaller, smaller_opt)}
     dcp.load(state, checkpoint_id=path)
@@ -159,3 +161,11 @@ def test_optimizer_state_of_a_deeper_model_is_refused_on_every_rank(tmp_path, pi
     for message in results:
         assert "parameter(s) this model does not have" in message, message
         assert "'5.0.weight'" in message, message
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["dense", "pipeline"])
+def test_optimizer_state_of_parameters_frozen_since_loads(tmp_path, pipelined):
+    """Fine-tuning: the checkpoint's state for a parameter now out of the optimizer."""
+    results = run_distributed(_deeper_into_shallower, 2, str(tmp_path / "frozen"), pipelined,
+                              7, timeout=60)
+    assert results == ["loaded", "loaded"], results

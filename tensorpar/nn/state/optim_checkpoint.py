@@ -178,7 +178,8 @@ def _refuse_unknown(fn: str, every: list[list[str]], saved: list[dict[str, Any]]
     """Refuse a checkpoint whose groups list parameters the model (every stage) lacks.
 
     Such a checkpoint is another model's (deeper, or other names): DCP reads only the keys
-    asked for, so without this it would load cut to fit, silently.
+    asked for, so without this it would load cut to fit, silently. (State for a parameter
+    the model has but the optimizer leaves out, a frozen one, is not read.)
     """
     known = {name for names in every for name in names}
     unknown = [name for g in saved for name in g["params"] if name not in known]
@@ -220,7 +221,8 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
                     for g in optimizer.param_groups]
     except ValueError as e:
         problem = e
-    every = _every_stage_names(model, [{"params": n} for n in names_of], problem, fn)
+    own = [_saved_name(model, name) for name, _ in model.named_parameters()]
+    every = _every_stage_names(model, [{"params": own}], problem, fn)
     if problem is not None:
         raise problem
     _refuse_unknown(fn, every, saved_groups)
