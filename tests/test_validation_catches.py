@@ -240,3 +240,21 @@ def test_requires_grad_on_some_ranks_without_an_exchange_raises_instead_of_hangi
         assert cls == "CollectiveMismatchError", results
         assert "requires_grad differs" in text and fn in text, text
         assert "ranks 0,1 False, rank 2 True" in text, text
+
+
+def _silent_backward_requires_grad(rank, p, fn):
+    x = torch.ones(2 * p, requires_grad=rank == p - 1)
+    out = {"reduce_from_group": lambda: tp.reduce_from_group(x),
+           "all_reduce identity": lambda: tp.all_reduce(x, backward="identity")}[fn]()
+    if out.requires_grad:  # a backward that sends nothing: ranks may differ
+        out.sum().backward()
+    return x.grad
+
+
+CASES["silent backward requires_grad"] = _silent_backward_requires_grad
+
+
+@pytest.mark.parametrize("fn", ["reduce_from_group", "all_reduce identity"])
+def test_requires_grad_may_differ_where_the_backward_sends_nothing(fn):
+    results = run_distributed(_outcome, 3, "silent backward requires_grad", fn, timeout=30)
+    assert [cls for cls, _ in results] == ["returned"] * 3, results

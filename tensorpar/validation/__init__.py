@@ -292,6 +292,7 @@ def _exchange(g: Group, fp: list[int]) -> list[list[int]]:
 _CONCATENATIONS = ("all_gather", "gather", "gather_from_group")
 _REPLICATED_INPUT = ("copy_to_group", "split_to_group")
 _ROOTED_SOURCE = ("scatter", "broadcast")  # given x only without the metadata exchange
+_NO_BACKWARD_COLLECTIVE = ("reduce_from_group",)  # its backward passes the gradient through
 
 
 def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: object,
@@ -301,8 +302,9 @@ def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: 
     ``x``: the tensor (or, for a rooted collective without a metadata exchange, the
     placeholder) whose dtype and shape every rank must agree on; ``None`` for nothing.
     Unless a concatenation's header exchange tells them (no ``sizes``), the ranks must also
-    agree on ``requires_grad``, which they cannot learn from each other (a rank without it
-    would skip the backward's collective); a region's replicated input must hold the same
+    agree on ``requires_grad`` where the backward communicates, which they cannot learn
+    from each other (a rank without it would skip the backward's collective); a region's
+    replicated input must hold the same
     values on every rank. Outside validation mode (or on one rank) it does nothing.
     """
     if not VALIDATE[0] or g.size == 1:
@@ -313,7 +315,10 @@ def check_call(fn: str, g: Group, x: object, dim: object, op: object, backward: 
     concat = fn in _CONCATENATIONS
     skips = [dim] if concat and isinstance(dim, int) else []
     requires_grad = against = None
-    if described is not None and not (concat and seq is None):  # (else the header shares it)
+    # compared unless the header exchange shares it or the backward has no collective
+    shared = concat and seq is None
+    silent = fn in _NO_BACKWARD_COLLECTIVE or backward == "identity" or op in ("max", "min")
+    if described is not None and not shared and not silent:
         requires_grad = described.requires_grad and torch.is_grad_enabled()
     if tensor is not None and seq is not None and concat:
         against = _against_sizes(tensor, dim, seq, g.rank)
