@@ -401,7 +401,7 @@ def _arguments_disagree(fn, case):
 
 
 @pytest.mark.parametrize("fn, case, says", [
-    ("scatter", "sizes", r"disagree on sizes.*rank 2"),
+    ("scatter", "sizes", r"disagree on sizes: ranks 0,1 \[3, 2, 2\], rank 2 \[1, 2, 4\]"),
     ("scatter", "dim", r"disagree on dim.*rank 2.*dim=1"),
     ("scatter", "dim out of range", r"disagree on dim.*rank 2.*dim=3"),
     ("gather", "dim", r"disagree on dim.*rank 2.*dim=1"),
@@ -416,6 +416,7 @@ def test_ranks_that_disagree_on_dim_or_sizes_raise_on_every_rank(fn, case, says)
     for outcome in outcomes:
         assert outcome[0] == "CollectiveArgumentError", outcomes
         assert re.search(says, outcome[1]), outcome[1]
+    assert len({message for _, message in outcomes}) == 1, outcomes  # the same everywhere
 
 
 @pytest.mark.parametrize("fn", ["scatter", "gather", "all_gather"])

@@ -8,7 +8,6 @@ waiting in the data collective.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
 import torch
@@ -95,19 +94,21 @@ def exchange(g: Group, header: torch.Tensor) -> list[Header]:
 
 
 def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int] | None
-                  ) -> tuple[list[Header], list[int], list[int]]:
-    """`exchange` with this rank's ``dim`` and ``sizes`` (hashed) riding on the header.
+                  ) -> tuple[list[Header], list[int], list[tuple[int, ...] | None]]:
+    """`exchange` with this rank's ``dim`` and ``sizes`` riding on the header.
 
-    Returns every rank's header, ``dim`` as given, and ``sizes`` code (-1: none given).
+    ``sizes`` has one entry per rank of ``g`` or is ``None`` (checked before). Returns
+    every rank's header, ``dim`` as given, and ``sizes``.
     """
-    code = -1 if sizes is None else zlib.crc32(",".join(map(str, sizes)).encode())
-    rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor([dim, code])]))
+    given = [0] * (1 + g.size) if sizes is None else [1, *sizes]
+    rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor([dim, *given])]))
     return ([decode_header(torch.tensor(row[:HEADER_LEN])) for row in rows],
-            [row[HEADER_LEN] for row in rows], [row[HEADER_LEN + 1] for row in rows])
+            [row[HEADER_LEN] for row in rows],
+            [tuple(row[HEADER_LEN + 2:]) if row[HEADER_LEN + 1] else None for row in rows])
 
 
-def check_same_call(fn: str, ndim: int, dims: Sequence[int], codes: Sequence[int],
-                    sizes: Sequence[int] | None) -> None:
+def check_same_call(fn: str, ndim: int, dims: Sequence[int],
+                    sizes: Sequence[tuple[int, ...] | None]) -> None:
     """Raise on every rank if the ranks gave other ``dim``s or ``sizes``.
 
     ``dim`` is compared once normalised for ``ndim`` dimensions; each rank would otherwise
@@ -118,12 +119,11 @@ def check_same_call(fn: str, ndim: int, dims: Sequence[int], codes: Sequence[int
         raise CollectiveArgumentError(
             f"{fn}: the ranks disagree on dim (for a {ndim}-d tensor): "
             + ranks_by_value(dims, lambda d: f"dim={d}"))
-    if codes.count(codes[0]) != len(codes):
-        mine = "none" if sizes is None else list(sizes)
-        raise CollectiveArgumentError(
-            f"{fn}: the ranks disagree on sizes: "
-            + ranks_by_value(codes, lambda c: "gave none" if c == -1 else f"gave sizes #{c}")
-            + f" (this rank: {mine}); every rank must pass the same sizes")
+    if sizes.count(sizes[0]) != len(sizes):
+        shown = ["none" if s is None else str(list(s)) for s in sizes]
+        raise CollectiveArgumentError(f"{fn}: the ranks disagree on sizes: "
+                                      f"{ranks_by_value(shown)}; every rank must pass the "
+                                      f"same sizes")
 
 
 def check_source(fn: str, x: object, src: int, g: Group) -> torch.Tensor | TensorPlaceholder:
@@ -164,7 +164,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool,
         check_source(fn, x, src, g)
         return decode_header(local_header(x))
 
-    headers, dims, codes = exchange_call(g, local_header(x, src), dim, sizes)
+    headers, dims, every_sizes = exchange_call(g, local_header(x, src), dim, sizes)
     check_roots(fn, "src", headers)
     source = headers[src]
     if source.kind != KIND_TENSOR:
@@ -188,7 +188,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool,
             raise CollectiveArgumentError(
                 f"{fn}(src={src}): rank {rank}'s placeholder describes {h.describe()}, but the "
                 f"source tensor is {source.describe()}")
-    check_same_call(fn, len(source.shape), dims, codes, sizes)
+    check_same_call(fn, len(source.shape), dims, every_sizes)
     return source
 
 
@@ -199,14 +199,14 @@ def chunk_headers(fn: str, x: object, dim: int, g: Group, root: int = -1
     Returns the normalised dim and every rank's header. Dtype, ndim, every dim but
     ``dim`` and ``root`` (a gather's ``dst``; ``-1`` for none) must agree.
     """
-    headers, dims, codes = exchange_call(g, local_header(x, root), dim, None)
+    headers, dims, _ = exchange_call(g, local_header(x, root), dim, None)
     check_roots(fn, "dst", headers)
     for rank, h in enumerate(headers):
         if h.kind != KIND_TENSOR:
             raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, rank {rank} passed "
                                       f"{'None' if h.kind == KIND_NONE else 'a non-tensor'}")
     first = headers[0]
-    check_same_call(fn, len(first.shape), dims, codes, None)
+    check_same_call(fn, len(first.shape), dims, [None])
     try:
         d = _normalize_dim(fn, dim, len(first.shape))
     except (TypeError, ValueError) as e:
