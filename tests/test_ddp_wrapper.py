@@ -5,6 +5,7 @@ Evaluation on one rank, accumulation across synchronised steps, ``require_backwa
 same ranks.
 """
 
+import contextlib
 import copy
 import time
 
@@ -516,18 +517,25 @@ def test_a_module_wraps_again_once_its_first_wrapper_is_gone(what):
 
 # -- a copy of the wrapped model -------------------------------------------------------------
 
-def _copied(options):
-    """Train, deep-copy the wrapper on every rank, train copy and original: ours and DDP's."""
+def _copied(options, under_no_sync=False):
+    """Train, deep-copy the wrapper on every rank, train copy and original: ours and DDP's.
+
+    ``under_no_sync``: the step before the copy, and the copy, under ``no_sync`` (the copy
+    keeps accumulating locally, and broadcasts no buffers at its first forward, as DDP's).
+    """
     torch.manual_seed(0)
     results = []
     for kind in ("ours", "torch"):
         model = with_buffers()
         wrapped = wrap(kind, model, **options)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-        wrapped(data(0)).pow(2).sum().backward()
+        with wrapped.no_sync() if under_no_sync else contextlib.nullcontext():
+            wrapped(data(0)).pow(2).sum().backward()
+            twin = copy.deepcopy(wrapped)
         opt.step()
         opt.zero_grad()
-        twin = copy.deepcopy(wrapped)
+        for p in twin.parameters():
+            p.grad = None
         twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
         for step in (1, 2):  # the twin and the original each average their own gradients
             for net, optimizer in ((twin, twin_opt), (wrapped, opt)):
@@ -544,9 +552,12 @@ def _copied(options):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True}])
-def test_a_deep_copy_of_the_wrapper_trains_on_its_own_like_ddp(options):
-    for twin_gap, original_gap, apart, name in run_distributed(_copied, 2, options, timeout=50):
+@pytest.mark.parametrize("options, under_no_sync", [({}, False),
+                                                    ({"find_unused_parameters": True}, False),
+                                                    ({}, True)])
+def test_a_deep_copy_of_the_wrapper_trains_on_its_own_like_ddp(options, under_no_sync):
+    for twin_gap, original_gap, apart, name in run_distributed(_copied, 2, options,
+                                                               under_no_sync, timeout=50):
         assert name == "DistributedDataParallel"
         assert twin_gap < 1e-12 and original_gap < 1e-12, (twin_gap, original_gap)
         assert apart > 1e-3  # the copy is a model of its own, not a view of the original

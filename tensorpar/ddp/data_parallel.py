@@ -173,12 +173,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         DDP, a communication hook is not copied (register it on the copy).
         """
         module = copy.deepcopy(self.module, memo)
-        twin = type(self)(module, **self._arguments, init_sync=False)
-        twin.require_backward_grad_sync = self.require_backward_grad_sync
-        twin.forward_sync_buffers = self.forward_sync_buffers
-        twin.train(self.training)
+        twin = _unpickled(type(self), module, self._arguments, self._flags())
         memo[id(self)] = twin
         return twin
+
+    def _flags(self) -> tuple[bool, bool, bool, bool]:
+        """What a copy carries besides the arguments (the state they may have changed).
+
+        Whether backwards synchronise, whether the last training forward did (buffers are
+        broadcast after one that did), ``forward_sync_buffers`` and the training mode.
+        """
+        return (self.require_backward_grad_sync, self.reducer._forward_sync,
+                self.forward_sync_buffers, self.training)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as DDP is: the module and the arguments, on the default group only.
@@ -192,8 +198,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise TypeError(f"{type(self).__name__}: pickling is supported only with the "
                             f"default process group (as DDP's), not with process_group=, "
                             f"device_mesh= or topology=")
-        return (_unpickled, (type(self), self.module, self._arguments,
-                             self.require_backward_grad_sync, self.training))
+        return (_unpickled, (type(self), self.module, self._arguments, self._flags()))
 
     @property
     def forward_sync_buffers(self) -> bool:
@@ -299,10 +304,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 def _unpickled(cls: type[DistributedDataParallel], module: nn.Module,
-               arguments: dict[str, Any], sync: bool, training: bool
+               arguments: dict[str, Any], flags: tuple[bool, bool, bool, bool]
                ) -> DistributedDataParallel:
+    """A wrapper around ``module`` (a copy's), built without a collective (see `_flags`)."""
     wrapped = cls(module, **arguments, init_sync=False)
-    wrapped.require_backward_grad_sync = sync
+    (wrapped.require_backward_grad_sync, wrapped.reducer._forward_sync,
+     wrapped.forward_sync_buffers, training) = flags
     return wrapped.train(training)
 
 
