@@ -93,6 +93,9 @@ def exchange(g: Group, header: torch.Tensor) -> list[Header]:
     return [decode_header(torch.tensor(row)) for row in _comm.exchange_ints(g, header)]
 
 
+_NOT_A_DIM = 2**62  # what a rank sends for a dim that is not an int (out of every range)
+
+
 def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int] | None
                   ) -> tuple[list[Header], list[int], list[tuple[int, ...] | None]]:
     """`exchange` with this rank's ``dim`` and ``sizes`` riding on the header.
@@ -101,7 +104,9 @@ def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int]
     every rank's header, ``dim`` as given, and ``sizes``.
     """
     given = [0] * (1 + g.size) if sizes is None else [1, *sizes]
-    rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor([dim, *given])]))
+    usable = isinstance(dim, int) and not isinstance(dim, bool) and abs(dim) < _NOT_A_DIM
+    row = [dim if usable else _NOT_A_DIM, *given]  # (not an int: refused after, everywhere)
+    rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor(row, dtype=torch.int64)]))
     return ([decode_header(torch.tensor(row[:HEADER_LEN])) for row in rows],
             [row[HEADER_LEN] for row in rows],
             [tuple(row[HEADER_LEN + 2:]) if row[HEADER_LEN + 1] else None for row in rows])
