@@ -8,6 +8,7 @@ waiting in the data collective.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -96,36 +97,44 @@ def exchange(g: Group, header: torch.Tensor) -> list[Header]:
 _NOT_A_DIM = 2**62  # what a rank sends for a dim that is not an int (out of every range)
 
 
-def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int] | None
-                  ) -> tuple[list[Header], list[int], list[tuple[int, ...] | None]]:
-    """`exchange` with this rank's ``dim`` and ``sizes`` riding on the header.
+def _sizes_code(sizes: Sequence[int] | None) -> int:
+    """``sizes`` in one int64 (-1: none given): a 56-bit digest of its text."""
+    if sizes is None:
+        return -1
+    return int.from_bytes(hashlib.blake2b(repr(list(sizes)).encode(), digest_size=7).digest(),
+                          "big")
 
-    ``sizes`` has one entry per rank of ``g`` or is ``None`` (checked before). Returns
-    every rank's header, ``dim`` as given, and ``sizes``.
+
+def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int] | None
+                  ) -> tuple[list[Header], list[int], list[int]]:
+    """`exchange` with this rank's ``dim`` and ``sizes`` (a digest) riding on the header.
+
+    Two more int64s per rank whatever the group's size. Returns every rank's header,
+    ``dim`` as given and ``sizes``' digest (see `check_same_call`).
     """
-    given = [0] * (1 + g.size) if sizes is None else [1, *sizes]
     usable = isinstance(dim, int) and not isinstance(dim, bool) and abs(dim) < _NOT_A_DIM
-    row = [dim if usable else _NOT_A_DIM, *given]  # (not an int: refused after, everywhere)
+    row = [dim if usable else _NOT_A_DIM, _sizes_code(sizes)]  # (not an int: refused after)
     rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor(row, dtype=torch.int64)]))
     return ([decode_header(torch.tensor(row[:HEADER_LEN])) for row in rows],
-            [row[HEADER_LEN] for row in rows],
-            [tuple(row[HEADER_LEN + 2:]) if row[HEADER_LEN + 1] else None for row in rows])
+            [row[HEADER_LEN] for row in rows], [row[HEADER_LEN + 1] for row in rows])
 
 
-def check_same_call(fn: str, ndim: int, dims: Sequence[int],
-                    sizes: Sequence[tuple[int, ...] | None]) -> None:
+def check_same_call(fn: str, g: Group, ndim: int, dims: Sequence[int], codes: Sequence[int],
+                    sizes: Sequence[int] | None) -> None:
     """Raise on every rank if the ranks gave other ``dim``s or ``sizes``.
 
     ``dim`` is compared once normalised for ``ndim`` dimensions; each rank would otherwise
-    cut or size the chunks its own way.
+    cut or size the chunks its own way. Where the ``sizes`` differ, every rank (all see
+    it) exchanges them once more, so that the error shows them, the same on every rank.
     """
     normal = [d % ndim if -ndim <= d < ndim else None for d in dims]
     if normal.count(normal[0]) != len(normal):
         raise CollectiveArgumentError(
             f"{fn}: the ranks disagree on dim (for a {ndim}-d tensor): "
             + ranks_by_value(dims, lambda d: f"dim={d}"))
-    if sizes.count(sizes[0]) != len(sizes):
-        shown = ["none" if s is None else str(list(s)) for s in sizes]
+    if codes.count(codes[0]) != len(codes):
+        mine = [0] * (1 + g.size) if sizes is None else [1, *sizes]  # (g.size entries each)
+        shown = [str(row[1:]) if row[0] else "none" for row in _comm.exchange_ints(g, mine)]
         raise CollectiveArgumentError(f"{fn}: the ranks disagree on sizes: "
                                       f"{ranks_by_value(shown)}; every rank must pass the "
                                       f"same sizes")
@@ -169,7 +178,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool,
         check_source(fn, x, src, g)
         return decode_header(local_header(x))
 
-    headers, dims, every_sizes = exchange_call(g, local_header(x, src), dim, sizes)
+    headers, dims, codes = exchange_call(g, local_header(x, src), dim, sizes)
     check_roots(fn, "src", headers)
     source = headers[src]
     if source.kind != KIND_TENSOR:
@@ -193,7 +202,7 @@ def source_header(fn: str, x: object, src: int, g: Group, exchange_meta: bool,
             raise CollectiveArgumentError(
                 f"{fn}(src={src}): rank {rank}'s placeholder describes {h.describe()}, but the "
                 f"source tensor is {source.describe()}")
-    check_same_call(fn, len(source.shape), dims, every_sizes)
+    check_same_call(fn, g, len(source.shape), dims, codes, sizes)
     return source
 
 
@@ -204,14 +213,14 @@ def chunk_headers(fn: str, x: object, dim: int, g: Group, root: int = -1
     Returns the normalised dim and every rank's header. Dtype, ndim, every dim but
     ``dim`` and ``root`` (a gather's ``dst``; ``-1`` for none) must agree.
     """
-    headers, dims, _ = exchange_call(g, local_header(x, root), dim, None)
+    headers, dims, codes = exchange_call(g, local_header(x, root), dim, None)
     check_roots(fn, "dst", headers)
     for rank, h in enumerate(headers):
         if h.kind != KIND_TENSOR:
             raise CollectiveTypeError(f"{fn}: every rank must pass a tensor, rank {rank} passed "
                                       f"{'None' if h.kind == KIND_NONE else 'a non-tensor'}")
     first = headers[0]
-    check_same_call(fn, len(first.shape), dims, [None])
+    check_same_call(fn, g, len(first.shape), dims, codes, None)
     try:
         d = _normalize_dim(fn, dim, len(first.shape))
     except (TypeError, ValueError) as e:
