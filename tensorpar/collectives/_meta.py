@@ -8,7 +8,6 @@ waiting in the data collective.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +28,7 @@ from tensorpar.placeholder import (
     decode_header,
     encode_header,
 )
+from tensorpar.validation.calls import code_of
 
 __all__ = ["check_roots", "check_same_call", "check_source", "chunks_spec", "exchange",
            "exchange_call", "local_header",
@@ -94,26 +94,15 @@ def exchange(g: Group, header: torch.Tensor) -> list[Header]:
     return [decode_header(torch.tensor(row)) for row in _comm.exchange_ints(g, header)]
 
 
-_NOT_A_DIM = 2**62  # what a rank sends for a dim that is not an int (out of every range)
-
-
-def _sizes_code(sizes: Sequence[int] | None) -> int:
-    """``sizes`` in one int64 (-1: none given): a 56-bit digest of its text."""
-    if sizes is None:
-        return -1
-    return int.from_bytes(hashlib.blake2b(repr(list(sizes)).encode(), digest_size=7).digest(),
-                          "big")
-
-
 def exchange_call(g: Group, header: torch.Tensor, dim: int, sizes: Sequence[int] | None
                   ) -> tuple[list[Header], list[int], list[int]]:
-    """`exchange` with this rank's ``dim`` and ``sizes`` (a digest) riding on the header.
+    """`exchange` with this rank's ``dim`` and ``sizes`` riding on the header.
 
-    Two more int64s per rank whatever the group's size. Returns every rank's header,
-    ``dim`` as given and ``sizes``' digest (see `check_same_call`).
+    Two more int64s per rank whatever the group's size (`code_of`: a dim that is not an
+    int becomes a hash, out of every range; ``sizes`` a hash, -1 for none). Returns every
+    rank's header and those two codes (see `check_same_call`).
     """
-    usable = isinstance(dim, int) and not isinstance(dim, bool) and abs(dim) < _NOT_A_DIM
-    row = [dim if usable else _NOT_A_DIM, _sizes_code(sizes)]  # (not an int: refused after)
+    row = [code_of(dim), -1 if sizes is None else code_of(list(sizes))]
     rows = _comm.exchange_ints(g, torch.cat([header, torch.tensor(row, dtype=torch.int64)]))
     return ([decode_header(torch.tensor(row[:HEADER_LEN])) for row in rows],
             [row[HEADER_LEN] for row in rows], [row[HEADER_LEN + 1] for row in rows])

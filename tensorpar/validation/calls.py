@@ -23,7 +23,7 @@ from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
 from tensorpar.errors import CollectiveArgumentError
 
-__all__ = ["agree_on_call", "agreed", "structure"]
+__all__ = ["agree_on_call", "agreed", "code_of", "structure"]
 
 T = TypeVar("T")
 
@@ -66,7 +66,7 @@ def agree_on_call(fn: str, groups: Sequence[Group], names: Sequence[str],
     Raises:
         CollectiveArgumentError: another rank's call was refused, or the calls differ.
     """
-    row = [REFUSED] * (1 + len(names)) if values is None else [OK, *map(_code, values)]
+    row = [REFUSED] * (1 + len(names)) if values is None else [OK, *map(code_of, values)]
     problem = None
     for group in groups:  # every exchange before any raise: the next groups wait for it
         if group.size == 1:
@@ -129,9 +129,13 @@ def _setting(value: object) -> str:
     return type(value).__qualname__
 
 
-def _code(value: object) -> int:
-    """An int as it is; anything else a 62-bit hash of its text (it fits an int64)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+def code_of(value: object) -> int:
+    """A value as one int64 to exchange.
+
+    An int as it is (below 2**62 in size); anything else a 62-bit hash of its text
+    (non-negative).
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**62:
         return value
     return int.from_bytes(hashlib.blake2b(_text(value).encode(), digest_size=8).digest(),
                           "little") >> 2
