@@ -226,7 +226,8 @@ def test_keyword_input_ids_and_refusals():
 
 
 DISAGREEMENTS = ("input_ids", "labels", "attention_mask", "position_ids", "length", "batch",
-                 "num_items_in_batch", "no_grad", "refused")
+                 "num_items_in_batch", "no_grad", "refused", "logits_to_keep",
+                 "position_ids shape")
 
 
 def _call_disagreeing(case, rank, model, ids, labels):
@@ -251,6 +252,10 @@ def _call_disagreeing(case, rank, model, ids, labels):
         kwargs["num_items_in_batch"] = torch.tensor(20 + int(odd))
     if case == "refused" and odd:
         kwargs["token_type_ids"] = torch.zeros_like(ids)
+    if case == "logits_to_keep" and odd:  # a tensor (transformers takes one): refused, not raw
+        kwargs["logits_to_keep"] = torch.tensor([0, 1])
+    if case == "position_ids shape" and odd:  # another length: refused
+        kwargs["position_ids"] = torch.arange(ids.shape[1] + 1).unsqueeze(0)
     with torch.set_grad_enabled(not (case == "no_grad" and odd)):
         return model(ids, **kwargs)
 
@@ -283,7 +288,9 @@ def test_ranks_that_disagree_on_the_inputs_are_refused_on_every_rank(world):
                 "attention_mask": "the padding of attention_mask differ",
                 "position_ids": "position_ids differ", "length": "shapes",
                 "batch": "shapes", "num_items_in_batch": "num_items_in_batch differ",
-                "no_grad": "whether gradients are on", "refused": "refused their inputs"}
+                "no_grad": "whether gradients are on", "refused": "refused their inputs",
+                "logits_to_keep": "refused their inputs",
+                "position_ids shape": "refused their inputs"}
     for rank, (refused, errors) in enumerate(results):
         for case, words in expected.items():
             got = refused[case]
@@ -292,9 +299,17 @@ def test_ranks_that_disagree_on_the_inputs_are_refused_on_every_rank(world):
             if case == "refused" and rank == 1:  # the rank's own error
                 assert "token_type_ids" in message, message
                 continue
+            if case == "logits_to_keep" and rank == 1:
+                assert kind == "ValueError" and "logits_to_keep is not supported" in message, \
+                    message
+                continue
+            if case == "position_ids shape" and rank == 1:
+                assert kind == "ValueError" and "position_ids must be shaped" in message, message
+                continue
             assert kind == "CollectiveArgumentError", (rank, case, got)
             assert words in message, (rank, case, message)
-            if case not in ("length", "batch", "refused"):
+            if case not in ("length", "batch", "refused", "logits_to_keep",
+                            "position_ids shape"):
                 assert "rank(s) [1]" in message, message
         assert errors["loss"] < LOSS_TOL, errors  # nothing left over from the refusals
         assert max(v for k, v in errors.items() if k != "loss") < GRAD_TOL, errors

@@ -51,10 +51,14 @@ def test_resolve_of_an_async_collective_times_out_with_the_same_error():
     _check_timeout(results)
 
 
-def _train_until_rank_2_dies():
+def _train_until_rank_2_dies(hook=False):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     reducer = tp.BucketedAllReduce(model, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    if hook:  # the buckets' all-reduces go through torch's comm hook (its futures)
+        reducer.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     assert len(reducer.buckets) > 1
     for step in range(20):
@@ -68,8 +72,9 @@ def _train_until_rank_2_dies():
     return "finished"
 
 
-def test_a_rank_that_dies_mid_training_gives_every_survivor_a_lost_peer_error():
-    results = run_fresh(_train_until_rank_2_dies, 3, pg_timeout=PG_TIMEOUT, timeout=30)
+@pytest.mark.parametrize("hook", [False, True], ids=["buckets", "comm hook"])
+def test_a_rank_that_dies_mid_training_gives_every_survivor_a_lost_peer_error(hook):
+    results = run_fresh(_train_until_rank_2_dies, 3, hook, pg_timeout=PG_TIMEOUT, timeout=30)
     assert results[2] is None  # the dead rank sent nothing
     for rank in (0, 1):
         status, (names, message, trace), seconds = results[rank]
@@ -77,6 +82,58 @@ def test_a_rank_that_dies_mid_training_gives_every_survivor_a_lost_peer_error():
         assert "PeerLostError" in names, (rank, names, message)
         assert "on a group of 3" in message and "rank 2 went away" in message, message
         assert seconds < 15, seconds
+
+
+def _reducer_with_a_hook_and_a_stuck_rank():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reducer = tp.BucketedAllReduce(model, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    reducer.register_comm_hook(None, default_hooks.allreduce_hook)
+    for step in range(4):
+        if dist.get_rank() == 1 and step == 2:
+            time.sleep(PG_TIMEOUT + 1.5)  # stuck: rank 0 waits in its hooks' all-reduces
+            return "stuck"
+        model(torch.randn(8, 16)).square().mean().backward()
+    return "finished"
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_under_a_comm_hook_gives_a_timeout_error_naming_the_step():
+    results = run_fresh(_reducer_with_a_hook_and_a_stuck_rank, 2, pg_timeout=PG_TIMEOUT)
+    status, (names, message, trace), seconds = results[0]
+    assert status == "err" and "CollectiveTimeoutError" in names, (message, trace[-3000:])
+    assert "PeerLostError" not in names
+    assert "BucketedAllReduce" in message and "comm hook" in message, message
+    assert "rank 1 did not arrive" in message, message
+    assert seconds < 15, seconds
+    assert results[1][:2] == ("ok", "stuck")
+
+
+def _all_reduce_until_rank_2_dies_and_rank_1_lags():
+    rank = dist.get_rank()
+    tp.all_reduce(torch.ones(4))
+    if rank == 2:
+        os._exit(1)
+    if rank == 1:  # alive, but late to the next all-reduce: rank 0 waits there for it
+        time.sleep(3.0)
+    tp.all_reduce(torch.ones(4))
+    return "finished"
+
+
+def test_a_lost_peer_error_does_not_call_a_live_rank_gone():
+    """The first rank to fail learns only which ranks reported the same failure: one still
+    waiting inside the collective (alive) has not, so it may not be named as gone."""
+    results = run_fresh(_all_reduce_until_rank_2_dies_and_rank_1_lags, 3,
+                        pg_timeout=10.0, timeout=40)
+    assert results[2] is None
+    for rank in (0, 1):
+        status, (names, message, trace), _ = results[rank]
+        assert status == "err" and "PeerLostError" in names, (rank, message, trace[-3000:])
+        assert "ranks 0,2 went away" not in message and "ranks 1,2 went away" not in message, \
+            (rank, message)
+        assert "rank 2" in message or "ranks 0,2" in message or "ranks 1,2" in message, message
 
 
 def _pipeline_until_rank_1_dies(mid_step):

@@ -23,7 +23,7 @@ def dense_mask(total, causal, window):
 
 
 def _compare(lengths, causal, heads=(4, 4), window=None, scale=None, kernel="auto",
-             pass_lengths=False, batch=2, dim=5, fn=ring_attention):
+             pass_lengths=False, batch=2, dim=5, fn=ring_attention, strided=False):
     """Every rank: its chunk of the output and of q/k/v's gradients against dense SDPA."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     total = sum(lengths)
@@ -40,11 +40,14 @@ def _compare(lengths, causal, heads=(4, 4), window=None, scale=None, kernel="aut
     start = sum(lengths[:rank])
     mine = slice(start, start + lengths[rank])
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    # strided: each laid out (B, H, D, T) in memory, seen as (B, H, T, D): head dim stride T
+    given = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in local] if strided \
+        else local
     fused = _blocks._fused
     if kernel == "math":
         _blocks._fused = lambda t: False
     try:
-        out = fn(*local, is_causal=causal, scale=scale, enable_gqa=gqa,
+        out = fn(*given, is_causal=causal, scale=scale, enable_gqa=gqa,
                              window=window, lengths=list(lengths) if pass_lengths else None)
         out.backward(dout[:, :, mine])
     finally:
@@ -136,26 +139,63 @@ def test_single_rank_matches_sdpa():
     assert max(errors.values()) < TOL
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kernel", ["auto", "math"])
+def test_inputs_strided_along_the_head_dim(kernel):
+    """q, k, v whose last dim is not contiguous (a (B, H, D, T) buffer seen as (B, H, T, D));
+    the CPU's fused kernel read such a q as if it were contiguous."""
+    errors = _compare([6], True, heads=(4, 2), kernel=kernel, strided=True)
+    assert max(errors.values()) < TOL, errors
+    _check(3, [5, 0, 8], True, heads=(4, 2), window=4, kernel=kernel, strided=True)
+    _check(2, [3, 4], False, kernel=kernel, strided=True, fn=ulysses_attention)
+
+
 def _bad_rank(kind):
     rank = dist.get_rank()
-    q = torch.zeros(1, 2, 3, 4)
+    q = torch.zeros(1, 2, 3 + rank, 4)
     k = v = q
+    fn, kwargs = ring_attention, {}
     if kind == "heads" and rank == 1:
-        q = torch.zeros(1, 4, 3, 4)
+        q = torch.zeros(1, 4, 4, 4)
     if kind == "ndim" and rank == 0:
         q = torch.zeros(2, 3, 4)
+    if kind == "scale":
+        kwargs["scale"] = 0.5 if rank == 0 else 0.25
+    if kind == "function" and rank == 1:
+        fn = ulysses_attention
+    if kind in ("lengths", "lengths on one rank"):  # checked against the chunks when validating
+        kwargs["lengths"] = [3, 4] if rank == 1 else [3, 6]
+        if kind == "lengths on one rank" and rank == 1:
+            del kwargs["lengths"]
     try:
-        ring_attention(q, k, v, is_causal=True)
+        with tensorpar.validation(kind.startswith("lengths")):
+            fn(q, k, v, is_causal=True, **kwargs)
     except tensorpar.TensorparError as exc:
         return type(exc).__name__, str(exc)
     return None
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["heads", "ndim"])
+@pytest.mark.parametrize("kind", ["heads", "ndim", "scale", "function", "lengths",
+                                  "lengths on one rank"])
 def test_bad_arguments_raise_on_every_rank(kind):
-    results = run_distributed(_bad_rank, 2, kind, timeout=240)
-    assert all(r is not None and "ring_attention" in r[1] for r in results), results
+    results = run_distributed(_bad_rank, 2, kind, timeout=60)
+    assert all(r is not None and "attention" in r[1] for r in results), results
+
+
+@pytest.mark.parametrize(("kwargs", "cls"), [
+    ({"window": "3"}, tensorpar.CollectiveTypeError),
+    ({"window": 2.0}, tensorpar.CollectiveTypeError),
+    ({"scale": "x"}, tensorpar.CollectiveTypeError),
+    ({"is_causal": "yes"}, tensorpar.CollectiveTypeError),
+    ({"window": 0}, tensorpar.CollectiveArgumentError),
+    ({"lengths": [2]}, tensorpar.CollectiveArgumentError),
+])
+def test_a_wrong_type_is_a_type_error_and_a_wrong_value_a_value_error(kwargs, cls):
+    q = torch.zeros(1, 2, 3, 4)
+    for fn in (ring_attention, ulysses_attention):
+        with pytest.raises(cls):
+            fn(q, q, q, **kwargs)
 
 
 def test_ulysses_errors_name_it():

@@ -21,7 +21,7 @@ from tensorpar._torch import store_of
 from tensorpar.comm._group import Group
 from tensorpar.errors import CollectiveTimeoutError, PeerLostError
 
-__all__ = ["Pending", "raise_translated", "sequence_number"]
+__all__ = ["Pending", "raise_translated", "sequence_number", "wait_translated"]
 
 _LOST = ("connection reset by peer", "connection closed by peer", "broken pipe",
          "connection refused", "socket closed", "no route to host")
@@ -57,7 +57,7 @@ def raise_translated(exc: RuntimeError, kind: str, group: Group, seq: int | None
     missing = _missing_ranks(group, kind, number)
     where = f"{kind} #{number}" if number >= 0 else kind
     _raise(exc, lost, f"{where} on a group of {group.size} (this rank is {group.rank})",
-           _ranks(missing) if missing else None)
+           _ranks(missing) if missing else None, several=len(missing) > 1)
 
 
 def raise_translated_peer(exc: RuntimeError, kind: str, group: Group, peer: int) -> NoReturn:
@@ -79,12 +79,20 @@ def _lost(exc: RuntimeError) -> bool:
     return lost
 
 
-def _raise(exc: RuntimeError, lost: bool, head: str, missing: str | None) -> NoReturn:
-    """`PeerLostError` (``lost``) or `CollectiveTimeoutError` for ``exc``; ``missing``: who."""
+def _raise(exc: RuntimeError, lost: bool, head: str, missing: str | None,
+           several: bool = False) -> NoReturn:
+    """`PeerLostError` (``lost``) or `CollectiveTimeoutError` for ``exc``; ``missing``: who.
+
+    ``several``: ``missing`` names more than one rank that did not report the failure. One
+    of them went away, but which is unknown: a live rank still waiting inside the collective
+    (its wait on another peer not failed yet) does not report either.
+    """
     text = str(exc)
     raw = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     if lost:
-        who = f"{missing} went away" if missing else "a peer went away"
+        who = (f"{missing} did not report failing it within {PROBE_S:g} s: at least one of "
+               f"them went away (a rank still waiting inside the collective does not report)"
+               if several else f"{missing} went away" if missing else "a peer went away")
         raise PeerLostError(
             f"{head}: {who}: its connection closed mid-collective (the process died, was "
             f"killed or exited). The process group cannot be used again; restart the job and "
@@ -128,6 +136,18 @@ def _missing_ranks(group: Group, kind: str, seq: int) -> list[int]:
             time.sleep(0.05)
     except Exception:  # the store is gone too (its host died): nothing more to learn
         return []
+
+
+def wait_translated(future: Any, kind: str, group: Group) -> Any:
+    """``future.wait()`` (a ``torch.futures.Future``, a comm hook's), its failure translated.
+
+    torch wraps an error raised inside a future's callback in a ``RuntimeError`` that quotes
+    it; the backend's words are still in the text, so `raise_translated` recognises them.
+    """
+    try:
+        return future.wait()
+    except RuntimeError as exc:
+        raise_translated(exc, kind, group)
 
 
 class Pending:

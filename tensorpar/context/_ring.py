@@ -79,6 +79,8 @@ def ring_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec
     softmax without a value (gpt-oss's attention sinks): the output is scaled by the share
     of the normaliser the keys hold.
     """
+    if q.stride(-1) != 1:  # the CPU's fused kernel reads the head dim as contiguous
+        q = q.contiguous()  # (k and v are packed into one buffer, contiguous, anyway)
     out: torch.Tensor = _RingAttention.apply(q, k, v, spec, sinks)  # type: ignore[no-untyped-call]
     return out
 

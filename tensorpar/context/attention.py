@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -14,13 +15,21 @@ from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.context._blocks import Documents, Padding, Segment
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
+from tensorpar.validation import validation_enabled
+from tensorpar.validation.calls import code_of
 
 __all__ = ["agreed_lengths", "ring_attention"]
 
 _FN = "ring_attention"
 # one row per rank: [ok, T, B, H, Hkv, D, Dv, causal, window + 1, dtype code,
-# the length of the documents or key mask + 1 (0: none), a fingerprint of them]
-_META = 12
+# the length of the documents or key mask + 1 (0: none), a fingerprint of them,
+# the function called, scale given, the scale's bits, the lengths passed (0: none)]
+_META = 16
+_FUNCTIONS = ("ring_attention", "ulysses_attention")
+
+
+class _WrongType(str):
+    """A problem with an argument's type (raised as `CollectiveTypeError`)."""
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
@@ -57,7 +66,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
             ending at itself (``0 <= q_pos - k_pos < window``, transformers' convention);
             without, those with ``|q_pos - k_pos| < window``.
         lengths: every rank's chunk length, the same list on every rank, to skip the one
-            small exchange that learns them (and checks that the ranks agree).
+            small exchange that learns them (and checks that the ranks agree). Given on
+            every rank or on none; lengths that are wrong on a rank, or given on some ranks
+            only, are not detected (a hang, garbage, or the backend aborting the process)
+            unless validation mode (`tensorpar.validation`) is on: the exchange then runs
+            anyway and compares them.
         documents: packed sequences: each position's document over the *whole* sequence,
             ``(B, T)`` integers that never decrease along a row, the same on every rank (a
             query sees keys of its own document only, within the causal mask and the
@@ -74,9 +87,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
 
     Raises:
         CollectiveTypeError: an argument of the wrong type (every rank, after the exchange).
-        CollectiveArgumentError: shapes, head counts, dtypes, ``is_causal`` or ``window``
-            that are inconsistent on a rank or differ between the ranks (raised on every
-            rank); ``lengths`` malformed or disagreeing with this rank's chunk;
+        CollectiveArgumentError: shapes, head counts, dtypes, ``is_causal``, ``window`` or
+            ``scale`` that are inconsistent on a rank or differ between the ranks, or ranks
+            calling another attention function (`ulysses_attention`) with it (raised on
+            every rank); ``lengths`` malformed or disagreeing with this rank's chunk;
             ``documents`` or ``key_mask`` of another shape than ``(B, T)``, documents
             decreasing along a row, a key mask of values other than 0 and 1, either
             differing between the ranks (checked by the exchange; with ``lengths`` given,
@@ -112,15 +126,18 @@ def agreed_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    fn: str, key_mask: torch.Tensor | None = None) -> list[int]:
     """Every rank's chunk length, once the arguments are checked.
 
-    Checked on every rank by the exchange, or on this rank only where ``lengths`` is given.
+    Checked on every rank by the exchange, or on this rank only where ``lengths`` is given
+    (validation mode: by the exchange, and ``lengths`` compared with it).
     """
     problem = _local_problem(q, k, v, is_causal, scale, enable_gqa, window) or \
         _documents_problem(documents, q) or _key_mask_problem(key_mask, documents, q)
     whole = documents if documents is not None else key_mask
-    if lengths is None:
+    if lengths is not None:
+        problem = problem or _check_lengths(lengths, g.size, g.rank, q)
+    if lengths is None or validation_enabled():  # (validating: lengths given are compared)
         return _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
-                         group=g, fn=fn, documents=documents, key_mask=key_mask)
-    problem = problem or _check_lengths(lengths, g.size, g.rank, q)
+                         group=g, fn=fn, documents=documents, key_mask=key_mask, scale=scale,
+                         given=lengths)
     if not problem and whole is not None and whole.shape[1] != sum(lengths):
         problem = (f"{_whole_name(documents)} cover {whole.shape[1]} positions but the chunks "
                    f"{list(lengths)} make {sum(lengths)}")
@@ -136,7 +153,7 @@ def _documents_problem(documents: object, q: torch.Tensor) -> str | None:
     if not isinstance(documents, torch.Tensor) or documents.is_floating_point() or \
             documents.is_complex() or documents.dtype == torch.bool:
         got = documents.dtype if isinstance(documents, torch.Tensor) else type(documents).__name__
-        return f"documents must be a torch.Tensor of integers, got {got}"
+        return _WrongType(f"documents must be a torch.Tensor of integers, got {got}")
     if documents.ndim != 2 or documents.shape[0] != q.shape[0]:
         return (f"documents must be (B, T) with B = {q.shape[0]} (q's batch), got shape "
                 f"{tuple(documents.shape)}")
@@ -155,7 +172,8 @@ def _key_mask_problem(key_mask: object, documents: object, q: torch.Tensor) -> s
     if not isinstance(key_mask, torch.Tensor) or key_mask.is_floating_point() or \
             key_mask.is_complex():
         got = key_mask.dtype if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
-        return f"key_mask must be a torch.Tensor of booleans or 0/1 integers, got {got}"
+        return _WrongType(f"key_mask must be a torch.Tensor of booleans or 0/1 integers, "
+                          f"got {got}")
     if key_mask.ndim != 2 or key_mask.shape[0] != q.shape[0]:
         return (f"key_mask must be (B, T) with B = {q.shape[0]} (q's batch), got shape "
                 f"{tuple(key_mask.shape)}")
@@ -202,7 +220,7 @@ def _local_problem(q: object, k: object, v: object, is_causal: object, scale: ob
     """What is wrong with this rank's arguments, or ``None``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+            return _WrongType(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 4:
             return f"{name} must be 4-D (B, heads, T, D), got shape {tuple(t.shape)}"
     q, k, v = cast(torch.Tensor, q), cast(torch.Tensor, k), cast(torch.Tensor, v)
@@ -218,12 +236,13 @@ def _local_problem(q: object, k: object, v: object, is_causal: object, scale: ob
         expected = "a divisor of q's" if enable_gqa else "q's (or pass enable_gqa=True)"
         return f"k and v have {hkv} heads and q has {hq}; expected {expected}"
     if not isinstance(is_causal, bool):
-        return f"is_causal must be a bool, got {type(is_causal).__name__}"
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
+        return _WrongType(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        return _WrongType(f"window must be None or an int >= 1, got {window!r}")
+    if window is not None and window < 1:
         return f"window must be None or an int >= 1, got {window!r}"
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        return f"scale must be None or a float, got {type(scale).__name__}"
+        return _WrongType(f"scale must be None or a float, got {type(scale).__name__}")
     return None
 
 
@@ -242,11 +261,14 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
               window: int | None, problem: str | None, size: int, device: torch.device,
               group: GroupLike, fn: str = _FN, documents: torch.Tensor | None = None,
-              key_mask: torch.Tensor | None = None) -> list[int]:
+              key_mask: torch.Tensor | None = None, scale: float | None = None,
+              given: Sequence[int] | None = None) -> list[int]:
     """All-gather every rank's chunk length and shapes; raise on every rank if any disagree.
 
     ``documents`` or ``key_mask`` (checked by `_documents_problem` and `_key_mask_problem`):
-    their length must be the whole sequence's, and every rank's the same.
+    their length must be the whole sequence's, and every rank's the same. ``given``: the
+    lengths this rank was passed (validation mode), compared with every rank's and with the
+    chunks.
     """
     whole = documents if documents is not None else key_mask
     name = _whole_name(documents)
@@ -256,7 +278,10 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         row = [1, q.shape[2], q.shape[0], q.shape[1], k.shape[1], q.shape[3], v.shape[3],
                int(is_causal), 0 if window is None else window + 1, code,
                0 if whole is None else whole.shape[1] + 1,
-               0 if whole is None else _fingerprint(whole, documents is not None)]
+               0 if whole is None else _fingerprint(whole, documents is not None),
+               _FUNCTIONS.index(fn) if fn in _FUNCTIONS else code_of(fn),
+               int(scale is not None), 0 if scale is None else _bits(float(scale)),
+               0 if given is None else code_of(tuple(given))]
     if size == 1:
         if problem is None and whole is not None and whole.shape[1] != q.shape[2]:
             problem = f"{name} cover {whole.shape[1]} positions but the sequence has {q.shape[2]}"
@@ -280,15 +305,31 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
             f"{total}")
     names = ["", "", "batch", "query heads", "key/value heads", "head dim", "value head dim",
              "is_causal", "window + 1", "dtype", "documents or key_mask (given or not)",
-             "documents or key_mask (a fingerprint of their values)"]
+             "documents or key_mask (a fingerprint of their values)", "function called",
+             "scale (given or not)", "scale", "lengths passed (a hash; 0: not passed)"]
     for i in range(2, _META):
         values = [m[i] for m in meta] if i != 10 else [bool(m[i]) for m in meta]
         if len(set(values)) > 1:
+            shown = [_FUNCTIONS[v] if 0 <= v < len(_FUNCTIONS) else v for v in values] \
+                if i == 12 else [_float(v) for v in values] if i == 14 else values
             raise CollectiveArgumentError(f"{fn}: the ranks disagree on the {names[i]}: "
-                                          f"{values} (rank order); expected one value")
-    return [m[1] for m in meta]
+                                          f"{shown} (rank order); expected one value")
+    chunks = [m[1] for m in meta]
+    if given is not None and list(given) != chunks:
+        raise CollectiveArgumentError(f"{fn}: lengths={list(given)} were passed but the ranks' "
+                                      f"chunks are {chunks} (rank order)")
+    return chunks
+
+
+def _bits(x: float) -> int:
+    """A float's bits as an int64 (exact: compared, then shown as the float again)."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def _float(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
 def _error(problem: str, fn: str = _FN) -> Exception:
-    cls = CollectiveTypeError if "must be a" in problem else CollectiveArgumentError
+    cls = CollectiveTypeError if isinstance(problem, _WrongType) else CollectiveArgumentError
     return cls(f"{fn}: {problem}")

@@ -272,22 +272,24 @@ def _summer(g: Group) -> Any:
 def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     state: _State = getattr(model, _STATE)
-    try:
-        ids, mask, padding = _take_inputs(model, state, args, kwargs)
-        problem = None
-    except ValueError as e:
-        ids, mask, padding, problem = None, None, None, e
     given = kwargs.get("position_ids")
-    routes = kwargs.get("output_router_logits")
-    state.routes = bool(_routes(model) if routes is None else routes)
-    visible: Visible | None = None if padding is None or ids is None else \
-        Padding(padding, ids.device)  # (dense transformers moves the mask to the tokens')
-    whole = None if given is None or ids is None else given.expand(ids.shape[0], -1)
-    if whole is not None and mask is None and not _would_cache(model, kwargs) and \
-            getattr(model.config, "model_type", None) not in PACKED_ACROSS:
-        ids_of_documents = _documents(whole)
-        if ids_of_documents is not None:
-            visible = Documents(ids_of_documents, whole.device)
+    visible: Visible | None = None
+    whole = None
+    try:  # any refusal of this rank's inputs is raised once the ranks have compared
+        ids, mask, padding = _take_inputs(model, state, args, kwargs)
+        problem: Exception | None = None
+        routes = kwargs.get("output_router_logits")
+        state.routes = bool(_routes(model) if routes is None else routes)
+        if padding is not None:  # (dense transformers moves the mask to the tokens')
+            visible = Padding(padding, ids.device)
+        whole = None if given is None else given.expand(ids.shape[0], -1)
+        if whole is not None and mask is None and not _would_cache(model, kwargs) and \
+                getattr(model.config, "model_type", None) not in PACKED_ACROSS:
+            ids_of_documents = _documents(whole)
+            if ids_of_documents is not None:
+                visible = Documents(ids_of_documents, whole.device)
+    except Exception as e:
+        ids, mask, padding, problem, visible, whole = None, None, None, e, None, None
     if not state.group.is_single:  # before anything travels the ring: no rank left waiting
         _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible,
                _home(model))
@@ -335,9 +337,12 @@ def _take_inputs(model: nn.Module, state: _State, args: tuple[Any, ...],
         if kwargs.get(name) is not None:
             raise ValueError(f"{_FN}: a cache ({name}) is not supported (training and scoring "
                              f"only: the cache is switched off)")
-    if kwargs.get("logits_to_keep"):
+    keep = kwargs.get("logits_to_keep")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep):
+        shown = f"a tensor of shape {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) \
+            else repr(keep)
         raise ValueError(f"{_FN}: logits_to_keep is not supported (each rank holds positions "
-                         f"from all over the sequence); expected 0")
+                         f"from all over the sequence); expected 0, got {shown}")
     other = sorted(k for k, v in kwargs.items() if k not in _INPUTS and v is not None)
     if other:
         raise ValueError(f"{_FN}: inputs {other} are not supported (they may shape the "

@@ -18,6 +18,7 @@ import torch
 
 from tensorpar.collaborative import CollaborativeTensor, sync_collectives
 from tensorpar.comm import _comm
+from tensorpar.comm._faults import wait_translated
 from tensorpar.comm._group import Group
 from tensorpar.ddp._buckets import Bucket
 from tensorpar.ddp._checks import (
@@ -143,7 +144,7 @@ class SyncPoint:
         start = time.perf_counter()
         for bucket in self.buckets:
             assert bucket.future is not None  # every bucket was launched
-            reduced = bucket.future.wait()
+            reduced = wait_translated(bucket.future, "comm hook's collective", self.group)
             if reduced.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(reduced.view_as(bucket.buffer))
             bucket.future = None
@@ -213,7 +214,7 @@ class SyncPoint:
                                         handle=None, future=None, comm=None)
             self._launch(zeros)
             if zeros.future is not None:  # one hook at a time, as in a backward pass
-                zeros.future.wait()
+                wait_translated(zeros.future, "comm hook's collective", self.group)
             if zeros.handle is not None:
                 handles.append(zeros.handle)
         if self.find_unused_parameters:

@@ -14,6 +14,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorpar._torch import tree_map
 from tensorpar.collectives._buffers import common_rank, sum_flags
 from tensorpar.collectives._hierarchical import Algorithm
+from tensorpar.comm._faults import wait_translated
 from tensorpar.comm._group import GroupLike
 from tensorpar.ddp._join import DDPJoinHook
 from tensorpar.ddp.reducer import BucketedAllReduce, refused_here
@@ -225,7 +226,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer._joining = joining = self._join_config.enable and not reducer.group.is_single
         work = Join.notify_join_context(self)
         if work is not None and self._divide_by_live_ranks:
-            work.wait()
+            wait_translated(work, "Join's all-reduce", reducer.group)
             reducer._divisor = float(work.result()[0].item())  # ranks that have not joined
         if reducer._will_sync_buffers():
             src = common_rank(reducer.group, True, self.join_device) if joining else 0

@@ -15,6 +15,7 @@ from tensorpar._torch import current_graph_task_id, queue_engine_callback
 from tensorpar.collectives._buffers import broadcast_coalesced
 from tensorpar.collectives._hierarchical import Algorithm, hierarchical_topology
 from tensorpar.collectives.functional import all_reduce
+from tensorpar.comm._faults import wait_translated
 from tensorpar.comm._group import GroupLike, resolve_group
 from tensorpar.comm._group_pool import GroupPool
 from tensorpar.ddp._buckets import Bucket, MiB, default_bucket_cap_mb, plan_buckets
@@ -499,7 +500,9 @@ class BucketedAllReduce(SyncPoint):
         if self._hook is not None:
             previous = self.buckets[bucket.index - 1].future if bucket.index else None
             if previous is not None:  # one hook in flight at a time (see tensorpar.ddp._comm_hook)
-                previous.wait()
+                wait_translated(previous, f"BucketedAllReduce, backward pass (iteration "
+                                f"{self.iterations}): bucket {bucket.index - 1}'s comm hook",
+                                self.group)
             params = [self._params[i] for i in bucket.param_indices]
             bucket.future = self._hook.launch(bucket, params,
                                               bucket.index == len(self.buckets) - 1)
