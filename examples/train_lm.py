@@ -219,6 +219,9 @@ def main():
     elif args.resume and rank == 0:
         print(f"no checkpoint in {out / 'checkpoints'}: starting at step 0", flush=True)
     last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    if last < first:  # (every rank read the same checkpoint: every rank stops here)
+        raise SystemExit(f"the checkpoint in {out / 'checkpoints'} is at step {first}, past "
+                         f"the step to stop at ({last}): nothing to train, nothing to save")
 
     start = time.perf_counter()
     for step in range(first, last):
@@ -251,7 +254,8 @@ def main():
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < last:
             save_checkpoint(out / "checkpoints", step + 1, model, opt, losses, args)
 
-    save_checkpoint(out / "checkpoints", last, model, opt, losses, args)
+    if last > first:  # (at last == first the checkpoint LATEST names is this state)
+        save_checkpoint(out / "checkpoints", last, model, opt, losses, args)
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
         if reducer is not None:
@@ -293,10 +297,14 @@ def save_checkpoint(root, step, model, opt, losses, args):
 
     DCP writes into ``step_N.tmp``; after every rank has finished, rank 0 renames it to
     ``step_N`` and then replaces LATEST (a write to a temporary file and an atomic rename).
-    A crash before that leaves LATEST naming the previous checkpoint.
+    A crash before that leaves LATEST naming the previous checkpoint. The step LATEST
+    already names is never saved again (its directory would be gone for a moment).
     """
     rank = dist.get_rank()
     final, temp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
+    latest = root / "LATEST"
+    if latest.exists() and latest.read_text().strip() == final.name:
+        raise RuntimeError(f"{final} is the checkpoint LATEST names: not saved over")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temp, ignore_errors=True)

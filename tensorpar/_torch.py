@@ -10,7 +10,8 @@ layout), the accessor raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "foreach_supported",
     "fsdp_managed_params",
     "get_eval_frame_callback",
+    "global_optimizer_hooks_hidden",
     "global_optimizer_post_hooks",
     "local_offsets",
     "queue_engine_callback",
@@ -83,6 +85,28 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
 def global_optimizer_post_hooks() -> list[Callable[..., Any]]:
     """The step post-hooks registered for every optimizer."""
     return list(torch_optimizer._global_optimizer_post_hooks.values())
+
+
+@contextlib.contextmanager
+def global_optimizer_hooks_hidden() -> Iterator[None]:
+    """Hide the step hooks registered for every optimizer for the duration.
+
+    They are put back after it, in their order, their handles still valid: for a throwaway
+    optimizer's step, which is not a step of the run.
+    """
+    hooks = (torch_optimizer._global_optimizer_pre_hooks,
+             torch_optimizer._global_optimizer_post_hooks)
+    saved = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
+    try:
+        yield
+    finally:
+        for h, kept in zip(hooks, saved, strict=True):
+            added = dict(h)  # registered meanwhile: after the others
+            h.clear()
+            h.update(kept)
+            h.update(added)
 
 
 def foreach_norm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:

@@ -42,6 +42,9 @@ def init_distributed(backend: str | None = None, *,
     Raises:
         RuntimeError: the default group is already initialised, or torchrun's environment
             (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is missing.
+        ValueError: ``RANK``, ``WORLD_SIZE`` or ``TORCHELASTIC_RESTART_COUNT`` is not an
+            integer, or ``RANK`` is not in ``[0, WORLD_SIZE)`` (refused before the
+            rendezvous, which would wait for its timeout).
     """
     if dist.is_initialized():
         raise RuntimeError("init_distributed: the default process group is already "
@@ -51,15 +54,29 @@ def init_distributed(backend: str | None = None, *,
     if missing:
         raise RuntimeError(f"init_distributed: environment variables {missing} are not set; "
                            f"expected a job launched by torchrun (or with those set by hand)")
+    rank, world_size, attempt = (_integer(name) for name in
+                                 ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
+    if world_size < 1 or not 0 <= rank < world_size or attempt < 0:
+        raise ValueError(f"init_distributed: RANK={rank} is not below WORLD_SIZE={world_size} "
+                         f"(or one of them, or TORCHELASTIC_RESTART_COUNT={attempt}, is "
+                         f"negative); expected 0 <= RANK < WORLD_SIZE")
     device = torch.device("cpu")
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and backend in (None, "nccl"):
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     found = rendezvous("env://") if timeout is None else rendezvous("env://", timeout=timeout)
     store, rank, world_size = next(found)
     dist.init_process_group(backend, store=PrefixStore(f"tensorpar/attempt_{attempt}", store),
                             rank=rank, world_size=world_size, timeout=timeout)
     return device
+
+
+def _integer(name: str) -> int:
+    """The environment variable ``name`` as an int (``TORCHELASTIC_RESTART_COUNT``: 0 unset)."""
+    text = os.environ.get(name, "0")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"init_distributed: {name}={text!r} is not an integer") from None

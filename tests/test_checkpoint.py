@@ -187,3 +187,23 @@ def test_a_packed_shard_is_one_checkpoint_chunk_per_block():
     # q: 3 units of 8 -> 16, 8; k and v: 3 units of 2 -> 4, 2
     assert results[0] == ([0, 24, 30], (36, DIM))
     assert results[1] == ([16, 28, 34], (36, DIM))
+
+
+def _full_state_is_a_copy():
+    """Every tensor of `full_state_dict` on the destination is a copy: writing to it leaves
+    the model as it was, at every group size (at size 1 the gathered shards were the model's
+    own parameters, at size 2 copies)."""
+    model = tp.parallelize(build(1), PLAN)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    full = tp.full_state_dict(model)
+    if dist.get_rank() == 0:
+        for value in full.values():
+            value.mul_(0).add_(7)
+    return [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_full_state_dict_shares_no_storage_with_the_model(world):
+    changed = run_distributed(_full_state_is_a_copy, world, timeout=60)[0]
+    assert changed == [], changed

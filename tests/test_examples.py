@@ -138,6 +138,29 @@ def test_train_lm_stopped_and_resumed_at_the_same_and_another_tp_continues_exact
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_train_lm_resumed_with_nothing_to_do_or_past_its_end_keeps_the_checkpoint(tmp_path):
+    """A resume whose last step is the checkpoint's writes nothing (re-saving the step LATEST
+    names deleted it before the copy took its place: a crash between the two lost it); one
+    asked to stop before the checkpoint's step is refused (it saved step 4's state under the
+    name step 2, and said OK)."""
+    torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 4, "--out", tmp_path)
+    root = tmp_path / "checkpoints"
+    written = (root / "step_000004" / ".metadata").stat().st_mtime_ns
+    again = torchrun("train_lm.py", 4, *RESUMABLE, "--resume", "--stop-at", 4, "--out", tmp_path)
+    assert "resumed at step 4" in again and "stopped at step 4: OK" in again, again
+    assert (root / "step_000004" / ".metadata").stat().st_mtime_ns == written  # not re-saved
+    behind = torchrun("train_lm.py", 4, *RESUMABLE, "--resume", "--stop-at", 2, "--out",
+                      tmp_path, check=False)
+    assert behind.returncode != 0
+    assert "past the step to stop at (2)" in behind.stdout + behind.stderr, behind.stderr[-2000:]
+    assert (root / "LATEST").read_text() == "step_000004"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000004"]
+    resumed = torchrun("train_lm.py", 4, *RESUMABLE, "--resume", "--out", tmp_path)
+    assert "resumed at step 4" in resumed and resumed.rstrip().endswith("OK"), resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 6, "--save-every", 2,
                        "--crash-in-save", 4, "--out", tmp_path, check=False)

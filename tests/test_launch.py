@@ -1,6 +1,7 @@
 """init_distributed: each torchrun attempt meets only its own workers in the shared store."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,3 +70,24 @@ def test_outside_torchrun_the_missing_variables_are_named(monkeypatch):
     with pytest.raises(RuntimeError, match=r"init_distributed: environment variables \['RANK', "
                                            r"'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\]"):
         tensorpar.init_distributed()
+
+
+@pytest.mark.parametrize(("rank", "world", "words"), [
+    ("2", "2", "RANK=2 is not below WORLD_SIZE=2"),
+    ("-1", "2", "RANK=-1 is not below WORLD_SIZE=2"),
+    ("0", "0", "WORLD_SIZE=0"),
+    ("one", "2", "RANK='one'"),
+    ("0", "x", "WORLD_SIZE='x'"),
+    ("0", "2", "TORCHELASTIC_RESTART_COUNT='x'"),
+])
+def test_a_malformed_environment_is_refused_before_the_rendezvous(monkeypatch, rank, world,
+                                                                   words):
+    """Before, RANK=2 of WORLD_SIZE=2 waited for the rendezvous's timeout (30 minutes by
+    default), then failed with a socket timeout."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never reached
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x" if "RESTART" in words else "0")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        tensorpar.init_distributed(timeout=timedelta(seconds=2))

@@ -111,3 +111,28 @@ def _runs(kind, parallel, root):
 def test_saving_leaves_the_run_bit_identical_and_resumes_it(tmp_path, world, kind):
     root = str(tmp_path)
     assert all(run_distributed(_runs, world, kind, world > 1, root, timeout=240))
+
+
+def test_saving_an_optimizer_that_never_stepped_fires_no_step_hooks():
+    """The state a parameter will have is learned from a throwaway optimizer's step: torch's
+    global step hooks (a step counter, a logger, weight averaging) must not see it."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fired = []
+    handles = [register_optimizer_step_pre_hook(lambda opt, *a: fired.append("pre")),
+               register_optimizer_step_post_hook(lambda opt, *a: fired.append("post"))]
+    try:
+        state = tp.sharded_optimizer_state_dict(model, optimizer)
+        assert state["state"], "the state of the parameters that have none yet is saved"
+        assert fired == [], fired
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()  # the hooks are still there, in their order
+        assert fired == ["pre", "post"], fired
+    finally:
+        for handle in handles:
+            handle.remove()

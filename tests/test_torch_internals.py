@@ -45,6 +45,20 @@ def test_optimizer_and_foreach_internals():
         assert len(_torch.global_optimizer_post_hooks()) == len(hooks) + 1
     finally:
         handle.remove()
+    fired = []
+    pre = torch_optimizer.register_optimizer_step_pre_hook(lambda *a: fired.append("pre"))
+    post = torch_optimizer.register_optimizer_step_post_hook(lambda *a: fired.append("post"))
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    try:
+        with _torch.global_optimizer_hooks_hidden():
+            optimizer.step()
+        assert fired == []
+        optimizer.step()
+        assert fired == ["pre", "post"]
+    finally:
+        pre.remove(), post.remove()
     assert _torch.foreach_supported(torch.device("cpu")) in (True, False)
     norms = _torch.foreach_norm([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0)
     assert [n.item() for n in norms] == [5.0, 1.0]

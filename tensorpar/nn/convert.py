@@ -218,7 +218,8 @@ def full_state_dict(model: nn.Module, dst: int = 0, *, group: GroupLike = None
 
     Sharded parameters are gathered from the tensor-parallel group they live on; replicated
     parameters and buffers are taken from this rank. ``dst`` is a rank of ``group`` (the
-    group the sharded layers use). Every rank must call it.
+    group the sharded layers use). Every rank must call it. The tensors are copies: the
+    model's own storage is never handed out (writing to them leaves the model as it was).
     """
     g = resolve_group(group, "full_state_dict")
     g.check_rank("full_state_dict", "dst", dst)
@@ -233,8 +234,11 @@ def full_state_dict(model: nn.Module, dst: int = 0, *, group: GroupLike = None
         out[key] = value.clone() if g.rank == dst else \
             TensorPlaceholder.like(value, owner=dst, group=g.handle)
     for name, module in sharded.items():
+        own = {t.untyped_storage().data_ptr() for t in module.state_dict().values()}
         for leaf, value in module.full_state(dst).items():
-            out[f"{name}.{leaf}" if name else leaf] = value
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in own:
+                value = value.clone()  # a group of one gathers the shard itself: a copy, as
+            out[f"{name}.{leaf}" if name else leaf] = value  # at every other size
     return {k: out[k] for k in model.state_dict() if k in out}
 
 

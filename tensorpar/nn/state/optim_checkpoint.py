@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tensorpar._torch import global_optimizer_hooks_hidden
 from tensorpar.nn.state._params import ParamInfo, parameter_infos, retag
 from tensorpar.nn.state.checkpoint import copy_into, dcp_value, local_of
 
@@ -312,5 +313,6 @@ def _initial_states(optimizer: torch.optim.Optimizer, fn: str,
                         f"or one step taken before saving") from e
     for twin in twins.values():
         twin.grad = torch.zeros_like(twin)
-    shadow.step()
+    with global_optimizer_hooks_hidden():  # not a step of the run: its hooks do not see it
+        shadow.step()
     return {pid: shadow.state[twin] for pid, twin in twins.items()}
