@@ -94,8 +94,8 @@ def global_optimizer_hooks_hidden() -> Iterator[None]:
     They are put back after it, in their order, their handles still valid: for a throwaway
     optimizer's step, which is not a step of the run.
     """
-    hooks = (torch_optimizer._global_optimizer_pre_hooks,
-             torch_optimizer._global_optimizer_post_hooks)
+    hooks: tuple[dict[int, Any], ...] = (torch_optimizer._global_optimizer_pre_hooks,
+                                         torch_optimizer._global_optimizer_post_hooks)
     saved = [dict(h) for h in hooks]
     for h in hooks:
         h.clear()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -234,7 +234,8 @@ def full_state_dict(model: nn.Module, dst: int = 0, *, group: GroupLike = None
         out[key] = value.clone() if g.rank == dst else \
             TensorPlaceholder.like(value, owner=dst, group=g.handle)
     for name, module in sharded.items():
-        own = {t.untyped_storage().data_ptr() for t in module.state_dict().values()}
+        layer = cast(nn.Module, module)
+        own = {t.untyped_storage().data_ptr() for t in layer.state_dict().values()}
         for leaf, value in module.full_state(dst).items():
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in own:
                 value = value.clone()  # a group of one gathers the shard itself: a copy, as
