@@ -172,3 +172,23 @@ def test_a_pipeline_stage_that_dies_gives_its_peer_a_lost_peer_error(mid_step):
     assert status == "err" and "PeerLostError" in names, (message, trace[-3000:])
     assert "rank 1 went away" in message and "on a group of 2" in message, message
     assert seconds < 15, seconds
+
+
+def _pipeline_saves_after_its_last_stage_dies():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    pipe = tp.nn.pipeline(model, microbatches=2, loss_fn=lambda out, y: out.square().mean())
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    if dist.get_rank() == 1:
+        os._exit(1)
+    tp.sharded_optimizer_state_dict(pipe, optimizer)  # compares every stage's names
+    return "saved"
+
+
+def test_a_stage_lost_before_an_optimizer_checkpoint_gives_a_lost_peer_error():
+    results = run_fresh(_pipeline_saves_after_its_last_stage_dies, 2, pg_timeout=PG_TIMEOUT,
+                        timeout=30)
+    status, (names, message, trace), seconds = results[0]
+    assert status == "err" and "PeerLostError" in names, (message, trace[-3000:])
+    assert "parameter names" in message and "rank 1 went away" in message, message
+    assert seconds < 15, seconds

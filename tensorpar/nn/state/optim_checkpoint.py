@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorpar._torch import global_optimizer_hooks_hidden
+from tensorpar.comm._faults import raise_translated
 from tensorpar.nn.state._params import ParamInfo, parameter_infos, retag
 from tensorpar.nn.state.checkpoint import copy_into, dcp_value, local_of
 
@@ -134,7 +135,10 @@ def _every_stage_names(model: nn.Module, groups: list[dict[str, Any]],
     if stages is None or stages.is_single:
         return mine
     gathered: list[Any] = [None] * stages.size
-    dist.all_gather_object(gathered, (problem is not None, mine), group=stages.handle)
+    try:
+        dist.all_gather_object(gathered, (problem is not None, mine), group=stages.handle)
+    except RuntimeError as exc:  # a stage's rank gone: named, as a collective's would be
+        raise_translated(exc, "all_gather_object (the stages' parameter names)", stages)
     failed = [r for r, (bad, _) in enumerate(gathered) if bad]
     if failed:
         if problem is not None:
