@@ -112,6 +112,24 @@ REFUSED: dict[str, Head] = {
         torch.einsum("bc...->bc", y)),
     "einsum with an ellipsis pairing two tiles' points":
         lambda m, y: torch.einsum("...chw,...dgw->...cdhg", y, y),
+    # (other names for the same calls, and calls along a dim they do not name)
+    "softmin along rows": lambda m, y: F.softmin(y, dim=2),
+    "special.softmax along rows": lambda m, y: torch.special.softmax(y, 2),
+    "special.log_softmax along rows": lambda m, y: torch.special.log_softmax(y, 2),
+    "special.logsumexp over the image's dims":
+        lambda m, y: m.fc(torch.special.logsumexp(y, (2, 3))),
+    "flipud of the rows moved first": lambda m, y: y.permute(2, 0, 1, 3).flipud(),
+    "fliplr of the rows moved second": lambda m, y: torch.fliplr(y.transpose(1, 2)),
+    "msort of the rows moved first": lambda m, y: torch.msort(y.transpose(0, 2)),
+    "renorm of each channel": lambda m, y: torch.renorm(y, 2, 1, 1.0),
+    "dist of the whole tile": lambda m, y: y / torch.dist(y, 0 * y),
+    "vecdot along rows": lambda m, y: torch.linalg.vecdot(y, y, dim=2),
+    "cdist between rows": lambda m, y: torch.cdist(y, y),
+    "inner product along rows moved last":
+        lambda m, y: torch.inner(y.transpose(2, 3), y.transpose(2, 3)),
+    "lp_pool2d over rows": lambda m, y: F.lp_pool2d(y, 2, 3),
+    "lp_pool1d over rows moved last": lambda m, y: F.lp_pool1d(y.transpose(2, 3).flatten(0, 1),
+                                                                2, 2),
 }
 """Each would see the tile's points alone."""
 

@@ -50,7 +50,8 @@ _DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
         "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
         "std", "var", "var_mean", "std_mean", "logsumexp", "median", "nanmedian", "argmax",
         "argmin", "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin",
-        "logcumsumexp", "count_nonzero", "all", "any")},
+        "logcumsumexp", "count_nonzero", "all", "any", "softmin", "special_softmax",
+        "special_log_softmax", "special_logsumexp")},
     **{name: (1, -1) for name in ("mode", "sort", "argsort")},
     **{name: (2, None) for name in ("norm", "linalg_vector_norm", "linalg_norm", "quantile",
                                     "nanquantile")},
@@ -63,16 +64,23 @@ _DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
     "cumulative_trapezoid": (_KEYWORD, -1), "cosine_similarity": (2, 1),
     "pairwise_distance": (_KEYWORD, -1), "tril": (_KEYWORD, (-2, -1)),
     "triu": (_KEYWORD, (-2, -1)),
+    # a sort along dim 0, a norm of the whole difference, products summed along a dim,
+    # distances between the rows of the last two dims
+    "msort": (_KEYWORD, 0), "dist": (_KEYWORD, None), "linalg_vecdot": (_KEYWORD, -1),
+    "inner": (_KEYWORD, -1), "cdist": (_KEYWORD, (-2, -1)),
     **{f"fft_{kind}fft": (2, -1) for kind in ("", "i", "r", "ir", "h", "ih")},
     **{f"fft_{kind}fft2": (2, (-2, -1)) for kind in ("", "i", "r", "ir", "h", "ih")},
     **{f"fft_{kind}fftn": (2, None) for kind in ("", "i", "r", "ir", "h", "ih")},
     "fft_fftshift": (1, None), "fft_ifftshift": (1, None)}
 """Calls along dims: the position of ``dim`` among the arguments, and its default."""
+_LP_POOLS: dict[Any, int] = {torch.nn.functional.lp_pool1d: 1, torch.nn.functional.lp_pool2d: 2,
+                             torch.nn.functional.lp_pool3d: 3}
+"""Power-average poolings (not converted): their windows' dims, counted from the last."""
 _WHOLE = frozenset({
     "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
     "std", "var", "var_mean", "std_mean", "median", "nanmedian", "argmax", "argmin", "norm",
     "linalg_vector_norm", "linalg_norm", "quantile", "nanquantile", "count_nonzero", "all",
-    "any", "gradient", "fft_fftshift", "fft_ifftshift",
+    "any", "gradient", "fft_fftshift", "fft_ifftshift", "dist",
     *(f"fft_{kind}fftn" for kind in ("", "i", "r", "ir", "h", "ih"))})
 """Those that reduce the whole tensor where no dim is given."""
 
@@ -151,6 +159,13 @@ def reduced_dims(func: Any, args: Sequence[Any], kwargs: dict[str, Any], ndim: i
     name = getattr(func, "__name__", "")
     if func is torch.nn.functional.grid_sample:  # samples anywhere in the spatial dims
         return frozenset(range(2, ndim))
+    if func in _LP_POOLS:  # windows over the last 1, 2 or 3 dims
+        return frozenset(range(max(ndim - _LP_POOLS[func], 0), ndim))
+    if name == "renorm":  # ``torch.renorm(x, p, dim, maxnorm)``: a norm over every other dim
+        kept = args[2] if len(args) > 2 else kwargs.get("dim")
+        if not isinstance(kept, int) or isinstance(kept, bool):
+            return None
+        return frozenset(d for d in range(ndim) if d != kept % max(ndim, 1))
     if name == "diagonal":  # ``torch.diagonal(x, offset, dim1, dim2)``
         return frozenset(d % max(ndim, 1) for d in (
             args[2] if len(args) > 2 else kwargs.get("dim1", 0),
@@ -190,7 +205,8 @@ _CUTS: dict[str, tuple[int, str, int | tuple[int, ...] | None]] = {
     **{name: (1, "dim", 0) for name in ("unbind",)},
     **{name: (2, "dim", 0) for name in ("chunk", "split", "tensor_split")},
     "take_along_dim": (2, "dim", None), "repeat_interleave": (2, "dim", None),
-    "roll": (2, "dims", None), "flip": (1, "dims", None), "rot90": (2, "dims", (0, 1))}
+    "roll": (2, "dims", None), "flip": (1, "dims", None), "rot90": (2, "dims", (0, 1)),
+    "flipud": (_KEYWORD, "dims", 0), "fliplr": (_KEYWORD, "dims", 1)}
 """Calls that cut, move or pick rows along a dim: where the dim is, and its default
 (``None``: the flattened tensor, every dim)."""
 _JOINS = frozenset({"cat", "concat", "concatenate"})
