@@ -96,3 +96,21 @@ def test_a_difference_anywhere_on_a_mesh_of_tiles_raises_on_every_rank(what):
             continue
         assert name == "CollectiveArgumentError", (rank, message)
     assert "refused, or differs, on another rank of the mesh" in results[3][1], results[3]
+
+
+def _convert_a_lazy_layer():
+    from tensorpar.nn import parallelize_domain
+    model = torch.nn.Sequential(torch.nn.LazyConv2d(3, 3, padding=1), torch.nn.ReLU())
+    try:
+        parallelize_domain(model, dims=-2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_lazy_layer_not_initialised_yet_is_refused_by_name():
+    """Its parameters do not exist yet (torch's own error about an uninitialised parameter
+    came out before)."""
+    for message in run_distributed(_convert_a_lazy_layer, 2, timeout=60):
+        assert message is not None and "0 (LazyConv2d)" in message and "lazy" in message, \
+            message

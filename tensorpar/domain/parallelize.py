@@ -118,6 +118,9 @@ def _refusal(name: str, module: nn.Module, keep: Sequence[type | str],
              dims: tuple[int, ...]) -> str | None:
     """Why ``module`` cannot be converted (``None``: it can, or it needs nothing)."""
     label = f"{name or '<model>'} ({type(module).__name__})"
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        return f"{label}: its parameters are not initialised yet (a lazy layer): run one " \
+               f"forward of the dense model first"
     why = neuralop.refusal(module, _qualname(module), dims) \
         or attention.refusal(module, _qualname(module)) \
         or monai.refusal(module, _qualname(module))
