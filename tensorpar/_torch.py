@@ -11,6 +11,7 @@ layout), the accessor raises.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "foreach_supported",
     "fsdp_managed_params",
     "get_eval_frame_callback",
+    "default_group_timeout",
     "global_optimizer_hooks_hidden",
     "global_optimizer_post_hooks",
     "local_offsets",
@@ -85,6 +87,21 @@ def queue_engine_callback(callback: Callable[[], None]) -> None:
 def global_optimizer_post_hooks() -> list[Callable[..., Any]]:
     """The step post-hooks registered for every optimizer."""
     return list(torch_optimizer._global_optimizer_post_hooks.values())
+
+
+def default_group_timeout() -> datetime.timedelta | None:
+    """The timeout the default process group was created with (``None``: not readable).
+
+    ``torch.distributed.new_group`` gives a new group torch's default timeout (30 minutes
+    for gloo), not the one the job passed to ``init_process_group``.
+    """
+    pg = dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", ()):
+        options = getattr(pg._get_backend(device), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
 
 
 @contextlib.contextmanager

@@ -192,3 +192,25 @@ def test_a_stage_lost_before_an_optimizer_checkpoint_gives_a_lost_peer_error():
     assert status == "err" and "PeerLostError" in names, (message, trace[-3000:])
     assert "parameter names" in message and "rank 1 went away" in message, message
     assert seconds < 15, seconds
+
+
+def _hierarchical_all_reduce_with_a_rank_elsewhere():
+    topology = tp.Topology.grid(1)  # one rank per machine: the machines' exchange is a subgroup's
+    tp.all_reduce(torch.ones(4), algorithm="hierarchical", topology=topology)
+    if dist.get_rank() == 1:
+        time.sleep(4 * PG_TIMEOUT + 4)  # alive, elsewhere
+        return "elsewhere"
+    tp.all_reduce(torch.ones(4), algorithm="hierarchical", topology=topology)
+    return "done"
+
+
+@pytest.mark.slow
+def test_a_subgroup_of_the_hierarchical_all_reduce_keeps_the_jobs_timeout():
+    """The topology's groups time out with the default group's timeout (torch gives a new
+    group 30 minutes: the survivor waited until its peer exited)."""
+    results = run_fresh(_hierarchical_all_reduce_with_a_rank_elsewhere, 2,
+                        pg_timeout=PG_TIMEOUT, timeout=40)
+    status, (names, message, trace), seconds = results[0]
+    assert status == "err" and "CollectiveTimeoutError" in names, (message, trace[-3000:])
+    assert seconds < 2 * PG_TIMEOUT + 3, seconds  # (the peer was away for 12 s)
+    assert results[1][:2] == ("ok", "elsewhere")

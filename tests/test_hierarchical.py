@@ -159,6 +159,35 @@ def test_comm_counter_tells_intra_from_inter_machine_bytes():
         [([n4 + n4 // 2, n4 // 2, 0], [0, 0, n4], [n4, 0, 0], 1)] * 4
 
 
+def _tensor_parallel_bytes_after_detecting_data_parallel_groups():
+    import os
+
+    import tensorpar as tp
+
+    old = os.environ.get("GROUP_RANK")
+    os.environ["GROUP_RANK"] = str(dist.get_rank() // 2)  # machines {0, 1} and {2, 3}
+    try:
+        dp = [dist.new_group(r) for r in ([0, 2], [1, 3])][dist.get_rank() % 2]
+        tp_group = [dist.new_group(r) for r in ([0, 1], [2, 3])][dist.get_rank() // 2]
+        Topology.detect(dp)  # one rank of each data-parallel group per machine
+        with tp.CommCounter() as counter:
+            tp.all_reduce(torch.ones(1000), group=tp_group)
+        return [counter.nbytes(scope=s) for s in ("intra", "inter", "mixed")]
+    finally:
+        if old is None:
+            os.environ.pop("GROUP_RANK", None)
+        else:
+            os.environ["GROUP_RANK"] = old
+
+
+def test_machines_detected_through_subgroups_are_the_launchers_machines():
+    """A tensor-parallel group on one machine counts as intra-machine after the data-parallel
+    groups' topologies were detected (each group's machines were labelled apart: every rank a
+    machine of its own, and its bytes inter-machine)."""
+    assert run_distributed(_tensor_parallel_bytes_after_detecting_data_parallel_groups, 4,
+                           timeout=TIMEOUT) == [[4000, 0, 0]] * 4
+
+
 def _shapes_and_grad_leaf():
     topo = Topology.grid(2)
     x = torch.ones(3, 5, 7, requires_grad=True)  # a gradient bucket may be a leaf

@@ -163,3 +163,35 @@ def _matches():
 
 def test_a_topology_matches_its_ranks_whichever_group_object():
     assert run_distributed(_matches, 4, timeout=TIMEOUT) == [(True, True, False)] * 4
+
+
+def _mixed_or_malformed(case):
+    old = os.environ.get("GROUP_RANK")
+    rank = dist.get_rank()
+    try:
+        if case == "grid and detect":
+            return repr(Topology.grid(2) if rank < 2 else Topology.detect())
+        os.environ["GROUP_RANK"] = "node0" if rank == 3 else str(rank // 2)
+        return repr(Topology.detect())
+    except ValueError as e:
+        return f"ValueError: {e}"
+    finally:
+        if old is None:
+            os.environ.pop("GROUP_RANK", None)
+        else:
+            os.environ["GROUP_RANK"] = old
+
+
+@pytest.mark.parametrize(("case", "words"), [
+    ("grid and detect", "Topology.detect on rank(s) [2, 3]"),
+    ("malformed GROUP_RANK", "GROUP_RANK on rank(s) [3] is not an integer"),
+])
+def test_ranks_that_describe_the_layout_differently_raise_on_every_rank(case, words):
+    """Ranks 0 and 1 raised, ranks 2 and 3 went on into new_group and waited there (grid
+    and detect); rank 3 raised on its own and the others timed out (a GROUP_RANK that is no
+    integer)."""
+    results = run_distributed(_mixed_or_malformed, 4, case, timeout=TIMEOUT)
+    for got in results:
+        assert got.startswith("ValueError") and words in got, got
+    if case == "malformed GROUP_RANK":
+        assert "this rank has GROUP_RANK='node0'" in results[3], results[3]

@@ -12,7 +12,7 @@ nothing until something raises).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -152,14 +152,12 @@ def _record(kind: str, group: Group, sent: Sequence[torch.Tensor] | None, purpos
 
 
 _MACHINE_OF: dict[int, int] = {}
-"""Global rank -> its machine (the machine's lowest global rank), as topologies describe them."""
+"""Global rank -> a label of its machine, as topologies describe them."""
 
 
-def note_machines(machines: Sequence[Sequence[int]]) -> None:
-    """Record which global ranks share a machine (called by `tensorpar.Topology`)."""
-    for ranks in machines:
-        for rank in ranks:
-            _MACHINE_OF[rank] = min(ranks)
+def note_machines(machine_of: Mapping[int, int]) -> None:
+    """Record each global rank's machine, any label per machine (by `tensorpar.Topology`)."""
+    _MACHINE_OF.update(machine_of)
 
 
 def _scope(group: Group) -> Scope | None:

@@ -56,8 +56,9 @@ def raise_translated(exc: RuntimeError, kind: str, group: Group, seq: int | None
     number = sequence_number(group) if seq is None else seq
     missing = _missing_ranks(group, kind, number)
     where = f"{kind} #{number}" if number >= 0 else kind
-    _raise(exc, lost, f"{where} on a group of {group.size} (this rank is {group.rank})",
-           _ranks(missing) if missing else None, several=len(missing) > 1)
+    _raise(exc, lost, f"{where} on a group of {group.size} (this rank is "
+                      f"{_rank_in(group, group.rank)})",
+           _ranks(missing, group) if missing else None, several=len(missing) > 1)
 
 
 def raise_translated_peer(exc: RuntimeError, kind: str, group: Group, peer: int) -> NoReturn:
@@ -66,8 +67,9 @@ def raise_translated_peer(exc: RuntimeError, kind: str, group: Group, peer: int)
     ``peer`` is a rank within ``group``: the one that went away or did not arrive.
     """
     lost = _lost(exc)
-    _raise(exc, lost, f"{kind} with rank {peer} on a group of {group.size} (this rank is "
-                      f"{group.rank})", f"rank {peer}")
+    _raise(exc, lost, f"{kind} with rank {_rank_in(group, peer)} on a group of {group.size} "
+                      f"(this rank is {_rank_in(group, group.rank)})",
+           f"rank {_rank_in(group, peer)}")
 
 
 def _lost(exc: RuntimeError) -> bool:
@@ -105,9 +107,19 @@ def _raise(exc: RuntimeError, lost: bool, head: str, missing: str | None,
     ) from exc
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``"rank 2"`` or ``"ranks 0,2"``."""
-    return f"rank{'s' if len(ranks) > 1 else ''} " + ",".join(map(str, ranks))
+def _ranks(ranks: list[int], group: Group | None = None) -> str:
+    """``"rank 2"`` or ``"ranks 0,2"`` (of a subgroup: ``"rank 1 (global rank 3)"``)."""
+    shown = [_rank_in(group, r) for r in ranks] if group is not None else list(map(str, ranks))
+    return f"rank{'s' if len(ranks) > 1 else ''} " + ",".join(shown)
+
+
+def _rank_in(group: Group, rank: int) -> str:
+    """A rank of ``group``, with its global rank where the two differ."""
+    try:
+        global_rank = group.global_rank(rank)
+    except (RuntimeError, ValueError):  # (not readable: the group's rank alone)
+        return str(rank)
+    return str(rank) if global_rank == rank else f"{rank} (global rank {global_rank})"
 
 
 def _store(group: Group) -> Any:

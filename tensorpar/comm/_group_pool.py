@@ -12,11 +12,11 @@ import contextlib
 
 import torch.distributed as dist
 
-from tensorpar._torch import C10D_WORLD
+from tensorpar._torch import C10D_WORLD, default_group_timeout
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group, resolve_group
 
-__all__ = ["GroupPool"]
+__all__ = ["GroupPool", "names_agree", "new_group"]
 
 
 class GroupPool:
@@ -52,8 +52,7 @@ class GroupPool:
         if not spans_world and not names_agree(group):
             return
         for _ in range(size - 1):
-            pg = (dist.new_group(ranks=ranks) if spans_world
-                  else dist.new_group(ranks=ranks, use_local_synchronization=True))
+            pg = new_group(ranks, local=not spans_world)
             self._created.append(pg)
             self.groups.append(resolve_group(pg, fn))
 
@@ -86,3 +85,15 @@ def names_agree(group: Group) -> bool:
     counts = [row[0] for row in
               _comm.exchange_ints(group, [len(names) if names is not None else -1])]
     return counts[0] >= 0 and all(c == counts[0] for c in counts)
+
+
+def new_group(ranks: list[int], *, local: bool = False) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks)`` with the default group's timeout.
+
+    torch gives a new group its own default (30 minutes for gloo) instead of the timeout
+    the job chose, so a peer lost inside a subgroup's collective would be waited for that
+    long. ``local``: only the members call it (``use_local_synchronization``).
+    """
+    pg: dist.ProcessGroup = dist.new_group(ranks=ranks, timeout=default_group_timeout(),
+                                           use_local_synchronization=local)
+    return pg

@@ -19,7 +19,7 @@ from torch import nn
 
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group, resolve_group
-from tensorpar.comm._group_pool import names_agree
+from tensorpar.comm._group_pool import names_agree, new_group
 
 __all__ = ["PartialSums", "partial_sums_of", "product_group", "register_partial_sums"]
 
@@ -88,11 +88,11 @@ def product_group(groups: tuple[Group, ...], fn: str) -> Group:
         # rank): the model's own exchanges run on it while the backward runs, and the ranks
         # launch their bucket all-reduces between them in different orders; a group of the
         # reducer's own keeps the two apart (every rank calls this: all create it)
-        return resolve_group(dist.new_group(ranks=ranks), fn)
+        return resolve_group(new_group(ranks), fn)
     # torch names a new group from the number of groups each member knows: they must agree
     # (within each group, so across the whole connected block)
     if not all(names_agree(g) for g in groups if not g.is_single):
         raise ValueError(f"{fn}: the ranks {ranks} have created different numbers of process "
                          f"groups, so a group over them cannot be created consistently; build "
                          f"the reducer over groups of one DeviceMesh spanning every rank")
-    return resolve_group(dist.new_group(ranks=ranks, use_local_synchronization=True), fn)
+    return resolve_group(new_group(ranks, local=True), fn)

@@ -32,13 +32,16 @@ class HierarchicalWork:
             ``True``.
 
         Raises:
-            TensorparError: a collective of the pipeline failed; the topology's subgroups
+            TensorparError: a collective of the pipeline failed (`CollectiveTimeoutError`
+                or `PeerLostError` where its collective's was); the topology's subgroups
                 are then out of step and the topology must not be used again.
         """
         self._issued.wait()
-        if self._error is not None:
-            raise TensorparError(f"hierarchical_all_reduce: a collective of the pipeline "
-                                 f"failed: {self._error}") from self._error
+        if self._error is not None:  # (a timeout or a lost peer keeps its class)
+            cls = type(self._error) if isinstance(self._error, TensorparError) \
+                else TensorparError
+            raise cls(f"hierarchical_all_reduce: a collective of the pipeline failed: "
+                      f"{self._error}") from self._error
         for work in self._final:
             work.wait()
         return True

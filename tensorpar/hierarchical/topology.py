@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from tensorpar.comm import _comm
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.comm._group_pool import new_group
 
 __all__ = ["Topology"]
 
@@ -127,7 +128,8 @@ class Topology:
                 rank together.
         """
         machine_key = os.environ.get("GROUP_RANK")
-        key = int(machine_key) if machine_key is not None else _host_key()
+        key = _host_key() if machine_key is None else \
+            int(machine_key) if _is_int(machine_key) else _MALFORMED
         return cls._build("Topology.detect", group, key, 0)
 
     @classmethod
@@ -167,11 +169,16 @@ class Topology:
             table = [[0, 0, 1, key, declared]]
         else:
             table = _exchange(world, g, key, declared)
+        declared = _agreed(fn, table)
         layouts = [_layout(fn, members, declared) for members in _partition(fn, table)]
         me = world.rank
         topo: Topology | None = None
+        if declared == 0:  # detected: a machine is its key, whichever group its ranks are in
+            # (labels below -1, apart from a declared machine's lowest rank)
+            _comm.note_machines({rank: -2 - row[3] for rank, row in enumerate(table)})
         for layout in layouts:  # every rank creates every subgroup, in this order
-            _comm.note_machines(layout.machines)
+            if declared:  # declared: a machine of each group, known by its lowest rank
+                _comm.note_machines({r: min(m) for m in layout.machines for r in m})
             machines, per_machine = len(layout.machines), len(layout.machines[0])
             intra = [_new_group(ranks) for ranks in layout.machines] if per_machine > 1 else []
             gather = ([_new_group(ranks) for ranks in layout.machines]
@@ -189,6 +196,18 @@ class Topology:
         return topo
 
 
+_MALFORMED = -2
+"""The machine key a rank sends where its ``GROUP_RANK`` is no integer (every rank raises)."""
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _host_key() -> int:
     """A stable int63 id of this host, for processes not launched by torchrun."""
     digest = hashlib.sha1(socket.gethostname().encode(), usedforsecurity=False).digest()
@@ -199,6 +218,27 @@ def _exchange(world: Group, g: Group, key: int, declared: int) -> list[list[int]
     """One row of `_ROW` int64s per rank, exchanged over the default group (no pickle)."""
     first = g.global_rank(0) if g.handle is not None else 0
     return _comm.exchange_ints(world, [first, g.rank, g.size, key, declared])
+
+
+def _agreed(fn: str, table: Sequence[Sequence[int]]) -> int:
+    """The ranks_per_machine every rank declared (0: detected), checked on every rank.
+
+    Raises:
+        ValueError: the ranks described the layout differently (`Topology.grid` with other
+            values, or beside `Topology.detect`), or a ``GROUP_RANK`` is no integer.
+    """
+    described = sorted({row[4] for row in table})
+    if len(described) > 1:
+        shown = "; ".join(f"{'Topology.detect' if d == 0 else f'ranks_per_machine={d}'} on "
+                          f"rank(s) {[r for r, row in enumerate(table) if row[4] == d]}"
+                          for d in described)
+        raise ValueError(f"{fn}: the ranks described the layout differently ({shown}); every "
+                         f"rank must call Topology.grid with one value, or Topology.detect")
+    bad = [r for r, row in enumerate(table) if row[3] == _MALFORMED]
+    if bad:
+        raise ValueError(f"{fn}: GROUP_RANK on rank(s) {bad} is not an integer (it is the "
+                         f"launcher's index of the machine){_own_group_rank()}")
+    return int(described[0])
 
 
 def _partition(fn: str, table: Sequence[Sequence[int]]) -> list[list[tuple[int, int, int]]]:
@@ -240,10 +280,6 @@ def _layout(fn: str, members: list[tuple[int, int, int]], declared: int) -> _Lay
     """Group one parent group's members by machine and check that machines are equal."""
     size = len(members)
     if declared:
-        others = sorted({d for _, _, d in members} - {declared})
-        if others:
-            raise ValueError(f"{fn}: ranks declared different ranks_per_machine: {declared} "
-                             f"and {others}; every rank must declare the same layout")
         if size % declared:
             raise ValueError(
                 f"{fn}: ranks_per_machine={declared} does not divide the group size {size} "
@@ -268,6 +304,12 @@ def _layout(fn: str, members: list[tuple[int, int, int]], declared: int) -> _Lay
                    global_of)
 
 
+def _own_group_rank() -> str:
+    """This rank's ``GROUP_RANK`` where it is malformed, for the error."""
+    text = os.environ.get("GROUP_RANK")
+    return "" if text is None or _is_int(text) else f"; this rank has GROUP_RANK={text!r}"
+
+
 def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
     """``torch.distributed.new_group``, which every rank of the default group calls.
 
@@ -275,5 +317,5 @@ def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
-    pg = dist.new_group(ranks)
+    pg = new_group(ranks)
     return pg if isinstance(pg, dist.ProcessGroup) else None
