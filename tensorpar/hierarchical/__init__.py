@@ -81,7 +81,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, topology: Topology, *,
         TypeError: ``tensor`` or ``topology`` has the wrong type, ``op="mean"`` on an
             integer tensor, or ``slice_bytes`` is not an int.
         ValueError: ``op`` is unknown, ``tensor`` is not contiguous, ``slice_bytes < 1``.
-        TensorparError: a collective of the pipeline failed (raised by ``wait()``).
+        TensorparError: a collective of the pipeline failed (raised by ``wait()``; a
+            `CollectiveTimeoutError` or `PeerLostError` where that collective's was).
 
     Example:
         >>> import torch
