@@ -32,9 +32,10 @@ INNER = {"domain": ["_tiles", "_layers", "_forward"]}
 PACKAGE = ROOT / "tensorpar"
 TORCH_PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z_]+)*\._[a-z][A-Za-z_]*")
 # Reading the validation switch is deciding a call's mode: the switch and validation, the
-# compile dispatch, the layers' path, the reducer, the replica check and the domain layout.
+# compile dispatch, the layers' path, the reducer, the replica check, the domain layout and
+# the attention entry points (lengths passed are exchanged anyway when validating).
 SWITCH_READ = re.compile(r"VALIDATE\[0\]|SWITCH\[0\]|validation_enabled\(\)")
-MAX_SWITCH_READERS = 7
+MAX_SWITCH_READERS = 8
 
 
 def module_name(path: pathlib.Path) -> str:
