@@ -93,9 +93,14 @@ def test_pp2_x_tp2_equals_dense(order, family, schedule):
     assert all(c > 0 for c in counts)
 
 
-def _clip_matches_dense(norm_type):
-    dense = sequential()
-    pipe = tp.nn.pipeline(sequential(), microbatches=3, loss_fn=F.mse_loss)
+def _clip_matches_dense(norm_type, frozen_first_stage=False):
+    dense, model = sequential(), sequential()
+    split = None
+    if frozen_first_stage:  # a rank with no gradient at all: its blocks 0 and 1 frozen
+        split = [2, 5] if dist.get_world_size() == 2 else [2, 3, 2]
+        for m in (dense, model):
+            m[:2].requires_grad_(False)
+    pipe = tp.nn.pipeline(model, microbatches=3, loss_fn=F.mse_loss, split=split)
     x, y = batch(7, 0)
     pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
     F.mse_loss(dense(x), y).backward()
@@ -112,6 +117,15 @@ def _clip_matches_dense(norm_type):
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_over_the_whole_pipeline(norm_type, world_size):
     run_distributed(_clip_matches_dense, world_size, norm_type, timeout=100)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), float("-inf"), 0.0, 0.5])
+def test_clip_over_a_pipeline_with_a_frozen_stage(norm_type):
+    """A rank whose stage has no gradient: its norm was a float32 zero (gloo aborted beside
+    the others' float64 ones) and, for -inf, the minimum over the stages (0, silently)."""
+    run_distributed(_clip_matches_dense, 2, norm_type, True, timeout=100)
+    run_distributed(_clip_matches_dense, 3, norm_type, True, timeout=100)
 
 
 # ---------------------------------------------------------------------------------------

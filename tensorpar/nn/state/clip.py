@@ -80,7 +80,8 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
     _reduce(per_param, [groups for _, _, groups in entries], locals_, p)
     present = [n for n in per_param if n is not None]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(
-        [n.to(present[0].device) for n in present]), p) if present else torch.tensor(0.0)
+        [n.to(present[0].device) for n in present]), p) if present else \
+        _no_gradient(model_or_parameters, p)
     total = _across_stages(total, model_or_parameters, p)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(f"grad_norm: the total norm of order {p} of the gradients is "
@@ -129,6 +130,17 @@ def clip_grad_norm_(model_or_parameters: Parameters, max_norm: float,
                       error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def _no_gradient(model: Parameters, p: float) -> torch.Tensor:
+    """The norm of no gradient: 0, or for ``p = -inf`` infinity (the other stages' minimum).
+
+    In the parameters' dtype: a pipeline's stages meet in one all-reduce.
+    """
+    params = _parameter_list(model)
+    dtype = next((q.dtype for q in params if q.is_floating_point()), torch.float32)
+    return torch.tensor(math.inf if p == -math.inf else 0.0, dtype=dtype,
+                        device=params[0].device if params else None)
 
 
 def _across_stages(total: torch.Tensor, model: Parameters, p: float) -> torch.Tensor:
