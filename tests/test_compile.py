@@ -707,3 +707,68 @@ def test_row_layer_bias_dtype_promotes_on_every_path():
     for got in run_distributed(_row_bias_dtypes, 2, timeout=300):
         assert all(dtype == torch.float64 for dtype, _ in got.values()), got
         assert all(diff < 1e-6 for _, diff in got.values()), got
+
+
+def _inplace_and_new_lengths():
+    """Eager against compiled: an in-place all-reduce's gradient; splits without sizes= at a
+    second, new length (dynamo makes it symbolic); the vocab-parallel loss without sizes=."""
+    from tensorpar.nn import vocab_parallel_cross_entropy
+
+    _fresh()
+    rank = torch.distributed.get_rank()
+    results = {}
+    for op in ("sum", "mean"):
+        results[f"inplace {op}"] = _run_both(
+            lambda a, op=op: tp.all_reduce(a * 2, op=op, inplace=True) * (rank + 1),
+            [rand(rank, 3)])
+    split = torch.compile(lambda c: tp.split_to_group(c, dim=0) * 2, backend="aot_eager",
+                          fullgraph=True)
+    scatter = torch.compile(lambda c: tp.reduce_scatter(c, dim=0) * 2, backend="aot_eager",
+                            fullgraph=True)
+    for length in (4, 6, 7):
+        c = rand(length, length, 2)
+        results[f"split {length}"] = [(split(c),), (tp.split_to_group(c, dim=0) * 2,)]
+        results[f"reduce_scatter {length}"] = [(scatter(c),), (tp.reduce_scatter(c, dim=0) * 2,)]
+    logits, target = rand(rank + 7, 5, 3 + rank), torch.tensor([0, 1, 2, 3, 4]) % 3
+    loss = torch.compile(lambda lg, t: vocab_parallel_cross_entropy(lg, t), backend="aot_eager")
+    results["vocab loss"] = [(loss(logits, target),), (vocab_parallel_cross_entropy(logits,
+                                                                                    target),)]
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_inplace_gradients_new_lengths_and_the_vocab_loss_compile_as_eager():
+    """Compiled, an in-place all-reduce's gradient skipped the all-reduce (each rank's own:
+    2 and 4 instead of 6); a split without sizes= raised at a new length (divmod of a
+    symbolic int), and a rooted scatter then hung; the vocab loss without sizes= raised."""
+    for results in run_distributed(_inplace_and_new_lengths, 2, timeout=540):
+        for case, result in results.items():
+            if case.startswith("inplace"):
+                _assert_same(result)
+            else:
+                torch.testing.assert_close(result[0][0], result[1][0], **TIGHT, msg=case)
+
+
+def _max_forward_only():
+    _fresh()
+    a = rand(torch.distributed.get_rank(), 3).requires_grad_()
+    out = {}
+    for name, call in (("all_reduce", lambda t: tp.all_reduce(t, op="max") * 2),
+                       ("reduce_scatter", lambda t: tp.reduce_scatter(t, op="max") * 2)):
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)(a)
+        try:
+            compiled.sum().backward()
+            said = ""
+        except tp.TensorparError as e:
+            said = str(e)
+        out[name] = (compiled.detach(), call(a.detach()), said)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_a_compiled_max_runs_its_forward_and_refuses_its_backward_as_eager():
+    """A max of a tensor that requires grad failed to compile (its backward has no max)."""
+    for result in run_distributed(_max_forward_only, 2, timeout=540):
+        for name, (compiled, eager, said) in result.items():
+            torch.testing.assert_close(compiled, eager, **TIGHT)
+            assert name in said and "max" in said, said

@@ -25,7 +25,8 @@ def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
         >>> balanced_sizes(10, 3)
         (4, 3, 3)
     """
-    base, extra = divmod(length, parts)
+    # (not divmod: dynamo cannot trace it on a length it made symbolic)
+    base, extra = length // parts, length % parts
     return tuple(base + (1 if r < extra else 0) for r in range(parts))
 
 

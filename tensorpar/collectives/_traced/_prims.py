@@ -35,7 +35,8 @@ from tensorpar._torch import C10D_FUNCTIONAL
 from tensorpar.collectives._autograd import no_backward as _no_backward
 from tensorpar.comm._group import Group
 
-__all__ = ["Broadcast", "CopyToGroup", "Gather", "GatherFromGroup", "Reduce", "ReduceIdentity",
+__all__ = ["Broadcast", "CopyToGroup", "ForwardOnly", "Gather", "GatherFromGroup", "Reduce",
+           "ReduceIdentity",
            "Scatter", "SplitToGroup", "all_gather_dim", "all_reduce_sum", "all_to_all_dims",
            "gather_dim", "group_name", "no_backward", "reduce_scatter_dim", "scatter_dim", "wait"]
 
@@ -347,6 +348,27 @@ class Broadcast(torch.autograd.Function):
         total = all_reduce_sum(_send(grad), ctx.name)  # every rank joins; src keeps the sum
         out = total if ctx.rank == ctx.src else _empty_of(total, ctx.anchor_shape)
         return out, None, None, None, None, None
+
+
+class ForwardOnly(torch.autograd.Function):
+    """A max or min ``all_reduce``/``reduce_scatter``, whose backward raises as eagerly.
+
+    The functional collectives have no max/min backward: without this, the graph of an
+    input that requires grad would not compile at all.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: str, op: str, name: str, dim: int = 0,
+                sizes: tuple[int, ...] = (), rank: int = 0) -> torch.Tensor:
+        ctx.fn, ctx.op, ctx.shape = fn, op, x.shape
+        if fn == "all_reduce":
+            return all_reduce_sum(x, name, op).clone()  # (a tensor of its own: see above)
+        return reduce_scatter_dim(x, dim, sizes, rank, name, op)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        raised = no_backward(grad, ctx.fn, ctx.op)  # (read below: the graph keeps it)
+        return _reading(_empty(ctx.shape, grad), raised), None, None, None, None, None, None
 
 
 class Reduce(torch.autograd.Function):

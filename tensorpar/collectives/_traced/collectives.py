@@ -50,13 +50,14 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
         return _result(tensor, async_op)
     name = P.group_name(g)
     source = tensor / g.size if op_name == "mean" else tensor
-    if op_name in ("max", "min") or backward == "sum":
+    if op_name in ("max", "min"):  # forward-only: its backward raises, as eagerly
+        out = P.ForwardOnly.apply(source, "all_reduce", op_name, name)  # type: ignore[no-untyped-call]
+    elif backward == "sum":
         out = P.all_reduce_sum(source, name, "sum" if op_name == "mean" else op_name)
     else:
         out = P.ReduceIdentity.apply(source, name)  # type: ignore[no-untyped-call]
-    if inplace:
-        with torch.no_grad():
-            tensor.copy_(out)
+    if inplace:  # recorded by autograd (as eagerly: the gradient flows through the reduction)
+        tensor.copy_(out)
         out = tensor
     return _result(out, async_op)
 
@@ -84,6 +85,10 @@ def reduce_scatter(x: torch.Tensor, *, dim: int = 0, op: str = "sum", group: Gro
         return _result(tensor, async_op)
     source = tensor / g.size if op_name == "mean" else tensor
     reduce_op = "sum" if op_name == "mean" else op_name
+    if reduce_op in ("max", "min"):  # forward-only: its backward raises, as eagerly
+        return _result(P.ForwardOnly.apply(  # type: ignore[no-untyped-call]
+            source, "reduce_scatter", reduce_op, P.group_name(g), d, tuple(split), g.rank),
+            async_op)
     return _result(P.reduce_scatter_dim(source, d, split, g.rank, P.group_name(g), reduce_op),
                    async_op)
 
