@@ -772,3 +772,24 @@ def test_a_compiled_max_runs_its_forward_and_refuses_its_backward_as_eager():
         for name, (compiled, eager, said) in result.items():
             torch.testing.assert_close(compiled, eager, **TIGHT)
             assert name in said and "max" in said, said
+
+
+def _scatter_from_the_shape_at_new_lengths():
+    _fresh()
+    compiled = torch.compile(lambda full: tp.scatter(full, dim=0, src=0, exchange_meta=False) * 2,
+                             backend="aot_eager")
+    out = []
+    for length in (4, 6, 7):
+        full = rand(length, length, 2).float() if torch.distributed.get_rank() == 0 else \
+            tp.TensorPlaceholder((length, 2), torch.float32, owner=0)
+        eager = tp.scatter(full, dim=0, src=0, exchange_meta=False) * 2
+        out.append(torch.equal(compiled(full), eager))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_scatter_sized_from_the_shape_compiles_at_new_lengths():
+    """At a second length the placeholder rank's split raised (divmod of a symbolic int) and
+    it ran eagerly while the source rank ran the traced scatter: both waited for ever."""
+    assert run_distributed(_scatter_from_the_shape_at_new_lengths, 2, timeout=240) == \
+        [[True] * 3] * 2
