@@ -67,9 +67,9 @@ def raise_translated_peer(exc: RuntimeError, kind: str, group: Group, peer: int)
     ``peer`` is a rank within ``group``: the one that went away or did not arrive.
     """
     lost = _lost(exc)
-    _raise(exc, lost, f"{kind} with rank {_rank_in(group, peer)} on a group of {group.size} "
-                      f"(this rank is {_rank_in(group, group.rank)})",
-           f"rank {_rank_in(group, peer)}")
+    other = _rank_in(group, peer)
+    _raise(exc, lost, f"{kind} with rank {other} on a group of {group.size} (this rank is "
+                      f"{_rank_in(group, group.rank)})", f"rank {other}")
 
 
 def _lost(exc: RuntimeError) -> bool:
@@ -107,10 +107,9 @@ def _raise(exc: RuntimeError, lost: bool, head: str, missing: str | None,
     ) from exc
 
 
-def _ranks(ranks: list[int], group: Group | None = None) -> str:
+def _ranks(ranks: list[int], group: Group) -> str:
     """``"rank 2"`` or ``"ranks 0,2"`` (of a subgroup: ``"rank 1 (global rank 3)"``)."""
-    shown = [_rank_in(group, r) for r in ranks] if group is not None else list(map(str, ranks))
-    return f"rank{'s' if len(ranks) > 1 else ''} " + ",".join(shown)
+    return f"rank{'s' if len(ranks) > 1 else ''} " + ",".join(_rank_in(group, r) for r in ranks)
 
 
 def _rank_in(group: Group, rank: int) -> str:

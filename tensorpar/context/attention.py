@@ -279,7 +279,7 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                int(is_causal), 0 if window is None else window + 1, code,
                0 if whole is None else whole.shape[1] + 1,
                0 if whole is None else _fingerprint(whole, documents is not None),
-               _FUNCTIONS.index(fn) if fn in _FUNCTIONS else code_of(fn),
+               _FUNCTIONS.index(fn),
                int(scale is not None), 0 if scale is None else _bits(float(scale)),
                0 if given is None else code_of(tuple(given))]
     if size == 1:
@@ -310,8 +310,8 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     for i in range(2, _META):
         values = [m[i] for m in meta] if i != 10 else [bool(m[i]) for m in meta]
         if len(set(values)) > 1:
-            shown = [_FUNCTIONS[v] if 0 <= v < len(_FUNCTIONS) else v for v in values] \
-                if i == 12 else [_float(v) for v in values] if i == 14 else values
+            shown = [_FUNCTIONS[v] for v in values] if i == 12 else \
+                [_float(v) for v in values] if i == 14 else values
             raise CollectiveArgumentError(f"{fn}: the ranks disagree on the {names[i]}: "
                                           f"{shown} (rank order); expected one value")
     chunks = [m[1] for m in meta]

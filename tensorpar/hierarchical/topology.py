@@ -173,12 +173,12 @@ class Topology:
         layouts = [_layout(fn, members, declared) for members in _partition(fn, table)]
         me = world.rank
         topo: Topology | None = None
-        if declared == 0:  # detected: a machine is its key, whichever group its ranks are in
-            # (labels below -1, apart from a declared machine's lowest rank)
-            _comm.note_machines({rank: -2 - row[3] for rank, row in enumerate(table)})
+        # detected: a machine is its key, whichever group its ranks are in (labels below -1,
+        # apart from those of declared machines); declared: each group's, by its lowest rank
+        _comm.note_machines({rank: -2 - row[3] for rank, row in enumerate(table)}
+                            if declared == 0 else
+                            {r: min(m) for layout in layouts for m in layout.machines for r in m})
         for layout in layouts:  # every rank creates every subgroup, in this order
-            if declared:  # declared: a machine of each group, known by its lowest rank
-                _comm.note_machines({r: min(m) for m in layout.machines for r in m})
             machines, per_machine = len(layout.machines), len(layout.machines[0])
             intra = [_new_group(ranks) for ranks in layout.machines] if per_machine > 1 else []
             gather = ([_new_group(ranks) for ranks in layout.machines]
