@@ -247,3 +247,77 @@ def test_replicated_tokens_with_different_routings_raise_on_every_rank():
 def test_replicated_tokens_that_differ_are_caught_by_validation():
     with pytest.raises(tp.CollectiveMismatchError, match="hidden_states"):
         run_distributed(_not_replicated, 3, True, "tokens", timeout=T)
+
+
+def _few_experts(mode, n_experts):
+    """Fewer experts than ranks: a rank holds none, and still joins both passes."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    dense = MixtralExperts(MixtralConfig(hidden_size=4, intermediate_size=4,
+                                         num_local_experts=n_experts,
+                                         experts_implementation="eager")).double()
+    for p in dense.parameters():
+        torch.nn.init.normal_(p)
+    layer = ParallelExperts(dense, tokens=mode)
+    gen = torch.Generator().manual_seed(1 + (rank if mode == "local" else 0))
+    x = torch.randn(3, 4, dtype=torch.float64, generator=gen).requires_grad_()
+    index = torch.randint(0, n_experts, (3, 1), generator=gen)
+    weights = torch.rand(3, 1, dtype=torch.float64, generator=gen).requires_grad_()
+    out = layer(x, index, weights)
+    (out + x).sum().backward()  # a residual: x's gradient has a path around the experts
+    dense.zero_grad()
+    dx, dw = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    ref = dense(dx, index, dw)
+    (ref + dx).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, dx.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weights.grad, dw.grad, rtol=1e-12, atol=1e-12)
+    return layer.shard.sizes
+
+
+@pytest.mark.parametrize("mode", ["local", "replicated"])
+def test_fewer_experts_than_ranks(mode):
+    # the rank with no expert kept its output in the graph: before, its input gradient
+    # missed the experts' part (off by 30) and the other ranks waited for it in backward
+    sizes = run_distributed(_few_experts, 3, mode, 2, timeout=T)
+    assert sizes[0] == (1, 1, 0)
+
+
+class _UnequalExperts(torch.nn.Module):
+    """Six experts up, four down (transformers' LongcatFlash adds identity experts so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.act_fn = torch.nn.functional.silu
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(6, 8, 4))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 4, 4))
+
+
+def _unequal():
+    ParallelExperts(_UnequalExperts())
+
+
+def test_unequal_expert_counts_refused_on_every_rank():
+    from tensorpar.nn.experts import experts_problem
+
+    assert "6 experts in gate_up_proj, 4 in down_proj" in experts_problem("e", _UnequalExperts())
+    with pytest.raises(ValueError, match="6 experts in gate_up_proj, 4 in down_proj"):
+        run_distributed(_unequal, 2, timeout=T)
+
+
+def _permuted_routing():
+    layer = ParallelExperts.from_dense(_dense(), tokens="replicated")
+    index, weights = _routing("uniform", 6, 0)
+    x = torch.randn(6, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    if dist.get_rank() == 1:
+        index = index[[1, 0, 3, 2, 5, 4]]  # the same counts per expert, other tokens
+    layer(x, index, weights)
+
+
+def test_replicated_routing_that_differs_with_the_same_counts_raises():
+    # before: no error, the output off by 3.2 on rank 0
+    with pytest.raises(ValueError, match=r"routing \(top_k_index\) differs between ranks"):
+        run_distributed(_permuted_routing, 2, timeout=T)

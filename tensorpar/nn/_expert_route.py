@@ -235,9 +235,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
             raise ValueError(f"grouped_linear: counts sum to {sum(counts)}, x has {x.shape[0]}")
     else:
         parts = x.split(list(counts))
+        out = weight.shape[-1] if transposed else weight.shape[-2]
+        # no expert here (fewer experts than ranks): no row either, but the result stays
+        # in x's graph, so the mirrored all-to-all after it runs in backward too
         y = torch.cat([p @ weight[e] if transposed else F.linear(p, weight[e])
-                       for e, p in enumerate(parts)]) if parts else x.new_empty(
-            (0, weight.shape[-1] if transposed else weight.shape[-2]))
+                       for e, p in enumerate(parts)]) if parts else \
+            x.narrow(-1, 0, min(1, x.shape[-1])).expand(x.shape[0], out) * 0
     if bias is not None:
         y = y + bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0,
                                        output_size=x.shape[0])

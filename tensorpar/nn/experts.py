@@ -20,7 +20,7 @@ from tensorpar.nn._expert_route import (
 from tensorpar.nn.layers.linear import ShardedLayer
 from tensorpar.nn.state._shards import shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
-from tensorpar.validation import check
+from tensorpar.validation import check, checksum
 
 __all__ = ["ExpertParallel", "ParallelExperts", "experts_problem"]
 
@@ -189,7 +189,9 @@ class ParallelExperts(ShardedLayer):
                                              k, rounding_mode="floor")[valid]] = True
         # one small exchange: every rank must hold the same routing, or the split sizes
         # below would differ between ranks; all raise together if not
-        table = exchange_counts(torch.cat([counts, touched.sum(1)]), g)
+        # (and a checksum of the routing: other tokens for the same counts)
+        table = exchange_counts(torch.cat([counts, touched.sum(1), torch.tensor(
+            checksum(index), device=flat.device)]), g)
         _check_replicated_table(table, n_experts)
         starts = _starts(self.shard.sizes)
         lo, hi = starts[g.rank], starts[g.rank + 1]
@@ -297,6 +299,9 @@ def _layout_problem(experts: nn.Module) -> str | None:
     names = ("gate_up_proj" if has_gate else "up_proj", "down_proj")
     if not all(getattr(getattr(experts, n, None), "ndim", 0) == 3 for n in names):
         problems.append(f"stacked (3-D) {names[0]} and {names[1]} parameters")
+    elif (counts := [getattr(experts, n).shape[0] for n in names])[0] != counts[1]:
+        problems.append(f"as many experts in {names[0]} as in {names[1]} (not "
+                        f"{counts[0]} experts in {names[0]}, {counts[1]} in {names[1]})")
     if getattr(experts, "has_post_expert_norm", False):
         problems.append("no post-expert norm")
     if not getattr(experts, "is_concatenated", True):
@@ -317,7 +322,7 @@ def _check_replicated_table(table: list[list[int]], n_experts: int) -> None:
     if any(row != table[0] for row in table):
         differ = [r for r, row in enumerate(table) if row != table[0]]
         raise ValueError(f"{fn}: the routing (top_k_index) differs between ranks: rank(s) "
-                         f"{differ} count other tokens per expert than rank 0; expected the "
+                         f"{differ} route other tokens to the experts than rank 0; expected the "
                          f"same tokens and routing on every rank (else use tokens='local')")
     if table[0][n_experts] != _NONE_BAD:
         raise ValueError(f"{fn}: top_k_index holds {table[0][n_experts]} expert id(s) outside "
