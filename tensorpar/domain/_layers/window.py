@@ -113,9 +113,20 @@ class EmptyOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """Zero gradients for every input (the backward of the exchanges still runs)."""
-        return (None, *[None if s is None else torch.zeros(s[0], dtype=s[1], device=s[2])
-                        for s in ctx.specs])
+        """Zero gradients for every input (the backward of the exchanges still runs).
+
+        Under ``create_graph`` they are joined to ``g`` (which has no element: its sum is
+        an exact zero), so a gradient penalty's second backward runs through this rank's
+        exchanges as through its peers'.
+        """
+        link = g.sum() if torch.is_grad_enabled() and g.requires_grad else None
+        return (None, *[None if s is None else _zeros(s, link) for s in ctx.specs])
+
+
+def _zeros(spec: tuple[torch.Size, torch.dtype, torch.device], link: torch.Tensor | None
+           ) -> torch.Tensor:
+    zeros = torch.zeros(spec[0], dtype=spec[1], device=spec[2])
+    return zeros if link is None else zeros + link.to(spec[1])
 
 
 def _pads(module: Any, k: int) -> list[tuple[int, int]]:
