@@ -38,6 +38,7 @@ __all__ = [
     "default_group_timeout",
     "global_optimizer_hooks_hidden",
     "global_optimizer_post_hooks",
+    "gradient_is_captured",
     "local_offsets",
     "queue_engine_callback",
     "register_state_dict_post_hook",
@@ -77,6 +78,24 @@ def current_graph_task_id() -> int:
     """The running backward pass's id, or -1 outside one."""
     task: int = torch._C._current_graph_task_id()
     return task
+
+
+def gradient_is_captured(leaf: torch.Tensor) -> bool:
+    """Whether the running backward pass hands ``leaf``'s gradient back to its caller.
+
+    True under ``torch.autograd.grad`` with ``leaf`` among its inputs (nothing is added to
+    ``.grad``); False where the gradient is accumulated into ``.grad`` (``backward()``).
+    Call it from a hook on ``leaf`` while its gradient is computed. torch says so only by
+    refusing the question for a captured leaf, with an error that names ``autograd.grad()``.
+    """
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    try:
+        torch._C._will_engine_execute_node(node)
+    except RuntimeError as exc:
+        if "autograd.grad()" in str(exc):
+            return True
+        raise
+    return False
 
 
 def queue_engine_callback(callback: Callable[[], None]) -> None:

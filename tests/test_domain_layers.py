@@ -217,3 +217,40 @@ def test_validation_mode_takes_an_unbatched_tile_on_either_convolution_path():
     """The 1-row tile's convolution exchanges its rows unbatched, the others' overlapped
     path with a batch dim of 1: the same rows, which validation mode called a mismatch."""
     assert max(run_distributed(_unbatched_in_validation_mode, 3, timeout=T)) < TOL
+
+
+def _parameter_grads(sizes, create_graph):
+    import copy
+
+    import torch.distributed as dist
+
+    from tensorpar.nn import domain_mean, parallelize_domain
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(),
+                          nn.Conv2d(3, 1, 3, padding=1)).double()
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2, double_backward=create_graph)
+    x = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))
+    want = torch.autograd.grad(dense(x).square().mean(), list(dense.parameters()))
+    tile = x.narrow(2, sum(sizes[:rank]), sizes[rank])
+    got = torch.autograd.grad(domain_mean(par(tile).square()), list(par.parameters()),
+                              create_graph=create_graph)
+    assert all(p.grad is None for p in par.parameters())  # autograd.grad leaves .grad alone
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        total = g.detach().clone()
+        dist.all_reduce(total)  # the partial gradients sum to the dense one
+        worst = max(worst, (total - w).abs().max().item())
+    # and backward() afterwards still sums over the domain into .grad
+    domain_mean(par(tile).square()).backward()
+    for p, w in zip(par.parameters(), want, strict=True):
+        worst = max(worst, (p.grad - w).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_autograd_grad_of_the_parameters_gives_this_rank_s_partial_gradient(create_graph):
+    # before: zeros came back, and the sums went into .grad behind the call's back
+    assert max(run_distributed(_parameter_grads, 3, [5, 0, 4], create_graph, timeout=T)) < TOL

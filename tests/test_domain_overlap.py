@@ -74,6 +74,15 @@ def test_double_backward_through_overlapped_convolutions_is_refused_clearly():
         assert "double_backward=True" in message
 
 
+@pytest.mark.parametrize("sizes", [[5, 0, 4], [1, 9, 6]])
+@pytest.mark.parametrize("net", [_net, _normed_net])
+def test_double_backward_on_the_fast_paths_is_refused_on_every_rank(sizes, net):
+    # a rank with an empty or a narrow tile takes another path than its peers: it went on
+    # to its exchanges and waited there for the peers that had refused
+    for message in run_distributed(_penalty, 3, False, sizes, net, timeout=T):
+        assert "double_backward=True" in message
+
+
 def _float32_net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU(),

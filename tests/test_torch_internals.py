@@ -87,6 +87,18 @@ def test_backward_pass_internals():
     assert seen[0] != -1 and seen[1:] == ["after"]
 
 
+def test_a_captured_gradient_is_told_apart():
+    w = nn.Parameter(torch.ones(2))
+    x = torch.ones(2, requires_grad=True)
+    seen = []
+    w.register_hook(lambda g: seen.append(_torch.gradient_is_captured(w)))
+    (w * x).sum().backward()
+    torch.autograd.grad((w * x).sum(), [w])
+    torch.autograd.grad((w * x).sum(), [x, w], create_graph=True)
+    (w * x).sum().backward(inputs=[w])
+    assert seen == [False, True, True, False]
+
+
 def _distributed_internals():
     from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from tensorpar._torch import queue_engine_callback
+from tensorpar._torch import gradient_is_captured, queue_engine_callback
 from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
@@ -434,8 +434,9 @@ def _hook_parameters(module: nn.Module, ctx: DomainContext, recurse: bool = Fals
     gradient as it arrives could pair different parameters' all-reduces. Each gradient
     hook keeps the partial gradient aside and lets zeros through; the end of the backward
     adds the sums to ``.grad`` (so accumulation over several backward passes stays exact).
-    Gradients asked for with ``torch.autograd.grad`` do not include these sums: use
-    ``backward()``.
+    ``torch.autograd.grad`` with respect to parameters returns this rank's partial
+    gradients as they are (the sums are not made, ``.grad`` is left alone): use
+    ``backward()`` for the sums.
 
     Under a data-parallel reducer (`BucketedAllReduce`, `DistributedDataParallel`) the
     reducer makes the sums in its buckets instead (see ``tensorpar.ddp._partial_sums``), and
@@ -463,6 +464,8 @@ def _keeper(ctx: DomainContext, index: int) -> Callable[[torch.Tensor], torch.Te
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if ctx.handed_over or all(g.is_single for g in ctx.groups):
             return grad  # a data-parallel reducer sums over the domain (or there is none)
+        if gradient_is_captured(ctx.params[index]):
+            return grad  # torch.autograd.grad: this rank's partial gradient, .grad untouched
         kept = ctx.kept.get(index)
         ctx.kept[index] = grad.detach() if kept is None else kept + grad.detach()
         if not ctx.finish_queued:

@@ -18,7 +18,7 @@ from tensorpar.comm._compiling import autocast_on
 from tensorpar.comm._group import Group
 from tensorpar.domain._tiles.ahead import Request
 from tensorpar.domain._tiles.layout import DomainContext, anchor_sizes
-from tensorpar.domain._tiles.overlap import overlap_applies, overlapped_conv
+from tensorpar.domain._tiles.overlap import ONCE, overlap_applies, overlapped_conv
 from tensorpar.domain._tiles.rows import RowPlan, assemble, gather_rows, halo_pool, offsets
 
 __all__ = ["EmptyOut", "conv_forward", "fetch_window", "per_dim", "pool_forward",
@@ -178,17 +178,45 @@ def conv_forward(module: Any, ctx: DomainContext, x: torch.Tensor) -> torch.Tens
                          window_len(n, ke[j], module.stride[j], *pads[j], False, where))
         out: torch.Tensor = EmptyOut.apply(  # type: ignore[no-untyped-call]
             tuple(shape), x, module.weight, module.bias)
-        return out
+        return _first_order(ctx, out)
     conv = getattr(F, f"conv{k}d")
     if mode == "zeros" and all(a == b for a, b in rest):
         y: torch.Tensor = conv(x, module.weight, module.bias, module.stride,
                                tuple(a for a, _ in rest), module.dilation, module.groups)
-        return y
+        return _first_order(ctx, y)
     spec = [v for a, b in reversed(rest) for v in (a, b)]
     if any(spec):
         x = F.pad(x, spec, mode="constant" if mode == "zeros" else mode)
     y = conv(x, module.weight, module.bias, module.stride, 0, module.dilation, module.groups)
-    return y
+    return _first_order(ctx, y)
+
+
+def _first_order(ctx: DomainContext, y: torch.Tensor) -> torch.Tensor:
+    """``y``, refusing a second derivative as the overlapped path does (fast mode only).
+
+    Which path a rank takes depends on its tile (an empty or a narrow one takes this one):
+    a rank that went on into its exchanges would wait there for peers that had refused.
+    """
+    if not ctx.fast:
+        return y
+    out: torch.Tensor = FirstOrder.apply(y)  # type: ignore[no-untyped-call]
+    return out
+
+
+class FirstOrder(torch.autograd.Function):
+    """Identity whose backward refuses ``create_graph`` (the fast mode's convolutions)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        """``y`` as it is."""
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        """``g`` as it is, or the overlapped convolution's refusal under ``create_graph``."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(ONCE)
+        return g
 
 
 def _sent_ahead(ctx: DomainContext, x: torch.Tensor, request: Request, fetches: list[Fetch],

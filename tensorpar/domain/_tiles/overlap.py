@@ -34,7 +34,12 @@ from tensorpar.domain._tiles.rows import (
     validate_rows,
 )
 
-__all__ = ["overlapped_conv", "overlap_applies"]
+__all__ = ["ONCE", "overlapped_conv", "overlap_applies"]
+
+# the default mode's convolutions refuse a second derivative, whichever path they took
+ONCE = ("a domain-parallel convolution is differentiable once by default (it computes while "
+        "its halo travels); for double backward convert the model with "
+        "parallelize_domain(..., double_backward=True)")
 
 
 class Bands(NamedTuple):
@@ -189,10 +194,7 @@ class _HaloConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will be asked for
-            raise RuntimeError(
-                "a domain-parallel convolution computed while its halo travelled is "
-                "differentiable once; for double backward convert the model with "
-                "parallelize_domain(..., double_backward=True)")
+            raise RuntimeError(ONCE)
         return _backward(ctx, gy)
 
 
