@@ -164,3 +164,36 @@ def test_t5_plan_gathers_attention_and_splits_the_mlp():
     assert plan["**.DenseReluDense.wi"] == Colwise()
     assert {k for k, v in plan.items() if isinstance(v, tp.nn.Vocab)} == {
         "shared", "encoder.embed_tokens", "decoder.embed_tokens"}
+
+
+def _tiny_llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=4, **kw))
+
+
+def _shared_mask_warnings(model, **kw):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan_from_transformers(model, **kw)
+    return [str(w.message) for w in seen if "draws the same masks" in str(w.message)]
+
+
+def test_dropout_over_split_heads_or_slices_warns():
+    # every rank's heads drew the same dropout masks (measured at TP 2 with attention
+    # dropout 0.5: rank 0's masks equal rank 1's), and nothing said so
+    from transformers import BertConfig, BertModel
+
+    (message,) = _shared_mask_warnings(_tiny_llama(attention_dropout=0.25))
+    assert "(attention_dropout=0.25)" in message
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                num_attention_heads=4, intermediate_size=32))
+    assert "attention_probs_dropout_prob=0.1" in _shared_mask_warnings(bert)[0]
+    assert _shared_mask_warnings(_tiny_llama()) == []
+    # hidden dropout is on whole (replicated) tensors, unless the sequence is split
+    assert _shared_mask_warnings(_tiny_llama(hidden_dropout=0.1)) == []
+    (message,) = _shared_mask_warnings(_tiny_llama(hidden_dropout=0.1), sequence_parallel=True)
+    assert "hidden_dropout=0.1" in message

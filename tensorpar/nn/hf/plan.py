@@ -104,10 +104,12 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     if arch in ("t5", "mt5"):
         if sequence_parallel:
             sequence_parallel_plan(model, {}, "")  # refuses encoder-decoder models
+        _warn_of_shared_masks(fn, config, sequence_parallel)
         return _with_embeddings(model, _t5(model, reduce_dtype), lm_head)
     if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
                          f"({type(model).__name__}); write one by hand (see parallelize)")
+    _warn_of_shared_masks(fn, config, sequence_parallel)
     try:
         heads, kv_heads, head_dim = _heads(config)
     except Exception as e:  # e.g. a config whose sizes vary per layer refuses the reads
@@ -369,6 +371,30 @@ def _t5(model: nn.Module, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
             plan[f"**.DenseReluDense.{proj}"] = Colwise()
     plan["**.DenseReluDense.wo"] = Rowwise(reduce_dtype=reduce_dtype)
     return plan
+
+
+# the config fields of dropout over the split heads, and over the sequence's slices
+_HEAD_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout_rate")
+_HIDDEN_DROPOUT = ("hidden_dropout", "resid_pdrop", "hidden_dropout_prob", "embd_pdrop")
+
+
+def _warn_of_shared_masks(fn: str, config: Any, sequence_parallel: object) -> None:
+    """Warn where dropout would draw the same masks on every rank's part of a tensor.
+
+    Every rank of the group holds the same random state (it must: a replicated tensor's
+    mask has to agree), so dropout over a split tensor gives each rank's part the masks of
+    every other rank's part: correlated, where the dense model's are independent.
+    """
+    fields = _HEAD_DROPOUT + (_HIDDEN_DROPOUT if sequence_parallel else ())
+    rates = {f: v for f in fields if isinstance(v := getattr(config, f, None), (int, float))
+             and v > 0}
+    if rates:
+        warnings.warn(f"{fn}: {config.model_type}: dropout over a tensor split across the ranks "
+                      f"({', '.join(f'{f}={v}' for f, v in rates.items())}) draws the same "
+                      f"masks on every rank's part (the heads, or the sequence's slices): "
+                      f"correlated where the dense model's are independent. Train with these "
+                      f"rates at 0, or accept the correlation (eval and inference are "
+                      f"unaffected)", stacklevel=3)
 
 
 _OWN_PLANS = {"phi3": _phi3, "gpt2": _gpt2, "gpt_neox": _gpt_neox, "bert": _bert}
