@@ -58,6 +58,10 @@ CONVERTED: dict[str, Head] = {
         y[:, torch.tensor([[0, 1], [2, 3]])].mean((3, 4)).flatten(1)),
     "channels picked by a list, then a mean": lambda m, y: m.fc(
         y[:, [3, 2, 1, 0], None].mean((3, 4))[:, :, 0]),
+    "einsum over channels with its operands as a list, then a mean": lambda m, y: m.fc(
+        torch.einsum("bchw,dc->bdhw", [y, m.mix]).mean((2, 3))),
+    "tensordot over channels, then a mean": lambda m, y: m.fc(
+        torch.tensordot(y, m.mix, dims=([1], [0])).mean((1, 2))),
     "einsum with an ellipsis over channels, then a mean": lambda m, y: m.fc(
         torch.einsum("bc...,dc->bd...", y, m.mix).flatten(2).mean(-1)),
     "einsum with an ellipsis, point by point": lambda m, y: m.fc(
@@ -128,6 +132,16 @@ REFUSED: dict[str, Head] = {
     "inner product along rows moved last":
         lambda m, y: torch.inner(y.transpose(2, 3), y.transpose(2, 3)),
     "lp_pool2d over rows": lambda m, y: F.lp_pool2d(y, 2, 3),
+    # (products that ran on the tile, each rank's part of the dense value, silently)
+    "tensordot of two tiles over rows": lambda m, y: torch.tensordot(y, y, dims=([2], [2])),
+    "tensordot of a tile with a weight over rows": lambda m, y: torch.tensordot(
+        y.transpose(2, 3), torch.ones(y.shape[2], 3, dtype=y.dtype), dims=1),
+    "einsum with its operands as a list": lambda m, y: torch.einsum("bchw,bchv->bcwv", [y, y]),
+    "kron of a tile and a matrix": lambda m, y: torch.kron(y, torch.ones(2, 2, dtype=y.dtype)),
+    "kron of a matrix and a tile": lambda m, y: torch.kron(torch.ones(2, 2, dtype=y.dtype), y),
+    "trace of one image's rows": lambda m, y: y[0, 0].trace() * y,
+    "cov of one image's rows": lambda m, y: torch.cov(y[0, 0]),
+    "corrcoef of one image's columns": lambda m, y: torch.corrcoef(y[0, 0].T),
     "lp_pool1d over rows moved last": lambda m, y: F.lp_pool1d(y.transpose(2, 3).flatten(0, 1),
                                                                 2, 2),
 }

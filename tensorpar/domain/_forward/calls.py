@@ -36,6 +36,7 @@ from tensorpar.domain._forward.points import (
     indexed_dims,
     pairs_points,
     reduced_dims,
+    tensordot_points,
 )
 from tensorpar.domain._forward.reductions import loss_reduction, reduce_tile, refuse_mean_loss
 from tensorpar.domain._forward.shares import share_gradients
@@ -226,14 +227,16 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"the gathered tensor")
             points = self.follower.points
             if ((func in _PRODUCTS and pairs_points(args, [points(a) for a in args[:2]]))
-                    or (func is torch.einsum and einsum_points(args, points)[1])):
+                    or (func is torch.einsum and einsum_points(args, points)[1])
+                    or (func is torch.tensordot and tensordot_points(args, kwargs, points))
+                    or (func is torch.kron and any(points(a) for a in args[:2]))):
                 raise ValueError(
                     f"{getattr(func, '__name__', func)} (domain-parallel) pairs two tiles' "
-                    f"points or sums a tile over its points (attention written by hand?): it "
-                    f"would see the tile's points alone. Attention over the domain is converted in "
-                    f"diffusers' and MONAI's attention blocks (tensorpar.nn.ring_attention "
-                    f"for your own)")
-            if func not in _PRODUCTS and func is not torch.einsum and \
+                    f"points, sums a tile over its points or interleaves them with another "
+                    f"tensor's (attention written by hand?): it would see the tile's points "
+                    f"alone. Attention over the domain is converted in diffusers' and MONAI's "
+                    f"attention blocks (tensorpar.nn.ring_attention for your own)")
+            if func not in _PRODUCTS and func not in _PRODUCT_CALLS and \
                     (orders := self._tile_orders(args)) is not None:
                 raise ValueError(
                     f"{getattr(func, '__name__', func)} (domain-parallel) combines tiles "
@@ -386,6 +389,8 @@ _UNTRACKED = Scan(set(), 0, [], False)  # (never changed)
 _PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
                        torch.bmm, torch.Tensor.bmm})
 """Products of two tensors: two tiles' may pair every point with every other."""
+_PRODUCT_CALLS = frozenset({torch.einsum, torch.tensordot, torch.kron})
+"""Products read by their own rules (subscripts, contracted dims)."""
 _ROLLS = frozenset({torch.roll, torch.Tensor.roll})
 
 _SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,

@@ -29,6 +29,7 @@ from tensorpar.domain._forward.points import (
     reduced_dims,
     regroups,
     reshape_groups,
+    tensordot_free,
 )
 from tensorpar.domain._tiles import agree
 from tensorpar.domain._tiles.layout import DomainContext
@@ -128,11 +129,16 @@ class Follower:
                     self.ctx.marks.mark_unread(t, kept)
             return
         if func is torch.einsum:  # its subscripts name the dims
+            if len(args) == 2 and isinstance(args[1], (tuple, list)):  # operands as a list
+                args = (args[0], *args[1])
             held, _ = einsum_points(args, self.points)
             if isinstance(out, torch.Tensor) and held is not None:
                 first = next((t for t in args[1:] if self.points(t)), None)
                 self.hold(out, held, None, self._einsum_order(args, first),
                           self.merged(first) if len(held) == 1 else None)
+            return
+        if func is torch.tensordot:  # the free dims of a, then of b
+            self._follow_tensordot(args, kwargs, out)
             return
         x = args[0] if args else kwargs.get("input")
         name = call_name(func)
@@ -200,6 +206,23 @@ class Follower:
         else:
             self.hold(out, held, out_block, _in_order(order, held),
                       merged if len(held) == 1 else None)
+
+    def _follow_tensordot(self, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """Where ``tensordot``'s output holds its one tile's points (two are refused)."""
+        operands = tensordot_free(args, kwargs)
+        if operands is None or not isinstance(out, torch.Tensor):
+            return
+        start = 0
+        for t, free in operands:
+            src = self.points(t)
+            if src and src <= set(free):
+                order = self.order(t)
+                self.hold(out, frozenset(start + free.index(d) for d in src), None,
+                          None if order is None else tuple(start + free.index(d)
+                                                           for d in order),
+                          self.merged(t) if len(src) == 1 else None)
+                return
+            start += len(free)
 
     def _einsum_order(self, args: Sequence[Any], first: Any) -> Order | None:
         """Where ``einsum`` puts each of the tile ``first``'s split dims (dim by dim)."""

@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["Block", "Points", "after_reduction", "call_name", "cut_dim", "einsum_points", "follow",
            "follow_block", "indexed_dims", "pairs_points", "reading_block", "readings",
-           "reduced_dims", "regroups", "reshape_groups"]
+           "reduced_dims", "regroups", "reshape_groups", "tensordot_free", "tensordot_points"]
 
 Points = frozenset[int]
 Block = tuple[int, int]
@@ -68,6 +68,8 @@ _DIM_AT: dict[str, tuple[int, int | tuple[int, ...] | None]] = {
     # distances between the rows of the last two dims
     "msort": (_KEYWORD, 0), "dist": (_KEYWORD, None), "linalg_vecdot": (_KEYWORD, -1),
     "inner": (_KEYWORD, -1), "cdist": (_KEYWORD, (-2, -1)),
+    # a matrix's diagonal summed; covariances between rows over the columns
+    "trace": (_KEYWORD, (-2, -1)), "cov": (_KEYWORD, None), "corrcoef": (_KEYWORD, None),
     **{f"fft_{kind}fft": (2, -1) for kind in ("", "i", "r", "ir", "h", "ih")},
     **{f"fft_{kind}fft2": (2, (-2, -1)) for kind in ("", "i", "r", "ir", "h", "ih")},
     **{f"fft_{kind}fftn": (2, None) for kind in ("", "i", "r", "ir", "h", "ih")},
@@ -80,7 +82,7 @@ _WHOLE = frozenset({
     "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "max", "min",
     "std", "var", "var_mean", "std_mean", "median", "nanmedian", "argmax", "argmin", "norm",
     "linalg_vector_norm", "linalg_norm", "quantile", "nanquantile", "count_nonzero", "all",
-    "any", "gradient", "fft_fftshift", "fft_ifftshift", "dist",
+    "any", "gradient", "fft_fftshift", "fft_ifftshift", "dist", "cov", "corrcoef",
     *(f"fft_{kind}fftn" for kind in ("", "i", "r", "ir", "h", "ih"))})
 """Those that reduce the whole tensor where no dim is given."""
 
@@ -358,6 +360,8 @@ def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
     covers. ``(None, False)`` where the subscripts are not read (no ``->``, operands as a
     list).
     """
+    if len(args) == 2 and isinstance(args[1], (tuple, list)):  # operands as one list
+        args = (args[0], *args[1])
     if len(args) < 2 or not isinstance(args[0], str) or "->" not in args[0]:
         return None, False
     inputs, output = args[0].replace(" ", "").split("->")
@@ -432,6 +436,49 @@ def pairs_points(args: Sequence[Any], points: Sequence[Points | None]) -> bool:
         return False
     return (a.dim() - 2 in points[0] and b.dim() - 1 in points[1]) or \
         (a.dim() - 1 in points[0] and b.dim() - 2 in points[1])
+
+
+def tensordot_points(args: Sequence[Any], kwargs: dict[str, Any],
+                     points: Callable[[Any], Points | None]) -> bool:
+    """Whether ``torch.tensordot`` pairs two tiles' points or sums a tile over its points.
+
+    Two tiles pair every point with every other (or sum over them where contracted); one
+    tile is summed over its points where a contracted dim holds them.
+    """
+    operands = tensordot_free(args, kwargs)
+    if operands is None:
+        return any(points(t) for t in args[:2])  # (not read: refused rather than guessed)
+    held = [points(t) for t, _ in operands]
+    if all(held):
+        return True
+    return any(h and not h <= set(free) for h, (_, free) in zip(held, operands, strict=True))
+
+
+def tensordot_free(args: Sequence[Any], kwargs: dict[str, Any]
+                   ) -> list[tuple[torch.Tensor, list[int]]] | None:
+    """``torch.tensordot``'s two operands, each with its dims not contracted, in order.
+
+    The output holds ``a``'s free dims, then ``b``'s. ``None`` where the call is not read.
+    """
+    a = args[0] if args else kwargs.get("a")
+    b = args[1] if len(args) > 1 else kwargs.get("b")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return None
+    dims = args[2] if len(args) > 2 else kwargs.get("dims", 2)
+    if isinstance(dims, torch.Tensor):
+        dims = dims.tolist()
+    contracted: Sequence[Sequence[int]]
+    if isinstance(dims, int) and not isinstance(dims, bool):
+        contracted = (range(a.dim() - dims, a.dim()), range(dims))
+    elif isinstance(dims, (tuple, list)) and len(dims) == 2:
+        contracted = [[d] if isinstance(d, int) else list(d) for d in dims]
+    else:
+        return None
+    out = []
+    for t, c in zip((a, b), contracted, strict=True):
+        gone = {d % max(t.dim(), 1) for d in c}
+        out.append((t, [d for d in range(t.dim()) if d not in gone]))
+    return out
 
 
 def _arg(rest: Sequence[Any], kwargs: dict[str, Any], i: int, key: str, default: Any) -> Any:
