@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from tensorpar.collectives.functional import all_gather, all_to_all
+from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 
 __all__ = ["distributed_fft2", "distributed_rfft2_apply"]
@@ -32,12 +33,26 @@ SpectrumFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 def _fft(t: torch.Tensor, dim: int, norm: Norm, inverse: bool) -> torch.Tensor:
     if t.numel() == 0:  # a rank with no rows (the FFT libraries refuse empty batches)
+        _probe(torch.fft.ifft if inverse else torch.fft.fft, t, norm)
         return t.to(torch.promote_types(t.dtype, torch.complex64)) * 1
     out: torch.Tensor = (torch.fft.ifft if inverse else torch.fft.fft)(t, dim=dim, norm=norm)
     return out
 
 
+def _probe(transform: Callable[..., torch.Tensor], t: torch.Tensor, norm: Norm) -> None:
+    """Run ``transform`` on two points of ``t``'s dtype (an empty tile's stand-in).
+
+    The empty tile refuses what torch refuses on its peers' tiles (a dtype, a norm) before
+    any rank reaches an exchange.
+    """
+    transform(torch.zeros(2, dtype=t.dtype, device=t.device), norm=norm)
+
+
 def _dims(fn: str, x: torch.Tensor, split_dim: int, other_dim: int) -> tuple[int, int]:
+    for d in (split_dim, other_dim):
+        if not -x.ndim <= d < x.ndim:
+            raise IndexError(f"{fn}: dimension out of range (expected to be in range of "
+                             f"[{-x.ndim}, {x.ndim - 1}], but got {d})")
     s, o = split_dim % x.ndim, other_dim % x.ndim
     if s == o:
         raise ValueError(f"{fn}: split_dim={split_dim} and other_dim={other_dim} are the same "
@@ -105,6 +120,7 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
 
     Raises:
         ValueError: ``split_dim`` and ``other_dim`` are the same dim.
+        IndexError: either dim is out of range.
 
     Shape:
         ``x``: ``(*, N_r, *, M, *)`` (``N_r`` this rank's rows); output: the same shape.
@@ -117,6 +133,11 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
         >>> torch.allclose(y, torch.fft.fft2(x))
         True
     """
+    if compiling():
+        out: torch.Tensor = _eagerly(distributed_fft2, x, split_dim=split_dim,
+                                     other_dim=other_dim, group=group, norm=norm,
+                                     inverse=inverse)
+        return out
     g = resolve_group(group, "distributed_fft2")
     s, o = _dims("distributed_fft2", x, split_dim, other_dim)
     y = _fft(x, o, norm, inverse)  # (.., N_r, .., M)
@@ -129,9 +150,20 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
     return _to_rows(y, s, o, g, rows, width)  # (.., N_r, .., M)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _eagerly(transform: Callable[..., torch.Tensor], *args: object, **kwargs: object
+             ) -> torch.Tensor:
+    """``transform`` outside the compiled graph (dynamo breaks the graph around it).
+
+    Each rank's rows are exchanged on the host, and the transposes are complex all-to-alls.
+    """
+    return transform(*args, **kwargs)
+
+
 def _rfft(t: torch.Tensor, dim: int, norm: Norm, keep: int) -> torch.Tensor:
     """The first ``keep`` columns of ``torch.fft.rfft`` along ``dim``."""
     if t.numel() == 0:  # an empty tile: same shape as rfft's, still in the graph
+        _probe(torch.fft.rfft, t, norm)
         return t.to(torch.promote_types(t.dtype, torch.complex64)).narrow(dim, 0, keep)
     out: torch.Tensor = torch.fft.rfft(t, dim=dim, norm=norm)
     return out.narrow(dim, 0, keep)
@@ -140,6 +172,7 @@ def _rfft(t: torch.Tensor, dim: int, norm: Norm, keep: int) -> torch.Tensor:
 def _irfft(t: torch.Tensor, dim: int, n: int, norm: Norm) -> torch.Tensor:
     """``torch.fft.irfft`` to ``n`` points (columns past ``t``'s are zeros)."""
     if t.numel() == 0:
+        _probe(torch.fft.irfft, t, norm)
         real = t.real
         pad = list(real.shape)
         pad[dim] = n - real.shape[dim]
@@ -176,7 +209,8 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         split_dim: the dim the tiles split.
         other_dim: the real-to-complex dim (whole on every rank).
         columns: kept columns of the ``other_dim`` spectrum (default: all, ``M // 2 + 1``).
-        sizes: every rank's rows along ``split_dim`` if known (saves one small all-gather).
+        sizes: every rank's rows along ``split_dim`` if known (saves one small all-gather;
+            only this rank's entry is checked, unless in validation mode).
         group: the process group (``None``: the default group, resolved at call time).
         norm: as in ``torch.fft.rfft2`` (and the inverse).
 
@@ -186,6 +220,7 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
     Raises:
         ValueError: ``split_dim`` equals ``other_dim``, ``columns`` is out of range, or
             ``sizes`` disagrees with this rank's tile.
+        IndexError: either dim is out of range.
 
     Shape:
         ``x``: ``(*, N_r, *, M, *)``; ``fn`` gets ``(*, N, *, c, *)``; output:
@@ -199,6 +234,11 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         >>> torch.allclose(y, 2 * x, atol=1e-6)  # one rank: irfft2(2 rfft2(x))
         True
     """
+    if compiling():
+        out: torch.Tensor = _eagerly(distributed_rfft2_apply, x, fn, split_dim=split_dim,
+                                     other_dim=other_dim, columns=columns, sizes=sizes,
+                                     group=group, norm=norm)
+        return out
     name = "distributed_rfft2_apply"
     g = resolve_group(group, name)
     s, o = _dims(name, x, split_dim, other_dim)

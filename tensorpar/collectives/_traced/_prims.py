@@ -126,7 +126,12 @@ def all_to_all_dims(x: torch.Tensor, split_dim: int, concat_dim: int, sizes: Seq
     """
     n, mine = len(sizes), sizes[rank]
     front = _to_front(x, split_dim)  # (L, *rest)
-    recv = wait(_C.all_to_all_single(front, [mine] * n, list(sizes), name))  # (n * mine, *rest)
+    if front.is_complex():  # (gloo's all-to-all takes no complex type: its real pairs)
+        pairs = torch.view_as_real(front.contiguous())
+        recv = torch.view_as_complex(
+            wait(_C.all_to_all_single(pairs, [mine] * n, list(sizes), name)))
+    else:
+        recv = wait(_C.all_to_all_single(front, [mine] * n, list(sizes), name))  # (n*mine, ..)
     chunks = [recv.narrow(0, r * mine, mine) for r in range(n)]
     if split_dim != 0:
         chunks = [c.movedim(0, split_dim) for c in chunks]
