@@ -39,6 +39,7 @@ __all__ = [
     "global_optimizer_hooks_hidden",
     "global_optimizer_post_hooks",
     "gradient_is_captured",
+    "has_post_accumulate_hooks",
     "local_offsets",
     "queue_engine_callback",
     "register_state_dict_post_hook",
@@ -96,6 +97,12 @@ def gradient_is_captured(leaf: torch.Tensor) -> bool:
             return True
         raise
     return False
+
+
+def has_post_accumulate_hooks(param: torch.Tensor) -> bool:
+    """Whether ``param`` has hooks that run once its gradient is accumulated into ``.grad``."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return bool(hooks)
 
 
 def queue_engine_callback(callback: Callable[[], None]) -> None:

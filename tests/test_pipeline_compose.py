@@ -295,6 +295,44 @@ def test_fsdp2_with_zero_bubble_raises_on_every_rank():
         assert "schedule='zero-bubble' computes the weights' gradients" in message
 
 
+def _reducer_with_zero_bubble(kind):
+    pp_group, dp_group = mesh_groups(2, 2)  # (pp groups strided: replicas of a stage)
+    pipe = tp.nn.pipeline(sequential(), group=pp_group, microbatches=3, loss_fn=F.mse_loss,
+                          schedule="zero-bubble")
+    if kind == "reducer":
+        tp.BucketedAllReduce(pipe, group=dp_group)
+    else:
+        tp.nn.DistributedDataParallel(pipe, process_group=dp_group)
+    return _step_error(pipe, *batch(6, 0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["reducer", "wrapper"])
+def test_a_data_parallel_reducer_with_zero_bubble_raises_on_every_rank(kind):
+    # the W half writes .grad itself: the reducer's hooks never ran, and the later stages
+    # kept their replica's own gradients (0.22 off dense), silently
+    for message in run_distributed(_reducer_with_zero_bubble, 4, kind, timeout=100):
+        assert "would not be averaged" in message and "has one" in message
+
+
+def _sequence_parallel_stage():
+    pp_group, tp_group = mesh_groups(2, 2)
+    model = llama()
+    tp.parallelize(model, plan_from_transformers(llama(), lm_head="gathered",
+                                                 sequence_parallel=True), group=tp_group)
+    pipe = tp.nn.pipeline(model, group=pp_group, microbatches=2, loss_fn=lm_loss)
+    ids = tokens(0, length=9)
+    return _step_error(pipe, ids, ids)
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallelism_inside_a_stage_raises_on_every_rank():
+    # the next stage could not tell the split: it raised "a gather ran before any
+    # SequenceSplit" (pointing at the plan) and the first stage "no gradient came"
+    for message in run_distributed(_sequence_parallel_stage, 4, timeout=100):
+        assert "planned with sequence parallelism" in message
+
+
 @pytest.mark.timeout(60)
 def test_fsdp2_on_the_pipeline_itself_raises_on_every_rank():
     for message in run_distributed(_fsdp_on_the_pipeline_itself_raises, 2, timeout=50):

@@ -87,6 +87,15 @@ def test_backward_pass_internals():
     assert seen[0] != -1 and seen[1:] == ["after"]
 
 
+def test_post_accumulate_hooks_are_seen():
+    w = nn.Parameter(torch.ones(2))
+    assert not _torch.has_post_accumulate_hooks(w)
+    handle = w.register_post_accumulate_grad_hook(lambda p: None)
+    assert _torch.has_post_accumulate_hooks(w)
+    handle.remove()
+    assert not _torch.has_post_accumulate_hooks(w)
+
+
 def test_a_captured_gradient_is_told_apart():
     w = nn.Parameter(torch.ones(2))
     x = torch.ones(2, requires_grad=True)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from tensorpar._torch import is_fsdp_module
+from tensorpar._torch import has_post_accumulate_hooks, is_fsdp_module
 from tensorpar.collectives._autograd import torch_op
 from tensorpar.comm._comm import all_reduce
 from tensorpar.comm._group import Group, GroupLike, resolve_group
@@ -603,6 +603,22 @@ class Pipeline(nn.Module):
             return (f"Pipeline.step: schedule={SPLIT!r} computes the weights' gradients "
                     f"apart from the backward that FSDP2 reduces them after; use "
                     f"schedule='1f1b' with fully_shard, or tensorpar.pipeline.average_gradients")
+        if self.schedule == SPLIT and (hooked := next(
+                (n for n, p in self.named_parameters() if has_post_accumulate_hooks(p)), None)):
+            return (f"Pipeline.step: schedule={SPLIT!r} writes the weights' gradients into "
+                    f".grad itself, apart from the backward, so hooks that run once a "
+                    f"gradient is accumulated would not see them, and {hooked!r} has one "
+                    f"(a BucketedAllReduce or tensorpar's DistributedDataParallel across "
+                    f"replicas, register_post_accumulate_grad_hook): the replicas' gradients "
+                    f"would not be averaged. Use schedule='1f1b', or "
+                    f"tensorpar.pipeline.average_gradients after the step")
+        if (planned := next((n for n, m in self.named_modules()
+                             if _sequence_parallel(m)), None)) is not None:
+            return (f"Pipeline.step: {planned!r} is planned with sequence parallelism, which "
+                    f"a pipeline stage does not support yet: the activation crossing a stage "
+                    f"boundary is this rank's slice of the sequence, and the next stage "
+                    f"cannot tell how the sequence was split. Plan the model without "
+                    f"sequence_parallel")
         if self._tied and self._fsdp_modules:
             return ("Pipeline.step: a parameter tied across stages (a tied embedding and LM "
                     "head) under fully_shard is not supported; untie it or shard the "
@@ -903,3 +919,14 @@ def _wait_all(works: list[tuple[Any, Any]] | None) -> None:
     for work, _ in works or []:
         if not work.is_completed():
             work.wait()
+
+
+def _sequence_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` is a tensor-parallel layer planned with sequence parallelism.
+
+    Read by its ``sequence`` layout (`tensorpar.nn.sequence.SequenceShards`), named rather
+    than imported: the ``nn`` package builds on this one.
+    """
+    layout = getattr(module, "sequence", None)
+    return type(layout).__name__ == "SequenceShards" and \
+        type(layout).__module__ == "tensorpar.nn.sequence"
