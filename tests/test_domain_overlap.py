@@ -33,7 +33,7 @@ def _normed_net():
                          ).double()
 
 
-def _penalty(double_backward, sizes, net=_net):
+def _penalty(double_backward, sizes, net=_net, linear=False):
     rank = dist.get_rank()
     dense = net()
     x = torch.randn(2, 2, sum(sizes), 7, dtype=torch.float64, generator=torch.Generator()
@@ -41,18 +41,23 @@ def _penalty(double_backward, sizes, net=_net):
     par = parallelize_domain(copy.deepcopy(dense), dims=-2,
                              double_backward=double_backward)
     xd = x.clone().requires_grad_()
-    (gd,) = torch.autograd.grad(dense(xd).square().sum(), xd, create_graph=True)
+    def loss(y):  # (linear in the output: its gradient is a constant)
+        return y.sum() if linear else y.square().sum()
+
+    (gd,) = torch.autograd.grad(loss(dense(xd)), xd, create_graph=True)
     gd.square().sum().backward()
     tile = x.narrow(2, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
     try:  # create_graph=True is refused at once by the overlapped path
-        (g,) = torch.autograd.grad(par(tile).square().sum(), tile, create_graph=True)
+        (g,) = torch.autograd.grad(loss(par(tile)), tile, create_graph=True)
     except RuntimeError as exc:
         return str(exc)
     worst = (g - gd.narrow(2, sum(sizes[:rank]), sizes[rank])).abs().max().item() \
         if g.numel() else 0.0
     g.square().sum().backward()
     for p, q in zip(par.parameters(), dense.parameters(), strict=True):
-        worst = max(worst, (p.grad - q.grad).abs().max().item())
+        assert (p.grad is None) == (q.grad is None)  # (a bias the penalty does not reach)
+        if q.grad is not None:
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
     return worst
 
 
@@ -63,10 +68,34 @@ def test_double_backward_through_the_general_path_equals_dense():
 
 @pytest.mark.parametrize("sizes", [[1, 0, 9], [0, 1, 9]])
 @pytest.mark.parametrize("net", [_net, _normed_net])
-def test_double_backward_with_an_empty_tile_equals_dense(sizes, net):
+@pytest.mark.parametrize("linear", [False, True])
+def test_double_backward_with_an_empty_tile_equals_dense(sizes, net, linear):
     # the empty rank's first-order gradient had no graph: its peers waited for its
-    # exchanges in the penalty's backward (and it raised "does not require grad")
-    assert max(run_distributed(_penalty, 3, True, sizes, net, timeout=T)) < 1e-10
+    # exchanges in the penalty's backward (and it raised "does not require grad"); with a
+    # loss linear in the output they ran their input halo's backward, it did not
+    assert max(run_distributed(_penalty, 3, True, sizes, net, linear, timeout=T)) < 1e-10
+
+
+def _in_place_after_a_convolution(sizes):
+    import copy
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(inplace=True),
+                          nn.Conv2d(3, 1, 3, padding=1)).double()
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    x = torch.randn(2, 2, sum(sizes), 6, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))
+    par(x.narrow(2, sum(sizes[:rank]), sizes[rank])).sum().backward()
+    dense(x).sum().backward()
+    return max((p.grad - q.grad).abs().max().item()
+               for p, q in zip(par.parameters(), dense.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("sizes", [[1, 8], [5, 0, 4]])
+def test_an_in_place_layer_after_a_convolution_on_a_narrow_or_empty_tile(sizes):
+    assert max(run_distributed(_in_place_after_a_convolution, len(sizes), sizes,
+                               timeout=T)) < 1e-10
 
 
 def test_double_backward_through_overlapped_convolutions_is_refused_clearly():

@@ -286,6 +286,52 @@ def test_fewer_experts_than_ranks(mode):
     assert sizes[0] == (1, 1, 0)
 
 
+class _TwoBiasedExperts(torch.nn.Module):
+    """Two experts with biases (gpt-oss's layout), written out as the dense reference."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.has_gate, self.has_bias, self.is_transposed = True, True, False
+        self.act_fn = torch.nn.functional.silu
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 8, dtype=torch.float64))
+        self.down_proj = torch.nn.Parameter(torch.randn(2, 8, 4, dtype=torch.float64))
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.randn(2, 8, dtype=torch.float64))
+        self.down_proj_bias = torch.nn.Parameter(torch.randn(2, 8, dtype=torch.float64))
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for e in range(2):
+            pos, tok = torch.where(e == index.T)
+            h = torch.nn.functional.linear(x[tok], self.gate_up_proj[e],
+                                           self.gate_up_proj_bias[e])
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e],
+                                           self.down_proj_bias[e])
+            out = out.index_add(0, tok, y * weights[tok, pos, None])
+        return out
+
+
+def _few_biased_experts(mode):
+    rank = dist.get_rank()
+    dense = _TwoBiasedExperts()
+    layer = ParallelExperts(_TwoBiasedExperts(), tokens=mode)
+    gen = torch.Generator().manual_seed(1 + (rank if mode == "local" else 0))
+    x = torch.randn(3, 8, dtype=torch.float64, generator=gen)
+    index = torch.randint(0, 2, (3, 2), generator=gen)
+    weights = torch.rand(3, 2, dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(layer(x, index, weights), dense(x, index, weights),
+                               rtol=1e-12, atol=1e-12)
+    return layer.shard.sizes
+
+
+@pytest.mark.parametrize("mode", ["local", "replicated"])
+def test_fewer_experts_than_ranks_with_biases(mode):
+    # the rank with no expert built its empty bias rows from a float tensor of counts:
+    # "repeat_interleave_cpu" not implemented for 'Float', its peers blocked
+    assert run_distributed(_few_biased_experts, 3, mode, timeout=T)[0] == (1, 1, 0)
+
+
 class _UnequalExperts(torch.nn.Module):
     """Six experts up, four down (transformers' LongcatFlash adds identity experts so)."""
 

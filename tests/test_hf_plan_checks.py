@@ -197,3 +197,10 @@ def test_dropout_over_split_heads_or_slices_warns():
     assert _shared_mask_warnings(_tiny_llama(hidden_dropout=0.1)) == []
     (message,) = _shared_mask_warnings(_tiny_llama(hidden_dropout=0.1), sequence_parallel=True)
     assert "hidden_dropout=0.1" in message
+    # a model the plan refuses gets the refusal alone
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(ValueError):
+        warnings.simplefilter("always")
+        plan_from_transformers(bert, sequence_parallel=True)
+    assert not [w for w in seen if "draws the same masks" in str(w.message)]

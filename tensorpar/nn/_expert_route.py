@@ -242,6 +242,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
                        for e, p in enumerate(parts)]) if parts else \
             x.narrow(-1, 0, min(1, x.shape[-1])).expand(x.shape[0], out) * 0
     if bias is not None:
-        y = y + bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0,
+        y = y + bias.repeat_interleave(torch.tensor(counts, dtype=torch.long,
+                                                    device=bias.device), dim=0,
                                        output_size=x.shape[0])
     return y

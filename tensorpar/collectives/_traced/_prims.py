@@ -127,7 +127,7 @@ def all_to_all_dims(x: torch.Tensor, split_dim: int, concat_dim: int, sizes: Seq
     n, mine = len(sizes), sizes[rank]
     front = _to_front(x, split_dim)  # (L, *rest)
     if front.is_complex():  # (gloo's all-to-all takes no complex type: its real pairs)
-        pairs = torch.view_as_real(front.contiguous())
+        pairs = torch.view_as_real(front.resolve_conj().contiguous())
         recv = torch.view_as_complex(
             wait(_C.all_to_all_single(pairs, [mine] * n, list(sizes), name)))
     else:

@@ -106,8 +106,10 @@ class EmptyOut(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shape: tuple[int, ...], *deps: torch.Tensor | None) -> torch.Tensor:
-        """Zeros of ``shape``, joined to ``deps`` (the layer's inputs and parameters)."""
+        """Zeros of ``shape``, joined to ``deps`` (the layer's input, then its parameters)."""
         ctx.specs = [None if t is None else (t.shape, t.dtype, t.device) for t in deps]
+        ctx.save_for_backward(*deps)  # (as the dense layer saves them: a second backward
+        # links to them)
         first = next(t for t in deps if t is not None)
         return first.new_zeros(shape)
 
@@ -115,11 +117,19 @@ class EmptyOut(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Zero gradients for every input (the backward of the exchanges still runs).
 
-        Under ``create_graph`` they are joined to ``g`` (which has no element: its sum is
-        an exact zero), so a gradient penalty's second backward runs through this rank's
-        exchanges as through its peers'.
+        Under ``create_graph`` they are joined to ``g`` and to the layer's input and
+        weight (times zero), as a peer's input gradient is through torch's double
+        backward of the layer even where ``g`` is a constant (a loss linear in the output):
+        a gradient penalty's second backward runs through this rank's exchanges, the
+        input's halo included, as through its peers'.
         """
-        link = g.sum() if torch.is_grad_enabled() and g.requires_grad else None
+        link = None
+        if torch.is_grad_enabled():
+            # (g has no element: its sum is an exact zero; the others' sums are made zeros)
+            # (not a bias: torch's double backward of the layer gives it no gradient)
+            parts = [t.sum() * 0 for t in (g, *ctx.saved_tensors[:2])
+                     if t is not None and t.requires_grad]
+            link = sum(parts[1:], parts[0]) if parts else None
         return (None, *[None if s is None else _zeros(s, link) for s in ctx.specs])
 
 
@@ -196,27 +206,17 @@ def _first_order(ctx: DomainContext, y: torch.Tensor) -> torch.Tensor:
 
     Which path a rank takes depends on its tile (an empty or a narrow one takes this one):
     a rank that went on into its exchanges would wait there for peers that had refused.
+    A hook, not a Function: ``y`` stays a tensor of its own, which an in-place layer
+    after it (``ReLU(inplace=True)``) may change.
     """
-    if not ctx.fast:
-        return y
-    out: torch.Tensor = FirstOrder.apply(y)  # type: ignore[no-untyped-call]
-    return out
+    if ctx.fast and y.requires_grad:
+        y.register_hook(_refuse_create_graph)
+    return y
 
 
-class FirstOrder(torch.autograd.Function):
-    """Identity whose backward refuses ``create_graph`` (the fast mode's convolutions)."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
-        """``y`` as it is."""
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        """``g`` as it is, or the overlapped convolution's refusal under ``create_graph``."""
-        if torch.is_grad_enabled():
-            raise RuntimeError(ONCE)
-        return g
+def _refuse_create_graph(g: torch.Tensor) -> None:
+    if torch.is_grad_enabled():  # create_graph=True: a second derivative will be asked for
+        raise RuntimeError(ONCE)
 
 
 def _sent_ahead(ctx: DomainContext, x: torch.Tensor, request: Request, fetches: list[Fetch],

@@ -109,7 +109,6 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     if not base_plan and arch not in _OWN_PLANS:
         raise ValueError(f"{fn}: no tensor-parallel plan is known for model_type {arch!r} "
                          f"({type(model).__name__}); write one by hand (see parallelize)")
-    _warn_of_shared_masks(fn, config, sequence_parallel)
     try:
         heads, kv_heads, head_dim = _heads(config)
     except Exception as e:  # e.g. a config whose sizes vary per layer refuses the reads
@@ -184,9 +183,11 @@ def plan_from_transformers(model: nn.Module, *, lm_head: LMHead = "vocab_paralle
     if sequence_parallel not in (False, True, "regather"):
         raise ValueError(f"{fn}: sequence_parallel={sequence_parallel!r}; expected True, False "
                          f"or 'regather'")
-    if not sequence_parallel:
-        return plan
-    return sequence_parallel_plan(model, plan, prefix, regather=sequence_parallel == "regather")
+    if sequence_parallel:
+        plan = sequence_parallel_plan(model, plan, prefix,
+                                      regather=sequence_parallel == "regather")
+    _warn_of_shared_masks(fn, config, sequence_parallel)  # (a plan made: nothing refused)
+    return plan
 
 
 def _with_embeddings(model: nn.Module, plan: dict[str, Style], lm_head: LMHead
@@ -375,7 +376,8 @@ def _t5(model: nn.Module, reduce_dtype: torch.dtype | None) -> dict[str, Style]:
 
 # the config fields of dropout over the split heads, and over the sequence's slices
 _HEAD_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout_rate")
-_HIDDEN_DROPOUT = ("hidden_dropout", "resid_pdrop", "hidden_dropout_prob", "embd_pdrop")
+# (not the embeddings': the sequence is split after them, in the first decoder layer)
+_HIDDEN_DROPOUT = ("hidden_dropout", "resid_pdrop", "hidden_dropout_prob")
 
 
 def _warn_of_shared_masks(fn: str, config: Any, sequence_parallel: object) -> None:
