@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from tensorpar.collectives._traced._dispatch import between_graphs
 from tensorpar.collectives.functional import all_gather, all_to_all
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group, GroupLike, resolve_group
@@ -133,10 +134,10 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
         >>> torch.allclose(y, torch.fft.fft2(x))
         True
     """
-    if compiling():
-        out: torch.Tensor = _eagerly(distributed_fft2, x, split_dim=split_dim,
-                                     other_dim=other_dim, group=group, norm=norm,
-                                     inverse=inverse)
+    if compiling():  # (each rank's rows exchanged on the host: run between graphs)
+        out: torch.Tensor = between_graphs(distributed_fft2, x, split_dim=split_dim,
+                                           other_dim=other_dim, group=group, norm=norm,
+                                           inverse=inverse)
         return out
     g = resolve_group(group, "distributed_fft2")
     s, o = _dims("distributed_fft2", x, split_dim, other_dim)
@@ -148,16 +149,6 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
     y = _to_columns(y, s, o, g)  # (.., N, .., M'/W)
     y = _fft(y, s, norm, inverse)
     return _to_rows(y, s, o, g, rows, width)  # (.., N_r, .., M)
-
-
-@torch.compiler.disable  # type: ignore[untyped-decorator]
-def _eagerly(transform: Callable[..., torch.Tensor], *args: object, **kwargs: object
-             ) -> torch.Tensor:
-    """``transform`` outside the compiled graph (dynamo breaks the graph around it).
-
-    Each rank's rows are exchanged on the host, and the transposes are complex all-to-alls.
-    """
-    return transform(*args, **kwargs)
 
 
 def _rfft(t: torch.Tensor, dim: int, norm: Norm, keep: int) -> torch.Tensor:
@@ -234,10 +225,11 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         >>> torch.allclose(y, 2 * x, atol=1e-6)  # one rank: irfft2(2 rfft2(x))
         True
     """
-    if compiling():
-        out: torch.Tensor = _eagerly(distributed_rfft2_apply, x, fn, split_dim=split_dim,
-                                     other_dim=other_dim, columns=columns, sizes=sizes,
-                                     group=group, norm=norm)
+    if compiling():  # (as distributed_fft2)
+        out: torch.Tensor = between_graphs(distributed_rfft2_apply, x, fn,
+                                           split_dim=split_dim, other_dim=other_dim,
+                                           columns=columns, sizes=sizes, group=group,
+                                           norm=norm)
         return out
     name = "distributed_rfft2_apply"
     g = resolve_group(group, name)

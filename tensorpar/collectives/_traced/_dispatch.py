@@ -22,13 +22,13 @@ from tensorpar.collaborative import CollaborativeTensor
 from tensorpar.comm._launch import Launch
 from tensorpar.comm._switch import VALIDATE
 
-__all__ = ["compiled_call", "result"]
+__all__ = ["between_graphs", "compiled_call", "result"]
 
 R = TypeVar("R")
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _between_graphs(public: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+def between_graphs(public: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
     """``public(*args, **kwargs)``, eagerly: dynamo breaks the graph around this call.
 
     Inside it ``compiling()`` is False, so ``public`` takes its eager path.
@@ -41,7 +41,7 @@ def compiled_call(public: Callable[..., R], traced: Callable[..., R], traceable:
     """Run a compiled call of ``public``: ``traced`` when it traces, else ``public`` eagerly."""
     if traceable and not VALIDATE[0] and is_compiling():
         return traced(*args, **kwargs)
-    out: R = _between_graphs(public, *args, **kwargs)
+    out: R = between_graphs(public, *args, **kwargs)
     return out
 
 
