@@ -1,7 +1,8 @@
 """Reductions of a tile inside a converted model's forward: a sum or mean over every split
 point is the domain's (also in steps, after a reshape, over the whole tile; the largest
 and smallest values: `test_domain_extremes.py`); any other reduction along a split point,
-and an ``einsum`` that pairs two tiles' points or sums over them, raises on every rank,
+and an ``einsum`` that pairs two tiles' points, raises on every rank (products summing
+over every point: `test_domain_contractions.py`),
 also with an empty tile; reductions along other dims are followed, so a later one along
 the points is still seen."""
 
@@ -103,8 +104,6 @@ REFUSED: dict[str, Head] = {
     "topk along rows": lambda m, y: y.topk(2, dim=2).values,
     "logsumexp in steps": lambda m, y: m.fc(y.logsumexp(-1).logsumexp(-1)),
     "einsum pairing two tiles' points": lambda m, y: torch.einsum("bchw,bdgw->bcdhg", y, y),
-    "einsum summing two tiles over points": lambda m, y: torch.einsum("bchw,bdhw->bcd", y, y),
-    "einsum summing a tile over points": lambda m, y: m.fc(torch.einsum("bchw->bc", y)),
     "mse_loss, mean": lambda m, y: F.mse_loss(y, torch.zeros_like(y)),
     "a tile over its own sum": lambda m, y: y / y.sum(),
     "a tile times its own sum": lambda m, y: y * y.sum(),
@@ -112,8 +111,6 @@ REFUSED: dict[str, Head] = {
     "a tile plus its kept-dims sum": lambda m, y: y + 0.5 * y.sum(dim=(0, 1, 2, 3), keepdim=True),
     "channels picked by an index tensor, then a softmax along rows":
         lambda m, y: y[:, torch.tensor([[0, 1], [2, 3]])].softmax(3),
-    "einsum with an ellipsis summing a tile over points": lambda m, y: m.fc(
-        torch.einsum("bc...->bc", y)),
     "einsum with an ellipsis pairing two tiles' points":
         lambda m, y: torch.einsum("...chw,...dgw->...cdhg", y, y),
     # (other names for the same calls, and calls along a dim they do not name)
@@ -136,7 +133,6 @@ REFUSED: dict[str, Head] = {
     "tensordot of two tiles over rows": lambda m, y: torch.tensordot(y, y, dims=([2], [2])),
     "tensordot of a tile with a weight over rows": lambda m, y: torch.tensordot(
         y.transpose(2, 3), torch.ones(y.shape[2], 3, dtype=y.dtype), dims=1),
-    "einsum with its operands as a list": lambda m, y: torch.einsum("bchw,bchv->bcwv", [y, y]),
     "kron of a tile and a matrix": lambda m, y: torch.kron(y, torch.ones(2, 2, dtype=y.dtype)),
     "kron of a matrix and a tile": lambda m, y: torch.kron(torch.ones(2, 2, dtype=y.dtype), y),
     "trace of one image's rows": lambda m, y: y[0, 0].trace() * y,

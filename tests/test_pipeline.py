@@ -211,11 +211,13 @@ class _Ignores(nn.Module):
         return self.w.expand(x.shape[0], -1)
 
 
-def _stage_ignores_its_input(schedule):
+def _stage_ignores_its_input(schedule, width, virtual=1):
     torch.manual_seed(0)
-    dense = nn.Sequential(nn.Linear(5, 4), _Ignores(4), nn.Linear(4, 3)).double()
+    dense = nn.Sequential(nn.Linear(5, width), _Ignores(width), nn.Linear(width, 3),
+                          *([nn.Tanh()] if virtual > 1 else [])).double()
     pipe = tp.nn.pipeline(copy.deepcopy(dense), microbatches=3, schedule=schedule,
-                          loss_fn=F.mse_loss, split=[1, 2])
+                          loss_fn=F.mse_loss, split=[1, 2] if virtual == 1 else None,
+                          virtual_stages=virtual)
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
     loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
     dense_loss = F.mse_loss(dense(x), y)
@@ -223,16 +225,27 @@ def _stage_ignores_its_input(schedule):
     if pipe.is_last:
         torch.testing.assert_close(loss, dense_loss.detach(), rtol=TOL, atol=TOL)
     grads = dict(dense.named_parameters())
-    for name, p in pipe.named_parameters():  # the first block: no gradient, or zeros
-        want = grads[name].grad if grads[name].grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(p.grad, want, rtol=TOL, atol=TOL, msg=name)
+    for name, p in pipe.named_parameters():  # the first block: no gradient, as dense
+        if grads[name].grad is None:
+            assert p.grad is None, f"{name}: a gradient where dense has none"
+        else:
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+    # so an optimizer skips what dense skips (AdamW's decay would move a zero gradient's)
+    for params in (pipe.parameters(), dense.parameters()):
+        torch.optim.AdamW(params, lr=0.1, weight_decay=0.1).step()
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, grads[name], rtol=TOL, atol=TOL, msg=name)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
-def test_a_stage_that_ignores_its_input_sends_a_zero_gradient(schedule):
-    # the sender waits for the gradient of what it sent (it used to wait forever)
-    run_distributed(_stage_ignores_its_input, 2, schedule, timeout=50)
+@pytest.mark.parametrize("width", [4, 1 << 16])  # (a gradient too large for its frame)
+def test_a_stage_that_ignores_its_input_sends_no_gradient(schedule, width):
+    # the sender waits for the gradient of what it sent (it used to wait forever), and
+    # learns that none comes: its stage's gradients stay None, as dense's
+    run_distributed(_stage_ignores_its_input, 2, schedule, width, timeout=50)
+    if width == 4:  # interleaved: each rank holds two stages
+        run_distributed(_stage_ignores_its_input, 2, schedule, width, 2, timeout=50)
 
 
 class _Checkpointed(nn.Module):

@@ -16,7 +16,9 @@ the activation fits, it travels inside the frame: one message. Otherwise the dat
 in a second message; the receiver learns which from the header. A gradient travels in a
 frame too, whose room both sides know from the activation's shape (`gradient_room`): so
 a rank that raised can send a frame that says no gradient comes (`send_no_gradient`) to
-a peer waiting for one, and the peer raises instead of waiting.
+a peer waiting for one, and the peer raises instead of waiting; and a stage that did not
+use what it received says so (`send_unused`): the sender's backward gives no gradient
+there, as dense gives none.
 
 ``dst``/``src`` are ranks **within** ``group``; the conversion to global ranks happens here.
 Sends are posted with ``isend``; ``pending`` lets a schedule collect the handles and wait
@@ -45,6 +47,7 @@ from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
 from tensorpar.placeholder import (
     HEADER_LEN,
+    KIND_NONE,
     KIND_OTHER,
     KIND_TENSOR,
     Header,
@@ -54,7 +57,7 @@ from tensorpar.placeholder import (
 )
 
 __all__ = ["NothingSent", "follows_for", "gradient_sent", "linger", "receive_edge", "recv", "send",
-           "send_gradient", "send_no_gradient", "send_nothing"]
+           "send_no_gradient", "send_nothing", "send_unused"]
 
 
 class Meta(NamedTuple):
@@ -255,19 +258,19 @@ def send_nothing(link: Link, room: int, device: torch.device | None, follows: in
     the frame to go where ``link`` has no ``pending`` (the public `send`). ``follows``: the
     bytes of a data receive the peer posted ahead, answered with a stand-in.
     """
+    _send_empty_frame(link, room, device, KIND_OTHER, follows)
+
+
+def _send_empty_frame(link: Link, room: int, device: torch.device | None, kind: int,
+                      follows: int = 0) -> None:
     frame = _frame_buffer(link, room, device).zero_()
-    frame[:HEADER_LEN * 8].view(torch.int64).copy_(encode_header(KIND_OTHER))
+    frame[:HEADER_LEN * 8].view(torch.int64).copy_(encode_header(kind))
     link.post_send(frame, *_stand_in(follows, device))
 
 
 def _stand_in(follows: int, device: torch.device | None) -> tuple[torch.Tensor, ...]:
     """What answers a data receive of ``follows`` bytes posted ahead that the data missed."""
     return (torch.zeros(follows, dtype=torch.uint8, device=device),) if follows else ()
-
-
-def send_gradient(link: Link, grad: torch.Tensor) -> None:
-    """Send ``grad`` over ``link`` (a gradient's link) in its frame (`gradient_room`)."""
-    link.post_send(*_gradient_messages(grad, link))
 
 
 def _gradient_messages(grad: torch.Tensor, link: Link) -> tuple[torch.Tensor, ...]:
@@ -283,7 +286,22 @@ def send_no_gradient(link: Link, meta: Meta) -> None:
     a message too: every posted receive is answered, so none is left to catch a later
     transfer on its tag.
     """
-    send_nothing(link, gradient_room(meta), meta.device)
+    _send_gradient_frame(link, meta, KIND_OTHER)
+
+
+def send_unused(link: Link, meta: Meta) -> None:
+    """Tell the peer that the activation of ``meta`` it sent has no gradient: unused.
+
+    The stage that received it did not differentiate through it (it ignored or detached
+    it), so the sender's backward of that send gives no gradient, as dense gives none:
+    its stage's parameters get none from it (an optimizer skips them).
+    """
+    _send_gradient_frame(link, meta, KIND_NONE)
+
+
+def _send_gradient_frame(link: Link, meta: Meta, kind: int) -> None:
+    """A gradient's frame with no tensor, and a stand-in for its data posted ahead."""
+    _send_empty_frame(link, gradient_room(meta), meta.device, kind)
     if link.eager and data_follows(meta):
         link.post_send(torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device))
 
@@ -300,7 +318,7 @@ class GradientReceipt:
     meta: Meta
     frame: Posted | None = None
     data: Posted | None = None
-    got: torch.Tensor | None = None  # received ahead of the backward (`fetch`)
+    got: tuple[torch.Tensor | None] | None = None  # received ahead of the backward (`fetch`)
 
     def __post_init__(self) -> None:
         if not self.link.eager:
@@ -326,21 +344,25 @@ class GradientReceipt:
         a backward deferred as a whole (zero-bubble's W) takes its gradient at its B.
         """
         if self.got is None:
-            self.got = self._receive()
+            self.got = (self._receive(),)
 
-    def wait(self) -> torch.Tensor:
-        """The gradient (waiting for it).
+    def wait(self) -> torch.Tensor | None:
+        """The gradient (waiting for it); ``None`` where the peer did not use the tensor.
 
         Raises:
             NothingSent: the peer raised instead of sending it (`send_no_gradient`).
         """
         got, self.got = self.got, None
-        return got if got is not None else self._receive()
+        return got[0] if got is not None else self._receive()
 
-    def _receive(self) -> torch.Tensor:
+    def _receive(self) -> torch.Tensor | None:
         room = gradient_room(self.meta)
         frame = self.frame.wait() if self.frame is not None else \
             self.link.receive(_frame_buffer(self.link, room, self.meta.device))
+        if decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu()).kind == KIND_NONE:
+            if self.data is not None:  # (its stand-in)
+                self.data.wait()
+            return None  # (`send_unused`)
         try:
             header, data = _unframe(frame, self.meta.device)
         except NothingSent:
@@ -394,8 +416,11 @@ class _Send(torch.autograd.Function):
         return x.new_empty(0)  # the anchor of the send in this rank's graph
 
     @staticmethod
-    def backward(ctx: Any, anchor_grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad: torch.Tensor = _Recv.apply(anchor_grad, ctx.link.reverse(), ctx.receipt.wait)
+    def backward(ctx: Any, anchor_grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        got = ctx.receipt.wait()
+        if got is None:  # the peer's stage did not use it: no gradient, as dense has none
+            return None, None, None
+        grad: torch.Tensor = _Recv.apply(anchor_grad, ctx.link.reverse(), lambda: got)
         return grad, None, None
 
 

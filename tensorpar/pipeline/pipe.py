@@ -32,9 +32,9 @@ from tensorpar.pipeline.p2p import (
     recv_activation,
     room_for,
     send_activation,
-    send_gradient,
     send_no_gradient,
     send_nothing,
+    send_unused,
 )
 from tensorpar.pipeline.schedules import SCHEDULES, SPLIT, Action, build_schedule, in_order
 from tensorpar.pipeline.split_backward import WeightGrads, backward_input, supported
@@ -322,10 +322,10 @@ class Pipeline(nn.Module):
                             done.backward()
                     del done
                     if came is not None and not gradient_sent(came.node):
-                        # the stage did not use what it received: its sender still waits
-                        send_gradient(self._link(k, i, False, pending, waited).reverse(),
-                                      torch.zeros(came.meta.shape, dtype=came.meta.dtype,
-                                                  device=came.meta.device))
+                        # the stage did not use what it received: its sender still waits,
+                        # and learns that no gradient comes (none, as dense has none)
+                        send_unused(self._link(k, i, False, pending, waited).reverse(),
+                                    came.meta)
                     received.pop((i, k), None)
                 end = time.perf_counter()
                 busy += end - start

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from tensorpar._torch import tree_map
 from tensorpar.domain._forward import meet
+from tensorpar.domain._forward.contract import MATMULS, contract_points
 from tensorpar.domain._forward.converted import CONVERTED, NOT_CONVERTED, convert
 from tensorpar.domain._forward.flow import (
     not_linear,
@@ -225,6 +226,8 @@ class _FunctionalCalls(TorchFunctionMode):
                     f"tile's rows as if they were the domain's (a slice, roll, flip, chunk or "
                     f"cat along a split dim is not converted); do it before the split, or on "
                     f"the gathered tensor")
+            if (summed := contract_points(ctx, self.follower, func, args, kwargs)) is not None:
+                return summed
             points = self.follower.points
             if ((func in _PRODUCTS and pairs_points(args, [points(a) for a in args[:2]]))
                     or (func is torch.einsum and einsum_points(args, points)[1])
@@ -386,8 +389,7 @@ class _FunctionalCalls(TorchFunctionMode):
 
 
 _UNTRACKED = Scan(set(), 0, [], False)  # (never changed)
-_PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
-                       torch.bmm, torch.Tensor.bmm})
+_PRODUCTS = MATMULS
 """Products of two tensors: two tiles' may pair every point with every other."""
 _PRODUCT_CALLS = frozenset({torch.einsum, torch.tensordot, torch.kron})
 """Products read by their own rules (subscripts, contracted dims)."""

@@ -21,6 +21,7 @@ from tensorpar.domain._forward.points import (
     Block,
     after_reduction,
     call_name,
+    einsum_args,
     einsum_points,
     follow,
     follow_block,
@@ -129,8 +130,7 @@ class Follower:
                     self.ctx.marks.mark_unread(t, kept)
             return
         if func is torch.einsum:  # its subscripts name the dims
-            if len(args) == 2 and isinstance(args[1], (tuple, list)):  # operands as a list
-                args = (args[0], *args[1])
+            args = einsum_args(args)
             held, _ = einsum_points(args, self.points)
             if isinstance(out, torch.Tensor) and held is not None:
                 first = next((t for t in args[1:] if self.points(t)), None)

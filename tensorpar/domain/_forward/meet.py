@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from tensorpar._torch import tree_map
 from tensorpar.collectives.regions import copy_to_group
 from tensorpar.domain._forward.flow import mixing_error
+from tensorpar.domain._forward.points import einsum_args, einsum_subscripts
 from tensorpar.domain._tiles.agree import agreed_flags, on_any_rank
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import POOLED, TILE, Kind, Scan, tensors_in
@@ -105,14 +106,12 @@ def _einsum_over_points(ctx: DomainContext, args: Sequence[Any]) -> set[int] | N
     """The ids of ``einsum``'s operands whose subscripts name no split dim of its tiles.
 
     Such an operand is broadcast over the tile's points, as a gate is (``"bchw,bc->bchw"``).
-    ``None`` where the subscripts are not read (an ellipsis, operands as a list).
+    ``None`` where the subscripts are not read.
     """
-    if len(args) < 2 or not isinstance(args[0], str) or "..." in args[0]:
+    read = einsum_subscripts(args)
+    if read is None:
         return None
-    inputs = args[0].replace(" ", "").split("->")[0].split(",")
-    operands = args[1:]
-    if len(inputs) != len(operands):
-        return None
+    inputs, operands = read[0], einsum_args(args)[1:]
     split = {sub[ctx.ndim + d] for sub, t in zip(inputs, operands, strict=True)
              if isinstance(t, torch.Tensor) and t.dim() == ctx.ndim == len(sub)
              and ctx.marks.kind_of(t) == TILE for d in ctx.dims}

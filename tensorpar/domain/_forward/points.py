@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Block", "Points", "after_reduction", "call_name", "cut_dim", "einsum_points", "follow",
-           "follow_block", "indexed_dims", "pairs_points", "reading_block", "readings",
-           "reduced_dims", "regroups", "reshape_groups", "tensordot_free", "tensordot_points"]
+__all__ = ["Block", "Points", "after_reduction", "call_name", "cut_dim", "einsum_args",
+           "einsum_points", "einsum_subscripts", "follow", "follow_block", "indexed_dims",
+           "pairs_points", "reading_block", "readings", "reduced_dims", "regroups",
+           "reshape_groups", "tensordot_free", "tensordot_points"]
 
 Points = frozenset[int]
 Block = tuple[int, int]
@@ -360,21 +361,12 @@ def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
     covers. ``(None, False)`` where the subscripts are not read (no ``->``, operands as a
     list).
     """
-    if len(args) == 2 and isinstance(args[1], (tuple, list)):  # operands as one list
-        args = (args[0], *args[1])
-    if len(args) < 2 or not isinstance(args[0], str) or "->" not in args[0]:
+    read = einsum_subscripts(args)
+    if read is None:
         return None, False
-    inputs, output = args[0].replace(" ", "").split("->")
-    subscripts = inputs.split(",")
-    if len(subscripts) != len(args) - 1:
-        return None, False
-    if "..." in args[0]:
-        spelled = _without_ellipsis(subscripts, output, args[1:])
-        if spelled is None:
-            return None, False
-        subscripts, output = spelled
+    subscripts, output = read
     named: list[set[str]] = []
-    for sub, t in zip(subscripts, args[1:], strict=True):
+    for sub, t in zip(subscripts, einsum_args(args)[1:], strict=True):
         held = points(t)
         if held is not None and isinstance(t, torch.Tensor) and len(sub) == t.dim():
             named.append({sub[d] for d in held})
@@ -383,6 +375,30 @@ def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
     every = set().union(*named)
     refused = any(n != named[0] for n in named) or not every <= set(output)
     return frozenset(output.index(s) for s in every if s in output), refused
+
+
+def einsum_args(args: Sequence[Any]) -> tuple[Any, ...]:
+    """``einsum``'s arguments, with operands given as one list spread out."""
+    if len(args) == 2 and isinstance(args[1], (tuple, list)):
+        return (args[0], *args[1])
+    return tuple(args)
+
+
+def einsum_subscripts(args: Sequence[Any]) -> tuple[list[str], str] | None:
+    """``einsum``'s subscripts, one per operand, and its output's (each ``...`` spelled out).
+
+    ``None`` where they are not read (no ``->``, counts that do not fit the operands).
+    """
+    args = einsum_args(args)
+    if len(args) < 2 or not isinstance(args[0], str) or "->" not in args[0]:
+        return None
+    inputs, output = args[0].replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(args) - 1:
+        return None
+    if "..." in args[0]:
+        return _without_ellipsis(subscripts, output, args[1:])
+    return subscripts, output
 
 
 def _without_ellipsis(subscripts: list[str], output: str, operands: Sequence[Any]

@@ -1,0 +1,102 @@
+"""Products that sum tiles over every point they hold are the domain's sums: a Gram matrix
+(``einsum("bchw,bdhw->bcd")``, a style loss's), linear attention's ``k^T v`` over tokens,
+a one-operand ``einsum`` summing over the points; each equals dense, on strips (with a
+one-row and an empty tile) and on a mesh. Products that would pair points dense does not
+pair (operands laid out differently, a weight indexed by the points, an output keeping
+some points) are still refused on every rank."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tensorpar.testing import run_distributed
+from tests._domain_check import check, check_or_error
+
+pytestmark = pytest.mark.timeout(600)
+T = 300
+Head = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class Contracted(nn.Module):
+    """A convolution, then ``head(self, features)``: the product under test."""
+
+    def __init__(self, head: Head) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+        self.q, self.k = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self, self.conv(x))
+
+
+CONVERTED: dict[str, Head] = {
+    "Gram matrix of one tile": lambda m, y: m.fc(torch.einsum("bchw,bdhw->bcd", y, y).sum(-1)),
+    "Gram matrix of two tiles": lambda m, y: m.fc(
+        torch.einsum("bchw,bdhw->bcd", y, m.q(y).tanh()).mean(-1)),
+    "one operand summed over the points": lambda m, y: m.fc(torch.einsum("bchw->bc", y)),
+    "one operand summed over every dim": lambda m, y: y * torch.einsum("bchw->", y) / 100,
+    "a tile against its transpose, by subscripts": lambda m, y: m.fc(
+        torch.einsum("bchw,bcwh->bc", y, y.transpose(2, 3))),
+    "an ellipsis summed over": lambda m, y: m.fc(torch.einsum("bc...->bc", y)),
+    "operands as a list, summed over rows only": lambda m, y: m.fc(
+        torch.einsum("bchw,bchv->bcwv", [y, y]).mean((2, 3))),
+    "k^T v over tokens": lambda m, y: m.fc(
+        (m.k(y).flatten(2) @ y.flatten(2).transpose(1, 2)).sum(-1)),
+}
+"""Each equals dense."""
+
+_TILES_OUT = ("one operand summed over every dim",)
+
+
+def _converted(case, sizes):
+    return check(lambda: Contracted(CONVERTED[case]), (2, 2, sum(sizes), 5), (-2,), (sizes,),
+                 steps=2, replicated=case not in _TILES_OUT)
+
+
+@pytest.mark.parametrize("case", sorted(CONVERTED))
+def test_products_summing_every_point_equal_dense(case):
+    assert max(run_distributed(_converted, 2, case, [5, 7], timeout=T)) < 1e-10
+    assert max(run_distributed(_converted, 3, case, [4, 0, 8], timeout=T)) < 1e-10
+    assert max(run_distributed(_converted, 2, case, [1, 11], timeout=T)) < 1e-10
+
+
+def _on_mesh(case):
+    return check(lambda: Contracted(CONVERTED[case]), (2, 2, 6, 7), (-2, -1), ([2, 4], [4, 3]),
+                 mesh_shape=(2, 2), steps=1, replicated=case not in _TILES_OUT)
+
+
+@pytest.mark.parametrize("case", ["Gram matrix of two tiles", "k^T v over tokens",
+                                  "one operand summed over every dim"])
+def test_products_summing_every_point_of_a_mesh_equal_dense(case):
+    assert max(run_distributed(_on_mesh, 4, case, timeout=T)) < 1e-10
+
+
+REFUSED: dict[str, Head] = {
+    "tokens of a tile against its transpose's": lambda m, y: m.fc(
+        (y.flatten(2) @ y.transpose(2, 3).flatten(2).transpose(1, 2)).sum(-1)),
+    "a tile against its transpose on a mesh": lambda m, y: m.fc(
+        torch.einsum("bchw,bcwh->bc", y, y.transpose(2, 3))),
+    "a weight indexed by the points": lambda m, y: m.fc(
+        torch.einsum("bchw,h->bc", y, torch.ones(y.shape[2], dtype=y.dtype))),
+    "a product keeping the columns on a mesh": lambda m, y: m.fc(
+        torch.einsum("bchw,bdhw->bcdw", y, y).sum((2, 3))),
+}
+"""Each would pair or sum points as dense does not (or lies in a layout not read on a
+mesh: a transposed tile): refused on every rank."""
+
+
+def _refused(case, mesh):
+    build = lambda: Contracted(REFUSED[case])  # noqa: E731
+    out = check_or_error(build, [3, 3], [2, 5], (2, 2)) if mesh else \
+        check_or_error(build, [1, 0, 6], [5], None)
+    assert isinstance(out, str) and "points" in out, out
+    return True
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_products_pairing_points_otherwise_are_refused(case):
+    mesh = case.endswith("on a mesh")
+    assert all(run_distributed(_refused, 4 if mesh else 3, case, mesh, timeout=T))
