@@ -26,7 +26,8 @@ Checkpoints (model and optimizer state sharded with torch.distributed.checkpoint
 step, the losses so far and the RNG state; the data position is the step) go to
 OUT/checkpoints/step_NNNNNN, written under a temporary name and renamed when complete; the
 file OUT/checkpoints/LATEST names the newest complete one and is replaced last, so a crash
-during a save leaves the previous checkpoint in force. Stop a run and continue it, at the same
+during a save leaves the previous checkpoint in force. A run without --resume starts over: it
+sets the checkpoints it finds aside first, in OUT/checkpoints.previous. Stop a run and continue it, at the same
 or another --tp (same global batch), with the losses of a run that was never stopped:
 
     torchrun --nproc-per-node 4 examples/train_lm.py --steps 300 --stop-at 150
@@ -218,6 +219,8 @@ def main():
                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
     elif args.resume and rank == 0:
         print(f"no checkpoint in {out / 'checkpoints'}: starting at step 0", flush=True)
+    elif (out / "checkpoints" / "LATEST").exists():  # a new run where one saved before
+        set_aside(out / "checkpoints")
     last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
     if last < first:  # (every rank read the same checkpoint: every rank stops here)
         raise SystemExit(f"the checkpoint in {out / 'checkpoints'} is at step {first}, past "
@@ -290,6 +293,22 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     raise SystemExit(0 if verdict.item() else 1)
+
+
+def set_aside(root):
+    """A run without --resume starts over: the previous run's checkpoints move aside.
+
+    They go to ``root`` + ``.previous`` (replacing what was there), so its own saves never
+    meet a checkpoint it did not write.
+    """
+    previous = root.with_name(root.name + ".previous")
+    dist.barrier()  # every rank has looked for LATEST before it moves
+    if dist.get_rank() == 0:
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(root, previous)
+        print(f"a new run (no --resume): the checkpoints in {root} set aside in {previous}",
+              flush=True)
+    dist.barrier()
 
 
 def save_checkpoint(root, step, model, opt, losses, args):

@@ -32,6 +32,13 @@ class Contracted(nn.Module):
         return self.head(self, self.conv(x))
 
 
+def _linear_attention(m: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """``q (k^T v) / 40`` over tokens: summed over every point, then per point again."""
+    q, k, v = (t.flatten(2).transpose(1, 2) for t in (m.q(y), m.k(y), y))
+    kv = torch.bmm(k.transpose(1, 2), v)  # (B, C, C): the domain's sum
+    return (q @ kv).transpose(1, 2).reshape(y.shape) / 40.0
+
+
 CONVERTED: dict[str, Head] = {
     "Gram matrix of one tile": lambda m, y: m.fc(torch.einsum("bchw,bdhw->bcd", y, y).sum(-1)),
     "Gram matrix of two tiles": lambda m, y: m.fc(
@@ -45,10 +52,11 @@ CONVERTED: dict[str, Head] = {
         torch.einsum("bchw,bchv->bcwv", [y, y]).mean((2, 3))),
     "k^T v over tokens": lambda m, y: m.fc(
         (m.k(y).flatten(2) @ y.flatten(2).transpose(1, 2)).sum(-1)),
+    "linear attention (pooled back into the tokens)": _linear_attention,
 }
 """Each equals dense."""
 
-_TILES_OUT = ("one operand summed over every dim",)
+_TILES_OUT = ("one operand summed over every dim", "linear attention (pooled back into the tokens)")
 
 
 def _converted(case, sizes):
@@ -69,9 +77,58 @@ def _on_mesh(case):
 
 
 @pytest.mark.parametrize("case", ["Gram matrix of two tiles", "k^T v over tokens",
-                                  "one operand summed over every dim"])
+                                  "one operand summed over every dim",
+                                  "linear attention (pooled back into the tokens)"])
 def test_products_summing_every_point_of_a_mesh_equal_dense(case):
     assert max(run_distributed(_on_mesh, 4, case, timeout=T)) < 1e-10
+
+
+class PhysicsAttention(nn.Module):
+    """Transolver's physics attention over an image's points (its tokens), as written there.
+
+    Each point is softly assigned to ``slices`` slices (a softmax per point); a slice's
+    token is the weighted mean of its points (a sum over every point); the slices attend
+    to each other; each point takes back its slices' outputs (pooled features into the
+    tokens).
+    """
+
+    def __init__(self, channels: int = 4, heads: int = 2, slices: int = 3) -> None:
+        super().__init__()
+        self.heads, self.dim = heads, channels // heads
+        self.embed = nn.Conv2d(2, channels, 3, padding=1)
+        self.proj_x, self.proj_fx = nn.Linear(channels, channels), nn.Linear(channels, channels)
+        self.slice = nn.Linear(self.dim, slices)
+        self.qkv = nn.Linear(self.dim, 3 * self.dim)
+        self.out = nn.Linear(channels, 2)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        y = self.embed(image)
+        b, c, h, w = y.shape
+        x = y.flatten(2).transpose(1, 2)  # (B, N, C)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(b, -1, self.heads, self.dim).permute(0, 2, 1, 3)  # (B, H, N, D)
+        fx, weights = heads(self.proj_fx(x)), self.slice(heads(self.proj_x(x))).softmax(-1)
+        norm = weights.sum(2)  # (B, H, G): over every point
+        tokens = torch.einsum("bhnc,bhng->bhgc", fx, weights) / (norm[..., None] + 1e-5)
+        q, k, v = self.qkv(tokens).chunk(3, -1)
+        attended = torch.softmax(q @ k.transpose(-1, -2) / self.dim ** 0.5, -1) @ v
+        out = torch.einsum("bhgc,bhng->bhnc", attended, weights)  # back to the points
+        out = out.permute(0, 2, 1, 3).reshape(b, -1, c)
+        return self.out(out).transpose(1, 2).reshape(b, 2, h, w)
+
+
+def _physics_attention(sizes, mesh):
+    if mesh:
+        return check(PhysicsAttention, (2, 2, 6, 7), (-2, -1), ([2, 4], [4, 3]),
+                     mesh_shape=(2, 2), steps=2)
+    return check(PhysicsAttention, (2, 2, sum(sizes), 5), (-2,), (sizes,), steps=2)
+
+
+def test_transolver_physics_attention_equals_dense():
+    assert max(run_distributed(_physics_attention, 2, [5, 7], False, timeout=T)) < 1e-10
+    assert max(run_distributed(_physics_attention, 3, [4, 0, 8], False, timeout=T)) < 1e-10
+    assert max(run_distributed(_physics_attention, 4, None, True, timeout=T)) < 1e-10
 
 
 REFUSED: dict[str, Head] = {

@@ -1,7 +1,8 @@
 """A tile reshaped into tokens (``x.flatten(2).transpose(1, 2)``): calls over the channels
 equal dense; a reduction along the tokens (other than a sum or a mean over all of them:
-`test_domain_reductions`) and attention written by hand (two tiles' points paired, or
-summed over) are refused on every rank, also with an empty tile."""
+`test_domain_reductions`) and attention written by hand (two tiles' points paired) are
+refused on every rank, also with an empty tile (linear attention, a sum over the points:
+`test_domain_contractions`)."""
 
 import pytest
 import torch
@@ -53,8 +54,6 @@ class HandAttention(nn.Module):
         q, k, v = self.qkv(tokens).chunk(3, dim=-1)
         if self.how == "scores":  # softmax(q k^T) v
             return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
-        if self.how == "linear":  # q (k^T v): a sum over the points
-            return q @ torch.bmm(k.transpose(1, 2), v)
         if self.how == "token_max":  # along the points, with the tile's indices
             return y.flatten(2).max(-1).values
         return torch.softmax(y.flatten(2), dim=-1)  # along the points
@@ -69,7 +68,7 @@ def _refused(how, sizes):
     return True
 
 
-@pytest.mark.parametrize("how", ["scores", "linear", "token_max", "token_softmax"])
+@pytest.mark.parametrize("how", ["scores", "token_max", "token_softmax"])
 def test_reductions_and_attention_along_the_tokens_are_refused(how):
     assert all(run_distributed(_refused, 2, how, [4, 3], timeout=T))
     assert all(run_distributed(_refused, 3, how, [3, 0, 4], timeout=T))

@@ -160,6 +160,23 @@ def test_train_lm_resumed_with_nothing_to_do_or_past_its_end_keeps_the_checkpoin
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_lm_run_again_without_resume_starts_over(tmp_path):
+    """The quickstart's command twice: the second run (no --resume) trained every step and
+    then refused to save over the first run's checkpoint of the same step. It now sets the
+    first run's checkpoints aside before it trains, and ends with its check."""
+    args = (*RESUMABLE, "--stop-at", 2, "--out", tmp_path)
+    first = torchrun("train_lm.py", 4, *args)
+    assert "stopped at step 2: OK" in first, first
+    first_losses = losses(tmp_path)
+    again = torchrun("train_lm.py", 4, *args)
+    assert "set aside" in again and "stopped at step 2: OK" in again, again
+    assert (tmp_path / "checkpoints" / "LATEST").read_text() == "step_000002"
+    assert (tmp_path / "checkpoints.previous" / "LATEST").read_text() == "step_000002"
+    assert losses(tmp_path) == first_losses  # a run from step 0 again, not a resumed one
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 6, "--save-every", 2,

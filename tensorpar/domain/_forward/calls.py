@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from tensorpar._torch import tree_map
 from tensorpar.domain._forward import meet
-from tensorpar.domain._forward.contract import MATMULS, contract_points
+from tensorpar.domain._forward.contract import contract_points
 from tensorpar.domain._forward.converted import CONVERTED, NOT_CONVERTED, convert
 from tensorpar.domain._forward.flow import (
     not_linear,
@@ -32,6 +32,7 @@ from tensorpar.domain._forward.flow import (
 )
 from tensorpar.domain._forward.following import Follower
 from tensorpar.domain._forward.points import (
+    MATMULS,
     cut_dim,
     einsum_points,
     indexed_dims,
@@ -92,7 +93,7 @@ class _FunctionalCalls(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         mixed = POOLED in scan.kinds and TILE in scan.kinds and not reads_only_metadata(func)
         if mixed:
-            met = meet.into_tiles(ctx, func, args, kwargs)
+            met = meet.into_tiles(ctx, func, args, kwargs, self.follower.points)
             if met is not None:
                 args, kwargs = met
                 kind = TILE
@@ -185,7 +186,7 @@ class _FunctionalCalls(TorchFunctionMode):
                 and marks.as_tiles(v) is not None else v
         args, kwargs = tree_map(tiles, args), tree_map(tiles, kwargs)
         try:  # the other pooled operands go into its tiles, where they can
-            met = meet.into_tiles(self.ctx, func, args, kwargs)
+            met = meet.into_tiles(self.ctx, func, args, kwargs, self.follower.points)
         except RuntimeError:
             return  # (they cannot: it stays pooled features alone)
         if met is not None:

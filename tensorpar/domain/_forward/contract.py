@@ -18,15 +18,12 @@ from typing import Any
 import torch
 
 from tensorpar.domain._forward.following import Follower
-from tensorpar.domain._forward.points import einsum_args, einsum_subscripts
+from tensorpar.domain._forward.points import MATMULS, einsum_args, einsum_subscripts
 from tensorpar.domain._tiles.agree import over_groups
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import TILE
 
-__all__ = ["MATMULS", "contract_points"]
-
-MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
-                     torch.Tensor.bmm})
+__all__ = ["contract_points"]
 
 
 def contract_points(ctx: DomainContext, follower: Follower, func: Any, args: Sequence[Any],

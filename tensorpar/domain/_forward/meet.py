@@ -33,7 +33,7 @@ This module also decides the road of replicated data given alone to a converted 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,13 +42,16 @@ import torch.nn.functional as F
 from tensorpar._torch import tree_map
 from tensorpar.collectives.regions import copy_to_group
 from tensorpar.domain._forward.flow import mixing_error
-from tensorpar.domain._forward.points import einsum_args, einsum_subscripts
+from tensorpar.domain._forward.points import MATMULS, einsum_args, einsum_subscripts
 from tensorpar.domain._tiles.agree import agreed_flags, on_any_rank
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import POOLED, TILE, Kind, Scan, tensors_in
 
 __all__ = ["SPREADING", "ambiguous_spread", "interpolate_to_empty", "into_tiles", "runs_dense",
            "spread_input", "spreads_to_tiles"]
+
+PointsOf = Callable[[Any], "frozenset[int] | None"]
+"""The dims of a tile holding points (``None``: not a tile, or not known)."""
 
 SPREADING = frozenset({F.interpolate, torch.Tensor.expand, torch.Tensor.broadcast_to,
                        torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile})
@@ -67,22 +70,25 @@ def _broadcast_over_tiles(ctx: DomainContext, t: torch.Tensor) -> bool:
     return all(t.dim() < -d or t.shape[d] == 1 for d in ctx.dims)
 
 
-def into_tiles(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
-               ) -> tuple[Any, Any] | None:
+def into_tiles(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+               points: PointsOf) -> tuple[Any, Any] | None:
     """A call taking tiles and pooled features: the pooled ones entered into the tiles.
 
-    ``None`` where no tile argument has the image's dims: pooled features meeting a
-    tile's partial reduction (a loss made of both parts) are left to `flow.output_kind`.
+    ``points(t)``: the dims of the tile ``t`` holding points (``None``: unknown). ``None``
+    where no tile argument has the image's dims and the call is no product whose pooled
+    operands are read as broadcast over the points (`_over_points`): pooled features
+    meeting a tile's partial reduction (a loss made of both parts) are left to
+    `flow.output_kind`.
 
     Raises:
         RuntimeError: a pooled operand with the tile's extent along a split dim that no
             followed call spread (its gradient would differ in shape between ranks).
     """
-    if not any(t.dim() == ctx.ndim and ctx.marks.kind_of(t) == TILE
-               for t in tensors_in((args, kwargs))):
+    over_points = _over_points(ctx, func, args, kwargs, points)
+    if over_points is None and not any(t.dim() == ctx.ndim and ctx.marks.kind_of(t) == TILE
+                                       for t in tensors_in((args, kwargs))):
         return None
     name = getattr(func, "__name__", str(func))
-    over_points = _einsum_over_points(ctx, args) if func is torch.einsum else None
     pooled = [t for t in tensors_in((args, kwargs))
               if ctx.marks.kind_of(t) == POOLED and ctx.marks.as_tiles(t) is None]
     refused = not all(id(t) in over_points if over_points is not None
@@ -102,20 +108,39 @@ def into_tiles(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[
     return tree_map(enter, args), tree_map(enter, kwargs)
 
 
-def _einsum_over_points(ctx: DomainContext, args: Sequence[Any]) -> set[int] | None:
-    """The ids of ``einsum``'s operands whose subscripts name no split dim of its tiles.
+def _over_points(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                 points: PointsOf) -> set[int] | None:
+    """The ids of a product's operands that are broadcast over its tiles' points.
 
-    Such an operand is broadcast over the tile's points, as a gate is (``"bchw,bc->bchw"``).
-    ``None`` where the subscripts are not read.
+    ``einsum``: the operands whose subscripts name no dim holding a tile's points (a gate
+    ``"bchw,bc->bchw"``; Transolver's slices back to the points ``"bhgc,bhng->bhnc"``).
+    ``a @ b`` of a tile ``a`` whose points lie in its rows or batch dims: ``b``, where it
+    has size 1 (or no dim) at each batch dim holding them (linear attention's
+    ``q @ (k^T v)``). ``None`` where not read (another call, a tile's points unknown).
     """
-    read = einsum_subscripts(args)
-    if read is None:
+    if func is torch.einsum:
+        read = einsum_subscripts(args)
+        if read is None:
+            return None
+        operands = einsum_args(args)[1:]
+        split: set[str] = set()
+        for sub, t in zip(read[0], operands, strict=True):
+            if isinstance(t, torch.Tensor) and (held := points(t)) is None:
+                if ctx.marks.kind_of(t) == TILE:
+                    return None
+            elif held:
+                split.update(sub[d] for d in held)
+        return {id(t) for sub, t in zip(read[0], operands, strict=True) if not split & set(sub)}
+    if func not in MATMULS or kwargs or len(args) != 2:
         return None
-    inputs, operands = read[0], einsum_args(args)[1:]
-    split = {sub[ctx.ndim + d] for sub, t in zip(inputs, operands, strict=True)
-             if isinstance(t, torch.Tensor) and t.dim() == ctx.ndim == len(sub)
-             and ctx.marks.kind_of(t) == TILE for d in ctx.dims}
-    return {id(t) for sub, t in zip(inputs, operands, strict=True) if not split & set(sub)}
+    a, b = args
+    held = points(a)
+    if not held or not isinstance(b, torch.Tensor) or b.dim() < 2 or a.dim() - 1 in held:
+        return None
+    lead = a.dim() - b.dim()  # (b's batch dims line up with a's from the right)
+    if any(0 <= d - lead < b.dim() - 2 and b.shape[d - lead] != 1 for d in held):
+        return None
+    return {id(b)}
 
 
 def spread_input(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dict[str, Any],

@@ -32,12 +32,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Block", "Points", "after_reduction", "call_name", "cut_dim", "einsum_args",
+__all__ = ["MATMULS", "Block", "Points", "after_reduction", "call_name", "cut_dim", "einsum_args",
            "einsum_points", "einsum_subscripts", "follow", "follow_block", "indexed_dims",
            "pairs_points", "reading_block", "readings", "reduced_dims", "regroups",
            "reshape_groups", "tensordot_free", "tensordot_points"]
 
 Points = frozenset[int]
+
+MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
+                     torch.Tensor.bmm})
+"""Products of two tensors' last two dims (and broadcast batch dims)."""
 Block = tuple[int, int]
 """Where the split rows lie in the one dim of a tile that holds them: ``(outer, inner)``,
 that dim being ``outer x rows x inner`` in row-major order, with ``outer`` and ``inner``
