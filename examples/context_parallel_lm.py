@@ -63,7 +63,8 @@ def batch(step: int, packed: bool) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel replicas (default: the ranks --cp x --tp leaves)")
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--attention", choices=["ring", "ulysses"], default="ring")
@@ -73,6 +74,8 @@ def main() -> None:
     args = parser.parse_args()
 
     tensorpar.init_distributed(backend="gloo")  # survives torchrun --max-restarts
+    if args.dp is None:
+        args.dp = max(dist.get_world_size() // (args.cp * args.tp), 1)
     if dist.get_world_size() != args.dp * args.cp * args.tp:
         raise SystemExit(f"dp({args.dp}) * cp({args.cp}) * tp({args.tp}) != world size "
                          f"({dist.get_world_size()})")

@@ -27,8 +27,9 @@ step, the losses so far and the RNG state; the data position is the step) go to
 OUT/checkpoints/step_NNNNNN, written under a temporary name and renamed when complete; the
 file OUT/checkpoints/LATEST names the newest complete one and is replaced last, so a crash
 during a save leaves the previous checkpoint in force. A run without --resume starts over: it
-sets the checkpoints it finds aside first, in OUT/checkpoints.previous. Stop a run and continue it, at the same
-or another --tp (same global batch), with the losses of a run that was never stopped:
+sets the checkpoints it finds aside first, in OUT/checkpoints.previous. Stop a run and
+continue it, at the same or another --tp (same global batch), with the losses of a run that
+was never stopped:
 
     torchrun --nproc-per-node 4 examples/train_lm.py --steps 300 --stop-at 150
     torchrun --nproc-per-node 4 examples/train_lm.py --steps 300 --resume --tp 4 --batch 16

@@ -117,6 +117,31 @@ def test_breadth(arch, world, total):
     _assert_close(run_distributed(_train, world, arch, total, 3, timeout=1200), 3)
 
 
+def _config_shared(arch):
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    parallel = getattr(transformers, model_cls)(config).double()
+    torch.manual_seed(0)
+    dense = getattr(transformers, model_cls)(config).double()  # the same config object
+    before = config._attn_implementation
+    context_parallel(parallel)
+    assert config._attn_implementation == before  # the dense model's is its own still
+    ids, labels = batch(0, 12)
+    want = dense(ids, labels=labels).loss  # (it ran tensorpar's attention, and raised)
+    got = parallel(ids, labels=labels).loss
+    assert abs(float(got) - float(want)) < LOSS_TOL * max(1.0, abs(float(want)))
+    return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_dense_model_sharing_the_config_keeps_its_attention(arch):
+    assert all(run_distributed(_config_shared, 2, arch, timeout=200))
+
+
 def test_single_rank():
     history, drift, _ = _train("llama", 9, 1)
     _assert_close([(history, drift, 0)], 1)

@@ -217,7 +217,9 @@ def test_hf_tensor_parallel():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [("--dp", 2, "--cp", 2, "--packed"),
-                                    ("--dp", 1, "--cp", 2, "--tp", 2, "--attention", "ulysses")])
+                                    # as the docs give them: --dp is what the rest leaves
+                                    ("--cp", 2, "--tp", 2, "--attention", "ulysses"),
+                                    ("--cp", 4)])
 def test_context_parallel_lm(layout):
     pytest.importorskip("transformers")
     out = torchrun("context_parallel_lm.py", 4, *layout, "--steps", 3)

@@ -448,3 +448,39 @@ def test_each_layer_from_dense_keeps_requires_grad():
         for name, flags in built:
             assert flags.pop("weight") is False, name
             assert all(flags.values()), (name, flags)  # the biases were left trainable
+
+
+def _rng_untouched():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    from tensorpar.nn import ColumnParallelConv1D, ParallelEmbedding, plan_from_transformers
+    config = MixtralConfig(vocab_size=101, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=4, num_local_experts=5, num_experts_per_tok=2)
+    for name, build_model, plan_of in [
+            ("hand plan", lambda: TinyLM(CONFIG), lambda m: plan(CONFIG["head_dim"])),
+            ("transformers plan", lambda: MixtralForCausalLM(config),
+             lambda m: plan_from_transformers(m, lm_head="gathered")),
+            ("experts split unevenly", lambda: MixtralForCausalLM(config),
+             lambda m: plan_from_transformers(m, lm_head="gathered",
+                                              experts="expert_parallel"))]:
+        torch.manual_seed(0)
+        model = build_model()
+        chosen = plan_of(model)
+        before = torch.get_rng_state()
+        tp.parallelize(model, chosen)
+        # a batch drawn after the conversion is the one dense draws: every rank's alike
+        assert torch.equal(torch.get_rng_state(), before), name
+    conv, embedding = Conv1D(7, 3), nn.Embedding(11, 3)
+    before = torch.get_rng_state()
+    ColumnParallelConv1D.from_dense(conv)
+    ParallelEmbedding.from_dense(embedding)
+    assert torch.equal(torch.get_rng_state(), before), "from_dense"
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parallelize_leaves_the_global_rng_as_it_was(world_size):
+    assert all(run_distributed(_rng_untouched, world_size, timeout=100))

@@ -33,6 +33,7 @@ only this rank's share of the positions from the embedding on:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,7 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
                                       for m in model.modules()):
         raise ValueError(f"{_FN}: attention sinks are not supported with attention='ulysses' "
                          f"(SDPA has none); use attention='ring'")
+    config = _own_config(model)
     text = getattr(config, "get_text_config", lambda: config)()
     _register()
     state = _State(g, attention)
@@ -227,6 +229,22 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
             setattr(p, _SUMMED, True)
             p.register_hook(_summer(g))
     return model
+
+
+def _own_config(model: nn.Module) -> Any:
+    """Give ``model`` a copy of its config (and sub-configs) of its own; return it.
+
+    Its attention is switched by writing the config's ``_attn_implementation``, which
+    every layer reads at call time: written in place, it would switch another model built
+    from the same config object (a dense reference) too.
+    """
+    copies: dict[int, Any] = {}
+    config = copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        conf = module.__dict__.get("config")
+        if conf is not None and id(conf) in copies:
+            module.config = copies[id(conf)]
+    return config
 
 
 def _unsupported(config: Any) -> str | None:

@@ -18,6 +18,7 @@ from tensorpar.comm._group import GroupLike
 from tensorpar.nn.layers._column_fn import column_linear
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.layers.linear import ShardedLayer, column_shard, row_output
+from tensorpar.nn.layers.random import rng_kept
 from tensorpar.nn.state._shards import AnyShard, Shard, keep_frozen, shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
 
@@ -96,9 +97,10 @@ class ColumnParallelConv1D(ShardedLayer):
                    ) -> ColumnParallelConv1D:
         """This rank's shard of a ``Conv1D`` (every rank passes the same dense layer)."""
         n_in, n_out, weight, bias = _dense_params(conv)
-        layer = cls(n_in, n_out, bias is not None, gather_output=gather_output,
-                    multiple_of=multiple_of, blocks=blocks, group=group, device=weight.device,
-                    dtype=weight.dtype)
+        with rng_kept(weight.device):
+            layer = cls(n_in, n_out, bias is not None, gather_output=gather_output,
+                        multiple_of=multiple_of, blocks=blocks, group=group,
+                        device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(layer.shard.take(weight, 1))
             if layer.bias is not None and bias is not None:
@@ -175,9 +177,10 @@ class RowParallelConv1D(ShardedLayer):
                    reduce_dtype: torch.dtype | None = None) -> RowParallelConv1D:
         """This rank's shard of a ``Conv1D`` (every rank passes the same dense layer)."""
         n_in, n_out, weight, bias = _dense_params(conv)
-        layer = cls(n_in, n_out, bias is not None, input_is_parallel=input_is_parallel,
-                    multiple_of=multiple_of, reduce_dtype=reduce_dtype, group=group,
-                    device=weight.device, dtype=weight.dtype)
+        with rng_kept(weight.device):
+            layer = cls(n_in, n_out, bias is not None, input_is_parallel=input_is_parallel,
+                        multiple_of=multiple_of, reduce_dtype=reduce_dtype, group=group,
+                        device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(layer.shard.take(weight, 0))
             if layer.bias is not None and bias is not None:

@@ -12,6 +12,7 @@ from torch import nn
 from tensorpar.collectives.functional import gather, scatter
 from tensorpar.collectives.regions import gather_from_group, reduce_from_group
 from tensorpar.comm._group import GroupLike
+from tensorpar.nn.layers.random import rng_kept
 from tensorpar.nn.sequence import SequenceShards
 from tensorpar.nn.state._shards import Shard, keep_frozen, shard_of
 from tensorpar.nn.state.replica_check import mark_sharded_layer
@@ -51,9 +52,10 @@ class _ShardedEmbedding(nn.Module):
         An embedding subclass that multiplies its output by an ``embed_scale`` tensor
         (transformers' scaled word embeddings) keeps that scale.
         """
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim,  # type: ignore[call-arg]
-                    embedding.padding_idx, group=group, device=embedding.weight.device,
-                    dtype=embedding.weight.dtype)
+        with rng_kept(embedding.weight.device):
+            layer = cls(embedding.num_embeddings,  # type: ignore[call-arg]
+                        embedding.embedding_dim, embedding.padding_idx, group=group,
+                        device=embedding.weight.device, dtype=embedding.weight.dtype)
         s = layer.shard
         with torch.no_grad():
             layer.weight.copy_(embedding.weight.narrow(layer.shard_dim, s.start, s.length))

@@ -16,6 +16,7 @@ from tensorpar.comm._group import Group, GroupLike
 from tensorpar.nn.layers._column_fn import SharedInput, column_linear
 from tensorpar.nn.layers._row_fn import row_linear
 from tensorpar.nn.layers._spec_cache import SpecCache
+from tensorpar.nn.layers.random import rng_kept
 from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
 from tensorpar.nn.state._shards import (
     AnyShard,
@@ -185,9 +186,10 @@ class ColumnParallelLinear(ShardedLayer):
                    gather_output: bool = False, multiple_of: int | Sequence[int] = 1,
                    blocks: Sequence[int] | None = None) -> ColumnParallelLinear:
         """This rank's shard of ``linear`` (every rank passes the same dense layer)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    gather_output=gather_output, multiple_of=multiple_of, blocks=blocks,
-                    group=group, device=linear.weight.device, dtype=linear.weight.dtype)
+        with rng_kept(linear.weight.device):
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                        gather_output=gather_output, multiple_of=multiple_of, blocks=blocks,
+                        group=group, device=linear.weight.device, dtype=linear.weight.dtype)
         s = layer.shard
         with torch.no_grad():
             layer.weight.copy_(s.take(linear.weight, 0))
@@ -281,10 +283,11 @@ class RowParallelLinear(ShardedLayer):
                    input_is_parallel: bool = True, multiple_of: int = 1,
                    reduce_dtype: torch.dtype | None = None) -> RowParallelLinear:
         """This rank's shard of ``linear`` (every rank passes the same dense layer)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    input_is_parallel=input_is_parallel, multiple_of=multiple_of,
-                    reduce_dtype=reduce_dtype, group=group, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+        with rng_kept(linear.weight.device):
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                        input_is_parallel=input_is_parallel, multiple_of=multiple_of,
+                        reduce_dtype=reduce_dtype, group=group, device=linear.weight.device,
+                        dtype=linear.weight.dtype)
         s = layer.shard
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, s.start: s.stop])

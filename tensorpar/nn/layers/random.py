@@ -9,7 +9,7 @@ import torch
 
 from tensorpar.comm._group import GroupLike, resolve_group
 
-__all__ = ["ParallelRNG"]
+__all__ = ["ParallelRNG", "rng_kept"]
 
 
 class ParallelRNG:
@@ -69,6 +69,22 @@ class ParallelRNG:
                 yield
             finally:
                 self._states[name] = _capture()
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device | str | None = None) -> Iterator[None]:
+    """Torch's global random stream as it was before the block: the CPU's, and ``device``'s.
+
+    A layer built to take a dense layer's values (``from_dense``) initialises its parameters
+    first; that draw would move the stream by the shard's size, which differs between
+    ranks, and a batch or a dropout mask drawn afterwards would differ between the ranks
+    and from the dense model's.
+    """
+    where = torch.device(device) if device is not None else None
+    gpus = [where.index if where.index is not None else torch.cuda.current_device()] \
+        if where is not None and where.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        yield
 
 
 def _cuda_devices() -> list[int]:
