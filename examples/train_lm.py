@@ -213,14 +213,15 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out = pathlib.Path(args.out)
     first, losses = 0, []
-    if args.resume and (out / "checkpoints" / "LATEST").exists():
+    saved = seen_by_rank_0((out / "checkpoints" / "LATEST").exists(), device)
+    if args.resume and saved:
         first, losses = load_checkpoint(out / "checkpoints", model, opt, args)
         if rank == 0:
             print(f"resumed at step {first} from {out / 'checkpoints'} (attempt "
                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
     elif args.resume and rank == 0:
         print(f"no checkpoint in {out / 'checkpoints'}: starting at step 0", flush=True)
-    elif (out / "checkpoints" / "LATEST").exists():  # a new run where one saved before
+    elif saved:  # a new run where one saved before
         set_aside(out / "checkpoints")
     last = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
     if last < first:  # (every rank read the same checkpoint: every rank stops here)
@@ -296,6 +297,14 @@ def main():
     raise SystemExit(0 if verdict.item() else 1)
 
 
+def seen_by_rank_0(flag, device):
+    """Rank 0's ``flag`` on every rank: one answer where ranks may see a file differently
+    (another machine's disk, or a moment later)."""
+    agreed = torch.tensor([int(flag)], device=device)
+    dist.broadcast(agreed, src=0)
+    return bool(agreed.item())
+
+
 def set_aside(root):
     """A run without --resume starts over: the previous run's checkpoints move aside.
 
@@ -303,7 +312,6 @@ def set_aside(root):
     meet a checkpoint it did not write.
     """
     previous = root.with_name(root.name + ".previous")
-    dist.barrier()  # every rank has looked for LATEST before it moves
     if dist.get_rank() == 0:
         shutil.rmtree(previous, ignore_errors=True)
         os.replace(root, previous)

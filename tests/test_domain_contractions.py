@@ -44,6 +44,7 @@ CONVERTED: dict[str, Head] = {
     "Gram matrix of two tiles": lambda m, y: m.fc(
         torch.einsum("bchw,bdhw->bcd", y, m.q(y).tanh()).mean(-1)),
     "one operand summed over the points": lambda m, y: m.fc(torch.einsum("bchw->bc", y)),
+    "a Gram matrix without ->": lambda m, y: m.fc(torch.einsum("bchw,bdhw", y, y).sum(-1)),
     "one operand summed over every dim": lambda m, y: y * torch.einsum("bchw->", y) / 100,
     "a tile against its transpose, by subscripts": lambda m, y: m.fc(
         torch.einsum("bchw,bcwh->bc", y, y.transpose(2, 3))),
@@ -138,6 +139,10 @@ REFUSED: dict[str, Head] = {
         torch.einsum("bchw,bcwh->bc", y, y.transpose(2, 3))),
     "a weight indexed by the points": lambda m, y: m.fc(
         torch.einsum("bchw,h->bc", y, torch.ones(y.shape[2], dtype=y.dtype))),
+    "a trace over the points": lambda m, y: m.fc(torch.einsum("bcii->bc", y)),
+    "a trace of two tiles over the points": lambda m, y: m.fc(
+        torch.einsum("bcii,bcii->bc", y, m.q(y))),
+    "a diagonal of the points kept": lambda m, y: torch.einsum("bcii->bci", y).sum(-1),
     "a product keeping the columns on a mesh": lambda m, y: m.fc(
         torch.einsum("bchw,bdhw->bcdw", y, y).sum((2, 3))),
 }
@@ -145,15 +150,39 @@ REFUSED: dict[str, Head] = {
 mesh: a transposed tile): refused on every rank."""
 
 
-def _refused(case, mesh):
+def _refused(case, mesh, hs, ws):
     build = lambda: Contracted(REFUSED[case])  # noqa: E731
-    out = check_or_error(build, [3, 3], [2, 5], (2, 2)) if mesh else \
-        check_or_error(build, [1, 0, 6], [5], None)
+    out = check_or_error(build, hs, ws, (2, 2) if mesh else None)
     assert isinstance(out, str) and "points" in out, out
     return True
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_products_pairing_points_otherwise_are_refused(case):
-    mesh = case.endswith("on a mesh")
-    assert all(run_distributed(_refused, 4 if mesh else 3, case, mesh, timeout=T))
+    # square images (a trace needs them), tiles of other shapes; a full and an empty tile
+    if case.endswith("on a mesh"):
+        assert all(run_distributed(_refused, 4, case, True, [3, 3], [2, 4], timeout=T))
+        return
+    assert all(run_distributed(_refused, 3, case, False, [1, 0, 6], [7], timeout=T))
+    assert all(run_distributed(_refused, 2, case, False, [8, 0], [8], timeout=T))
+    if case.startswith("a trace"):  # (square tiles: the tiles' own diagonals would fit)
+        assert all(run_distributed(_refused, 4, case, True, [4, 4], [4, 4], timeout=T))
+
+
+def _channels_first_against_last(m: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """Two tiles' every element paired in another order: channels first, channels last."""
+    a, b = y.flatten(1), m.q(y).permute(0, 2, 3, 1).flatten(1)
+    return m.fc(y.mean((2, 3)) * (a.unsqueeze(1) @ b.unsqueeze(2))[:, 0])
+
+
+def _orders_differ(hs, ws):
+    out = check_or_error(lambda: Contracted(_channels_first_against_last), hs, ws, (2, 2))
+    assert isinstance(out, str) and "points" in out, out
+    return True
+
+
+def test_layouts_read_alike_only_on_some_ranks_are_refused_on_every_rank():
+    # an empty tile's tokens do not say where their channels lie: its rank reads the two
+    # layouts as equal where the others do not (it summed while they raised, and hung)
+    assert all(run_distributed(_orders_differ, 4, [0, 6], [4, 3], timeout=T))
+    assert all(run_distributed(_orders_differ, 4, [3, 3], [4, 3], timeout=T))

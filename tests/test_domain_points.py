@@ -149,7 +149,10 @@ def test_einsum_subscripts_name_the_points():
     assert einsum_points(("bchw,bdhw->bcd", tile, tile), points)[1]  # summed over
     assert einsum_points(("bchw->bc", tile), points)[1]
     assert einsum_points(("...hw,dc->...dhw", tile, w), points) == (frozenset({3}), False)
-    assert einsum_points(("bchw", tile), points) == (None, False)  # no output: not read
+    # no output: torch's implicit one, the letters used once, sorted
+    assert einsum_points(("bchw", tile), points) == (frozenset({2}), False)
+    assert einsum_points(("bchw,bdhw", tile, tile), points)[1]  # "->cd": summed over
+    assert einsum_points(("bcii->bc", tile), points)[1]  # a diagonal of the points
 
 
 def _points_of(t):

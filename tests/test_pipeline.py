@@ -213,10 +213,12 @@ class _Ignores(nn.Module):
 
 def _stage_ignores_its_input(schedule, width, virtual=1):
     torch.manual_seed(0)
-    dense = nn.Sequential(nn.Linear(5, width), _Ignores(width), nn.Linear(width, 3),
+    ahead = dist.get_world_size() - 1  # the stages before the one that ignores its input
+    blocks = [nn.Linear(5, width), *(nn.LayerNorm(width) for _ in range(ahead - 1))]
+    dense = nn.Sequential(*blocks, _Ignores(width), nn.Linear(width, 3),
                           *([nn.Tanh()] if virtual > 1 else [])).double()
     pipe = tp.nn.pipeline(copy.deepcopy(dense), microbatches=3, schedule=schedule,
-                          loss_fn=F.mse_loss, split=[1, 2] if virtual == 1 else None,
+                          loss_fn=F.mse_loss, split=[1] * ahead + [2] if virtual == 1 else None,
                           virtual_stages=virtual)
     x, y = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
     loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
@@ -246,6 +248,8 @@ def test_a_stage_that_ignores_its_input_sends_no_gradient(schedule, width):
     run_distributed(_stage_ignores_its_input, 2, schedule, width, timeout=50)
     if width == 4:  # interleaved: each rank holds two stages
         run_distributed(_stage_ignores_its_input, 2, schedule, width, 2, timeout=50)
+    # two stages before it: the middle one passes "no gradient" on (it sent zeros)
+    run_distributed(_stage_ignores_its_input, 3, schedule, width, timeout=50)
 
 
 class _Checkpointed(nn.Module):

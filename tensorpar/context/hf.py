@@ -242,8 +242,11 @@ def _own_config(model: nn.Module) -> Any:
     config = copy.deepcopy(model.config, copies)
     for module in model.modules():
         conf = module.__dict__.get("config")
-        if conf is not None and id(conf) in copies:
-            module.config = copies[id(conf)]
+        if conf is None or not hasattr(conf, "_attn_implementation"):
+            continue
+        if id(conf) not in copies:  # (one not reached from the model's: copied too)
+            copy.deepcopy(conf, copies)
+        module.config = copies[id(conf)]
     return config
 
 

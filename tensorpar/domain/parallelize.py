@@ -16,6 +16,7 @@ from tensorpar.comm._compiling import FORCE_EAGER, force_eager
 from tensorpar.comm._group import Group, GroupLike, resolve_group
 from tensorpar.ddp._partial_sums import register_partial_sums
 from tensorpar.domain._forward import calls
+from tensorpar.domain._forward.flow import refuse_checkpointed
 from tensorpar.domain._forward.following import refuse_unless_image
 from tensorpar.domain._forward.meet import ambiguous_spread, runs_dense
 from tensorpar.domain._layers import (
@@ -365,6 +366,8 @@ def _override(module: nn.Module, fwd: Forward, optional: tuple[str, ...],
                             f"keywords {extra})")
         own: DomainContext = self.__dict__[_CTX]
         kind = own.marks.kind_of(x)
+        if own.active:
+            refuse_checkpointed(type(self).__name__, x)
         if kind == TILE and fwd not in _NORMS and own.active:
             refuse_unless_image(own, x, type(self).__name__)
         poolings = own.poolings
@@ -546,6 +549,7 @@ def _exit(model: nn.Module, args: object, output: object) -> None:
     ctx: DomainContext = model.__dict__[_CTX]
     calls.exit_functional_mode(ctx)
     ctx.ahead.finish()  # (rows sent ahead are taken within the forward that sent them)
+    refuse_checkpointed("the model's output", output)
     # an image of pooled features spread to a size every (equal) tile has, never told
     # apart from a fixed grid by a tile they met (see `meet`)
     if isinstance(output, torch.Tensor) and output.dim() == ctx.ndim \

@@ -432,11 +432,17 @@ class _Recv(torch.autograd.Function):
                 source: Callable[[], torch.Tensor]) -> torch.Tensor:
         ctx.link = link
         ctx.anchor_shape = anchor.shape
-        return source()  # the received tensor (a receive, or one posted ahead)
+        ctx.set_materialize_grads(False)  # (no gradient stays None: `send_unused`)
+        got = source()  # the received tensor (a receive, or one posted ahead)
+        ctx.meta = Meta(got.shape, got.dtype, got.device)
+        return got
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
         ctx.sent = True  # read by gradient_sent (ctx is the graph's node)
+        if grad is None:  # this stage gave what it received no gradient: none goes back
+            send_unused(ctx.link.reverse(), ctx.meta)
+            return None, None, None
         # not eager: a double backward's receive would share its tag with the activations'
         back = dataclasses.replace(ctx.link.reverse(), eager=False)
         anchor_grad: torch.Tensor = _Send.apply(grad, back, _gradient_messages(grad, back))

@@ -28,6 +28,7 @@ from tensorpar.domain._forward.flow import (
     not_linear,
     output_kind,
     reads_only_metadata,
+    refuse_checkpointed,
     refuse_spread,
 )
 from tensorpar.domain._forward.following import Follower
@@ -82,6 +83,8 @@ class _FunctionalCalls(TorchFunctionMode):
         if not ctx.active or ctx.internal:  # (a converted layer's own calls: not tracked)
             return self._call(func, args, kwargs, _UNTRACKED)
         scan = ctx.marks.scan(args, kwargs)
+        if scan.checkpointed:
+            refuse_checkpointed(getattr(func, "__name__", str(func)), (args, kwargs))
         if PARTIAL in scan.kinds:
             if not reads_only_metadata(func) and self._spreads_partial(args, kwargs):
                 # (``x - x.sum()``, ``x / x.sum()``)

@@ -19,7 +19,7 @@ import torch
 
 from tensorpar.domain._forward.following import Follower
 from tensorpar.domain._forward.points import MATMULS, einsum_args, einsum_subscripts
-from tensorpar.domain._tiles.agree import over_groups
+from tensorpar.domain._tiles.agree import on_any_rank, over_groups
 from tensorpar.domain._tiles.layout import DomainContext
 from tensorpar.domain._tiles.marks import TILE
 
@@ -31,10 +31,18 @@ def contract_points(ctx: DomainContext, follower: Follower, func: Any, args: Seq
     """The domain's sum of a product summing its tiles over every point (``None``: not one)."""
     if func is torch.einsum:
         summed = _einsum_sums_points(ctx, follower, args)
+        operands = einsum_args(args)[1:]
     elif func in MATMULS and not kwargs:
         summed = _matmul_sums_points(follower, args)
+        operands = tuple(args)
     else:
         return None
+    tokens = [t for t in operands if isinstance(t, torch.Tensor) and follower.points(t)
+              and not follower.laid_out_as_image(t)]
+    if len(ctx.dims) > 1 and tokens:
+        # a mesh's tokens are read from their parts' sizes, which an empty tile lacks:
+        # every rank takes the verdict, or the ranks that sum wait for those that refuse
+        summed = not on_any_rank(ctx, not summed, tokens[0].device)
     if not summed:
         return None
     with ctx.own_calls():
@@ -54,7 +62,8 @@ def _einsum_sums_points(ctx: DomainContext, follower: Follower, args: Sequence[A
         held = follower.points(t)
         if not held:
             continue
-        if not isinstance(t, torch.Tensor) or len(sub) != t.dim():
+        if not isinstance(t, torch.Tensor) or len(sub) != t.dim() \
+                or any(sub.count(sub[d]) > 1 for d in held):  # (a diagonal: "bcii->bc")
             return False
         key = _layout(ctx, follower, t, held, sub)
         if key is None:

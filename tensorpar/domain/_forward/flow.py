@@ -12,9 +12,19 @@ from typing import Any
 
 import torch
 
-from tensorpar.domain._tiles.marks import EARLY, POOLED, TILE, Kind, Marks, Scan, tensors_in
+from tensorpar.domain._tiles.marks import (
+    CHECKPOINTED,
+    EARLY,
+    POOLED,
+    TILE,
+    Kind,
+    Marks,
+    Scan,
+    tensors_in,
+)
 
-__all__ = ["mixing_error", "not_linear", "output_kind", "reads_only_metadata", "refuse_spread"]
+__all__ = ["mixing_error", "not_linear", "output_kind", "reads_only_metadata",
+           "refuse_checkpointed", "refuse_spread"]
 
 _NOT_LINEAR = frozenset({
     "pow", "rpow", "ipow", "sqrt", "rsqrt", "log", "log2", "log10", "log1p", "exp", "exp2",
@@ -104,3 +114,24 @@ def mixing_error(what: str) -> RuntimeError:
         f"in a way that is not followed: pooled features go back into the tiles where they "
         f"have size 1 along every split dim (a gate broadcast over the tile), or through "
         f"F.interpolate, expand or repeat to the tile's size")
+
+
+def refuse_checkpointed(where: str, tensors: Any) -> None:
+    """Raise where a tensor among ``tensors`` comes out of a reentrant activation checkpoint.
+
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` recomputes its part in the backward,
+    outside the model's forward: there the tiles' exchanges and reductions are not
+    converted, and the gradients came out wrong with no error.
+
+    Raises:
+        ValueError: on every rank alike (the graph's nodes are every rank's).
+    """
+    for t in tensors_in(tensors):
+        if (node := t.grad_fn) is not None and type(node).__name__ == CHECKPOINTED:
+            raise ValueError(
+                f"{where} (domain-parallel) takes the output of an activation checkpoint "
+                f"inside the model (torch.utils.checkpoint, use_reentrant=True): its backward "
+                f"recomputes that part outside the model's forward, where the tiles' halo "
+                f"exchanges and reductions are not converted, and its gradients would be "
+                f"wrong. Activation checkpointing inside a domain-parallel model is not "
+                f"supported (with use_reentrant=False the backward raises)")

@@ -125,11 +125,10 @@ def _over_points(ctx: DomainContext, func: Any, args: Sequence[Any], kwargs: dic
         operands = einsum_args(args)[1:]
         split: set[str] = set()
         for sub, t in zip(read[0], operands, strict=True):
-            if isinstance(t, torch.Tensor) and (held := points(t)) is None:
-                if ctx.marks.kind_of(t) == TILE:
-                    return None
-            elif held:
-                split.update(sub[d] for d in held)
+            held = points(t)
+            if held is None and isinstance(t, torch.Tensor) and ctx.marks.kind_of(t) == TILE:
+                return None  # (a tile whose points are not known)
+            split.update(sub[d] for d in held or ())
         return {id(t) for sub, t in zip(read[0], operands, strict=True) if not split & set(sub)}
     if func not in MATMULS or kwargs or len(args) != 2:
         return None

@@ -361,23 +361,25 @@ def einsum_points(args: Sequence[Any], points: Callable[[Any], Points | None]
     ``points(t)``: the dims of the tile ``t`` holding points (``None``: not a tile, or not
     known). A subscript at a dim holding points names the points; an output that lacks
     one sums over them, and two tiles whose points have different subscripts pair every
-    point with every other (``"bchw,bdgw->bcdhg"``); an ellipsis stands for the dims it
-    covers. ``(None, False)`` where the subscripts are not read (no ``->``, operands as a
-    list).
+    point with every other (``"bchw,bdgw->bcdhg"``), and a letter named twice by one tile
+    (``"bcii->bc"``) takes a diagonal the tile does not hold; an ellipsis stands for the
+    dims it covers. ``(None, False)`` where the subscripts are not read.
     """
     read = einsum_subscripts(args)
     if read is None:
         return None, False
     subscripts, output = read
     named: list[set[str]] = []
+    repeated = False  # a letter at a dim holding points and another dim: a diagonal
     for sub, t in zip(subscripts, einsum_args(args)[1:], strict=True):
         held = points(t)
         if held is not None and isinstance(t, torch.Tensor) and len(sub) == t.dim():
             named.append({sub[d] for d in held})
+            repeated |= any(sub.count(sub[d]) > 1 for d in held)
     if not named:
         return None, False
     every = set().union(*named)
-    refused = any(n != named[0] for n in named) or not every <= set(output)
+    refused = repeated or any(n != named[0] for n in named) or not every <= set(output)
     return frozenset(output.index(s) for s in every if s in output), refused
 
 
@@ -391,16 +393,22 @@ def einsum_args(args: Sequence[Any]) -> tuple[Any, ...]:
 def einsum_subscripts(args: Sequence[Any]) -> tuple[list[str], str] | None:
     """``einsum``'s subscripts, one per operand, and its output's (each ``...`` spelled out).
 
-    ``None`` where they are not read (no ``->``, counts that do not fit the operands).
+    Without ``->``, the output is torch's implicit one. ``None`` where they are not read
+    (counts that do not fit the operands).
     """
     args = einsum_args(args)
-    if len(args) < 2 or not isinstance(args[0], str) or "->" not in args[0]:
+    if len(args) < 2 or not isinstance(args[0], str):
         return None
-    inputs, output = args[0].replace(" ", "").split("->")
+    equation = args[0].replace(" ", "")
+    if "->" not in equation:  # torch's implicit output: the letters used once, sorted
+        used = equation.replace("...", "").replace(",", "")
+        once = "".join(sorted(c for c in set(used) if used.count(c) == 1))
+        equation += "->" + ("..." if "..." in equation else "") + once
+    inputs, output = equation.split("->")
     subscripts = inputs.split(",")
     if len(subscripts) != len(args) - 1:
         return None
-    if "..." in args[0]:
+    if "..." in equation:
         return _without_ellipsis(subscripts, output, args[1:])
     return subscripts, output
 

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["EARLY", "PARTIAL", "POOLED", "TILE", "UNREAD", "Kind", "Marks", "Merged", "Scan",
-           "tensors_in"]
+__all__ = ["CHECKPOINTED", "EARLY", "PARTIAL", "POOLED", "TILE", "UNREAD", "Kind", "Marks",
+           "Merged", "Scan", "tensors_in"]
 
 Kind = Literal["tile", "pooled", "early", "partial"]
 TILE: Kind = "tile"
@@ -50,6 +50,8 @@ combined further only by sums and scalings (`not_linear`)."""
 UNREAD: frozenset[int] = frozenset({-1})
 """The held dims of a tile reshaped in a way that is not followed: which of its dims hold
 the split dims' points is not known (not even that they are the image's)."""
+
+CHECKPOINTED = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)
 
 Merged = tuple[tuple[int, int], ...]
 """A dim made of several (``x.flatten(2)``): each part's size and the split dim whose
@@ -177,6 +179,8 @@ class Marks:
         scan = Scan(set(), 0, [], False)
         for t in tensors_in((args, kwargs)):
             kind = self.kind_of(t)
+            if (node := t.grad_fn) is not None and type(node).__name__ == CHECKPOINTED:
+                scan.checkpointed = True
             if kind == EARLY:
                 scan.early = True
             elif kind is not None:
@@ -197,12 +201,15 @@ class Scan:
         pooled_numel: the number of elements of its largest pooled tensor.
         params: its parameters.
         early: whether a tensor marked early is among them.
+        checkpointed: whether the output of a reentrant activation checkpoint is among
+            them (`flow.refuse_checkpointed`).
     """
 
     kinds: set[Kind]
     pooled_numel: int
     params: list[torch.Tensor]
     early: bool
+    checkpointed: bool = False
 
     @property
     def road(self) -> Kind | None:
