@@ -88,7 +88,12 @@ def rng_kept(device: torch.device | str | None = None) -> Iterator[None]:
 
 
 def _cuda_devices() -> list[int]:
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    """The device whose stream the streams hold: the current one (as `_capture` reads).
+
+    Forking every GPU's stream would make a CUDA context on each GPU of the machine in
+    every process.
+    """
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
 def _capture() -> dict[str, torch.Tensor]:
