@@ -250,6 +250,10 @@ class NothingSent(CollectiveTypeError):
         self.peer = peer
 
 
+class _Unused(NothingSent):
+    """A gradient's frame that says the peer's stage did not use the tensor (`send_unused`)."""
+
+
 def send_nothing(link: Link, room: int, device: torch.device | None, follows: int = 0
                  ) -> None:
     """Tell the peer that nothing will come: a frame with no tensor (``room``: its room).
@@ -359,12 +363,12 @@ class GradientReceipt:
         room = gradient_room(self.meta)
         frame = self.frame.wait() if self.frame is not None else \
             self.link.receive(_frame_buffer(self.link, room, self.meta.device))
-        if decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu()).kind == KIND_NONE:
-            if self.data is not None:  # (its stand-in)
-                self.data.wait()
-            return None  # (`send_unused`)
         try:
             header, data = _unframe(frame, self.meta.device)
+        except _Unused:
+            if self.data is not None:  # (its stand-in)
+                self.data.wait()
+            return None
         except NothingSent:
             raise NothingSent(f"no gradient came from rank {self.link.peer}: it raised instead "
                               f"(its error says why)", self.link.peer) from None
@@ -384,9 +388,12 @@ def _unframe(frame: torch.Tensor, device: torch.device
     """The header in ``frame`` and the data it carries (``None``: a second message has it).
 
     Raises:
-        NothingSent: the sender raised instead of sending (`send_nothing`).
+        NothingSent: the sender raised instead of sending (`send_nothing`); `_Unused` where
+            it says its stage did not use the tensor (`send_unused`).
     """
     header = decode_header(frame[:HEADER_LEN * 8].view(torch.int64).cpu())
+    if header.kind == KIND_NONE:
+        raise _Unused("no gradient: the peer's stage did not use the tensor")
     if header.kind != KIND_TENSOR:
         raise NothingSent("no tensor came: the sending rank raised instead (its error says why)")
     dtype = header.tensor_dtype

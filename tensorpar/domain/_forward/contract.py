@@ -21,7 +21,6 @@ from tensorpar.domain._forward.following import Follower
 from tensorpar.domain._forward.points import MATMULS, einsum_args, einsum_subscripts
 from tensorpar.domain._tiles.agree import on_any_rank, over_groups
 from tensorpar.domain._tiles.layout import DomainContext
-from tensorpar.domain._tiles.marks import TILE
 
 __all__ = ["contract_points"]
 
@@ -103,8 +102,6 @@ def _layout(ctx: DomainContext, follower: Follower, t: torch.Tensor, held: froze
     letters name its dims). ``None`` where that is not read: a mesh's tile in another
     layout than the image's (a transpose), or a strip whose rows' block is not known.
     """
-    if ctx.marks.kind_of(t) != TILE:
-        return None
     def letters(dims: Iterable[int]) -> tuple[str, ...]:
         return tuple(sub[d] for d in dims) if sub is not None else ()
     if len(ctx.dims) == 1:
