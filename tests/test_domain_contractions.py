@@ -186,3 +186,39 @@ def test_layouts_read_alike_only_on_some_ranks_are_refused_on_every_rank():
     # layouts as equal where the others do not (it summed while they raised, and hung)
     assert all(run_distributed(_orders_differ, 4, [0, 6], [4, 3], timeout=T))
     assert all(run_distributed(_orders_differ, 4, [3, 3], [4, 3], timeout=T))
+
+
+def _penalty(case, sizes):
+    """A gradient penalty through the product (``double_backward=True``) against dense."""
+    import copy
+
+    from tensorpar.nn import parallelize_domain
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    dense = (PhysicsAttention() if case == "Transolver" else Contracted(CONVERTED[case])).double()
+    x = torch.randn(2, 2, sum(sizes), 5, dtype=torch.float64)
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2, double_backward=True)
+    xd = x.clone().requires_grad_()
+    out_d = dense(xd)
+    (gd,) = torch.autograd.grad(out_d.square().sum(), xd, create_graph=True)
+    (gd.square().sum() + out_d.sum()).backward()
+    tile = x.narrow(2, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+    out = par(tile)  # a replicated output's loss is every rank's, a tile's its part
+    (g,) = torch.autograd.grad(out.square().sum(), tile, create_graph=True)
+    (g.square().sum() + out.sum()).backward()
+    want = gd.narrow(2, sum(sizes[:rank]), sizes[rank])
+    worst = float((g - want).abs().amax()) if g.numel() else 0.0
+    for p, q in zip(par.parameters(), dense.parameters(), strict=True):
+        if q.grad is None:  # (a layer the head does not use)
+            assert p.grad is None
+            continue
+        # relative where the gradient is large (a Gram matrix squared reaches 1e4)
+        worst = max(worst, float((p.grad - q.grad).abs().amax() / q.grad.abs().amax().clamp(min=1)))
+    return worst
+
+
+@pytest.mark.parametrize("case", ["Gram matrix of one tile", "Transolver",
+                                  "linear attention (pooled back into the tokens)"])
+def test_gradient_penalty_through_products_over_every_point(case):
+    assert max(run_distributed(_penalty, 2, case, [5, 7], timeout=T)) < 1e-10
+    assert max(run_distributed(_penalty, 3, case, [4, 0, 8], timeout=T)) < 1e-10
