@@ -264,8 +264,9 @@ def main():
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
         if reducer is not None:
-            print(f"{reducer.iterations} steps; waited {reducer.sync_wait_seconds:.2f} s at "
-                  f"the gradient sync; checkpoint in {out / 'checkpoints'}")
+            print(f"{last - first} steps at dp {args.dp} x tp {args.tp}; waited "
+                  f"{reducer.sync_wait_seconds:.2f} s at the gradient sync; checkpoint in "
+                  f"{out / 'checkpoints'}")
         else:
             print(f"{last - first} steps at dp {args.dp} x pp {args.pp} x tp {args.tp} "
                   f"({args.schedule}, {args.microbatches} microbatches); checkpoint in "
@@ -341,8 +342,8 @@ def save_checkpoint(root, step, model, opt, losses, args):
         os._exit(3)  # a rank dies in the middle of the save (for the crash test)
     state = {"model": tensorpar.sharded_state_dict(model),
              "optim": tensorpar.sharded_optimizer_state_dict(model, opt),
-             "loop": {"step": step, "losses": list(losses), "rng": torch.get_rng_state(),
-                      "global_batch": args.batch * args.dp}}
+             "loop": {"step": step, "losses": list(losses), "global_batch": args.batch * args.dp,
+                      **rng_states()}}
     dcp.save(state, checkpoint_id=str(temp))
     dist.barrier()                                          # every rank has written its part
     if rank == 0:
@@ -361,7 +362,7 @@ def save_checkpoint(root, step, model, opt, losses, args):
 def load_checkpoint(root, model, opt, args):
     """Load the checkpoint LATEST names into ``model`` and ``opt``; return (step, losses)."""
     name = (root / "LATEST").read_text().strip()
-    loop = {"step": 0, "losses": [], "rng": torch.get_rng_state(), "global_batch": 0}
+    loop = {"step": 0, "losses": [], "global_batch": 0, "ranks": 0, "cuda": False}
     state = {"model": tensorpar.sharded_state_dict(model),
              "optim": tensorpar.sharded_optimizer_state_dict(model, opt), "loop": loop}
     dcp.load(state, checkpoint_id=str(root / name))
@@ -373,8 +374,46 @@ def load_checkpoint(root, model, opt, args):
                          f"{loop['global_batch']} sequences, this run has {args.batch} x "
                          f"{args.dp} replicas = {args.batch * args.dp}; pass --batch "
                          f"{loop['global_batch'] // args.dp}")
-    torch.set_rng_state(loop["rng"])
+    restore_rng(root / name, loop)
     return loop["step"], list(loop["losses"])
+
+
+def rng_states():
+    """Every rank's RNG states in rank order, for the checkpoint's loop state.
+
+    Saved as tensors every rank holds alike: DCP keeps one copy of a tensor that every rank
+    saves under the same name, so a rank's own state saved as it is would come back as one
+    rank's on every rank (ranks whose dropout is seeded apart would resume in step).
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    mine = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    states = {"rng": torch.stack([cpu for cpu, _ in every]), "ranks": len(every), "cuda": cuda}
+    if cuda:
+        states["cuda_rng"] = torch.stack([gpu for _, gpu in every])
+    return states
+
+
+def restore_rng(path, loop):
+    """Set this rank's RNG states to those `rng_states` saved for it in ``path``."""
+    rank, world, ranks = dist.get_rank(), dist.get_world_size(), loop["ranks"]
+    cuda = loop["cuda"] and torch.cuda.is_available()
+    saved = {"rng": torch.empty(ranks, torch.get_rng_state().numel(), dtype=torch.uint8)}
+    if cuda:
+        saved["cuda_rng"] = torch.empty(ranks, torch.cuda.get_rng_state().numel(),
+                                        dtype=torch.uint8)
+    dcp.load({"loop": saved}, checkpoint_id=str(path))
+    if ranks != world and any(not torch.equal(s[0], s[r]) for s in saved.values()
+                              for r in range(ranks)):
+        raise SystemExit(f"--resume: the checkpoint's {ranks} processes had RNG states of "
+                         f"their own, and none of them is this run's rank {rank} of {world}: "
+                         f"resume with {ranks} processes")
+    mine = rank if ranks == world else 0
+    # (a copy: torch.set_rng_state given a row of the stack, a view at an offset, crashed)
+    torch.set_rng_state(saved["rng"][mine].clone())
+    if cuda:
+        torch.cuda.set_rng_state(saved["cuda_rng"][mine].clone())
 
 
 def plot(losses, reference, path):

@@ -224,3 +224,52 @@ def test_context_parallel_lm(layout):
     pytest.importorskip("transformers")
     out = torchrun("context_parallel_lm.py", 4, *layout, "--steps", 3)
     assert "OK: 3 steps" in out and "equal the dense model's losses" in out, out
+
+
+def _train_lm_checkpoints():
+    import importlib.util
+    import types
+    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLES / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    model = torch.nn.Linear(2, 2)
+    return train_lm, model, torch.optim.AdamW(model.parameters()), \
+        types.SimpleNamespace(batch=1, dp=1, crash_in_save=None)
+
+
+def _rng_after_resume(root, seed_per_rank, step):
+    """Each rank its own RNG stream (as dropout seeded per replica would be), or one for
+    all: the next draws after a save and a load equal those after the save alone."""
+    import torch.distributed as dist
+    train_lm, model, opt, args = _train_lm_checkpoints()
+    torch.manual_seed(dist.get_rank() if seed_per_rank else 7)
+    train_lm.save_checkpoint(pathlib.Path(root), step, model, opt, [], args)
+    want = torch.rand(4)
+    torch.manual_seed(1000)  # a restarted process
+    train_lm.load_checkpoint(pathlib.Path(root), model, opt, args)
+    return torch.equal(torch.rand(4), want)
+
+
+def _rng_at_another_world_size(root):
+    train_lm, model, opt, args = _train_lm_checkpoints()
+    try:
+        train_lm.load_checkpoint(pathlib.Path(root), model, opt, args)
+    except SystemExit as exc:
+        return str(exc)
+    return torch.rand(4)
+
+
+@pytest.mark.timeout(120)
+def test_train_lm_restores_every_rank_s_own_rng_state(tmp_path):
+    # DCP keeps one copy of a tensor every rank saves under one name: one rank's RNG state
+    # came back on every rank
+    from tensorpar.testing import run_distributed
+    assert all(run_distributed(_rng_after_resume, 2, str(tmp_path), True, 1, timeout=100))
+    # at another number of processes: refused where the states differ...
+    (refused,) = run_distributed(_rng_at_another_world_size, 1, str(tmp_path), timeout=100)
+    assert "RNG states of their own" in refused, refused
+    # ...and restored where every rank had the same
+    assert all(run_distributed(_rng_after_resume, 2, str(tmp_path), False, 2, timeout=100))
+    (draws,) = run_distributed(_rng_at_another_world_size, 1, str(tmp_path), timeout=100)
+    torch.manual_seed(7)
+    assert torch.equal(draws, torch.rand(4))
