@@ -243,6 +243,31 @@ def test_parallel_rng_streams():
         assert untouched and advanced and same and distinct
 
 
+def _rng_resumed():
+    rng = ParallelRNG(seed=7)
+    with rng.sharded():
+        torch.rand(3)
+    saved = rng.state_dict()
+    want = []
+    for stream in (rng.replicated, rng.sharded):
+        with stream():
+            want.append(torch.rand(5))
+    restarted = ParallelRNG(seed=99)  # another process's, seeded otherwise
+    restarted.load_state_dict(saved)
+    got = []
+    for stream in (restarted.replicated, restarted.sharded):
+        with stream():
+            got.append(torch.rand(5))
+    with pytest.raises(ValueError, match=r"replicated\.cpu"):
+        restarted.load_state_dict({"sharded.cpu": saved["sharded.cpu"]})
+    return all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_parallel_rng_state_resumes_both_streams():
+    # (a run resumed from a checkpoint draws the masks the uninterrupted run would)
+    assert all(run_distributed(_rng_resumed, 2))
+
+
 # -- parallelize: plan validation ---------------------------------------------------------------
 
 def test_plan_problems_are_reported_together():

@@ -61,6 +61,33 @@ class ParallelRNG:
         with self._use("sharded"):
             yield
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Both streams' states on this rank, for a checkpoint (`load_state_dict` resumes them).
+
+        Keys ``"replicated.cpu"`` and ``"sharded.cpu"`` (and ``".cuda"`` ones on a GPU). The
+        sharded stream differs between ranks: saved with ``torch.distributed.checkpoint``,
+        a tensor every rank saves under the same name is kept once (one rank's would come
+        back on every rank), so save each rank's under a name of its own, or every rank's
+        stacked (as ``examples/train_lm.py`` saves torch's RNG states).
+        """
+        return {f"{name}.{device}": t.clone() for name, state in self._states.items()
+                for device, t in state.items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Resume both streams from a `state_dict` of this rank's.
+
+        Raises:
+            ValueError: ``state_dict`` lacks a stream's state or has keys of none.
+        """
+        want = set(self.state_dict())
+        if set(state_dict) != want:
+            raise ValueError(f"ParallelRNG.load_state_dict: expected the keys "
+                             f"{sorted(want)}, got {sorted(state_dict)}")
+        for name, state in self._states.items():
+            for device in state:
+                # (a copy: torch.set_rng_state crashed on a view at an offset)
+                state[device] = state_dict[f"{name}.{device}"].detach().to("cpu").clone()
+
     @contextlib.contextmanager
     def _use(self, name: str) -> Iterator[None]:
         with torch.random.fork_rng(devices=_cuda_devices()):
