@@ -101,3 +101,37 @@ def _compiled(rows):
 def test_compiled_transforms_run_eagerly_and_equal_dense():
     # before: dynamo failed inside the size exchange (an internal error, not a graph break)
     assert max(run_distributed(_compiled, 3, [2, 0, 5], timeout=240)) < TOL
+
+
+def _disagreeing(case):
+    from tensorpar.nn import distributed_rfft2_apply
+
+    rank = dist.get_rank()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    if case == "norm":
+        distributed_fft2(x, split_dim=0, other_dim=1, norm="ortho" if rank == 0 else None)
+    elif case == "inverse":
+        distributed_fft2(x, split_dim=0, other_dim=1, inverse=rank == 1)
+    elif case == "width":  # the same rfft half (3 columns) from 4 and 5 points
+        distributed_rfft2_apply(torch.randn(3, 4 + rank), lambda s, start: s, split_dim=0,
+                                other_dim=1)
+    elif case == "columns":
+        distributed_rfft2_apply(x, lambda s, start: s, split_dim=0, other_dim=1,
+                                columns=2 + rank)
+    else:  # every tile empty
+        distributed_fft2(torch.randn(0, 4), split_dim=0, other_dim=1)
+
+
+@pytest.mark.parametrize("case", ["norm", "inverse", "width", "columns"])
+def test_ranks_disagreeing_on_the_transform_are_refused_on_every_rank(case):
+    # each rank computed its own transform's steps: wrong values (3.9 off), no error
+    from tensorpar.errors import CollectiveArgumentError
+    with pytest.raises(CollectiveArgumentError, match="disagree") as info:
+        run_distributed(_disagreeing, 2, case, timeout=60)
+    assert "blocked" not in str(info.value) and "did not finish" not in str(info.value)
+
+
+def test_a_field_empty_on_every_rank_is_refused_as_torch_refuses_an_empty_one():
+    with pytest.raises(RuntimeError, match="points") as info:
+        run_distributed(_disagreeing, 2, "empty", timeout=60)
+    assert "blocked" not in str(info.value) and "did not finish" not in str(info.value)

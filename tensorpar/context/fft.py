@@ -23,6 +23,7 @@ from tensorpar.collectives._traced._dispatch import between_graphs
 from tensorpar.collectives.functional import all_gather, all_to_all
 from tensorpar.comm._compiling import compiling
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.errors import CollectiveArgumentError
 
 __all__ = ["distributed_fft2", "distributed_rfft2_apply"]
 
@@ -61,17 +62,47 @@ def _dims(fn: str, x: torch.Tensor, split_dim: int, other_dim: int) -> tuple[int
     return s, o
 
 
-def _rows(fn: str, x: torch.Tensor, s: int, g: Group, sizes: Sequence[int] | None
-          ) -> list[int]:
-    """Every rank's rows along ``s`` (one small all-gather unless ``sizes`` is given)."""
+_NORMS = (None, "backward", "ortho", "forward")
+_SETTINGS = ("norm", "inverse", "length of other_dim", "columns kept", "split_dim",
+             "other_dim", "number of dims")
+
+
+def _rows(fn: str, x: torch.Tensor, s: int, o: int, g: Group, sizes: Sequence[int] | None,
+          norm: Norm, inverse: bool = False, keep: int = 0) -> list[int]:
+    """Every rank's rows along ``s`` (one small all-gather unless ``sizes`` is given).
+
+    The exchange also carries the call's settings: ranks that disagree on them would each
+    run their own transform's steps through the same exchanges (wrong values, no error), so
+    they raise, on every rank.
+    """
     if sizes is None:
-        return all_gather(torch.tensor([x.shape[s]], device=g.comm_device(x.device)), group=g,
-                          sizes=[1] * g.size).tolist()
-    rows = [int(n) for n in sizes]
-    if len(rows) != g.size or rows[g.rank] != x.shape[s]:
-        raise ValueError(f"{fn}: sizes={list(sizes)} must give every rank's rows ({g.size} "
-                         f"entries) and this rank's {x.shape[s]} at index {g.rank}")
+        settings = [_NORMS.index(norm) if norm in _NORMS else -1, int(inverse), x.shape[o],
+                    keep, s, o, x.dim()]
+        meta = all_gather(torch.tensor([[x.shape[s], *settings]],
+                                       device=g.comm_device(x.device)),
+                          group=g, sizes=[1] * g.size).tolist()
+        for i, name in enumerate(_SETTINGS, 1):
+            values = [m[i] for m in meta]
+            if len(set(values)) > 1:
+                shown = [_NORMS[v] for v in values] if name == "norm" else values
+                raise CollectiveArgumentError(f"{fn}: the ranks disagree on the {name}: "
+                                              f"{shown} (rank order); expected one value")
+        rows = [m[0] for m in meta]
+    else:
+        rows = [int(n) for n in sizes]
+        if len(rows) != g.size or rows[g.rank] != x.shape[s]:
+            raise ValueError(f"{fn}: sizes={list(sizes)} must give every rank's rows "
+                             f"({g.size} entries) and this rank's {x.shape[s]} at index "
+                             f"{g.rank}")
+    _refuse_no_points(fn, sum(rows))
     return rows
+
+
+def _refuse_no_points(fn: str, total: int) -> None:
+    """Raise where the field has no rows at all (as torch.fft refuses a transform of none)."""
+    if not total:
+        raise RuntimeError(f"{fn}: every rank's tile is empty: a transform over 0 points "
+                           f"along split_dim")
 
 
 def _to_columns(y: torch.Tensor, s: int, o: int, g: Group) -> torch.Tensor:
@@ -122,6 +153,9 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
     Raises:
         ValueError: ``split_dim`` and ``other_dim`` are the same dim.
         IndexError: either dim is out of range.
+        CollectiveArgumentError: the ranks disagree on ``norm``, ``inverse``, the dims or
+            the length of ``other_dim`` (on every rank).
+        RuntimeError: every rank's tile is empty (as ``torch.fft.fft2`` of no points).
 
     Shape:
         ``x``: ``(*, N_r, *, M, *)`` (``N_r`` this rank's rows); output: the same shape.
@@ -143,8 +177,9 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
     s, o = _dims("distributed_fft2", x, split_dim, other_dim)
     y = _fft(x, o, norm, inverse)  # (.., N_r, .., M)
     if g.is_single:
+        _refuse_no_points("distributed_fft2", x.shape[s])
         return _fft(y, s, norm, inverse)
-    rows = _rows("distributed_fft2", x, s, g, None)
+    rows = _rows("distributed_fft2", x, s, o, g, None, norm, inverse)
     width = y.shape[o]
     y = _to_columns(y, s, o, g)  # (.., N, .., M'/W)
     y = _fft(y, s, norm, inverse)
@@ -200,8 +235,9 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         split_dim: the dim the tiles split.
         other_dim: the real-to-complex dim (whole on every rank).
         columns: kept columns of the ``other_dim`` spectrum (default: all, ``M // 2 + 1``).
-        sizes: every rank's rows along ``split_dim`` if known (saves one small all-gather;
-            only this rank's entry is checked, unless in validation mode).
+        sizes: every rank's rows along ``split_dim`` if known (saves one small all-gather,
+            and with it the check that the ranks agree on the other arguments; only this
+            rank's entry is checked, unless in validation mode).
         group: the process group (``None``: the default group, resolved at call time).
         norm: as in ``torch.fft.rfft2`` (and the inverse).
 
@@ -212,6 +248,9 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         ValueError: ``split_dim`` equals ``other_dim``, ``columns`` is out of range, or
             ``sizes`` disagrees with this rank's tile.
         IndexError: either dim is out of range.
+        CollectiveArgumentError: the ranks disagree on ``norm``, ``columns``, the dims or
+            the length of ``other_dim`` (on every rank; not checked when ``sizes`` is given).
+        RuntimeError: every rank's tile is empty (as ``torch.fft.rfft2`` of no points).
 
     Shape:
         ``x``: ``(*, N_r, *, M, *)``; ``fn`` gets ``(*, N, *, c, *)``; output:
@@ -241,9 +280,10 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
                          f"{width} points along dim {other_dim})")
     y = _rfft(x, o, norm, keep)  # (.., N_r, .., K)
     if g.is_single:
+        _refuse_no_points(name, x.shape[s])
         y = fn(_fft(y, s, norm, False), 0)
         return _irfft(_fft(y, s, norm, True), o, width, norm)
-    rows = _rows(name, x, s, g, sizes)
+    rows = _rows(name, x, s, o, g, sizes, norm, keep=keep)
     y = _to_columns(y, s, o, g)  # (.., N, .., K'/W)
     y = fn(_fft(y, s, norm, False), g.rank * y.shape[o])
     y = _to_rows(_fft(y, s, norm, True), s, o, g, rows, keep)  # (.., N_r, .., K)
