@@ -268,22 +268,29 @@ def test_context_parallel_refuses_masks_other_than_padding(case, words):
     assert message is not None and words in message, message
 
 
-def test_the_benchmarks_padded_ideal_computes_what_the_ring_does():
-    """The benchmark's ideal for the padded layer (kept queries against kept keys only)."""
-    from tensorpar.bench.workloads.context import _ideal_padded
+def test_the_benchmarks_padded_compute_computes_what_the_ring_does():
+    """The benchmark's compute for the padded layer (kept queries against kept keys only).
+
+    On one rank the kept queries are one span starting where the kept keys do: its one
+    causal SDPA is the attention itself (where a span sees keys before it, the benchmark
+    sums two pieces' arithmetic without merging them: the cost, not the values).
+    """
+    from tensorpar.bench.workloads.context import _attend, _padded_spans
     from tensorpar.comm._group import resolve_group
     from tensorpar.context._blocks import Padding
     from tensorpar.context._ring import RingSpec, ring_apply
-    from tensorpar.context.layout import zigzag_layout
+    from tensorpar.context.layout import contiguous_layout
 
     total, padded = 23, 7
-    layout = zigzag_layout(total, 1)
+    layout = contiguous_layout([total])  # (one segment)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, total, 4, generator=g, dtype=torch.float64) for _ in range(3))
     keep = (torch.arange(total) >= padded).unsqueeze(0)
     spec = RingSpec(group=resolve_group(None, "test"), layout=layout, causal=True, window=None,
                     scale=0.5, kv_groups=1, visible=Padding(keep, q.device))
-    ideal = _ideal_padded(q * 0.5 * 4 ** 0.5, k, v, layout, 0, padded)  # SDPA scales 1/sqrt(D)
+    spans = _padded_spans(layout, 0, padded)
+    assert spans == [(padded, padded, total - padded, padded)]
+    ideal = _attend(q * 0.5 * 4 ** 0.5, k, v, spans)  # SDPA scales 1/sqrt(D)
     assert (ring_apply(q, k, v, spec) - ideal).abs().max() < TOL
 
 

@@ -38,12 +38,13 @@ def _scatter_gather(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = [[r["world_size"], f"{r['nbytes'] / 2**20:g} MiB",
              *(f"{r[k] * 1e3:.2f}" for k in ("raw", "raw_alloc", "tensorpar",
                                                "tensorpar_known_meta")),
-             *(f"{r[a] / r[b]:.2f}" for a, b in (("tensorpar", "raw"), ("tensorpar", "raw_alloc"),
-                                                 ("tensorpar_known_meta", "raw_alloc")))]
+             *(f"{r[k]:.2f}" for k in ("tensorpar/raw", "tensorpar/raw_alloc",
+                                        "tensorpar_known_meta/raw_alloc"))]
             for r in results]
     print(format_table(["ranks", "size", "raw ms", "raw+alloc ms", "tensorpar ms",
                         "known-meta ms", "tp/raw", "tp/raw+alloc", "known-meta/raw+alloc"],
                        rows))
+    print("ratios paired: the median over rounds of the two calls' ratio within one round")
     return results
 
 
@@ -97,10 +98,11 @@ def _collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
         [[":".join(str(s) for s in r["splits"]), r["world_size"],
           f"{r['nbytes'] / 2**20:.3g} MiB", f"x{r['padded_nbytes'] / r['nbytes']:.2f}",
           _ms(r["tensorpar"]), _ms(r["native"]), _ms(r["padded"]), _ms(r["p2p"]),
-          _x(1 / r["native_ratio"]), _x(r["padded_ratio"] / r["native_ratio"]),
-          _x(r["p2p_ratio"] / r["native_ratio"])] for r in uneven]))
+          *(_x(r[f"{case}_over_native"]) for case in ("tensorpar", "padded", "p2p"))]
+         for r in uneven]))
     print("(native: the backend's own uneven all_to_all_single, what tensorpar calls for a dim-0 "
-          "exchange with sizes; p2p: one isend/irecv per peer)")
+          "exchange with sizes; p2p: one isend/irecv per peer; ratios paired: the median over "
+          "turns of the two calls' ratio within one turn)")
     return results
 
 
@@ -134,7 +136,7 @@ def _reducer(args: argparse.Namespace) -> list[dict[str, Any]]:
                                "per_rank": per_rank})
     print(format_table(
         ["ranks", "model", "params", "tensors", "grads MiB",
-         *(f"{v} ms" for v in reducer.VARIANTS), "tp/ddp", "tp default/ddp"],
+         *(f"{v} ms" for v in reducer.VARIANTS), "paired tp/ddp", "paired tp default/ddp"],
         [[r["world_size"], r["model"], f"{r['params']:,}", r["tensors"],
           f"{r['grad_bytes'] / 2**20:.1f}", *(_ms(r[v]) for v in reducer.VARIANTS),
           _x(r["tp_over_ddp"]), _x(r["tp_default_over_ddp"])] for r in timings]))
@@ -341,11 +343,13 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
         for m in args.microbatches:
             results += _run(args, f"{world} stages, {m} microbatches", pipeline.run_rank,
                             world, m, args.rounds)[0]
+    stages = {case: f"{v}/{torch_v}" for case, _, v, _, torch_v in pipeline.CASES}
     print(format_table(
-        ["schedule", "ranks", "microbatches", "tensorpar ms", "torch ms", "paired tp/torch",
-         "compute ms", "bubble", "torch bubble", "theory", "bubble - theory", "idle",
-         "torch idle"],
-        [[r["case"], r["ranks"], r["microbatches"], _ms(r["tensorpar"]), _ms(r["torch"]),
+        ["schedule", "V tp/torch", "ranks", "microbatches", "tensorpar ms", "torch ms",
+         "paired tp/torch", "compute ms", "bubble", "torch bubble", "theory",
+         "bubble - theory", "idle", "torch idle"],
+        [[r["case"], stages[r["case"]], r["ranks"], r["microbatches"], _ms(r["tensorpar"]),
+          _ms(r["torch"]),
           _x(r["paired_ratio"]), _ms(r["compute"]), f"{r['bubble']:.3f}",
           f"{r['torch_bubble']:.3f}", f"{r['bubble_theory']:.3f}",
           f"{r['bubble'] - r['bubble_theory']:+.3f}", f"{r['idle']:.3f}",
@@ -354,13 +358,15 @@ def _pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
           "tensorpar.bench.workloads.pipeline.SHAPE; torch: torch.distributed.pipelining's "
           "ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (2 virtual stages) / "
           "ScheduleInterleavedZeroBubble (2 virtual stages; beside tensorpar's zero-bubble "
-          "with 1 and with 2) "
-          "on the same blocks; "
+          "with 1 and with 2: torch has no zero-bubble schedule of one stage per rank, so "
+          "the zero-bubble row with V 1/2 is not like for like, zero-bubble-interleaved is) "
+          "on the same blocks; V: stages per rank; "
           "step: the slowest rank's, median over rounds; paired: median over rounds of the "
           "ratio within a round; compute: a rank's forwards and backwards of the same "
           "microbatches alone (no communication), slowest rank; bubble: 1 - compute / step "
           "of the rank with the most compute, in the same round, median over rounds "
-          "(tensorpar's step, and torch's); theory: (P - 1) / (V m + P - 1) (zero-bubble: "
+          "(tensorpar's step, and torch's, both against tensorpar's compute of its V); "
+          "theory: (P - 1) / (V m + P - 1) (zero-bubble: "
           "(P - 1) / (3 V m + P - 1)), for equal stages; idle: 1 - compute / step per rank, "
           "mean over ranks (adds the faster stages' waits for the slower))")
     return results
@@ -425,22 +431,23 @@ def _context(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows += _run(args, f"{world} ranks, T={total}", context.run_rank, world, total,
                          args.rounds)[0]
     print(format_table(
-        ["case", "ranks", "T", "ring ms", "ideal ms", "ring/ideal", "compute ms",
-         "paired ring/compute", "hop ms", "ulysses ms", "paired ulysses/ring", "torch cp ms",
-         "ring/torch", "saved MiB/rank", "saved x W / dense"],
-        [[r["case"], r["world_size"], r["total"], _ms(r["ring"]), _ms(r["ideal"]),
-          _x(r["ring/ideal"]), _ms(r["compute"]), _x(r["ring/compute"]), _ms(r["hop"]),
-          _ms(r.get("ulysses")), _x(r.get("ulysses/ring")), _ms(r["torch_cp"]),
-          _x(r["ring"] / r["torch_cp"] if r["torch_cp"] else None),
-          f"{r['saved'] / 2**20:.2f}",
+        ["case", "ranks", "T", "ring ms", "compute ms", "comm ms", "limit ms",
+         "paired ring/limit", "paired ring/compute", "ulysses ms", "paired ulysses/ring",
+         "saved MiB/rank", "saved x W / dense"],
+        [[r["case"], r["world_size"], r["total"], _ms(r["ring"]), _ms(r["compute"]),
+          _ms(r["comm"]), _ms(r["limit"]), _x(r["ring/limit"]), _x(r["ring/compute"]),
+          _ms(r.get("ulysses")), _x(r.get("ulysses/ring")), f"{r['saved'] / 2**20:.2f}",
           f"{r['saved'] * r['world_size'] / r['dense_saved']:.2f}"] for r in rows]))
-    notes = sorted({r["torch_note"] for r in rows if r["torch_note"]})
+    notes = sorted({r["torch_cp"] for r in rows if "torch_cp" in r})
     print(f"(forward+backward, float32, causal, zigzag layout; sizes in "
-          f"tensorpar.bench.workloads.context LAYER and LLAMA; ideal: this rank's queries "
-          f"against the keys they see computed locally in one go (compute) plus the ring's "
-          f"key/value hops at the hop time measured in the same run; paired: median over "
-          f"rounds of the ratio within a round; saved: bytes autograd keeps per rank, "
-          f"parameters excluded. torch cp: {'; '.join(notes) or 'ran'})")
+          f"tensorpar.bench.workloads.context LAYER and LLAMA; every case once per round, "
+          f"in the same rounds; compute: this rank's share of the arithmetic, locally (SDPA, "
+          f"the diagonal blocks with is_causal; the Llama: the same model step with that "
+          f"attention); comm: the ring's transfers alone; limit: max(compute, comm) of the "
+          f"round, as the ring overlaps the two; paired: median over rounds of the ratio "
+          f"within a round; saved: bytes autograd keeps per rank, parameters excluded. "
+          f"torch's experimental context_parallel is not measured: this suite runs on CPU "
+          f"with gloo, and there it gives: {'; '.join(notes) or '-'})")
     return rows
 
 

@@ -32,12 +32,13 @@ def _size(nbytes: float) -> str:
 
 def _scatter_gather(rows: list[dict[str, Any]]) -> list[Table]:
     return [("scatter + gather", ["ranks", "size", "raw ms", "raw+alloc ms", "tensorpar ms",
-                                 "known-meta ms", "tensorpar / raw+alloc"],
+                                 "known-meta ms", "paired tensorpar / raw+alloc"],
             [[str(r["world_size"]), _size(r["nbytes"]), _ms(r["raw"]), _ms(r["raw_alloc"]),
               _ms(r["tensorpar"]), _ms(r["tensorpar_known_meta"]),
-              _x(r["tensorpar"] / r["raw_alloc"])] for r in rows],
+              _x(r.get("tensorpar/raw_alloc"))] for r in rows],
             "Rank 0 scatters a float32 tensor and gathers it back; median of the slowest "
-            "rank. raw+alloc: `dist.scatter` + `dist.gather` allocating their outputs.")]
+            "rank. raw+alloc: `dist.scatter` + `dist.gather` allocating their outputs; "
+            "paired: the median over rounds of the two calls' ratio within one round.")]
 
 
 def _in_order(rows: list[dict[str, Any]], table: str) -> list[dict[str, Any]]:
@@ -76,16 +77,18 @@ def _collectives(rows: list[dict[str, Any]]) -> list[Table]:
 def _reducer(rows: list[dict[str, Any]]) -> list[Table]:
     timed = [r for r in rows if r.get("table") == "time"]
     return [("reducer: one training iteration",
-             ["ranks", "model", "no comm ms", "tensorpar ms", "DDP ms", "tensorpar / DDP",
-              "default buckets ms", "default / DDP", "exposed tensorpar ms",
+             ["ranks", "model", "no comm ms", "tensorpar ms", "DDP ms", "paired tensorpar / DDP",
+              "default buckets ms", "paired default / DDP", "exposed tensorpar ms",
               "exposed DDP ms"],
              [[str(r["world_size"]), r["model"], _ms(r["no_comm"]), _ms(r["tensorpar"]),
                _ms(r["ddp"]), _x(r["tp_over_ddp"]), _ms(r.get("tensorpar_default")),
                _x(r.get("tp_default_over_ddp")), _ms(r["exposed_tensorpar"]),
                _ms(r["exposed_ddp"])] for r in timed],
              "Forward + backward + gradient averaging of an 8-layer MLP, `BucketedAllReduce` "
-             "and DDP with 25 MiB buckets, and `BucketedAllReduce` with its default bucket "
-             "size; exposed: the iteration minus the no-communication time.")]
+             "and DDP with 25 MiB buckets (gradients as bucket views in both), and "
+             "`BucketedAllReduce` with its default bucket size; paired: the median over "
+             "rounds of the two iterations' ratio within one round; exposed: the iteration "
+             "minus the no-communication time.")]
 
 
 def _layers(rows: list[dict[str, Any]]) -> list[Table]:

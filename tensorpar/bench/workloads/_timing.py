@@ -23,7 +23,8 @@ __all__ = ["back_to_back_samples", "calls_within", "format_table", "paired_ratio
 
 def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
                       warmup: int = 2, cpu: bool = False,
-                      pairs: tuple[tuple[str, str], ...] = ()) -> dict[str, float]:
+                      pairs: tuple[tuple[str, str], ...] = (), rotate: bool = False
+                      ) -> dict[str, float]:
     """Median seconds per call of each case, measured in interleaved rounds.
 
     Each round runs every case once, in turn, between barriers; a call's time is the
@@ -32,12 +33,18 @@ def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
     thread (the slowest rank's), which leaves out time spent blocked waiting for other ranks.
     For each ``(case, baseline)`` in ``pairs`` the result also has ``"case/baseline"``: the
     median over rounds of the two calls' ratio within one round (see `paired_ratio`).
-    Runs on every rank; returns the same numbers everywhere.
+    With ``rotate`` each round starts one case later (round ``i`` at case ``i mod n``), so
+    no case always follows the same neighbour; without it the cases run in the given order
+    (for cases that rely on it: one that zeroes what the next ones use). Runs on every rank;
+    returns the same numbers everywhere.
     """
     samples: dict[str, list[float]] = {name: [] for name in cases}
     cpu_samples: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     for i in range(warmup + rounds):
-        for name, fn in cases.items():
+        first = i % len(names) if rotate else 0
+        for name in names[first:] + names[:first]:
+            fn = cases[name]
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.thread_time()
             fn()

@@ -257,11 +257,10 @@ def run_rank(nbytes: int, rounds: int, budget_s: float = 1.5) -> list[dict[str, 
     }
     _check("uneven all_to_all", *(fn() for fn in strategies.values()))
     calls = calls_within(budget_s, strategies["tensorpar"], minimum=rounds)
-    t = {case: times.median().item()
-         for case, times in back_to_back_samples(strategies, calls=calls).items()}
+    samples = back_to_back_samples(strategies, calls=calls)
+    t = {case: times.median().item() for case, times in samples.items()}
     rows.append({"table": "uneven_all_to_all", "world_size": world, "nbytes": numel * 4,
                  "calls": calls, "splits": splits, "padded_nbytes": world * max(splits) * 4, **t,
-                 "native_ratio": t["native"] / t["tensorpar"],
-                 "padded_ratio": t["padded"] / t["tensorpar"],
-                 "p2p_ratio": t["p2p"] / t["tensorpar"]})
+                 **{f"{case}_over_native": paired_ratio(samples, case, "native")  # (paired)
+                    for case in ("tensorpar", "padded", "p2p")}})
     return rows

@@ -48,7 +48,7 @@ import tensorpar
 from tensorpar.bench.workloads._timing import time_side_by_side
 from tensorpar.comm._comm import all_gather_into
 from tensorpar.comm._group import resolve_group
-from tensorpar.nn import parallelize_domain
+from tensorpar.nn import domain_layout, parallelize_domain
 
 __all__ = ["WORKLOADS", "run_rank"]
 
@@ -162,6 +162,11 @@ def run_rank(name: str, size: int, rounds: int) -> dict[str, Any]:
     def step(m: nn.Module, x: torch.Tensor) -> None:
         m(x).sum().backward()
 
+    with torch.no_grad():  # the dense model's output tile, before anything is timed
+        want, got = dense(full), model(tile)
+    split = domain_layout(model)[0][want.shape[-2]]
+    torch.testing.assert_close(got, want.narrow(-2, sum(split[:rank]), split[rank]),
+                               rtol=1e-4, atol=1e-4)
     step(model, tile)  # (the first forward learns which halo rows go ahead with the norms)
     with tensorpar.CommCounter() as counter:
         step(model, tile)
@@ -214,6 +219,7 @@ def _shardtensor(dense: nn.Module, model: nn.Module, ideal: nn.Module, tile: tor
 
     def sharded() -> Any:
         return ShardTensor.from_local(tile, mesh, [Shard(2)], sharding_shapes=shapes)
+    ready = sharded()  # (made once, as the other cases get their tile ready)
 
     def forward(m: nn.Module, x: Any) -> None:
         with torch.no_grad():
@@ -231,7 +237,7 @@ def _shardtensor(dense: nn.Module, model: nn.Module, ideal: nn.Module, tile: tor
         out["shardtensor_step"] = f"backward fails: {type(exc).__name__}: {exc}"[:160]
     out.update(time_side_by_side(
         {"domain_fwd": lambda: forward(model, tile),
-         "shardtensor_fwd": lambda: forward(theirs, sharded()),
+         "shardtensor_fwd": lambda: forward(theirs, ready),
          "ideal_fwd": lambda: forward(ideal, ideal_in)},
         rounds=rounds, pairs=(("domain_fwd", "ideal_fwd"), ("shardtensor_fwd", "ideal_fwd"),
                               ("shardtensor_fwd", "domain_fwd"))))

@@ -94,7 +94,8 @@ def _print_reducer_table(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"(the reducer end to end on the same 2 x 2 cluster, {args.link} links: "
           f"{r['params']:,} parameters, batch {reducer_cluster.BATCH} per rank, forward + "
           f"backward + averaging; median of {args.reducer_rounds} rounds, slowest rank; "
-          f"limit = max(no_comm, fastest raw all-reduce) = {r['limit'] * 1e3:.1f} ms)")
+          f"limit = max(no_comm, the fastest all-reduce of every gradient timed alone: "
+          f"flat or tensorpar's hierarchical one) = {r['limit'] * 1e3:.1f} ms)")
 
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:

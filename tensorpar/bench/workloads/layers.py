@@ -240,8 +240,13 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
                                  _plan(workload, blocks))
     theirs = _dtensor_model(workload, dim, hidden, blocks)
     local = _shard_model(workload, dim, hidden, blocks)
-    reductions = 2 * sum(v == "rowwise" for v in _plan(workload, blocks).values())
-    comm = [torch.randn(shape) for _ in range(reductions)]
+    # the all-reduces tensor parallelism cannot do without: one after each row-parallel
+    # layer, and one in the backward per input of the column-parallel layers that needs a
+    # gradient (not the model's input), counted as the interleaved step waits for them
+    waits = [0]
+    _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks), lambda m: m(x)
+                      .sum().backward(), lambda: waits.__setitem__(0, waits[0] + 1))()
+    comm = [torch.zeros(shape) for _ in range(waits[0])]  # (zeros: summed in place, no inf)
 
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)  # same computation
 
@@ -262,7 +267,7 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
         return _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks), step,
                                  wait)
 
-    side_buffer = torch.empty(shape)
+    side_buffer = torch.zeros(shape)
     cases: dict[str, Callable[[], object]] = {
         "dense": dense_on_rank_0, "floor": floor, "tensorpar": lambda: step(ours),
         "dtensor": lambda: step(theirs), "floor_again": floor,
@@ -276,7 +281,7 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
         cases |= _compiled_cases(compile, workload, x, step)
         pairs += (("tensorpar_compiled", "dtensor_compiled"),
                   ("tensorpar_compiled", "tensorpar"), ("tensorpar_compiled", "floor"))
-    times = time_side_by_side(cases, rounds=rounds, cpu=True, pairs=pairs)
+    times = time_side_by_side(cases, rounds=rounds, cpu=True, pairs=pairs, rotate=True)
     result = {"workload": workload, "tp": dist.get_world_size(), **times}
     if profile > 0:
         steps = max(rounds, 10)

@@ -135,10 +135,13 @@ def run_rank(tokens_layout: str, routing: str, rounds: int,
             module.zero_grad(set_to_none=True)
         return run
 
+    with torch.no_grad():  # the same outputs before anything is timed
+        torch.testing.assert_close(ours(x, index, weights), replicated(x, index, weights),
+                                   rtol=1e-4, atol=1e-4)
     cases: dict[str, Callable[[], object]] = {
         "expert_parallel": step(ours), "replicated": step(replicated), "floor": floor,
         "floor_again": floor}
-    times = time_side_by_side(cases, rounds=rounds,
+    times = time_side_by_side(cases, rounds=rounds, rotate=True,
                               pairs=(("expert_parallel", "floor"), ("floor_again", "floor"),
                                      ("expert_parallel", "replicated")))
     load = torch.tensor([sum(per_expert)], dtype=torch.float64)

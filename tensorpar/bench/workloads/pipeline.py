@@ -111,6 +111,37 @@ def _compute_only(stages: dict[int, nn.Module], actions: list[Action], total_sta
     return run
 
 
+def _check_equal(name: str, ours: Any, dense: nn.Module, theirs: Any, x: torch.Tensor,
+                 y: torch.Tensor, first: bool, last: bool, theirs_last: bool,
+                 microbatches: int) -> None:
+    """One step of each: the same batch loss and the same gradients, or raise (untimed)."""
+    loss = ours.step(x if first else None, y if last else None)
+    losses: list[torch.Tensor] = []
+    if first:
+        theirs.step(x)
+    elif theirs_last:
+        theirs.step(target=y, losses=losses)
+    else:
+        theirs.step()
+    found = torch.zeros(2, dtype=torch.float64)  # (each loss lives on one rank)
+    if last:
+        found[0] = float(loss)
+    if theirs_last:
+        found[1] = float(torch.stack(losses).detach().mean())
+    dist.all_reduce(found)
+    theirs_grads = {n: p.grad for n, p in dense.named_parameters()}
+    # (where this rank holds a block on both sides: torch's stages of two per rank differ)
+    worst = max((float((p.grad - theirs_grads[n]).abs().max())
+                 for n, p in ours.named_parameters() if theirs_grads[n] is not None),
+                default=0.0)
+    worst = _max(max(worst, abs(float(found[0] - found[1])) / max(abs(float(found[1])), 1.0)))
+    if worst > 1e-4:
+        raise RuntimeError(f"pipeline benchmark, {name}: tensorpar's step and torch's differ "
+                           f"by {worst:.3g} (loss or a gradient); not timed")
+    ours.zero_grad()
+    dense.zero_grad()
+
+
 def _timed(step: Callable[[], object]) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -169,6 +200,7 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
              for k in range(rank, stages, ranks)},
             build_schedule(schedule, ranks, microbatches, virtual)[rank], stages,
             list(torch.tensor_split(x, microbatches)), list(torch.tensor_split(y, microbatches)))
+        _check_equal(name, ours, dense, theirs, x, y, first, last, theirs_last, microbatches)
         for _ in range(2):  # warm-up (torch's stages infer their shapes on the first step)
             ours_step()
             theirs_step()

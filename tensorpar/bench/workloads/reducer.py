@@ -99,8 +99,10 @@ def _flatten_step(model: nn.Module, x: torch.Tensor, world: int) -> None:
 def _ddp(model: nn.Module) -> nn.Module:
     with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers; still honoured
         warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+        # (gradients as views of the buckets, as BucketedAllReduce keeps them by default)
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25,
-                                                   broadcast_buffers=False)
+                                                   broadcast_buffers=False,
+                                                   gradient_as_bucket_view=True)
 
 
 def _tensorpar(model: nn.Module, bucket_cap_mb: float | None = 25) -> BucketedAllReduce:
@@ -153,8 +155,9 @@ def run_rank(name: str, rounds: int) -> dict[str, Any]:
 
     Keys: ``model``, ``world_size``, ``params``, ``tensors``, ``grad_bytes``, each variant's
     median seconds per iteration, ``zero_grad`` (seconds to zero all five models, untimed
-    for the variants), ``tp_over_ddp``, ``exposed_<variant>`` (variant - no_comm) and
-    ``exposed_<variant>_over_raw`` (exposed / raw_all_reduce).
+    for the variants), ``tp_over_ddp`` and ``tp_default_over_ddp`` (paired ratios),
+    ``exposed_<variant>`` (variant - no_comm) and ``exposed_<variant>_over_raw`` (exposed /
+    raw_all_reduce).
     """
     from tensorpar.bench.workloads._timing import time_side_by_side
 
@@ -167,7 +170,8 @@ def run_rank(name: str, rounds: int) -> dict[str, Any]:
 
     # "zero_grad" runs first in every round, between barriers, so no variant's timed call
     # includes freeing or zeroing its gradients.
-    t = time_side_by_side({"zero_grad": zero_all, **steps}, rounds=rounds)
+    t = time_side_by_side({"zero_grad": zero_all, **steps}, rounds=rounds,
+                          pairs=(("tensorpar", "ddp"), ("tensorpar_default", "ddp")))
     for reducer in reducers:
         reducer.remove()
     params = list(models["no_comm"].parameters())
@@ -175,8 +179,8 @@ def run_rank(name: str, rounds: int) -> dict[str, Any]:
         "model": name, "world_size": dist.get_world_size(),
         "params": sum(p.numel() for p in params), "tensors": len(params),
         "grad_bytes": sum(p.numel() * p.element_size() for p in params), **t,
-        "tp_over_ddp": t["tensorpar"] / t["ddp"],
-        "tp_default_over_ddp": t["tensorpar_default"] / t["ddp"],
+        "tp_over_ddp": t["tensorpar/ddp"],  # (paired: the median of each round's ratio)
+        "tp_default_over_ddp": t["tensorpar_default/ddp"],
     }
     for v in ("tensorpar", "ddp", "per_param", "flatten_at_end"):
         row[f"exposed_{v}"] = t[v] - t["no_comm"]

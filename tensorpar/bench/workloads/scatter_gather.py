@@ -38,14 +38,21 @@ def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
         dist.gather(out, list(gathered.split(chunk_numel)) if gathered is not None else None,
                     dst=0)
 
-    def ours(exchange_meta: bool) -> None:
+    def ours(exchange_meta: bool) -> Any:
         chunk = scatter(source, exchange_meta=exchange_meta)
-        gather(chunk, sizes=[chunk_numel] * world if not exchange_meta else None)
+        return gather(chunk, sizes=[chunk_numel] * world if not exchange_meta else None)
 
+    for exchange_meta in (True, False):  # the same result as the raw calls' before timing
+        back = ours(exchange_meta)
+        raw()
+        if full is not None and raw_gathered is not None:  # (rank 0)
+            whole = full[:chunk_numel * world]
+            assert torch.equal(back, whole) and torch.equal(raw_gathered, whole)
     times = time_side_by_side({
         "raw": raw,
         "raw_alloc": raw_alloc,
         "tensorpar": lambda: ours(True),
         "tensorpar_known_meta": lambda: ours(False),
-    }, rounds=rounds)
+    }, rounds=rounds, rotate=True, pairs=(("tensorpar", "raw"), ("tensorpar", "raw_alloc"),
+                                          ("tensorpar_known_meta", "raw_alloc")))
     return {"world_size": world, "nbytes": nbytes, **times}

@@ -223,10 +223,17 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
     full = sizes["batch"] * sizes["seq"] * sizes["hidden"]  # flat: the same bytes
     part = full // world
     counts = collective_counts(sizes["layers"])
-    gathers = [(torch.empty(full), torch.randn(part)) for _ in range(counts["all_gather"])]
-    scatters = [(torch.empty(part), torch.randn(full)) for _ in range(counts["reduce_scatter"])]
-    reduces = [torch.randn(full)] + [torch.randn(sizes["hidden"])
+    # (zeros: the buffers reduced in place stay finite over the rounds)
+    gathers = [(torch.empty(full), torch.zeros(part)) for _ in range(counts["all_gather"])]
+    scatters = [(torch.empty(part), torch.zeros(full)) for _ in range(counts["reduce_scatter"])]
+    reduces = [torch.zeros(full)] + [torch.zeros(sizes["hidden"])
                                      for _ in range(counts["all_reduce_norm"])]
+    floor_issued = _tally([*(f"all_gather {x.nbytes}" for _, x in gathers),
+                           *(f"reduce_scatter {x.nbytes}" for _, x in scatters),
+                           *(f"all_reduce {t.nbytes}" for t in reduces)])
+    if floor_issued != issued:  # the floor must move what tensorpar moves, no more or less
+        raise RuntimeError(f"sequence benchmark: the floor's collectives {floor_issued} are "
+                           f"not tensorpar's {issued}")
 
     def step(model: nn.Module) -> None:
         _loss(model, ids).backward()
@@ -247,9 +254,6 @@ def run_rank(rounds: int, sizes: dict[str, int] | None = None) -> dict[str, Any]
         "floor_again": floor}
     pairs = (("tensorpar_sp", "dtensor_sp"), ("tensorpar_sp", "floor"),
              ("tensorpar_sp", "tensorpar_tp"), ("floor_again", "floor"))
-    times = time_side_by_side(cases, rounds=rounds, cpu=True, pairs=pairs)
-    floor_issued = _tally([*(f"all_gather {x.nbytes}" for _, x in gathers),
-                           *(f"reduce_scatter {x.nbytes}" for _, x in scatters),
-                           *(f"all_reduce {t.nbytes}" for t in reduces)])
+    times = time_side_by_side(cases, rounds=rounds, cpu=True, pairs=pairs, rotate=True)
     return {"table": "sequence", "workload": "llama-sp", "tp": world, "sizes": sizes,
             "tensorpar_sp_collectives": issued, "floor_collectives": floor_issued, **times}
