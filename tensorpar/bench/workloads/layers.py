@@ -282,7 +282,8 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
         pairs += (("tensorpar_compiled", "dtensor_compiled"),
                   ("tensorpar_compiled", "tensorpar"), ("tensorpar_compiled", "floor"))
     times = time_side_by_side(cases, rounds=rounds, cpu=True, pairs=pairs, rotate=True)
-    result = {"workload": workload, "tp": dist.get_world_size(), **times}
+    result = {"workload": workload, "tp": dist.get_world_size(), "floor_all_reduces": len(comm),
+              **times}
     if profile > 0:
         steps = max(rounds, 10)
         result["profile"] = {name: profile_steps(cases[name], steps, profile)

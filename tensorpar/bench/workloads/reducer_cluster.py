@@ -10,7 +10,8 @@ backward + gradient averaging, no optimizer step. Variants, each on its own copy
 - ``tensorpar_8mib``: the same with ``bucket_cap_mb=8`` (little left to send after backward);
 - ``tensorpar_overlap``: ``bucket_cap_mb=8, overlap_groups=2`` (buckets alternate between two
   process groups, so up to four are on the wire at once);
-- ``ddp``: ``DistributedDataParallel(model, broadcast_buffers=False)`` (25 MiB buckets);
+- ``ddp``: ``DistributedDataParallel(model, broadcast_buffers=False)`` (its defaults: 25 MiB
+  buckets, gradients copied into them, where `BucketedAllReduce` keeps them as views);
 - ``flatten_at_end``: backward, then one all-reduce of every gradient concatenated;
 - ``no_comm``: forward + backward only;
 - ``raw_all_reduce``: one all-reduce of a flat tensor as large as all the gradients;
