@@ -140,6 +140,24 @@ def _measure(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, A
     return result
 
 
+def _check_sums(topology: Topology, slice_bytes: int) -> None:
+    """The hierarchical all-reduce, sliced and in one slice, gives the flat one's sum.
+
+    On two and a half slices and a tail (small integers: float32 sums them exactly), before
+    anything is timed.
+    """
+    numel = int(2.5 * slice_bytes) // 4 + 3
+    x = torch.arange(numel, dtype=torch.float32) % 7 + dist.get_rank()
+    want = x.clone()
+    dist.all_reduce(want)
+    for slice_size in (slice_bytes, numel * 4):
+        got = x.clone()
+        hierarchical_all_reduce(got, topology, slice_bytes=slice_size)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"hierarchical benchmark: the hierarchical all-reduce in "
+                               f"{slice_size}-byte slices differs from the flat one; not timed")
+
+
 def _cases(x: torch.Tensor, topology: Topology, slice_bytes: int
            ) -> dict[str, Callable[[], object]]:
     def flat() -> None:
@@ -169,9 +187,10 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     dist.init_process_group("gloo")
     topology = Topology.detect()
     slice_bytes = int(opts.slice_mib * 2**20)
+    _check_sums(topology, slice_bytes)
     rows = []
     for mib in opts.mib:
-        x = torch.ones(int(mib * 2**20) // 4)
+        x = torch.zeros(int(mib * 2**20) // 4)  # (zeros: summed in place, they stay finite)
         nbytes = x.numel() * 4
         cases = _cases(x, topology, slice_bytes)
         rows.append({"mib": mib, "nbytes": nbytes, "slice_mib": opts.slice_mib,

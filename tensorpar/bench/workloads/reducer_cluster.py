@@ -142,6 +142,29 @@ def _steps(variants: Sequence[str], options: dict[str, Any], batch: int
     return steps, models, reducers
 
 
+_EXACT = ("tensorpar", "tensorpar_8mib", "tensorpar_overlap", "tensorpar_hierarchical", "ddp",
+          "flatten_at_end")
+"""The variants that average the gradients exactly (PowerSGD compresses them)."""
+
+
+def _check_parity(steps: dict[str, Callable[[], object]], models: dict[str, nn.Module]
+                  ) -> None:
+    """One iteration of each exact variant: the same averaged gradients, before any timing."""
+    exact = [v for v in models if v in _EXACT]
+    for v in exact:
+        models[v].zero_grad(set_to_none=True)
+        steps[v]()
+    for v in exact[1:]:
+        for i, (p, q) in enumerate(zip(models[v].parameters(), models[exact[0]].parameters(),
+                                       strict=True)):
+            if p.grad is None or q.grad is None or \
+                    not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7):
+                raise RuntimeError(f"reducer cluster benchmark: {v}'s gradient {i} differs "
+                                   f"from {exact[0]}'s; not timed")
+    for v in exact:
+        models[v].zero_grad(set_to_none=True)
+
+
 def rank_main(argv: Sequence[str] | None = None) -> None:
     """Run on every rank of the cluster (started by ``torchrun``); rank 0 prints the figures.
 
@@ -158,6 +181,7 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     steps, models, reducers = _steps(opts.variants, json.loads(opts.options), opts.batch)
+    _check_parity(steps, dict(zip(opts.variants, models, strict=True)))
 
     def zero_all() -> None:
         for m in models:
