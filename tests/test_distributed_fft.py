@@ -118,6 +118,16 @@ def _disagreeing(case):
     elif case == "columns":
         distributed_rfft2_apply(x, lambda s, start: s, split_dim=0, other_dim=1,
                                 columns=2 + rank)
+    elif case == "bad norm on one rank":
+        distributed_fft2(x, split_dim=0, other_dim=1, norm="ortho" if rank == 0 else "bogus")
+    elif case == "columns out of range on one rank":
+        distributed_rfft2_apply(x, lambda s, start: s, split_dim=0, other_dim=1,
+                                columns=2 if rank == 0 else 9)
+    elif case == "other_dim out of range on one rank":
+        distributed_fft2(x, split_dim=0, other_dim=1 if rank == 0 else 5)
+    elif case == "a complex tile on one rank":
+        tile = x if rank == 0 else torch.randn(0, 4, dtype=torch.complex128)
+        distributed_rfft2_apply(tile, lambda s, start: s, split_dim=0, other_dim=1)
     else:  # every tile empty
         distributed_fft2(torch.randn(0, 4), split_dim=0, other_dim=1)
 
@@ -131,7 +141,40 @@ def test_ranks_disagreeing_on_the_transform_are_refused_on_every_rank(case):
     assert "blocked" not in str(info.value) and "did not finish" not in str(info.value)
 
 
+@pytest.mark.parametrize("case", ["bad norm on one rank", "columns out of range on one rank",
+                                  "other_dim out of range on one rank",
+                                  "a complex tile on one rank"])
+def test_arguments_one_rank_refuses_raise_on_every_rank(case):
+    # the rank that raised left its peers waiting in the exchange: a hang
+    with pytest.raises((RuntimeError, ValueError, IndexError)) as info:
+        run_distributed(_one_rank_refuses, 2, case, timeout=60)
+    assert "blocked" not in str(info.value) and "did not finish" not in str(info.value)
+
+
+def _one_rank_refuses(case):
+    from tensorpar.errors import CollectiveArgumentError
+    try:
+        _disagreeing(case)
+    except CollectiveArgumentError as exc:  # a peer's refusal, named
+        assert dist.get_rank() == 0 and "bad arguments" in str(exc), exc
+        raise
+    except Exception:  # this rank's own refusal
+        assert dist.get_rank() == 1
+        raise
+
+
+def _norms_alike():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    y = distributed_fft2(x, split_dim=0, other_dim=1,
+                         norm=None if dist.get_rank() == 0 else "backward")
+    return y.shape == x.shape
+
+
+def test_norm_none_and_backward_are_the_same_norm():
+    assert all(run_distributed(_norms_alike, 2, timeout=60))
+
+
 def test_a_field_empty_on_every_rank_is_refused_as_torch_refuses_an_empty_one():
-    with pytest.raises(RuntimeError, match="points") as info:
+    with pytest.raises(RuntimeError, match="every rank's tile is empty") as info:
         run_distributed(_disagreeing, 2, "empty", timeout=60)
     assert "blocked" not in str(info.value) and "did not finish" not in str(info.value)

@@ -62,33 +62,45 @@ def _dims(fn: str, x: torch.Tensor, split_dim: int, other_dim: int) -> tuple[int
     return s, o
 
 
-_NORMS = (None, "backward", "ortho", "forward")
+_NORMS = ("backward", "ortho", "forward")  # (None is "backward")
 _SETTINGS = ("norm", "inverse", "length of other_dim", "columns kept", "split_dim",
              "other_dim", "number of dims")
 
 
 def _rows(fn: str, x: torch.Tensor, s: int, o: int, g: Group, sizes: Sequence[int] | None,
-          norm: Norm, inverse: bool = False, keep: int = 0) -> list[int]:
+          norm: Norm, inverse: bool = False, keep: int = 0,
+          problem: Exception | None = None) -> list[int]:
     """Every rank's rows along ``s`` (one small all-gather unless ``sizes`` is given).
 
-    The exchange also carries the call's settings: ranks that disagree on them would each
-    run their own transform's steps through the same exchanges (wrong values, no error), so
-    they raise, on every rank.
+    The exchange also carries the call's settings, and whether this rank's arguments were
+    good (``problem``: the error they raised here). Ranks that disagree on the settings
+    would each run their own transform's steps through the same exchanges (wrong values,
+    no error), and a rank that raised alone would leave its peers waiting in them: every
+    rank raises instead (``problem`` on its own rank).
     """
     if sizes is None:
-        settings = [_NORMS.index(norm) if norm in _NORMS else -1, int(inverse), x.shape[o],
-                    keep, s, o, x.dim()]
-        meta = all_gather(torch.tensor([[x.shape[s], *settings]],
+        good = problem is None
+        settings = [_NORMS.index(norm or "backward") if norm in (None, *_NORMS) else -1,
+                    int(inverse), x.shape[o], keep, s, o, x.dim()] if good else [0] * 7
+        meta = all_gather(torch.tensor([[int(good), x.shape[s] if good else 0, *settings]],
                                        device=g.comm_device(x.device)),
                           group=g, sizes=[1] * g.size).tolist()
-        for i, name in enumerate(_SETTINGS, 1):
+        if problem is not None:
+            raise problem
+        bad = [r for r, m in enumerate(meta) if not m[0]]
+        if bad:
+            raise CollectiveArgumentError(f"{fn}: rank(s) {bad} of the group got bad "
+                                          f"arguments (their own error says which)")
+        for i, name in enumerate(_SETTINGS, 2):
             values = [m[i] for m in meta]
             if len(set(values)) > 1:
                 shown = [_NORMS[v] for v in values] if name == "norm" else values
                 raise CollectiveArgumentError(f"{fn}: the ranks disagree on the {name}: "
                                               f"{shown} (rank order); expected one value")
-        rows = [m[0] for m in meta]
+        rows = [m[1] for m in meta]
     else:
+        if problem is not None:
+            raise problem
         rows = [int(n) for n in sizes]
         if len(rows) != g.size or rows[g.rank] != x.shape[s]:
             raise ValueError(f"{fn}: sizes={list(sizes)} must give every rank's rows "
@@ -154,7 +166,8 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
         ValueError: ``split_dim`` and ``other_dim`` are the same dim.
         IndexError: either dim is out of range.
         CollectiveArgumentError: the ranks disagree on ``norm``, ``inverse``, the dims or
-            the length of ``other_dim`` (on every rank).
+            the length of ``other_dim`` (on every rank); or another rank's arguments
+            raised there (this rank names it; that rank raises its own error).
         RuntimeError: every rank's tile is empty (as ``torch.fft.fft2`` of no points).
 
     Shape:
@@ -174,8 +187,13 @@ def distributed_fft2(x: torch.Tensor, *, split_dim: int, other_dim: int, group: 
                                            inverse=inverse)
         return out
     g = resolve_group(group, "distributed_fft2")
-    s, o = _dims("distributed_fft2", x, split_dim, other_dim)
-    y = _fft(x, o, norm, inverse)  # (.., N_r, .., M)
+    try:
+        s, o = _dims("distributed_fft2", x, split_dim, other_dim)
+        y = _fft(x, o, norm, inverse)  # (.., N_r, .., M)
+    except Exception as exc:  # (on every rank: its peers would wait in the exchange)
+        if not g.is_single:
+            _rows("distributed_fft2", x, 0, 0, g, None, norm, problem=exc)
+        raise
     if g.is_single:
         _refuse_no_points("distributed_fft2", x.shape[s])
         return _fft(y, s, norm, inverse)
@@ -236,8 +254,10 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         other_dim: the real-to-complex dim (whole on every rank).
         columns: kept columns of the ``other_dim`` spectrum (default: all, ``M // 2 + 1``).
         sizes: every rank's rows along ``split_dim`` if known (saves one small all-gather,
-            and with it the check that the ranks agree on the other arguments; only this
-            rank's entry is checked, unless in validation mode).
+            and with it the check that the ranks agree on the other arguments and that
+            none raised alone; only this rank's entry is checked, unless in validation
+            mode). Give it on every rank or on none: a rank without it waits in the
+            exchange the others skip.
         group: the process group (``None``: the default group, resolved at call time).
         norm: as in ``torch.fft.rfft2`` (and the inverse).
 
@@ -249,7 +269,8 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
             ``sizes`` disagrees with this rank's tile.
         IndexError: either dim is out of range.
         CollectiveArgumentError: the ranks disagree on ``norm``, ``columns``, the dims or
-            the length of ``other_dim`` (on every rank; not checked when ``sizes`` is given).
+            the length of ``other_dim``, or another rank's arguments raised there (on every
+            rank; not checked when ``sizes`` is given).
         RuntimeError: every rank's tile is empty (as ``torch.fft.rfft2`` of no points).
 
     Shape:
@@ -272,13 +293,18 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
         return out
     name = "distributed_rfft2_apply"
     g = resolve_group(group, name)
-    s, o = _dims(name, x, split_dim, other_dim)
-    width, half = x.shape[o], x.shape[o] // 2 + 1
-    keep = half if columns is None else columns
-    if not 1 <= keep <= half:
-        raise ValueError(f"{name}: columns={columns}, expected 1 to {half} (the rfft of "
-                         f"{width} points along dim {other_dim})")
-    y = _rfft(x, o, norm, keep)  # (.., N_r, .., K)
+    try:
+        s, o = _dims(name, x, split_dim, other_dim)
+        width, half = x.shape[o], x.shape[o] // 2 + 1
+        keep = half if columns is None else columns
+        if not 1 <= keep <= half:
+            raise ValueError(f"{name}: columns={columns}, expected 1 to {half} (the rfft of "
+                             f"{width} points along dim {other_dim})")
+        y = _rfft(x, o, norm, keep)  # (.., N_r, .., K)
+    except Exception as exc:  # (on every rank, as distributed_fft2)
+        if not g.is_single:
+            _rows(name, x, 0, 0, g, sizes, norm, problem=exc)
+        raise
     if g.is_single:
         _refuse_no_points(name, x.shape[s])
         y = fn(_fft(y, s, norm, False), 0)
