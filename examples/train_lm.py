@@ -343,7 +343,7 @@ def save_checkpoint(root, step, model, opt, losses, args):
     state = {"model": tensorpar.sharded_state_dict(model),
              "optim": tensorpar.sharded_optimizer_state_dict(model, opt),
              "loop": {"step": step, "losses": list(losses), "global_batch": args.batch * args.dp,
-                      **rng_states()}}
+                      **rng_states(args)}}
     dcp.save(state, checkpoint_id=str(temp))
     dist.barrier()                                          # every rank has written its part
     if rank == 0:
@@ -362,7 +362,7 @@ def save_checkpoint(root, step, model, opt, losses, args):
 def load_checkpoint(root, model, opt, args):
     """Load the checkpoint LATEST names into ``model`` and ``opt``; return (step, losses)."""
     name = (root / "LATEST").read_text().strip()
-    loop = {"step": 0, "losses": [], "global_batch": 0, "ranks": 0, "cuda": False}
+    loop = {"step": 0, "losses": [], "global_batch": 0}
     state = {"model": tensorpar.sharded_state_dict(model),
              "optim": tensorpar.sharded_optimizer_state_dict(model, opt), "loop": loop}
     dcp.load(state, checkpoint_id=str(root / name))
@@ -374,12 +374,12 @@ def load_checkpoint(root, model, opt, args):
                          f"{loop['global_batch']} sequences, this run has {args.batch} x "
                          f"{args.dp} replicas = {args.batch * args.dp}; pass --batch "
                          f"{loop['global_batch'] // args.dp}")
-    restore_rng(root / name, loop)
+    restore_rng(root / name, args)
     return loop["step"], list(loop["losses"])
 
 
-def rng_states():
-    """Every rank's RNG states in rank order, for the checkpoint's loop state.
+def rng_states(args):
+    """Every rank's RNG states in rank order, and the layout they belong to, for the loop state.
 
     Saved as tensors every rank holds alike: DCP keeps one copy of a tensor that every rank
     saves under the same name, so a rank's own state saved as it is would come back as one
@@ -389,31 +389,40 @@ def rng_states():
     mine = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    states = {"rng": torch.stack([cpu for cpu, _ in every]), "ranks": len(every), "cuda": cuda}
+    states = {"rng": torch.stack([cpu for cpu, _ in every]),
+              "rng_layout": torch.tensor([args.dp, args.pp, args.tp])}
     if cuda:
         states["cuda_rng"] = torch.stack([gpu for _, gpu in every])
     return states
 
 
-def restore_rng(path, loop):
-    """Set this rank's RNG states to those `rng_states` saved for it in ``path``."""
-    rank, world, ranks = dist.get_rank(), dist.get_world_size(), loop["ranks"]
-    cuda = loop["cuda"] and torch.cuda.is_available()
-    saved = {"rng": torch.empty(ranks, torch.get_rng_state().numel(), dtype=torch.uint8)}
-    if cuda:
-        saved["cuda_rng"] = torch.empty(ranks, torch.cuda.get_rng_state().numel(),
-                                        dtype=torch.uint8)
+def restore_rng(path, args):
+    """Set this rank's RNG states to those `rng_states` saved for it in ``path``.
+
+    A rank takes its own row where the run has the checkpoint's layout (dp x pp x tp); at
+    another layout the rows belong to other positions, so every row must be the same. A
+    checkpoint of an earlier version of this script holds one state for every rank; one
+    saved without a GPU leaves the GPU's generator as seeded.
+    """
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {name: torch.empty(tuple(meta[f"loop.{name}"].size), dtype=meta[f"loop.{name}"]
+                               .properties.dtype)
+             for name in ("rng", "cuda_rng", "rng_layout") if f"loop.{name}" in meta}
+    if "cuda_rng" in saved and not torch.cuda.is_available():
+        del saved["cuda_rng"]  # (resumed without a GPU: nothing to restore it to)
     dcp.load({"loop": saved}, checkpoint_id=str(path))
-    if ranks != world and any(not torch.equal(s[0], s[r]) for s in saved.values()
-                              for r in range(ranks)):
-        raise SystemExit(f"--resume: the checkpoint's {ranks} processes had RNG states of "
-                         f"their own, and none of them is this run's rank {rank} of {world}: "
-                         f"resume with {ranks} processes")
-    mine = rank if ranks == world else 0
+    layout = saved.pop("rng_layout", None)
+    states = {name: t if t.dim() == 2 else t[None] for name, t in saved.items()}
+    same = layout is not None and layout.tolist() == [args.dp, args.pp, args.tp]
+    if not same and any(not torch.equal(t[0], row) for t in states.values() for row in t):
+        raise SystemExit(f"--resume: the checkpoint's processes had RNG states of their own, "
+                         f"and this run's layout (dp {args.dp} x pp {args.pp} x tp {args.tp}) "
+                         f"is not theirs ({layout.tolist()} as dp x pp x tp): resume at it")
+    mine = dist.get_rank() if same else 0
     # (a copy: torch.set_rng_state given a row of the stack, a view at an offset, crashed)
-    torch.set_rng_state(saved["rng"][mine].clone())
-    if cuda:
-        torch.cuda.set_rng_state(saved["cuda_rng"][mine].clone())
+    torch.set_rng_state(states["rng"][mine].clone())
+    if "cuda_rng" in states:
+        torch.cuda.set_rng_state(states["cuda_rng"][mine].clone())
 
 
 def plot(losses, reference, path):

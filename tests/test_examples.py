@@ -232,9 +232,11 @@ def _train_lm_checkpoints():
     spec = importlib.util.spec_from_file_location("train_lm", EXAMPLES / "train_lm.py")
     train_lm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_lm)
+    import torch.distributed as dist
     model = torch.nn.Linear(2, 2)
     return train_lm, model, torch.optim.AdamW(model.parameters()), \
-        types.SimpleNamespace(batch=1, dp=1, crash_in_save=None)
+        types.SimpleNamespace(batch=2 // dist.get_world_size(), dp=dist.get_world_size(), pp=1,
+                              tp=1, crash_in_save=None)  # (a global batch of 2)
 
 
 def _rng_after_resume(root, seed_per_rank, step):
@@ -250,8 +252,11 @@ def _rng_after_resume(root, seed_per_rank, step):
     return torch.equal(torch.rand(4), want)
 
 
-def _rng_at_another_world_size(root):
+def _rng_at_another_world_size(root, layout=None):
     train_lm, model, opt, args = _train_lm_checkpoints()
+    if layout is not None:  # the same processes as another dp x pp x tp
+        args.dp, args.pp, args.tp = layout
+        args.batch = 2 // args.dp
     try:
         train_lm.load_checkpoint(pathlib.Path(root), model, opt, args)
     except SystemExit as exc:
@@ -265,11 +270,40 @@ def test_train_lm_restores_every_rank_s_own_rng_state(tmp_path):
     # came back on every rank
     from tensorpar.testing import run_distributed
     assert all(run_distributed(_rng_after_resume, 2, str(tmp_path), True, 1, timeout=100))
-    # at another number of processes: refused where the states differ...
+    # at another number of processes, or another layout of as many: refused where the
+    # states differ (a rank's row belongs to another position)...
     (refused,) = run_distributed(_rng_at_another_world_size, 1, str(tmp_path), timeout=100)
     assert "RNG states of their own" in refused, refused
+    refused = run_distributed(_rng_at_another_world_size, 2, str(tmp_path), (1, 1, 2),
+                              timeout=100)
+    assert all("RNG states of their own" in r for r in refused), refused
     # ...and restored where every rank had the same
     assert all(run_distributed(_rng_after_resume, 2, str(tmp_path), False, 2, timeout=100))
     (draws,) = run_distributed(_rng_at_another_world_size, 1, str(tmp_path), timeout=100)
     torch.manual_seed(7)
     assert torch.equal(draws, torch.rand(4))
+
+
+def _rng_from_an_earlier_checkpoint(root):
+    """A checkpoint of the earlier format: one RNG state saved as it was, every rank's."""
+    import torch.distributed.checkpoint as dcp
+
+    import tensorpar
+    train_lm, model, opt, args = _train_lm_checkpoints()
+    torch.manual_seed(5)
+    final = pathlib.Path(root) / "step_000001"
+    dcp.save({"model": tensorpar.sharded_state_dict(model),
+              "optim": tensorpar.sharded_optimizer_state_dict(model, opt),
+              "loop": {"step": 1, "losses": [2.0], "rng": torch.get_rng_state(),
+                       "global_batch": args.batch * args.dp}}, checkpoint_id=str(final))
+    (pathlib.Path(root) / "LATEST").write_text(final.name)
+    want = torch.rand(4)
+    torch.manual_seed(1000)
+    step, losses = train_lm.load_checkpoint(pathlib.Path(root), model, opt, args)
+    return step == 1 and losses == [2.0] and torch.equal(torch.rand(4), want)
+
+
+@pytest.mark.timeout(120)
+def test_train_lm_resumes_a_checkpoint_of_the_earlier_format(tmp_path):
+    from tensorpar.testing import run_distributed
+    assert all(run_distributed(_rng_from_an_earlier_checkpoint, 2, str(tmp_path), timeout=100))
