@@ -1,5 +1,6 @@
 """Pipeline parallelism: every schedule equals the dense model (loss, gradients, AdamW steps)."""
 
+import contextlib
 import copy
 import itertools
 import math
@@ -445,6 +446,27 @@ def test_bad_batch_on_one_rank_raises_on_every_rank():
     messages = run_distributed(_bad_batch_raises_everywhere, 3, 10, 9, timeout=50)
     assert all("a batch of 10 rows and the last stage a target of 9 rows" in m
                for m in messages)
+
+
+def _no_grad_on_one_rank(rank_without):
+    pipe = tp.nn.pipeline(sequential(), microbatches=4, loss_fn=F.mse_loss)
+    x, y = batch(10, 0)
+    grads = contextlib.nullcontext() if dist.get_rank() != rank_without else torch.no_grad()
+    try:
+        with grads:
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank_without", [0, 1])
+def test_gradients_off_on_one_rank_only_raise_on_every_rank(rank_without):
+    # the last stage without them: every rank hung; the first: its stage got no gradient
+    # (the next stage read the activation as unused), silently
+    messages = run_distributed(_no_grad_on_one_rank, 2, rank_without, timeout=50)
+    assert all("gradients enabled on some ranks only" in m for m in messages), messages
 
 
 def test_schedules_receive_in_the_order_peers_send():

@@ -210,7 +210,8 @@ class Pipeline(nn.Module):
 
         Raises:
             CollectiveArgumentError: the first stage got no tensor, the last no target,
-                the batch has fewer rows than microbatches, or ``attention_mask`` /
+                the batch has fewer rows than microbatches, gradients are enabled on some
+                ranks only, or ``attention_mask`` /
                 ``position_ids`` are not given on every rank with the batch's rows, or
                 given to a model that is not a transformers causal LM (raised on every
                 rank).
@@ -669,18 +670,19 @@ class Pipeline(nn.Module):
                given: dict[str, torch.Tensor]) -> None:
         """Raise on every rank if any rank found a problem, or the ranks' rows differ.
 
-        One small all-reduce (max) of ``[problem, batch rows, target rows]`` and of which
-        model inputs each rank gave, and their rows, each with its negation (so the max
-        also gives the min): the first stage gives the batch's rows, the last the
-        target's, every rank its ``attention_mask`` / ``position_ids``, so all are
-        compared everywhere.
+        One small all-reduce (max) of ``[problem, batch rows, target rows]``, of which
+        model inputs each rank gave, their rows and whether gradients are enabled, each
+        with its negation (so the max also gives the min): the first stage gives the
+        batch's rows, the last the target's, every rank its ``attention_mask`` /
+        ``position_ids``, so all are compared everywhere.
         """
         rows_in = inputs.shape[0] if self.is_first and not problem else 0
         rows_target = target.shape[0] if self.is_last and not problem else 0
         which = sum(1 << i for i, name in enumerate(_MODEL_INPUTS) if name in given)
         rows_given = next(iter(given.values())).shape[0] if given and not problem else 0
+        grads = int(torch.is_grad_enabled())
         flags = [1 if problem else 0, rows_in, rows_target, which, -which, rows_given,
-                 -rows_given]
+                 -rows_given, grads, -grads]
         if self._group.size > 1:
             t = torch.tensor(flags, dtype=torch.int64,
                              device=self._group.comm_device(self._device()))
@@ -688,6 +690,12 @@ class Pipeline(nn.Module):
             flags = [int(v) for v in t.tolist()]
             if flags[0] and not problem:
                 problem = "Pipeline.step: another rank of the pipeline got invalid inputs"
+        if not problem and flags[7] != -flags[8]:
+            # a stage without them sends activations that need no gradient, which the next
+            # reads as unused (no gradient back, silently), or takes no part in the backward
+            problem = ("Pipeline.step: gradients enabled on some ranks only (torch.no_grad() "
+                       "or inference_mode around step on some of them); enable them on "
+                       "every rank or on none")
         if not problem and flags[1] != flags[2]:
             problem = (f"Pipeline.step: the first stage got a batch of {flags[1]} rows and the "
                        f"last stage a target of {flags[2]} rows; expected the same")
