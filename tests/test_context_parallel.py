@@ -359,6 +359,38 @@ def test_ranks_given_other_attentions_are_refused_on_every_rank():
             in message, message
 
 
+def _models_differ(what):
+    model = build("llama")
+    if dist.get_rank() == 1:
+        if what == "layers":  # one more decoder layer
+            import transformers
+            config = transformers.LlamaConfig(**{**SMALL, **ARCHS["llama"][2],
+                                                 "num_hidden_layers": 3})
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config).double()
+        elif what == "rope_theta":
+            model.config.rope_theta = 5e5
+            model.model.rotary_emb.__init__(model.config)
+        else:
+            model.eval()
+    parallel = context_parallel(model)
+    ids, labels = batch(0, 12)
+    try:
+        parallel(ids, labels=labels).loss.backward()
+    except CollectiveArgumentError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["layers", "rope_theta", "eval"])
+def test_ranks_given_other_models_or_modes_are_refused_on_every_rank(what):
+    # another depth hung every rank; another rope_theta gave a wrong loss, silently
+    for message in run_distributed(_models_differ, 2, what, timeout=100):
+        assert message is not None and "differ between rank 0 and rank(s) [1]" in message, \
+            message
+
+
 def _compiled(world, attention):
     """A compiled context-parallel Llama against dense (a padding mask on one row); then
     another batch on rank 1."""

@@ -114,3 +114,46 @@ def test_a_lazy_layer_not_initialised_yet_is_refused_by_name():
     for message in run_distributed(_convert_a_lazy_layer, 2, timeout=60):
         assert message is not None and "0 (LazyConv2d)" in message and "lazy" in message, \
             message
+
+
+def _forward_with(what, mesh):
+    """Rank 0's input (or mode) differs as ``what`` says; a forward and backward."""
+    group = None
+    if mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        group = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 2, 3, padding=1)).double()
+    parallelize_domain(model, dims=(-2, -1) if mesh else -2, group=group)
+    shape = [2, 3, 4, 8]
+    dtype = torch.float64
+    odd = dist.get_rank() == 0
+    if odd and what in ("batch", "channels", "width"):
+        shape[("batch", "channels", "width").index(what) if what != "width" else 3] += 1
+    if odd and what == "dtype":
+        dtype = torch.float32
+        model.float()
+    if odd and what == "eval":
+        model.eval()
+    x = torch.randn(*shape, dtype=dtype)
+    if odd and what == "unbatched":
+        x = x[0]
+    try:
+        model(x).sum().backward()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["batch", "channels", "width", "dtype", "eval", "unbatched"])
+def test_tiles_or_modes_that_differ_outside_the_split_raise_on_every_rank(what):
+    # gloo aborted the processes ("Received data size doesn't match expected size"), or one
+    # rank raised while the others waited; the entry's exchange of the sizes now carries
+    # each tile's other dims, dtype and train/eval mode
+    for mesh in (False, True):
+        results = run_distributed(_forward_with, 4 if mesh else 2, what, mesh, timeout=90)
+        for rank, (name, message) in enumerate(results):
+            assert name == "CollectiveArgumentError", (mesh, rank, message)
+            assert "differ" in message, (mesh, rank, message)

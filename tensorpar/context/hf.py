@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,7 @@ class _State:
     layout: Layout | None = None
     mask: torch.Tensor | None = None  # the whole attention mask, for a load-balancing loss
     routes: bool = False  # output_router_logits, given or the config's
+    model: int = 0  # a digest of the model's config and parameters' names and shapes
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,7 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
     config = _own_config(model)
     text = getattr(config, "get_text_config", lambda: config)()
     _register()
-    state = _State(g, attention)
+    state = _State(g, attention, model=_model_digest(model, config))
     setattr(model, _STATE, state)
     for module in model.modules():
         module.__dict__[_STATE] = state
@@ -229,6 +231,18 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
             setattr(p, _SUMMED, True)
             p.register_hook(_summer(g))
     return model
+
+
+def _model_digest(model: nn.Module, config: Any) -> int:
+    """A digest of the model's config and its parameters' names, shapes and dtypes.
+
+    Compared at every forward (`_agree`): ranks with another depth would wait in each
+    other's rings, ranks with another config (a rope base) compute another model's share,
+    silently.
+    """
+    described = json.dumps(config.to_dict(), sort_keys=True, default=str) + repr(
+        [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()])
+    return digest(torch.frombuffer(bytearray(described.encode()), dtype=torch.uint8))
 
 
 def _own_config(model: nn.Module) -> Any:
@@ -313,7 +327,7 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ids, mask, padding, problem, visible, whole = None, None, None, e, None, None
     if not state.group.is_single:  # before anything travels the ring: no rank left waiting
         _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible,
-               _home(model))
+               _home(model), sum(m.training for m in model.modules()))
     if problem is not None:
         raise problem
     assert ids is not None
@@ -392,7 +406,9 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
            "num_items_in_batch", "output_router_logits",
            "whether gradients are on (torch.is_grad_enabled)",
            "the masking (packed documents, padding or none)",
-           "attention (context_parallel's attention=)")
+           "attention (context_parallel's attention=)",
+           "the model (its config, or its parameters' names, shapes or dtypes)",
+           "train/eval mode (the modules in training mode)")
 """What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
 
 
@@ -400,7 +416,7 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
            padding: torch.Tensor | None, positions_given: Any, labels: Any,
-           visible: Visible | None, home: torch.device | None) -> None:
+           visible: Visible | None, home: torch.device | None, training: int = 0) -> None:
     """Compare this call's inputs with every rank's (one all-gather); raise on every rank.
 
     Every rank must pass the whole, same batch: a rank with other tokens, labels, masks or
@@ -421,7 +437,7 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
         row = [1, ids.shape[0], ids.shape[1], digest(ids), digest(padding),
                digest(positions_given), digest(labels), digest(state.count),
                int(state.routes), int(torch.is_grad_enabled()), kind,
-               ATTENTIONS.index(state.attention)]
+               ATTENTIONS.index(state.attention), state.model, training]
     device = g.comm_device(home)
     rows = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=g.handle,
                       sizes=[1] * g.size).tolist()

@@ -540,7 +540,7 @@ def _entry(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
     if x is None:
         raise TypeError("parallelize_domain: the model's forward got no tensor argument "
                         "(the first one is the image tile)")
-    ctx.begin(x)
+    ctx.begin(x, sum(m.training for m in model.modules()))
     calls.enter_functional_mode(ctx)
 
 

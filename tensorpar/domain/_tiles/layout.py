@@ -27,6 +27,7 @@ identically, so every rank takes the same path.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from tensorpar.comm._group import Group
 from tensorpar.domain._tiles.ahead import Ahead
 from tensorpar.domain._tiles.marks import POOLED, TILE, Kind, Marks
 from tensorpar.domain._tiles.rows import RowPlan, offsets, plan_rows
+from tensorpar.errors import CollectiveArgumentError
 from tensorpar.validation import validation_enabled
 
 __all__ = ["DomainContext", "anchor_sizes"]
@@ -138,8 +140,16 @@ class DomainContext:
         self.handed_over = True
 
     # -- entry -----------------------------------------------------------------------------
-    def begin(self, x: torch.Tensor) -> None:
-        """Start a forward: record every tile's size along each split dim of ``x``."""
+    def begin(self, x: torch.Tensor, training: int = 0) -> None:
+        """Start a forward: record every tile's size along each split dim of ``x``.
+
+        The same exchange compares what must not differ between the ranks' tiles: their
+        other dims, their dtype, and ``training`` (the model's modules in training mode).
+        A difference raises on every rank: the first exchange of rows would otherwise
+        pair messages of other sizes (gloo aborts the process) or wait for a rank that
+        raised. On a mesh the verdict of each dim's group goes on in the next one's
+        exchange, so every rank of the mesh takes it.
+        """
         ndim = x.dim()
         dims = []
         for d in self.user_dims:
@@ -150,10 +160,28 @@ class DomainContext:
             dims.append(nd)
         self.dims = tuple(dims)
         self.ndim = ndim
+        differ = False
         for i, (d, g) in enumerate(zip(self.dims, self.groups, strict=False)):
             n = x.shape[d]
-            sizes = (n,) if g.is_single else tuple(r[0] for r in exchange_ints(g, [n], x.device))
+            if g.is_single:
+                sizes: tuple[int, ...] = (n,)
+            else:
+                # (the ranks of this dim's group share every other dim: on a mesh, also
+                # the other split dims' sizes)
+                other = tuple(x.shape[e] for e in range(ndim) if e - ndim != d)
+                signature = [ndim, zlib.crc32(repr((other, str(x.dtype))).encode()), training]
+                rows = exchange_ints(g, [n, int(differ), *signature], x.device)
+                sizes = tuple(r[0] for r in rows)
+                differ = differ or any(r[1] or r[2:] != signature for r in rows)
             self.layouts[i] = {sum(sizes): sizes}
+        if differ:
+            raise CollectiveArgumentError(
+                f"parallelize_domain: the ranks' tiles differ where they must not (the dims "
+                f"their group does not split), in their dtype or in train/eval mode: this "
+                f"rank has a "
+                f"{ndim}-D {x.dtype} tile of shape {tuple(x.shape)} and {training} module(s) "
+                f"in training mode. Every rank's tile is its slice of the same dense input, "
+                f"and every rank calls the model in the same mode")
         self.poolings = 0
         self.marks.clear()
         self.marks.mark(x, TILE)
