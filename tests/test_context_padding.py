@@ -268,7 +268,7 @@ def test_context_parallel_refuses_masks_other_than_padding(case, words):
     assert message is not None and words in message, message
 
 
-def test_the_benchmarks_padded_compute_computes_what_the_ring_does():
+def test_the_benchmarks_padded_compute_on_one_segment_is_the_rings_attention():
     """The benchmark's compute for the padded layer (kept queries against kept keys only).
 
     On one rank the kept queries are one span starting where the kept keys do: its one

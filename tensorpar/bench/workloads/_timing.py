@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["back_to_back_samples", "calls_within", "format_table", "paired_ratio",
-           "time_side_by_side"]
+__all__ = ["back_to_back_samples", "calls_within", "equal_on_every_rank", "format_table",
+           "paired_ratio", "time_side_by_side"]
 
 
 def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
@@ -61,6 +61,24 @@ def time_side_by_side(cases: dict[str, Callable[[], object]], *, rounds: int,
         result[f"{case}/{baseline}"] = statistics.median(
             a / b for a, b in zip(samples[case], samples[baseline], strict=True))
     return result
+
+
+def equal_on_every_rank(got: torch.Tensor | None, want: torch.Tensor | None, what: str,
+                        tol: float = 1e-4) -> None:
+    """Raise on every rank unless every rank's ``got`` is close to its ``want``.
+
+    ``None`` on both: nothing to compare on this rank. Before anything is timed: a case
+    that computes something else is not timed, and no rank is left waiting for one that
+    raised alone.
+    """
+    ok = (got is None and want is None) or (
+        got is not None and want is not None and got.shape == want.shape
+        and torch.allclose(got, want, rtol=tol, atol=tol))
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        raise RuntimeError(f"benchmark: {what} differs from what it is compared with on at "
+                           f"least one rank; not timed")
 
 
 def back_to_back_samples(cases: dict[str, Callable[[], object]], *, calls: int,

@@ -87,7 +87,7 @@ def _traffic(local: bool, routes: list[tuple[torch.Tensor, torch.Tensor]], start
 def run_rank(tokens_layout: str, routing: str, rounds: int,
              shape: dict[str, int] | None = None) -> dict[str, Any]:
     """Time the three implementations; every rank returns the same figures."""
-    from tensorpar.bench.workloads._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import equal_on_every_rank, time_side_by_side
     from tensorpar.nn._expert_route import grouped_linear
 
     s = {**SHAPE, **(shape or {})}
@@ -136,8 +136,8 @@ def run_rank(tokens_layout: str, routing: str, rounds: int,
         return run
 
     with torch.no_grad():  # the same outputs before anything is timed
-        torch.testing.assert_close(ours(x, index, weights), replicated(x, index, weights),
-                                   rtol=1e-4, atol=1e-4)
+        equal_on_every_rank(ours(x, index, weights), replicated(x, index, weights),
+                            "the expert-parallel layer's output")
     cases: dict[str, Callable[[], object]] = {
         "expert_parallel": step(ours), "replicated": step(replicated), "floor": floor,
         "floor_again": floor}

@@ -7,7 +7,8 @@ step. Variants:
 - ``tensorpar``: ``BucketedAllReduce(model, bucket_cap_mb=25, broadcast_buffers=False)``;
 - ``tensorpar_default``: the same with its default bucket size (a quarter of the gradients,
   in [1, 25] MiB);
-- ``ddp``: ``DistributedDataParallel(model, bucket_cap_mb=25, broadcast_buffers=False)``;
+- ``ddp``: ``DistributedDataParallel(model, bucket_cap_mb=25, broadcast_buffers=False,
+  gradient_as_bucket_view=True)`` (gradients as views of the buckets, as tensorpar's);
 - ``per_param``: after backward, one blocking all-reduce per gradient, then a division;
 - ``flatten_at_end``: after backward, concatenate every gradient, one all-reduce, divide,
   copy back;

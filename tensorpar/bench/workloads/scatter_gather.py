@@ -13,7 +13,7 @@ from tensorpar.placeholder import TensorPlaceholder
 
 def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
     """One rank's part: float32 tensor of ``nbytes`` scattered from 0 and gathered back."""
-    from tensorpar.bench.workloads._timing import time_side_by_side
+    from tensorpar.bench.workloads._timing import equal_on_every_rank, time_side_by_side
 
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = nbytes // 4
@@ -45,9 +45,9 @@ def run_rank(nbytes: int, rounds: int) -> dict[str, Any]:
     for exchange_meta in (True, False):  # the same result as the raw calls' before timing
         back = ours(exchange_meta)
         raw()
-        if full is not None and raw_gathered is not None:  # (rank 0)
-            whole = full[:chunk_numel * world]
-            assert torch.equal(back, whole) and torch.equal(raw_gathered, whole)
+        whole = full[:chunk_numel * world] if full is not None else None  # (rank 0's)
+        equal_on_every_rank(back if whole is not None else None, whole, "tensorpar's gather")
+        equal_on_every_rank(raw_gathered, whole, "the raw gather")
     times = time_side_by_side({
         "raw": raw,
         "raw_alloc": raw_alloc,
