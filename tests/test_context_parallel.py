@@ -371,9 +371,13 @@ def _models_differ(what):
         elif what == "rope_theta":
             model.config.rope_theta = 5e5
             model.model.rotary_emb.__init__(model.config)
-        else:
+        elif what == "eval":
             model.eval()
+        else:  # loaded from another path: the same model
+            model.config._name_or_path = "/elsewhere/llama"
     parallel = context_parallel(model)
+    if what == "cast" and dist.get_rank() == 1:  # after the call, on one rank
+        parallel.float()
     ids, labels = batch(0, 12)
     try:
         parallel(ids, labels=labels).loss.backward()
@@ -383,12 +387,18 @@ def _models_differ(what):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["layers", "rope_theta", "eval"])
+@pytest.mark.parametrize("what", ["layers", "rope_theta", "eval", "cast"])
 def test_ranks_given_other_models_or_modes_are_refused_on_every_rank(what):
-    # another depth hung every rank; another rope_theta gave a wrong loss, silently
+    # another depth hung every rank; another rope_theta gave a wrong loss, silently; a
+    # cast on one rank aborted the processes in gloo
     for message in run_distributed(_models_differ, 2, what, timeout=100):
         assert message is not None and "differ between rank 0 and rank(s) [1]" in message, \
             message
+
+
+@pytest.mark.timeout(120)
+def test_the_same_model_loaded_from_other_paths_is_the_same_model():
+    assert run_distributed(_models_differ, 2, "path", timeout=100) == [None, None]
 
 
 def _compiled(world, attention):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,16 +234,26 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
     return model
 
 
+_WHERE_FROM = ("_name_or_path", "_commit_hash")
+"""Config fields that say where a model was loaded from, not what it is (not compared)."""
+
+
 def _model_digest(model: nn.Module, config: Any) -> int:
-    """A digest of the model's config and its parameters' names, shapes and dtypes.
+    """A digest of the model's config and its parameters' names (at the call).
 
     Compared at every forward (`_agree`): ranks with another depth would wait in each
     other's rings, ranks with another config (a rope base) compute another model's share,
-    silently.
+    silently. The same model loaded from another path on each rank is the same model.
     """
-    described = json.dumps(config.to_dict(), sort_keys=True, default=str) + repr(
-        [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()])
+    fields = {k: v for k, v in config.to_dict().items() if k not in _WHERE_FROM}
+    described = json.dumps(fields, sort_keys=True, default=str) + repr(
+        [name for name, _ in model.named_parameters()])
     return digest(torch.frombuffer(bytearray(described.encode()), dtype=torch.uint8))
+
+
+def _parameters_digest(model: nn.Module) -> int:
+    """A digest of the parameters' shapes and dtypes now (a rank cast alone, or resized)."""
+    return zlib.crc32(repr([(tuple(p.shape), p.dtype) for p in model.parameters()]).encode())
 
 
 def _own_config(model: nn.Module) -> Any:
@@ -327,7 +338,7 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ids, mask, padding, problem, visible, whole = None, None, None, e, None, None
     if not state.group.is_single:  # before anything travels the ring: no rank left waiting
         _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible,
-               _home(model), sum(m.training for m in model.modules()))
+               _home(model), _parameters_digest(model), sum(m.training for m in model.modules()))
     if problem is not None:
         raise problem
     assert ids is not None
@@ -407,7 +418,8 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
            "whether gradients are on (torch.is_grad_enabled)",
            "the masking (packed documents, padding or none)",
            "attention (context_parallel's attention=)",
-           "the model (its config, or its parameters' names, shapes or dtypes)",
+           "the model (its config or its parameters' names, at context_parallel)",
+           "the parameters' shapes or dtypes",
            "train/eval mode (the modules in training mode)")
 """What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
 
@@ -416,7 +428,8 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
            padding: torch.Tensor | None, positions_given: Any, labels: Any,
-           visible: Visible | None, home: torch.device | None, training: int = 0) -> None:
+           visible: Visible | None, home: torch.device | None, parameters: int = 0,
+           training: int = 0) -> None:
     """Compare this call's inputs with every rank's (one all-gather); raise on every rank.
 
     Every rank must pass the whole, same batch: a rank with other tokens, labels, masks or
@@ -437,7 +450,7 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
         row = [1, ids.shape[0], ids.shape[1], digest(ids), digest(padding),
                digest(positions_given), digest(labels), digest(state.count),
                int(state.routes), int(torch.is_grad_enabled()), kind,
-               ATTENTIONS.index(state.attention), state.model, training]
+               ATTENTIONS.index(state.attention), state.model, parameters, training]
     device = g.comm_device(home)
     rows = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=g.handle,
                       sizes=[1] * g.size).tolist()

@@ -148,7 +148,8 @@ class DomainContext:
         A difference raises on every rank: the first exchange of rows would otherwise
         pair messages of other sizes (gloo aborts the process) or wait for a rank that
         raised. On a mesh the verdict of each dim's group goes on in the next one's
-        exchange, so every rank of the mesh takes it.
+        exchange, then back over the groups before the last (one flag each), so every
+        rank of the mesh takes it.
         """
         ndim = x.dim()
         dims = []
@@ -174,6 +175,9 @@ class DomainContext:
                 sizes = tuple(r[0] for r in rows)
                 differ = differ or any(r[1] or r[2:] != signature for r in rows)
             self.layouts[i] = {sum(sizes): sizes}
+        busy = [g for g in self.groups if not g.is_single]
+        for g in busy[:-1]:  # a difference seen in a later group's exchange, back over the
+            differ = any(r[0] for r in exchange_ints(g, [int(differ)], x.device))  # mesh
         if differ:
             raise CollectiveArgumentError(
                 f"parallelize_domain: the ranks' tiles differ where they must not (the dims "
