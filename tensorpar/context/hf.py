@@ -181,8 +181,9 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
             the call: a sequence shorter than the group, or inputs it does not take.
         CollectiveArgumentError: at the call, on every rank: the ranks' calls differ (every
             rank must pass the same ``input_ids``, ``labels``, mask, positions and
-            ``num_items_in_batch``; one all-gather per forward compares shapes and hashes),
-            or another rank refused its inputs.
+            ``num_items_in_batch`` to the same model, its config and parameters' shapes
+            and dtypes alike, in the same train/eval mode; one all-gather per forward
+            compares shapes and hashes), or another rank refused its inputs.
 
     Example:
         >>> import torch, transformers

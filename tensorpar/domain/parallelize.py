@@ -220,6 +220,8 @@ def parallelize_domain(model: nn.Module, *, dims: int | Sequence[int],
         ValueError: bad ``dims``, a mesh whose number of dims differs from ``dims``, an
             already converted model, or layers that cannot be converted (all named).
         TypeError: ``dims`` is not an int or a sequence of ints.
+        CollectiveArgumentError: (at a forward, on every rank) the ranks' tiles differ in
+            a dim their group does not split, in dtype or in train/eval mode.
 
     Example:
         >>> import torch
