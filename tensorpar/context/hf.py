@@ -113,7 +113,7 @@ class _State:
     layout: Layout | None = None
     mask: torch.Tensor | None = None  # the whole attention mask, for a load-balancing loss
     routes: bool = False  # output_router_logits, given or the config's
-    model: int = 0  # a digest of the model's config and parameters' names and shapes
+    model: int = 0  # a digest of the model's config and parameters' names (`_model_digest`)
 
 
 @dataclass(frozen=True)

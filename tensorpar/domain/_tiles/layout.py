@@ -182,10 +182,9 @@ class DomainContext:
             raise CollectiveArgumentError(
                 f"parallelize_domain: the ranks' tiles differ where they must not (the dims "
                 f"their group does not split), in their dtype or in train/eval mode: this "
-                f"rank has a "
-                f"{ndim}-D {x.dtype} tile of shape {tuple(x.shape)} and {training} module(s) "
-                f"in training mode. Every rank's tile is its slice of the same dense input, "
-                f"and every rank calls the model in the same mode")
+                f"rank has a {ndim}-D {x.dtype} tile of shape {tuple(x.shape)} and "
+                f"{training} module(s) in training mode. Every rank's tile is its slice of "
+                f"the same dense input, and every rank calls the model in the same mode")
         self.poolings = 0
         self.marks.clear()
         self.marks.mark(x, TILE)
