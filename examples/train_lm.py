@@ -362,7 +362,7 @@ def save_checkpoint(root, step, model, opt, losses, args):
 def load_checkpoint(root, model, opt, args):
     """Load the checkpoint LATEST names into ``model`` and ``opt``; return (step, losses)."""
     name = (root / "LATEST").read_text().strip()
-    loop = {"step": 0, "losses": [], "global_batch": 0}
+    loop = {"step": 0, "losses": [], "global_batch": 0, **saved_rng(root / name)}
     state = {"model": tensorpar.sharded_state_dict(model),
              "optim": tensorpar.sharded_optimizer_state_dict(model, opt), "loop": loop}
     dcp.load(state, checkpoint_id=str(root / name))
@@ -374,7 +374,7 @@ def load_checkpoint(root, model, opt, args):
                          f"{loop['global_batch']} sequences, this run has {args.batch} x "
                          f"{args.dp} replicas = {args.batch * args.dp}; pass --batch "
                          f"{loop['global_batch'] // args.dp}")
-    restore_rng(root / name, args)
+    restore_rng(loop, args)
     return loop["step"], list(loop["losses"])
 
 
@@ -396,21 +396,28 @@ def rng_states(args):
     return states
 
 
-def restore_rng(path, args):
-    """Set this rank's RNG states to those `rng_states` saved for it in ``path``.
+def saved_rng(path):
+    """Room for the RNG states `rng_states` saved in ``path``, shaped as its metadata says.
 
-    A rank takes its own row where the run has the checkpoint's layout (dp x pp x tp); at
-    another layout the rows belong to other positions, so every row must be the same. A
-    checkpoint of an earlier version of this script holds one state for every rank; one
-    saved without a GPU leaves the GPU's generator as seeded.
+    A checkpoint of an earlier version of this script holds one state for every rank; one
+    saved without a GPU has no GPU states (the GPU's generator stays as seeded).
     """
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = {name: torch.empty(tuple(meta[f"loop.{name}"].size), dtype=meta[f"loop.{name}"]
-                               .properties.dtype)
-             for name in ("rng", "cuda_rng", "rng_layout") if f"loop.{name}" in meta}
-    if "cuda_rng" in saved and not torch.cuda.is_available():
-        del saved["cuda_rng"]  # (resumed without a GPU: nothing to restore it to)
-    dcp.load({"loop": saved}, checkpoint_id=str(path))
+    room = {name: torch.empty(tuple(meta[f"loop.{name}"].size),
+                              dtype=meta[f"loop.{name}"].properties.dtype)
+            for name in ("rng", "cuda_rng", "rng_layout") if f"loop.{name}" in meta}
+    if "cuda_rng" in room and not torch.cuda.is_available():
+        del room["cuda_rng"]  # (resumed without a GPU: nothing to restore it to)
+    return room
+
+
+def restore_rng(loop, args):
+    """Set this rank's RNG states to those `rng_states` saved for it (loaded into ``loop``).
+
+    A rank takes its own row where the run has the checkpoint's layout (dp x pp x tp); at
+    another layout the rows belong to other positions, so every row must be the same.
+    """
+    saved = {name: loop[name] for name in ("rng", "cuda_rng", "rng_layout") if name in loop}
     layout = saved.pop("rng_layout", None)
     states = {name: t if t.dim() == 2 else t[None] for name, t in saved.items()}
     same = layout is not None and layout.tolist() == [args.dp, args.pp, args.tp]

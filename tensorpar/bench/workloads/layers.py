@@ -243,10 +243,10 @@ def run_rank(workload: str, rounds: int, profile: int = 0, compile: str | None =
     # the all-reduces tensor parallelism cannot do without: one after each row-parallel
     # layer, and one in the backward per input of the column-parallel layers that needs a
     # gradient (not the model's input), counted as the interleaved step waits for them
-    waits = [0]
-    _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks), lambda m: m(x)
-                      .sum().backward(), lambda: waits.__setitem__(0, waits[0] + 1))()
-    comm = [torch.zeros(shape) for _ in range(waits[0])]  # (zeros: summed in place, no inf)
+    waits: list[None] = []  # (a model of its own: the step's hooks stay on it)
+    _interleaved_step(workload, _shard_model(workload, dim, hidden, blocks),
+                      lambda m: m(x).sum().backward(), lambda: waits.append(None))()
+    comm = [torch.zeros(shape) for _ in waits]  # (zeros: summed in place, they stay finite)
 
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)  # same computation
 
