@@ -112,8 +112,7 @@ def _compute_only(stages: dict[int, nn.Module], actions: list[Action], total_sta
 
 
 def _check_equal(name: str, ours: Any, dense: nn.Module, theirs: Any, x: torch.Tensor,
-                 y: torch.Tensor, first: bool, last: bool, theirs_last: bool,
-                 microbatches: int) -> None:
+                 y: torch.Tensor, first: bool, last: bool, theirs_last: bool) -> None:
     """One step of each: the same batch loss and the same gradients, or raise (untimed)."""
     loss = ours.step(x if first else None, y if last else None)
     losses: list[torch.Tensor] = []
@@ -200,7 +199,7 @@ def run_rank(microbatches: int, rounds: int, shape: dict[str, int] | None = None
              for k in range(rank, stages, ranks)},
             build_schedule(schedule, ranks, microbatches, virtual)[rank], stages,
             list(torch.tensor_split(x, microbatches)), list(torch.tensor_split(y, microbatches)))
-        _check_equal(name, ours, dense, theirs, x, y, first, last, theirs_last, microbatches)
+        _check_equal(name, ours, dense, theirs, x, y, first, last, theirs_last)
         for _ in range(2):  # warm-up (torch's stages infer their shapes on the first step)
             ours_step()
             theirs_step()

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from tensorpar.bench.workloads._timing import format_table, time_side_by_side
+from tensorpar.bench.workloads.reducer import check_parity
 from tensorpar.ddp.reducer import BucketedAllReduce
 from tensorpar.hierarchical import hierarchical_all_reduce
 from tensorpar.hierarchical.topology import Topology
@@ -147,24 +148,6 @@ _EXACT = ("tensorpar", "tensorpar_8mib", "tensorpar_overlap", "tensorpar_hierarc
 """The variants that average the gradients exactly (PowerSGD compresses them)."""
 
 
-def _check_parity(steps: dict[str, Callable[[], object]], models: dict[str, nn.Module]
-                  ) -> None:
-    """One iteration of each exact variant: the same averaged gradients, before any timing."""
-    exact = [v for v in models if v in _EXACT]
-    for v in exact:
-        models[v].zero_grad(set_to_none=True)
-        steps[v]()
-    for v in exact[1:]:
-        for i, (p, q) in enumerate(zip(models[v].parameters(), models[exact[0]].parameters(),
-                                       strict=True)):
-            if p.grad is None or q.grad is None or \
-                    not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7):
-                raise RuntimeError(f"reducer cluster benchmark: {v}'s gradient {i} differs "
-                                   f"from {exact[0]}'s; not timed")
-    for v in exact:
-        models[v].zero_grad(set_to_none=True)
-
-
 def rank_main(argv: Sequence[str] | None = None) -> None:
     """Run on every rank of the cluster (started by ``torchrun``); rank 0 prints the figures.
 
@@ -181,7 +164,9 @@ def rank_main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     steps, models, reducers = _steps(opts.variants, json.loads(opts.options), opts.batch)
-    _check_parity(steps, dict(zip(opts.variants, models, strict=True)))
+    if "ddp" in opts.variants:  # the exact variants' gradients equal DDP's, before timing
+        check_parity(dict(zip(opts.variants, models, strict=True)), steps,
+                     [v for v in opts.variants if v in _EXACT], rtol=1e-4)
 
     def zero_all() -> None:
         for m in models:
