@@ -250,3 +250,45 @@ def test_a_refused_boundary_reaches_every_later_stage_and_leaves_the_group_clean
     # the same ranks then run a pipeline that equals dense (no receive left over)
     for worst in run_distributed(_accumulates, 3, "1f1b", [2, 1, 2], 2, timeout=40):
         assert max(worst) < TOL, worst
+
+
+class _HeadReusesEmbedding(nn.Module):
+    """Lists ``emb`` in its first and its last block: the head is ``emb``'s weight again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(4, 6, bias=False).double()
+        self.mid = nn.Linear(6, 6).double()
+
+    def pipeline_blocks(self):
+        return [(("emb",), lambda x: torch.tanh(self.emb(x))),
+                (("mid",), lambda h: torch.tanh(self.mid(h))),
+                (("emb",), lambda h: F.linear(h, self.emb.weight.t()))]
+
+    def forward(self, x):
+        for _, fn in self.pipeline_blocks():
+            x = fn(x)
+        return x
+
+
+def _same_name_on_two_stages(split):
+    dense = _HeadReusesEmbedding()
+    pipe = tp.nn.pipeline(_HeadReusesEmbedding(), microbatches=3, loss_fn=F.mse_loss,
+                          split=split)
+    worst = []
+    for step in range(2):
+        x, y = data(step)
+        y = y[:, :1].expand(-1, 4)
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        F.mse_loss(dense(x), y).backward()
+        worst.append(_worst(pipe, dense))
+    return worst
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,split", [(2, [1, 2]), (3, [1, 1, 1])])
+def test_a_name_listed_by_blocks_on_two_ranks_is_tied(world, split):
+    """The same dense name in the first and the last block: both halves of its gradient."""
+    for worst in run_distributed(_same_name_on_two_stages, world, split, timeout=100):
+        assert max(worst) < TOL, worst

@@ -241,10 +241,9 @@ def tied_parameters(model: nn.Module, specs: Sequence[StageSpec], ranks: int
     """
     holders: dict[int, dict[int, str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        spec = next((s for s in specs for h in s.holds
-                     if name == h or name.startswith(h + ".")), None)
-        if spec is not None:
-            holders.setdefault(id(p), {}).setdefault(spec.index % ranks, name)
+        for spec in specs:  # every stage that holds it: one name may be listed twice
+            if any(name == h or name.startswith(h + ".") for h in spec.holds):
+                holders.setdefault(id(p), {}).setdefault(spec.index % ranks, name)
     tied = {key: sorted(where.items()) for key, where in holders.items() if len(where) > 1}
     for where in tied.values():
         if len(where) > 2:
