@@ -172,6 +172,32 @@ def test_buffers_broadcast_once_per_step_coalesced_and_equal_to_ddp():
             assert (state[k].double() - reference[k].double()).abs().max() <= 1e-12, k
 
 
+def _evaluation_on_every_rank(kind):
+    """Train a step, then every rank evaluates its own shard (metrics summed after)."""
+    model = with_buffers()
+    wrapped = wrap(kind, model) if kind != "reducer" else model
+    reducer = BucketedAllReduce(model) if kind == "reducer" else wrapped
+    wrapped(data(0)).pow(2).sum().backward()
+    if kind != "torch":
+        reducer.sync_buffers()  # DDP broadcasts at its first no_grad forward instead
+    wrapped.eval()
+    with torch.no_grad():
+        out = wrapped(data(50))
+    return out, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["ours", "reducer"])
+def test_sync_buffers_before_an_evaluation_on_every_rank_equals_ddp(kind):
+    """After a training forward each rank's BatchNorm statistics are its own batch's; an
+    evaluation on every rank needs rank 0's, as DDP's first no_grad forward gives them."""
+    ours = run_distributed(_evaluation_on_every_rank, 2, kind, timeout=40)
+    theirs = run_distributed(_evaluation_on_every_rank, 2, "torch", timeout=40)
+    for (out, state), (reference, buffers) in zip(ours, theirs, strict=True):
+        assert (out - reference).abs().max() <= 1e-12
+        for k in state:
+            assert (state[k].double() - buffers[k].double()).abs().max() <= 1e-12, k
+
+
 # -- accumulation across synchronised steps with unused parameters ---------------------------
 
 def _accumulate_unused(kind, who, views=True):

@@ -237,6 +237,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer._forward_sync = sync and reducer._sync_enabled
         return out
 
+    def sync_buffers(self) -> None:
+        """Broadcast the module's buffers from rank 0 now; call it on every rank.
+
+        Before an evaluation that every rank runs: `BucketedAllReduce.sync_buffers`.
+        """
+        self.reducer.sync_buffers()
+
     def _move(self, x: Any) -> Any:
         return x.to(self._input_device) if isinstance(x, torch.Tensor) else x
 

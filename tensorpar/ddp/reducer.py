@@ -403,9 +403,21 @@ class BucketedAllReduce(SyncPoint):
         return (self._forward_sync and self.broadcast_buffers and not self.group.is_single
                 and next(self.module.buffers(), None) is not None)
 
-    def _sync_buffers(self, src: int) -> None:
+    def sync_buffers(self) -> None:
+        """Broadcast the module's buffers from rank 0 now; call it on every rank of the group.
+
+        A training forward does this itself (``broadcast_buffers``), and then updates each
+        rank's BatchNorm statistics from its own batch. Before an evaluation that every rank
+        runs (each on its shard, metrics summed after), call this so that each evaluates
+        with rank 0's buffers, as DDP's first ``no_grad`` forward after a step gives them.
+        Nothing to do (no collective) on one rank or without buffers.
+        """
+        if not self.group.is_single and next(self.module.buffers(), None) is not None:
+            self._sync_buffers(0, "BucketedAllReduce.sync_buffers")
+
+    def _sync_buffers(self, src: int, operation: str = "BucketedAllReduce forward") -> None:
         """Broadcast every buffer of the module from group rank ``src``: one collective."""
-        self._check("BucketedAllReduce forward")
+        self._check(operation)
         broadcast_coalesced(list(self.module.buffers()), src, self.group)
 
     def _check(self, operation: str, *, bucket: int = -1, **fields: Any) -> bool:
