@@ -348,6 +348,25 @@ def test_inputs_without_grad_give_the_same_result():
             assert all(same.values()), same
 
 
+def _half_mean_gradient(compiled):
+    """A mean of float16 whose backward's sum would overflow if it divided after summing."""
+    def mean(t):
+        return tp.all_reduce(t, op="mean")
+
+    fn = torch.compile(mean, fullgraph=True, backend="aot_eager") if compiled else mean
+    x = torch.ones(4, dtype=torch.float16, requires_grad=True)
+    fn(x).backward(torch.full((4,), 40000.0, dtype=torch.float16))  # fp16 max: 65504
+    return x.grad.tolist()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_float16_mean_divides_its_gradient_before_the_sum(world_size, compiled):
+    for grad in run_distributed(_half_mean_gradient, world_size, compiled, timeout=100):
+        assert all(abs(g - 40000.0) <= 64 for g in grad), grad  # fp16 spacing here: 32
+
+
 def _inplace_on_saved_tensor():
     """An in-place reduction of a tensor autograd saved must fail the backward, not corrupt it."""
     w = torch.ones(4, requires_grad=True)

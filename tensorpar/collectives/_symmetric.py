@@ -217,7 +217,8 @@ class _AllReduce(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.op in ("max", "min"):
             raise no_backward("all_reduce", ctx.op)
-        grad = tie_to_output(grad, ctx)
+        # a mean's gradient is divided before its sum too, as the forward's inputs are
+        grad = scale_for_mean(tie_to_output(grad, ctx), ctx.op, ctx.group.size)
         if ctx.mode == "sum":
             check_backward("all_reduce", ctx.group, None, grad, op=ctx.op, mode=ctx.mode,
                            site=ctx.site)
@@ -225,7 +226,7 @@ class _AllReduce(torch.autograd.Function):
         else:  # the identity mode issues nothing, so validation compares nothing either:
             # the ranks may differ in requires_grad, as they may without validation
             out = apply_or_run(_CopyToGroup, grad, ctx.group, ctx.path)
-        return scale_for_mean(out, ctx.op, ctx.group.size), None, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 class _CopyToGroup(torch.autograd.Function):

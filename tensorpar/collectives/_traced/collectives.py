@@ -52,8 +52,11 @@ def all_reduce(x: torch.Tensor, *, op: str = "sum", backward: str = "sum",
     source = tensor / g.size if op_name == "mean" else tensor
     if op_name in ("max", "min"):  # forward-only: its backward raises, as eagerly
         out = P.ForwardOnly.apply(source, "all_reduce", op_name, name)  # type: ignore[no-untyped-call]
+    elif backward == "sum" and op_name == "mean":  # the gradient divided before its sum too
+        out = P.ReduceIdentity.apply(  # type: ignore[no-untyped-call]
+            P.CopyToGroup.apply(tensor, name) / g.size, name)  # type: ignore[no-untyped-call]
     elif backward == "sum":
-        out = P.all_reduce_sum(source, name, "sum" if op_name == "mean" else op_name)
+        out = P.all_reduce_sum(source, name, op_name)
     else:
         out = P.ReduceIdentity.apply(source, name)  # type: ignore[no-untyped-call]
     if inplace:  # recorded by autograd (as eagerly: the gradient flows through the reduction)
