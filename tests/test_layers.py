@@ -183,6 +183,30 @@ def test_vocab_parallel_cross_entropy(world_size, smoothing, reduction):
     assert all(run_distributed(_cross_entropy, world_size, smoothing, reduction))
 
 
+def _cross_entropy_in_half(autocast, dtype):
+    """The loss and gradient dtypes of dense ``F.cross_entropy``, with and without autocast."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    full = (rand(5, 8, 50) * 3).to(dtype)
+    target = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(6))
+    results = []
+    for parallel in (False, True):
+        logits = (torch.tensor_split(full, p, -1)[rank] if parallel else full).clone()
+        logits.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = (vocab_parallel_cross_entropy(logits, target) if parallel
+                    else F.cross_entropy(logits, target))
+        loss.backward()
+        results.append((loss.dtype, logits.grad.dtype, float(loss)))
+    (dense_dtype, dense_grad, dense), (dtype_, grad_dtype, value) = results
+    return dense_dtype == dtype_ and dense_grad == grad_dtype and abs(dense - value) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "plain"])
+def test_cross_entropy_follows_autocast_like_dense(autocast, dtype):
+    assert all(run_distributed(_cross_entropy_in_half, 2, autocast, dtype))
+
+
 def _cross_entropy_stable():
     rank = dist.get_rank()
     local = torch.full((2, 3), 1e4 * (rank + 1))  # exp() would overflow without the shift

@@ -38,7 +38,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
         sizes: every rank's vocabulary slice length; exchanged once when not given.
 
     Returns:
-        The loss, identical on every rank.
+        The loss, identical on every rank, in the dtype ``F.cross_entropy`` gives: float32
+        under autocast, else the logits' (float16/bfloat16 logits are computed in float32).
 
     Raises:
         ValueError: bad ``reduction``/``label_smoothing``, or shapes that do not match.
@@ -72,6 +73,9 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
 
     logits = local_logits.float() if local_logits.dtype in (torch.float16, torch.bfloat16) \
         else local_logits
+    # the dtype F.cross_entropy returns: autocast runs it in float32, else the logits' dtype
+    out_dtype = logits.dtype if torch.is_autocast_enabled(local_logits.device.type) \
+        else local_logits.dtype
     local_max = logits.detach().amax(dim=-1) if logits.shape[-1] else \
         logits.new_full(logits.shape[:-1], float("-inf"))
     global_max = all_reduce(local_max, op="max", group=g)
@@ -95,11 +99,11 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
         loss = (1 - label_smoothing) * loss + label_smoothing * smooth
     loss = loss.masked_fill(ignored, 0.0)
     if reduction == "none":
-        return loss.to(local_logits.dtype)
+        return loss.to(out_dtype)
     total = loss.sum()
     if reduction == "sum":
-        return total.to(local_logits.dtype)
-    return (total / (~ignored).sum()).to(local_logits.dtype)
+        return total.to(out_dtype)
+    return (total / (~ignored).sum()).to(out_dtype)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # (a metadata exchange: one break)
