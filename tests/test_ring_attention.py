@@ -246,3 +246,32 @@ def test_math_kernel_half_precision_backward(dtype):
     for got, full in zip(low, want, strict=True):
         assert got.grad.dtype == dtype
         assert (got.grad.float() - full.grad).abs().max() < 5e-2
+
+
+def _under_autocast(fn):
+    """Float32 inputs under bfloat16 autocast: the output and gradients SDPA gives there."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 12, 8, generator=g) for _ in range(3))
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(*dense, is_causal=True)
+    want.float().sum().backward()
+    mine = [t.tensor_split(world, 2)[rank].clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fn(*mine, is_causal=True)
+    out.float().sum().backward()
+    chunk = want.tensor_split(world, 2)[rank]
+    return (out.dtype, chunk.dtype, [t.grad.dtype for t in mine],
+            float((out.float() - chunk.float()).abs().max()))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention], ids=["ring", "ulysses"])
+def test_autocast_gives_sdpa_dtypes(fn):
+    """Under autocast, SDPA computes in bfloat16: so do the ring and the all-to-all (their
+    transfers half the bytes), and the float32 inputs get float32 gradients."""
+    for got, want, grads, error in run_distributed(_under_autocast, 2, fn, timeout=100):
+        assert got == want == torch.bfloat16
+        assert grads == [torch.float32] * 3
+        assert error < 3e-2  # two bfloat16 computations of the same attention

@@ -12,6 +12,7 @@ import torch
 
 from tensorpar.collectives.functional import all_gather
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.context._autocast import as_sdpa_under_autocast
 from tensorpar.context._blocks import Documents, Padding, Segment
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.errors import CollectiveArgumentError, CollectiveTypeError
@@ -42,7 +43,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
     Rank ``r`` (a rank within ``group``) holds the ``r``-th chunk of the sequence's queries,
     keys and values; chunks may have any length, 0 included. The result is this rank's
     chunk of ``torch.nn.functional.scaled_dot_product_attention`` over the whole sequence,
-    with the causal mask (and the window) following *global* positions. The key/value chunks
+    with the causal mask (and the window) following *global* positions; under autocast,
+    in its dtype, as SDPA. The key/value chunks
     travel the ring by point-to-point messages while the current block computes; partial
     results are merged with their log-sum-exp (online softmax), so no rank ever holds the
     whole key/value sequence.
@@ -108,16 +110,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_caus
         torch.Size([1, 2, 3, 4])
     """
     g = resolve_group(group, _FN)
+    q, k, v, plain = as_sdpa_under_autocast(q, k, v)
     lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
                              g, _FN, key_mask)
     offsets = [sum(lengths[:r]) for r in range(g.size)]
     layout = tuple((Segment(offsets[r], lengths[r]),) for r in range(g.size))
     visible = Documents(documents, q.device) if documents is not None else \
         Padding(key_mask, q.device) if key_mask is not None else None
-    return ring_apply(q, k, v, RingSpec(
-        group=g, layout=layout, causal=is_causal, window=window,
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-        kv_groups=q.shape[1] // k.shape[1], visible=visible))
+    with plain:
+        return ring_apply(q, k, v, RingSpec(
+            group=g, layout=layout, causal=is_causal, window=window,
+            scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+            kv_groups=q.shape[1] // k.shape[1], visible=visible))
 
 
 def agreed_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,

@@ -46,6 +46,7 @@ from torch import nn
 from tensorpar.collectives.functional import all_gather, all_reduce
 from tensorpar.collectives.regions import gather_from_group
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.context._autocast import as_sdpa_under_autocast
 from tensorpar.context._blocks import Documents, Padding, Visible
 from tensorpar.context._ring import RingSpec, ring_apply
 from tensorpar.context.attention import digest
@@ -639,15 +640,18 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     # gpt-oss-style attention sinks: one logit per head in every query's softmax
     sinks = kwargs.get("s_aux")
-    if state.attention == "ulysses":
-        if isinstance(sinks, torch.Tensor):
-            raise ValueError(f"{_FN}: attention sinks are not supported with "
-                             f"attention='ulysses' (SDPA has none); use attention='ring'")
-        return _ulysses(query, key, value, state.group, call, causal, window, scale), None
-    spec = RingSpec(group=state.group, layout=call.layout, causal=causal, window=window,
-                    scale=scale, kv_groups=query.shape[1] // key.shape[1], visible=call.visible)
-    out = ring_apply(query, key.contiguous(), value.contiguous(), spec,  # (B, H, T_local, D)
-                     sinks if isinstance(sinks, torch.Tensor) else None)
+    if state.attention == "ulysses" and isinstance(sinks, torch.Tensor):
+        raise ValueError(f"{_FN}: attention sinks are not supported with "
+                         f"attention='ulysses' (SDPA has none); use attention='ring'")
+    query, key, value, plain = as_sdpa_under_autocast(query, key, value)
+    with plain:
+        if state.attention == "ulysses":
+            return _ulysses(query, key, value, state.group, call, causal, window, scale), None
+        spec = RingSpec(group=state.group, layout=call.layout, causal=causal, window=window,
+                        scale=scale, kv_groups=query.shape[1] // key.shape[1],
+                        visible=call.visible)
+        out = ring_apply(query, key.contiguous(), value.contiguous(), spec,  # (B, H, T_r, D)
+                         sinks if isinstance(sinks, torch.Tensor) else None)
     return out.transpose(1, 2).contiguous(), None
 
 

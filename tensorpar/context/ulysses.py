@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tensorpar.collectives.functional import all_to_all
 from tensorpar.comm._group import Group, GroupLike, resolve_group
+from tensorpar.context._autocast import as_sdpa_under_autocast
 from tensorpar.context.attention import agreed_lengths
 
 __all__ = ["ulysses_apply", "ulysses_attention"]
@@ -64,11 +65,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ``(B, H, T_r, D)``.
     """
     g = resolve_group(group, _FN)
+    q, k, v, plain = as_sdpa_under_autocast(q, k, v)  # (the exchanges in its dtype too)
     lengths = agreed_lengths(q, k, v, is_causal, scale, enable_gqa, window, lengths, documents,
                              g, _FN, key_mask)
-    return ulysses_apply(q, k, v, g, list(lengths), None, is_causal, window,
-                         1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-                         documents, key_mask)
+    with plain:
+        return ulysses_apply(q, k, v, g, list(lengths), None, is_causal, window,
+                             1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+                             documents, key_mask)
 
 
 def ulysses_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Group,
