@@ -8,6 +8,7 @@ Reference: the dense model's gradient on each replica's whole batch, averaged, a
 SGD-with-momentum steps it gives.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -264,3 +265,81 @@ def _fully_shard_domain_refusals():
 
 def test_fully_shard_domain_refuses_a_mesh_that_does_not_fit():
     assert all(run_distributed(_fully_shard_domain_refusals, 4, timeout=T))
+
+
+# -- what .grad already holds: summed over the replicas' average, never over the tiles ------
+
+class _Branches(nn.Module):
+    """Three convolutions; the middle one is left out where ``skip`` holds for the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 2, 3, padding=1)
+        self.b = nn.Conv2d(2, 2, 3, padding=1)
+        self.out = nn.Conv2d(2, 1, 3, padding=1)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.out(h if self.skip else h + self.b(h))
+
+
+# each step: its backward passes, (synchronised?, replicas that leave ``b`` out)
+PATTERNS = {
+    "two synchronised backwards": [[(True, ()), (True, ())]],
+    "steps without zero_grad": [[(True, ())], [(True, ())]],
+    "no_sync after a synchronised step": [[(True, ())], [(False, ()), (True, ())]],
+    "a gradient left from before": "left over",
+    "an unused parameter keeps its sum": [[(True, ())], [(True, (0, 1))], [(True, (0,))]],
+}
+
+
+def _accumulated(wrapper, pattern, views):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tensorpar
+    from tensorpar.nn import DistributedDataParallel, parallelize_domain
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "domain"))
+    r, t = mesh.get_coordinate()
+    torch.manual_seed(0)
+    dense = _Branches().double()
+    par_model = parallelize_domain(copy.deepcopy(dense), dims=-2, group=mesh["domain"])
+    steps = PATTERNS[pattern]
+    if steps == "left over":  # .grad holds something before the reducer is built
+        for p, q in zip(par_model.parameters(), dense.parameters(), strict=True):
+            p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+        steps = [[(True, ())]]
+    options = {"find_unused_parameters": pattern.startswith("an unused"),
+               "gradient_as_bucket_view": views}
+    if wrapper == "ddp":
+        par = DistributedDataParallel(par_model, process_group=mesh.get_group("dp"), **options)
+    else:
+        reducer = tensorpar.BucketedAllReduce(par_model, group=mesh.get_group("dp"), **options)
+        par = par_model
+    worst = 0.0
+    for s, backwards in enumerate(steps):
+        for m, (synced, skipping) in enumerate(backwards):
+            gen = torch.Generator().manual_seed(10 * s + m)
+            batches = [torch.randn(2, 1, 9, 5, dtype=torch.float64, generator=gen)
+                       for _ in range(2)]
+            for replica, b in enumerate(batches):  # dense: the replicas' average
+                dense.skip = replica in skipping
+                (dense(b).square().sum() / 2).backward()
+            par_model.skip = r in skipping
+            owner = par if wrapper == "ddp" else reducer
+            with owner.no_sync() if not synced else contextlib.nullcontext():
+                par(batches[r].tensor_split(2, -2)[t]).square().sum().backward()
+        for p, q in zip(par_model.parameters(), dense.parameters(), strict=True):
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+    dist.barrier()
+    return worst
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "copies"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("wrapper", ["ddp", "reducer"])
+def test_what_grad_holds_is_not_summed_over_the_tiles(wrapper, pattern, views):
+    """Accumulation without no_sync, steps without zero_grad, a gradient from before: the
+    reducer's one all-reduce over replicas x tiles must count what .grad held once."""
+    assert max(run_distributed(_accumulated, 4, wrapper, pattern, views, timeout=120)) < TOL

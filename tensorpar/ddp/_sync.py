@@ -61,6 +61,7 @@ class SyncPoint:
     _joining: bool
     _rebuild_pending: bool
     _as_views: bool
+    _tiles: int
     _launch: Callable[[Bucket], None]
     _launch_ready: Callable[[], None]
     _check: Callable[..., bool]
@@ -124,12 +125,16 @@ class SyncPoint:
 
         That is zeros (no .grad), or what earlier steps accumulated (no ``zero_grad``, or
         micro-batches under no_sync), divided like a fresh gradient, as DDP does. Without a
-        rank that used it, the earlier value is put back after the all-reduce.
+        rank that used it, the earlier value is put back after the all-reduce. A domain
+        model's gradient untouched since the last sync is whole: divided by the tiles too
+        (the all-reduce sums over them).
         """
         p, view = self._params[i], self._views[i]
         grad = p.grad
         if self.find_unused_parameters and not self._used_since_sync[i] and self._as_views:
             self._saved[i] = None if grad is None else grad.detach().clone()
+        if grad is not None and not self._used_since_sync[i]:
+            pre *= self._tiles
         if grad is None:
             view.zero_()
         elif grad is not view:

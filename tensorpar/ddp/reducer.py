@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tensorpar._torch import current_graph_task_id, queue_engine_callback
+from tensorpar._torch import current_graph_task_id, gradient_is_captured, queue_engine_callback
 from tensorpar.collectives._buffers import broadcast_coalesced
 from tensorpar.collectives._hierarchical import Algorithm, hierarchical_topology
 from tensorpar.collectives.functional import all_reduce
@@ -148,6 +148,7 @@ class BucketedAllReduce(SyncPoint):
         self.module = module
         self.replicas = self.group.size
         """The number of replicas averaged over (``group``'s size)."""
+        self._tiles = 1  # the product of a domain model's groups: its gradients' partial sums
         sums = partial_sums_of(module)
         if sums is not None:  # e.g. a domain-parallel model: its sums ride on the buckets
             if algorithm != "flat":
@@ -155,6 +156,7 @@ class BucketedAllReduce(SyncPoint):
                                  f"that sums gradients over groups of its own (a "
                                  f"domain-parallel model): only 'flat' is supported")
             self.group = product_group((self.group, *sums.sum_groups()), "BucketedAllReduce")
+            self._tiles = self.group.size // self.replicas
             sums.hand_over()
         if algorithm != "flat":  # checked here, once: the same checks as every call's
             hierarchical_topology("BucketedAllReduce", algorithm, topology,
@@ -243,6 +245,8 @@ class BucketedAllReduce(SyncPoint):
             _REDUCED[p] = me
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
+            if self._tiles > 1:
+                self._hooks.append(p.register_hook(_whole_part_hook(me, i, p)))
         self._forward_hook = module.register_forward_pre_hook(_forward_hook(me))
         self._hooks.append(self._forward_hook)
 
@@ -447,6 +451,22 @@ class BucketedAllReduce(SyncPoint):
             self._unsynced = 0
             raise
 
+    def _before_accumulate(self, i: int, p: torch.Tensor) -> None:
+        """A domain model's first gradient since the last sync: keep ``.grad``'s sum once.
+
+        The new gradients are partial and the bucket's one all-reduce sums them over the
+        tiles too; what ``.grad`` holds here is whole (an earlier synchronised backward's
+        average, a gradient set before), so it is divided by the tiles first and comes
+        back once from that sum, as the replicas' average gives it back in DDP.
+        """
+        grad = p.grad
+        if self._used_since_sync[i] or grad is None or gradient_is_captured(p):
+            return
+        if grad is self._views[i]:
+            grad.div_(self._tiles)
+        else:  # (a tensor of the caller's: not written)
+            p.grad = grad / self._tiles
+
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
         view, grad = self._views[i], p.grad
         syncing = self._sync_enabled and self._sync_armed
@@ -587,6 +607,14 @@ def _grad_hook(reducer: weakref.ref[BucketedAllReduce], i: int) -> Any:
         owner = reducer()
         if owner is not None:
             owner._on_grad_ready(i, p)
+    return hook
+
+
+def _whole_part_hook(reducer: weakref.ref[BucketedAllReduce], i: int, p: torch.Tensor) -> Any:
+    def hook(grad: torch.Tensor) -> None:  # before the gradient is accumulated into p.grad
+        owner = reducer()
+        if owner is not None:
+            owner._before_accumulate(i, p)
     return hook
 
 
