@@ -241,9 +241,63 @@ def test_a_norm_that_goes_takes_its_requests_with_it():
     ahead.offer(t, Rows(None, None, ahead.source(norm), t._version))
     assert ahead.take(t, window, True) is None  # (nothing sent yet: asks for the next forward)
     ahead.finish()
+    ahead.start(repeating=False)  # the next forward answers it
     assert ahead.request((norm, 0)) == window
     address = id(norm)
     del norm
     others = [Norm() for _ in range(64)]  # (one of them usually gets ``address``)
     assert all(ahead.request((o, 0)) is None for o in others), \
         [id(o) == address for o in others]
+
+
+def _evaluated(norm, train, inference):
+    """A forward (after a training step taught the norms their requests) under no_grad or
+    inference_mode, equal to dense; then a training step still equal to dense."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dense = _build("silu", norm).double()
+    par = parallelize_domain(copy.deepcopy(dense), dims=-2)
+    worst = 0.0
+    for step in range(3):
+        x = torch.randn(2, 2, 11, 5, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(step))
+        tile = x.tensor_split(world, -2)[rank]
+        if step == 1:
+            for m in (dense, par):
+                m.train(train)
+            with torch.inference_mode() if inference else torch.no_grad():
+                got, want = par(tile), dense(x).tensor_split(world, -2)[rank]
+            worst = max(worst, float((got - want).abs().max()))
+            for m in (dense, par):
+                m.train()
+            continue
+        dense.zero_grad()
+        par.zero_grad()
+        dense(x).square().sum().backward()
+        par(tile).square().sum().backward()
+        for p, q in zip(par.parameters(), dense.parameters(), strict=True):
+            worst = max(worst, float((p.grad - q.grad).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["inference_mode", "no_grad"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("norm", ["batch", "group", "instance"])
+def test_an_evaluation_between_steps_equals_dense(norm, train, inference):
+    """Inference tensors carry no version counter, which the rows sent ahead are kept by."""
+    assert max(run_distributed(_evaluated, 2, norm, train, inference, timeout=T)) < 1e-10
+
+
+def _mixed_modes():
+    par = parallelize_domain(_build("silu", "group").double(), dims=-2)
+    tile = torch.randn(1, 2, 4, 5, dtype=torch.float64)
+    with torch.inference_mode() if dist.get_rank() == 0 else torch.no_grad():
+        try:
+            par(tile)
+        except tensorpar.CollectiveArgumentError as e:
+            return str(e)
+    return "no error"
+
+
+def test_inference_mode_on_some_ranks_only_raises_on_every_rank():
+    for message in run_distributed(_mixed_modes, 2, timeout=T):
+        assert "inference" in message, message

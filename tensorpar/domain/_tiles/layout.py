@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tensorpar._torch import current_graph_task_id
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
 from tensorpar.domain._tiles.ahead import Ahead
@@ -111,13 +112,14 @@ class DomainContext:
 
     @property
     def strips(self) -> bool:
-        """Strips over one group of several ranks, outside validation mode.
+        """Strips over one group of several ranks, outside validation and inference mode.
 
         Where a norm may send the next convolution's halo rows with its statistics
-        (`ahead`; validation mode fingerprints each exchange as the layer's own).
+        (`ahead`; validation mode fingerprints each exchange as the layer's own, and
+        inference tensors have no version to tell an in-place change by).
         """
         return len(self.groups) == 1 and not self.groups[0].is_single and \
-            not validation_enabled()
+            not validation_enabled() and not torch.is_inference_mode_enabled()
 
     @property
     def domain_size(self) -> int:
@@ -144,7 +146,8 @@ class DomainContext:
         """Start a forward: record every tile's size along each split dim of ``x``.
 
         The same exchange compares what must not differ between the ranks' tiles: their
-        other dims, their dtype, and ``training`` (the model's modules in training mode).
+        other dims, their dtype, ``training`` (the model's modules in training mode) and
+        inference mode.
         A difference raises on every rank: the first exchange of rows would otherwise
         pair messages of other sizes (gloo aborts the process) or wait for a rank that
         raised. On a mesh the verdict of each dim's group goes on in the next one's
@@ -170,7 +173,8 @@ class DomainContext:
                 # (the ranks of this dim's group share every other dim: on a mesh, also
                 # the other split dims' sizes)
                 other = tuple(x.shape[e] for e in range(ndim) if e - ndim != d)
-                signature = [ndim, zlib.crc32(repr((other, str(x.dtype))).encode()), training]
+                signature = [ndim, zlib.crc32(repr((other, str(x.dtype))).encode()), training,
+                             int(torch.is_inference_mode_enabled())]
                 rows = exchange_ints(g, [n, int(differ), *signature], x.device)
                 sizes = tuple(r[0] for r in rows)
                 differ = differ or any(r[1] or r[2:] != signature for r in rows)
@@ -181,14 +185,16 @@ class DomainContext:
         if differ:
             raise CollectiveArgumentError(
                 f"parallelize_domain: the ranks' tiles differ where they must not (the dims "
-                f"their group does not split), in their dtype or in train/eval mode: this "
-                f"rank has a {ndim}-D {x.dtype} tile of shape {tuple(x.shape)} and "
-                f"{training} module(s) in training mode. Every rank's tile is its slice of "
-                f"the same dense input, and every rank calls the model in the same mode")
+                f"their group does not split), in their dtype, in train/eval mode or in "
+                f"inference mode: this rank has a {ndim}-D {x.dtype} tile of shape "
+                f"{tuple(x.shape)}, {training} module(s) in training mode and inference mode "
+                f"{'on' if torch.is_inference_mode_enabled() else 'off'}. Every rank's tile "
+                f"is its slice of the same dense input, and every rank calls the model in "
+                f"the same mode")
         self.poolings = 0
         self.marks.clear()
         self.marks.mark(x, TILE)
-        self.ahead.clear()
+        self.ahead.start(repeating=current_graph_task_id() != -1)  # (a checkpoint's rerun)
         self.ran.clear()
         self.active = True
 
@@ -197,6 +203,12 @@ class DomainContext:
                  ) -> tuple[int, ...]:
         """The split of the tensor whose tile has ``n`` rows along split dim ``i``."""
         if not self.active:
+            if current_graph_task_id() != -1:  # (a recomputation in the backward pass)
+                raise RuntimeError(
+                    f"{where}: a domain-parallel layer ran in the backward pass, outside the "
+                    f"model's forward: activation checkpointing inside a domain-parallel "
+                    f"model (torch.utils.checkpoint) is not supported; checkpoint the whole "
+                    f"converted model (checkpoint(model, tile)) or none of it")
             raise RuntimeError(f"{where}: a domain-parallel layer ran outside the forward of "
                                f"the model it was converted with (its entry records the "
                                f"tiles' sizes); call the converted model itself")
