@@ -250,3 +250,42 @@ def test_optimizer_state_saved_at_ep2_resumes_at_ep2_ep3_and_dense(tmp_path):
     for world in (2, 3):
         held = run_distributed(_resume_optimizer, world, "qwen2_moe", path, True, timeout=240)
         assert sum(held) == dense_experts and max(held) < dense_experts
+
+
+def _few_experts(k):
+    """3 experts on 4 ranks (the last holds none), top-``k`` routing, clipped AdamW steps,
+    batches down to one token (a rank's experts then see one row, or none)."""
+    import transformers
+
+    config = transformers.MixtralConfig(**{**COMMON, **ARCHS["mixtral"][2],
+                                           "num_local_experts": 3, "num_experts_per_tok": k})
+
+    def build_few():
+        torch.manual_seed(0)
+        return transformers.MixtralForCausalLM(config).double()
+
+    dense, parallel = build_few(), build_few()
+    tp.parallelize(parallel, plan_for("mixtral", parallel))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (dense, parallel)]
+    dense_params = dict(dense.named_parameters())
+    worst = 0.0
+    for step, shape in enumerate([(2, 7), (1, 1), (1, 2)]):
+        ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(step))
+        dense(ids, labels=ids).loss.backward()
+        parallel(ids, labels=ids).loss.backward()
+        want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+        got = tp.nn.clip_grad_norm_(parallel, 0.05)
+        worst = max(worst, abs(float(got - want)))
+        for name, p in parallel.named_parameters():
+            if p.grad is not None or p.numel():
+                expected = local_part(parallel, name, dense_params[name].grad)
+                worst = max(worst, float((p.grad - expected).abs().max()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_fewer_experts_than_ranks_clipped_and_one_token_batches_equal_dense(k):
+    assert max(run_distributed(_few_experts, 4, k, timeout=180)) < 1e-10

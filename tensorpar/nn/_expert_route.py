@@ -88,7 +88,9 @@ def _gather_sum(rows: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor], to
     else:  # side by side as raw bytes (the dtypes may differ: bfloat16 tokens, float32 weights)
         packed = torch.cat([r.detach().contiguous().view(torch.uint8) for r in rows], dim=-1)
         widths = [r.shape[-1] * r.element_size() for r in rows]
-        by_rank = [[chunk.contiguous().view(r.dtype) for chunk, r in
+        # (a copy of its own: one row's slice counts as contiguous at an odd byte offset)
+        by_rank = [[chunk.clone(memory_format=torch.contiguous_format).view(r.dtype)
+                    for chunk, r in
                     zip(part.split(widths, dim=-1), rows, strict=True)]
                    for part in _rows_to_every_rank(packed, sizes, g)]
     outs = tuple(r.new_zeros((total, r.shape[-1])) for r in rows)

@@ -77,7 +77,8 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
     it = iter(norms)
     per_param: list[torch.Tensor | None] = [next(it) if t is not None else None
                                             for t in locals_]
-    _reduce(per_param, [groups for _, _, groups in entries], locals_, p)
+    _reduce(per_param, [groups for _, _, groups in entries], locals_, p,
+            [param.dtype for param, _, _ in entries])
     present = [n for n in per_param if n is not None]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(
         [n.to(present[0].device) for n in present]), p) if present else \
@@ -246,11 +247,13 @@ def _norms(tensors: list[torch.Tensor], p: float, foreach: bool | None) -> list[
 
 
 def _reduce(per_param: list[torch.Tensor | None], groups: list[list[Any]],
-            locals_: list[torch.Tensor | None], p: float) -> None:
+            locals_: list[torch.Tensor | None], p: float, dtypes: list[torch.dtype]) -> None:
     """Turn the local norms of sharded gradients into the dense parameters' norms, in place.
 
     One all-reduce per group, in the order the groups first appear (the same on every rank:
-    every rank walks the same model). A rank without a gradient contributes nothing.
+    every rank walks the same model). A rank without a gradient (an empty shard: a rank
+    holding no expert) contributes nothing, and gets the dense norm as every rank does
+    (``dtypes``: the parameters', for the norms this rank had none of).
     """
     order: list[Any] = []
     for gs in groups:
@@ -282,6 +285,6 @@ def _reduce(per_param: list[torch.Tensor | None], groups: list[list[Any]],
         for k, i in enumerate(idx):
             stats[i] = values[k].to(dtype)
     for i, value in stats.items():
-        if per_param[i] is not None:
-            dense = value ** (1.0 / p) if finite else value
-            per_param[i] = dense.to(per_param[i].dtype)  # type: ignore[union-attr]
+        dense = value ** (1.0 / p) if finite else value
+        before = per_param[i]
+        per_param[i] = dense.to(before.dtype if before is not None else dtypes[i])
