@@ -275,3 +275,27 @@ def test_autocast_gives_sdpa_dtypes(fn):
         assert got == want == torch.bfloat16
         assert grads == [torch.float32] * 3
         assert error < 3e-2  # two bfloat16 computations of the same attention
+
+
+def _compiled_without_lengths(fn):
+    """Without ``lengths`` the chunk lengths are exchanged: eagerly, one graph break."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 4, 7, 3, dtype=torch.float64, generator=g) for _ in range(3))
+    chunks = [t.tensor_split(world, 2)[rank] for t in (q, k, v)]
+    compiled = torch.compile(lambda a, b, c: fn(a, b, c, is_causal=True), backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in chunks]
+    out = compiled(*leaves)
+    out.sum().backward()
+    eager = [t.clone().requires_grad_() for t in chunks]
+    want = fn(*eager, is_causal=True)
+    want.sum().backward()
+    return max([float((out - want).abs().max())] +
+               [float((a.grad - b.grad).abs().max()) for a, b in zip(leaves, eager, strict=True)])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention], ids=["ring", "ulysses"])
+def test_compiled_without_lengths_equals_eager(fn):
+    assert max(run_distributed(_compiled_without_lengths, 2, fn, timeout=240)) < 1e-12

@@ -139,9 +139,10 @@ def agreed_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     if lengths is not None:
         problem = problem or _check_lengths(lengths, g.size, g.rank, q)
     if lengths is None or validation_enabled():  # (validating: lengths given are compared)
-        return _exchange(q, k, v, is_causal, window, problem, g.size, g.comm_device(q.device),
-                         group=g, fn=fn, documents=documents, key_mask=key_mask, scale=scale,
-                         given=lengths)
+        every: list[int] = _exchange(q, k, v, is_causal, window, problem, g.size, group=g,
+                                     fn=fn, documents=documents, key_mask=key_mask,
+                                     scale=scale, given=lengths)
+        return every
     if not problem and whole is not None and whole.shape[1] != sum(lengths):
         problem = (f"{_whole_name(documents)} cover {whole.shape[1]} positions but the chunks "
                    f"{list(lengths)} make {sum(lengths)}")
@@ -262,9 +263,11 @@ def _check_lengths(lengths: object, size: int, rank: int, q: torch.Tensor) -> st
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # (the ranks' data: one break)
 def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-              window: int | None, problem: str | None, size: int, device: torch.device,
-              group: GroupLike, fn: str = _FN, documents: torch.Tensor | None = None,
+              window: int | None, problem: str | None, size: int, group: Group,
+              fn: str = _FN,
+              documents: torch.Tensor | None = None,
               key_mask: torch.Tensor | None = None, scale: float | None = None,
               given: Sequence[int] | None = None) -> list[int]:
     """All-gather every rank's chunk length and shapes; raise on every rank if any disagree.
@@ -292,6 +295,7 @@ def _exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         if problem is not None:
             raise _error(problem, fn)
         return [q.shape[2]]
+    device = group.comm_device(q.device)
     meta = all_gather(torch.tensor([row], dtype=torch.int64, device=device), group=group,
                       sizes=[1] * size).tolist()
     if problem is not None:
