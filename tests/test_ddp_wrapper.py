@@ -641,3 +641,56 @@ def test_the_wrapper_pickles_like_ddp_on_the_default_group():
     for apart, module, refused in run_distributed(_pickled, 2, timeout=50):
         assert module == "tensorpar.ddp.data_parallel" and apart < 1e-12, (module, apart)
         assert "default process group" in refused, refused
+
+
+# -- torch.compile: the reducer's bookkeeping stays out of the graph ---------------------------
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _compiled_steps(how):
+    """Eleven steps with a fixed shape (every other one accumulating under no_sync)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    models = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        inner = _Net().double()
+        if how == "wrapper":
+            wrapped = tp.nn.DistributedDataParallel(inner)
+            owner = wrapped
+        else:
+            owner = BucketedAllReduce(inner)
+            wrapped = inner
+        if compiled and how == "module.compile()":  # (the module's hooks compiled with it)
+            inner.compile(backend="aot_eager")
+        elif compiled:
+            wrapped = torch.compile(wrapped, backend="aot_eager")
+        models.append((wrapped, owner, inner))
+    for step in range(11):
+        x = data(step, width=5)
+        for run, owner, _ in models:
+            with owner.no_sync() if step % 2 else contextlib.nullcontext():
+                run(x).pow(2).sum().backward()
+    (_, _, compiled), (_, _, eager) = models
+    gap_ = max(float((a.grad - b.grad).abs().max())
+               for a, b in zip(compiled.parameters(), eager.parameters(), strict=True))
+    return counters["stats"]["unique_graphs"], gap_
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["wrapper", "reducer", "module.compile()"])
+def test_a_compiled_model_compiles_once_and_equals_eager(how):
+    """DDP's usual order, torch.compile(DDP(model)): a counter of the reducer read in the
+    graph made every step a new graph until Dynamo's limit (8), then ran it eagerly."""
+    for graphs, gap_ in run_distributed(_compiled_steps, 2, how, timeout=100):
+        assert 1 <= graphs <= 2, graphs
+        assert gap_ == 0.0

@@ -219,6 +219,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             args, kwargs = tree_map(self._move, (args, kwargs))
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        sync = self._before_module()
+        out = self.module(*args, **kwargs)
+        self._after_module(sync)
+        return out
+
+    # (the reducer's bookkeeping runs eagerly under torch.compile: a graph that read its
+    # counters would be compiled again at every step)
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _before_module(self) -> bool:
+        """A training forward's start: arm the reducer, join, buffers; whether it syncs."""
         reducer = self.reducer
         sync = self.require_backward_grad_sync
         reducer._arm(sync)
@@ -233,9 +243,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             reducer._sync_buffers(src)
         if joining:  # tell the ranks that ran out whether this backward synchronises
             sum_flags(reducer.group, sync, self.join_device)
-        out = self.module(*args, **kwargs)
-        reducer._forward_sync = sync and reducer._sync_enabled
-        return out
+        return sync
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _after_module(self, sync: bool) -> None:
+        self.reducer._forward_sync = sync and self.reducer._sync_enabled
 
     def sync_buffers(self) -> None:
         """Broadcast the module's buffers from rank 0 now; call it on every rank.
