@@ -25,9 +25,9 @@ def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
         >>> balanced_sizes(10, 3)
         (4, 3, 3)
     """
-    # (not divmod: dynamo cannot trace it on a length it made symbolic)
-    base, extra = length // parts, length % parts
-    return tuple(base + (1 if r < extra else 0) for r in range(parts))
+    # one expression per chunk, without a branch on the remainder: traced at a symbolic
+    # length, the chunks stay expressions of it (Dynamo does not fix the length's value)
+    return tuple((length + parts - 1 - r) // parts for r in range(parts))
 
 
 def check_sizes(fn: str, sizes: object, parts: int) -> tuple[int, ...]:

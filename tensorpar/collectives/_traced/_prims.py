@@ -62,6 +62,16 @@ def all_reduce_sum(x: torch.Tensor, name: str, op: str = "sum") -> torch.Tensor:
     return wait(_C.all_reduce(x.contiguous(), op, name))
 
 
+def _equal(sizes: Sequence[int]) -> bool:
+    """Whether every chunk has the first's length.
+
+    Compared one by one, not through a ``set``: hashing a length Dynamo made symbolic
+    fixes it to its value (a new graph for every sequence length), where a comparison of
+    the balanced split's lengths only tells the length's remainder by the group size.
+    """
+    return all(s == sizes[0] for s in sizes)
+
+
 def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (x if dim == 0 else x.movedim(dim, 0)).contiguous()
 
@@ -79,7 +89,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], name: str
         pad = front.new_zeros((width - front.shape[0], *front.shape[1:]))
         front = torch.cat([front, pad])
     rows = wait(_C.all_gather_into_tensor(front, n, name))  # (n * width, *rest)
-    if len(set(sizes)) == 1:
+    if _equal(sizes):
         out = rows
     else:
         out = torch.cat([rows.narrow(0, r * width, sizes[r]) for r in range(n)])
@@ -95,7 +105,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], rank: in
     """
     n, width = len(sizes), max(sizes)
     front = _to_front(x, dim)  # (L, *rest)
-    if len(set(sizes)) != 1:  # uneven: every chunk padded to the longest
+    if not _equal(sizes):  # uneven: every chunk padded to the longest
         parts = []
         for part in front.split(list(sizes)):
             parts.append(part)
@@ -193,7 +203,7 @@ class GatherFromGroup(torch.autograd.Function):
         ctx.dim, ctx.sizes, ctx.rank = dim, sizes, rank
         out = all_gather_dim(x, dim, sizes, name)
         # a tensor of its own where it would be the collective's buffer (as ReduceIdentity)
-        return out.clone() if dim == 0 and len(set(sizes)) == 1 else out
+        return out.clone() if dim == 0 and _equal(sizes) else out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
