@@ -569,6 +569,27 @@ _REDUCED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 reducer would take the gradient too)."""
 
 
+def settle_buffers(module: nn.Module) -> None:
+    """Before a checkpoint of ``module``: its replicas' buffers made rank 0's where due.
+
+    After a training forward each replica's BatchNorm statistics are its own batch's until
+    the next training forward broadcasts rank 0's; DCP writes a replicated key from a rank
+    of its choosing (another for each key). Every reducer averaging ``module``'s
+    parameters whose next training forward would broadcast (DDP's rule) broadcasts now, so
+    the checkpoint holds what the run goes on with; nothing changes in the run's course.
+    Collective over those reducers' groups (every rank of them calls it).
+    """
+    seen: list[BucketedAllReduce] = []
+    for p in module.parameters():
+        ref = _REDUCED.get(p)
+        reducer = ref() if ref is not None else None
+        if reducer is not None and not any(reducer is r for r in seen):
+            seen.append(reducer)
+    for reducer in seen:
+        if reducer._will_sync_buffers():
+            reducer.sync_buffers()
+
+
 def refused_here(group: GroupLike, device: torch.device | None, init_sync: bool) -> None:
     """Tell the other ranks that this rank's reducer (or wrapper) was refused.
 

@@ -21,6 +21,7 @@ from torch import nn
 from tensorpar._torch import DISABLED_TORCH_FUNCTION, local_offsets
 from tensorpar.collectives.functional import broadcast
 from tensorpar.comm._group import Group
+from tensorpar.ddp.reducer import settle_buffers
 from tensorpar.nn.state._params import retag, sharded_layers
 from tensorpar.nn.state._shards import Piece, gather_shards, scatter_shards
 from tensorpar.placeholder import TensorPlaceholder
@@ -39,8 +40,12 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     straight into the model; replicated parameters and buffers stay plain tensors (DCP
     writes them once). Under ``fully_shard`` (FSDP2 beside tensor parallelism) a replica
     stays the ``DTensor`` it is, and a shard's FSDP slice becomes a `ShardAtOffset` of the
-    pieces it holds, at their dense offsets. It communicates nothing: every offset comes from
-    the layers' own sizes (DCP's ``save`` and ``load`` are the collective steps).
+    pieces it holds, at their dense offsets. Every offset comes from the layers' own sizes.
+    Under a data-parallel reducer (the DDP wrapper, `BucketedAllReduce`) whose next
+    training forward would broadcast the buffers, they are broadcast from rank 0 now (one
+    collective over its group): the replicas' BatchNorm statistics differ until then, and
+    DCP writes each replicated key from a rank of its choosing. Call it on every rank, as
+    DCP's ``save`` and ``load``.
 
     Args:
         model: a model parallelised by `parallelize` (or built from tensorpar's layers).
@@ -57,6 +62,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
         ['0.bias', '0.weight']
     """
     retag(model)  # under fully_shard: optimizer.state_dict() of this model refuses DCP
+    settle_buffers(model)
     state: dict[str, Any] = {}
     layers = sharded_layers(model)
     for key, value in model.state_dict(keep_vars=True).items():
