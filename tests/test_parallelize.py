@@ -312,6 +312,38 @@ def test_load_full_state_dict_missing_key_raises_on_every_rank():
     assert all(m is not None and "lacks" in m for m in messages)
 
 
+def _load_misfit(case):
+    rank = dist.get_rank()
+    parallel = tp.parallelize(build(), plan(CONFIG["head_dim"]))
+    state = build().state_dict()
+    before = {k: v.clone() for k, v in parallel.state_dict().items()}
+    if case == "a replica's shape":  # broadcast into the norm's 24 values, silently
+        state["norm.weight"] = torch.full((1,), 3.0, dtype=state["norm.weight"].dtype)
+    elif case == "a shard's shape":
+        key = next(k for k in state if k.endswith("o_proj.weight"))
+        state[key] = state[key][:, :-1]
+    else:  # a key the model lacks (a checkpoint of a deeper model)
+        state["layers.9.norm.weight"] = state["norm.weight"].clone()
+    try:
+        tp.load_full_state_dict(parallel, state if rank == 0 else None, src=0)
+    except ValueError as e:
+        unchanged = all(torch.equal(v, before[k]) for k, v in parallel.state_dict().items())
+        return str(e), unchanged
+    return None, False
+
+
+@pytest.mark.parametrize("case", ["a replica's shape", "a shard's shape", "an unexpected key"])
+def test_load_full_state_dict_refuses_a_checkpoint_that_does_not_fit(case):
+    """As torch's load_state_dict: on every rank, the model untouched, the key named."""
+    results = run_distributed(_load_misfit, 3, case)
+    for message, unchanged in results:
+        assert message is not None and "does not fit" in message, message
+        assert unchanged
+    named = {"a replica's shape": "'norm.weight'", "a shard's shape": "o_proj.weight",
+             "an unexpected key": "'layers.9.norm.weight'"}[case]
+    assert named in results[0][0], results[0][0]
+
+
 class _CrossAttention(nn.Module):
     """q from x; k and v from x too, or from a second input (cross-attention)."""
 

@@ -32,7 +32,11 @@ from tensorpar.nn.plans.plan import (
 from tensorpar.nn.plans.sequence_plan import check_sequence, install_sequence
 from tensorpar.nn.sequence import SEQUENCE_STYLES
 from tensorpar.nn.state._params import tag_model
-from tensorpar.nn.state.checkpoint import fsdp_full_state_dict, fsdp_load_full_state_dict
+from tensorpar.nn.state.checkpoint import (
+    dense_shapes,
+    fsdp_full_state_dict,
+    fsdp_load_full_state_dict,
+)
 from tensorpar.nn.state.replica_check import install_step_hook
 from tensorpar.placeholder import TensorPlaceholder
 from tensorpar.validation._replica import check_same_weights
@@ -253,20 +257,26 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
     beside tensor parallelism) ``group`` is the tensor-parallel group: ``src`` of every
     data-parallel replica holds the dense state dict, and each rank keeps the FSDP slice
     its ``DTensor`` holds.
+
+    Raises:
+        KeyError: the checkpoint lacks keys of the model (on every rank, naming them on
+            ``src``).
+        ValueError: it holds keys the model lacks, or a tensor of another shape than the
+            dense model's (as ``load_state_dict`` refuses them; on every rank, the model
+            left as it was).
     """
     g = resolve_group(group, "load_full_state_dict")
     g.check_rank("load_full_state_dict", "src", src)
     state = state or {}
     sharded = _sharded_modules(model)
     own = model.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in state] if g.rank == src else []
-    # src tells every rank how many keys it lacks, so every rank raises together
-    count = torch.tensor([len(missing)], device=g.comm_device()) if g.rank == src else None
-    shared = broadcast(count, src=src, group=g)
-    n_missing = int(shared.item())
-    if n_missing:
-        raise KeyError(f"load_full_state_dict: the checkpoint on rank {src} lacks "
-                       + (str(missing) if missing else f"{n_missing} of this model's keys"))
+    misfits = _misfits(state, own, dense_shapes(model)) if g.rank == src else ([], [], [])
+    # src tells every rank how many problems it found, so every rank raises together
+    count = torch.tensor([len(m) for m in misfits], device=g.comm_device()) \
+        if g.rank == src else None
+    counts = [int(n) for n in broadcast(count, src=src, group=g).tolist()]
+    if any(counts):
+        _refuse_misfit(misfits, counts, src)
     if any(hasattr(p, "full_tensor") for p in model.parameters()):  # fully_shard beside TP
         fsdp_load_full_state_dict(model, state, src, g)
         return
@@ -279,6 +289,36 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
             if key.rpartition(".")[0] in sharded:
                 continue
             tensor.copy_(broadcast(state.get(key), src=src, group=g))
+
+
+def _misfits(state: Mapping[str, Any], own: Mapping[str, Any],
+             shapes: Mapping[str, torch.Size]) -> tuple[list[str], list[str], list[str]]:
+    """The keys the checkpoint lacks, those the model lacks, and the shapes that differ."""
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    differ = [f"{k!r}: checkpoint {tuple(v.shape)}, model {tuple(shapes[k])}"
+              for k, v in state.items() if k in shapes and isinstance(v, torch.Tensor)
+              and tuple(v.shape) != tuple(shapes[k])]
+    return missing, unexpected, differ
+
+
+def _refuse_misfit(misfits: tuple[list[str], list[str], list[str]], counts: list[int],
+                   src: int) -> None:
+    """Raise what `_misfits` found on ``src`` (named there, counted on the other ranks)."""
+    missing, unexpected, differ = misfits
+    if not counts[1] and not counts[2]:
+        raise KeyError(f"load_full_state_dict: the checkpoint on rank {src} lacks "
+                       + (str(missing) if missing else f"{counts[0]} of this model's keys"))
+    if not any(misfits):
+        raise ValueError(f"load_full_state_dict: the checkpoint on rank {src} does not fit "
+                         f"the model ({counts[0]} missing key(s), {counts[1]} unexpected, "
+                         f"{counts[2]} of another shape: rank {src}'s error names them)")
+    parts = [f"missing keys {missing}"] if missing else []
+    parts += [f"unexpected keys {unexpected}"] if unexpected else []
+    parts += [f"tensors of another shape than the dense model's: {'; '.join(differ)}"] \
+        if differ else []
+    raise ValueError(f"load_full_state_dict: the checkpoint on rank {src} does not fit the "
+                     f"model: " + "; ".join(parts))
 
 
 def _sharded_modules(model: nn.Module) -> dict[str, _Sharded]:

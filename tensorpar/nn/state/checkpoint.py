@@ -74,6 +74,23 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     return state
 
 
+def dense_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The shape each tensor of ``model``'s state dict has in the dense model."""
+    layers = sharded_layers(model)
+    shapes = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        owner, _, leaf = key.rpartition(".")
+        layer = layers.get(owner)
+        dim = layer.sharded_dims.get(leaf) if layer is not None else None
+        shape = list(value.shape)
+        if layer is not None and dim is not None and not layer.shard.group.is_single:
+            shape[dim] = layer.shard.total
+        shapes[key] = torch.Size(shape)
+    return shapes
+
+
 def load_sharded_state_dict(model: nn.Module, state: Mapping[str, Any]) -> None:
     """Copy a state dict filled by ``torch.distributed.checkpoint.load`` into ``model``.
 
