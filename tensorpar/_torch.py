@@ -44,6 +44,7 @@ __all__ = [
     "queue_engine_callback",
     "register_state_dict_post_hook",
     "reset_compiler",
+    "saved_tensors_hooks_active",
     "store_of",
     "tree_map",
 ]
@@ -79,6 +80,11 @@ def current_graph_task_id() -> int:
     """The running backward pass's id, or -1 outside one."""
     task: int = torch._C._current_graph_task_id()
     return task
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are on (activation checkpointing's, ``save_on_cpu``'s)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def gradient_is_captured(leaf: torch.Tensor) -> bool:

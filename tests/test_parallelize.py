@@ -1,5 +1,7 @@
 """parallelize() on a transformer it did not write, DTensor equivalence, 2-D (dp x tp) training."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -342,6 +344,43 @@ def test_load_full_state_dict_refuses_a_checkpoint_that_does_not_fit(case):
     named = {"a replica's shape": "'norm.weight'", "a shard's shape": "o_proj.weight",
              "an unexpected key": "'layers.9.norm.weight'"}[case]
     assert named in results[0][0], results[0][0]
+
+
+class _WithExtraState(nn.Module):
+    """A module keeping a plain value in its state dict (``get_extra_state``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 10)
+        self.k = 7
+
+    def get_extra_state(self):
+        return {"k": self.k}
+
+    def set_extra_state(self, state):
+        self.k = state["k"]
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _extra_state_loaded():
+    torch.manual_seed(0)
+    dense = nn.Sequential(_WithExtraState(), nn.Linear(10, 6)).double()
+    dense[0].k = 11
+    model = tp.parallelize(copy.deepcopy(dense), {"0.lin": "colwise", "1": "rowwise"})
+    model[0].k = 0
+    tp.load_full_state_dict(model, dense.state_dict() if dist.get_rank() == 0 else None)
+    full = tp.full_state_dict(model)
+    same = dist.get_rank() != 0 or all(
+        torch.equal(v, full[k]) if isinstance(v, torch.Tensor) else v == full[k]
+        for k, v in dense.state_dict().items())
+    return model[0].k, same
+
+
+def test_load_full_state_dict_loads_a_module_s_extra_state():
+    for k, same in run_distributed(_extra_state_loaded, 2):
+        assert k == 11 and same
 
 
 class _CrossAttention(nn.Module):

@@ -87,6 +87,22 @@ def test_backward_pass_internals():
     assert seen[0] != -1 and seen[1:] == ["after"]
 
 
+def test_saved_tensor_hooks_are_seen():
+    from torch.utils.checkpoint import checkpoint
+
+    assert not _torch.saved_tensors_hooks_active()
+    with torch.autograd.graph.save_on_cpu():
+        assert _torch.saved_tensors_hooks_active()
+    seen = []
+
+    def fn(t):
+        seen.append(_torch.saved_tensors_hooks_active())
+        return t * t  # (saves t: recomputed in the backward)
+
+    checkpoint(fn, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+    assert seen == [True, True]  # the forward and its recomputation
+
+
 def test_post_accumulate_hooks_are_seen():
     w = nn.Parameter(torch.ones(2))
     assert not _torch.has_post_accumulate_hooks(w)

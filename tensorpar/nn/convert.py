@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tensorpar.collectives.functional import broadcast
@@ -217,7 +219,7 @@ def _build(module: nn.Module, style: Style, group: GroupLike) -> nn.Module:
 
 
 def full_state_dict(model: nn.Module, dst: int = 0, *, group: GroupLike = None
-                    ) -> dict[str, torch.Tensor | TensorPlaceholder]:
+                    ) -> dict[str, Any]:
     """The dense model's state dict, with the dense keys, on ``dst``; placeholders elsewhere.
 
     Sharded parameters are gathered from the tensor-parallel group they live on; replicated
@@ -229,11 +231,14 @@ def full_state_dict(model: nn.Module, dst: int = 0, *, group: GroupLike = None
     g.check_rank("full_state_dict", "dst", dst)
     if any(hasattr(p, "full_tensor") for p in model.parameters()):  # fully_shard beside TP
         return fsdp_full_state_dict(model, dst, g)
-    out: dict[str, torch.Tensor | TensorPlaceholder] = {}
+    out: dict[str, Any] = {}
     sharded = _sharded_modules(model)
     for key, value in model.state_dict(keep_vars=False).items():
         owner, _, leaf = key.rpartition(".")
         if owner in sharded:
+            continue
+        if not isinstance(value, torch.Tensor):  # a module's extra state: its own copy
+            out[key] = copy.deepcopy(value)
             continue
         out[key] = value.clone() if g.rank == dst else \
             TensorPlaceholder.like(value, owner=dst, group=g.handle)
@@ -284,11 +289,21 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, Any] | None, src:
         prefix = f"{name}." if name else ""
         module.load_full_state({k[len(prefix):]: v for k, v in state.items()
                                 if k.startswith(prefix)}, src)
+    extras = []  # a module's extra state (get_extra_state): any picklable object
     with torch.no_grad():
         for key, tensor in own.items():
             if key.rpartition(".")[0] in sharded:
                 continue
+            if not isinstance(tensor, torch.Tensor):
+                extras.append(key)
+                continue
             tensor.copy_(broadcast(state.get(key), src=src, group=g))
+    if extras:
+        values = [state.get(key) for key in extras]
+        if not g.is_single:
+            dist.broadcast_object_list(values, src=g.global_rank(src), group=g.handle)
+        for key, value in zip(extras, values, strict=True):
+            model.get_submodule(key.rpartition(".")[0]).set_extra_state(value)
 
 
 def _misfits(state: Mapping[str, Any], own: Mapping[str, Any],

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tensorpar._torch import current_graph_task_id
+from tensorpar._torch import current_graph_task_id, saved_tensors_hooks_active
 from tensorpar.comm._comm import exchange_ints
 from tensorpar.comm._group import Group
 from tensorpar.domain._tiles.ahead import Ahead
@@ -112,14 +112,17 @@ class DomainContext:
 
     @property
     def strips(self) -> bool:
-        """Strips over one group of several ranks, outside validation and inference mode.
+        """Strips over one group of several ranks, in a forward that may send rows ahead.
 
-        Where a norm may send the next convolution's halo rows with its statistics
-        (`ahead`; validation mode fingerprints each exchange as the layer's own, and
-        inference tensors have no version to tell an in-place change by).
+        A norm may then send the next convolution's halo rows with its statistics
+        (`ahead`). Not in validation mode (it fingerprints each exchange as the layer's
+        own), in inference mode (inference tensors have no version to tell an in-place
+        change by) or under saved-tensor hooks (a checkpoint's recomputation must save
+        what its forward saved, after later forwards learnt where rows could go).
         """
         return len(self.groups) == 1 and not self.groups[0].is_single and \
-            not validation_enabled() and not torch.is_inference_mode_enabled()
+            not validation_enabled() and not torch.is_inference_mode_enabled() and \
+            not saved_tensors_hooks_active()
 
     @property
     def domain_size(self) -> int:
@@ -174,7 +177,8 @@ class DomainContext:
                 # the other split dims' sizes)
                 other = tuple(x.shape[e] for e in range(ndim) if e - ndim != d)
                 signature = [ndim, zlib.crc32(repr((other, str(x.dtype))).encode()), training,
-                             int(torch.is_inference_mode_enabled())]
+                             int(torch.is_inference_mode_enabled()),
+                             int(saved_tensors_hooks_active())]
                 rows = exchange_ints(g, [n, int(differ), *signature], x.device)
                 sizes = tuple(r[0] for r in rows)
                 differ = differ or any(r[1] or r[2:] != signature for r in rows)
@@ -185,8 +189,9 @@ class DomainContext:
         if differ:
             raise CollectiveArgumentError(
                 f"parallelize_domain: the ranks' tiles differ where they must not (the dims "
-                f"their group does not split), in their dtype, in train/eval mode or in "
-                f"inference mode: this rank has a {ndim}-D {x.dtype} tile of shape "
+                f"their group does not split), in their dtype, in train/eval mode, in "
+                f"inference mode or under activation checkpointing (saved-tensor hooks): "
+                f"this rank has a {ndim}-D {x.dtype} tile of shape "
                 f"{tuple(x.shape)}, {training} module(s) in training mode and inference mode "
                 f"{'on' if torch.is_inference_mode_enabled() else 'off'}. Every rank's tile "
                 f"is its slice of the same dense input, and every rank calls the model in "
