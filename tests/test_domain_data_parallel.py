@@ -343,3 +343,28 @@ def test_what_grad_holds_is_not_summed_over_the_tiles(wrapper, pattern, views):
     """Accumulation without no_sync, steps without zero_grad, a gradient from before: the
     reducer's one all-reduce over replicas x tiles must count what .grad held once."""
     assert max(run_distributed(_accumulated, 4, wrapper, pattern, views, timeout=120)) < TOL
+
+
+def _comm_hook_refused():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tensorpar
+    from tensorpar.errors import ReducerError
+    from tensorpar.nn import parallelize_domain
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "domain"))
+    model = parallelize_domain(_Branches().double(), dims=-2, group=mesh["domain"])
+    reducer = tensorpar.BucketedAllReduce(model, group=mesh.get_group("dp"))
+    try:
+        reducer.register_comm_hook(None, default_hooks.allreduce_hook)
+    except ReducerError as e:
+        return str(e)
+    return "registered"
+
+
+def test_a_comm_hook_on_a_domain_model_is_refused():
+    """A hook divides by its own group: none sums over the tiles and averages over the
+    replicas (torch's allreduce_hook gave half the gradients, or each tile's share)."""
+    for message in run_distributed(_comm_hook_refused, 4, timeout=120):
+        assert "domain" in message, message

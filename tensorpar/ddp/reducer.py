@@ -327,6 +327,11 @@ class BucketedAllReduce(SyncPoint):
             raise ReducerError(f"BucketedAllReduce.register_comm_hook({name}): cannot be "
                                f"combined with reduce_dtype/compress_dtype; the hook decides "
                                f"what travels (e.g. fp16_compress_hook)")
+        if self._tiles > 1:  # (a hook averages over one group: here the tiles add up)
+            raise ReducerError(f"BucketedAllReduce.register_comm_hook({name}): not with a "
+                               f"domain-parallel model, whose buckets are summed over its "
+                               f"tiles and averaged over the replicas only; use "
+                               f"compress_dtype or reduce_dtype instead")
         self._hook = CommHook(state, hook)
         self._pre = self._post = 1.0
 
