@@ -241,7 +241,6 @@ def test_a_norm_that_goes_takes_its_requests_with_it():
     ahead.offer(t, Rows(None, None, ahead.source(norm), t._version))
     assert ahead.take(t, window, True) is None  # (nothing sent yet: asks for the next forward)
     ahead.finish()
-    ahead.start(repeating=False)  # the next forward answers it
     assert ahead.request((norm, 0)) == window
     address = id(norm)
     del norm

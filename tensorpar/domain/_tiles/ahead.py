@@ -10,10 +10,7 @@ own. Backward mirrors it: the rows' gradients go home in the norm's exchange of 
 
 Which rows a norm sends is learnt from the forward before (`Ahead.request`, per call of
 the norm): a convolution fed by a norm call's output through pointwise calls records its
-window there; that call in the next forward sends the rows of that window. A forward run
-again in the backward pass (the whole model under activation checkpointing) answers as the
-forward it repeats did and learns nothing (`Ahead.start`): its recomputation must save the
-same tensors. Everything
+window there; that call in the next forward sends the rows of that window. Everything
 deciding whether rows go ahead and whether a convolution takes them is the same on every
 rank (the model's calls, the windows, every rank's tile sizes), so the ranks agree without
 asking. Where anything differs (another convolution, a call that is not pointwise, an
@@ -87,25 +84,10 @@ class Ahead:
     def __init__(self) -> None:
         self._requests: weakref.WeakKeyDictionary[Any, dict[int, Request]] = \
             weakref.WeakKeyDictionary()
-        # the requests as this forward started (what it answers), and whether it repeats one
-        self._answers: weakref.WeakKeyDictionary[Any, dict[int, Request]] = \
-            weakref.WeakKeyDictionary()
-        self._repeating = False
         self._rows: dict[int, tuple[weakref.ref[torch.Tensor], Rows]] = {}
         self._calls: dict[int, int] = {}
         self._sent: dict[Source, Request] = {}
         self._taken: set[Source] = set()
-
-    def start(self, repeating: bool) -> None:
-        """Start a forward; ``repeating``: it runs again in the backward pass of the last one.
-
-        A repeat answers the requests the forward it repeats answered, and learns nothing.
-        """
-        self.clear()
-        self._repeating = repeating
-        if not repeating:
-            self._answers = weakref.WeakKeyDictionary(
-                {norm: dict(calls) for norm, calls in self._requests.items()})
 
     def clear(self) -> None:
         """Forget this forward's rows and calls (the requests stay)."""
@@ -116,7 +98,7 @@ class Ahead:
 
     def finish(self) -> None:
         """End a forward: let go the requests whose rows went and were not taken; `clear`."""
-        for (norm, n), window in ([] if self._repeating else self._sent.items()):
+        for (norm, n), window in self._sent.items():
             mine = self._requests.get(norm, {})
             if (norm, n) not in self._taken and mine.get(n) == window:
                 del mine[n]
@@ -130,7 +112,7 @@ class Ahead:
 
     def request(self, source: Source) -> Request | None:
         """The window a convolution fed by this norm call asked for, if any."""
-        return self._answers.get(source[0], {}).get(source[1])
+        return self._requests.get(source[0], {}).get(source[1])
 
     def offer(self, t: torch.Tensor, rows: Rows) -> None:
         """Record that ``t``'s halo rows (or only its source) are at hand."""
@@ -158,7 +140,7 @@ class Ahead:
         if rows.window == window and rows.arrived is not None:
             self._taken.add(rows.source)
             return rows.arrived
-        if exchanges and rows.source not in self._taken and not self._repeating:
+        if exchanges and rows.source not in self._taken:
             norm, n = rows.source
             self._requests.setdefault(norm, {})[n] = window
         return None

@@ -199,7 +199,7 @@ class DomainContext:
         self.poolings = 0
         self.marks.clear()
         self.marks.mark(x, TILE)
-        self.ahead.start(repeating=current_graph_task_id() != -1)  # (a checkpoint's rerun)
+        self.ahead.clear()
         self.ran.clear()
         self.active = True
 
