@@ -128,6 +128,23 @@ def test_clip_over_a_pipeline_with_a_frozen_stage(norm_type):
     run_distributed(_clip_matches_dense, 3, norm_type, True, timeout=100)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), float("-inf")])
+def test_clip_over_a_pipeline_with_no_gradient_anywhere(norm_type):
+    """Before any step no stage has a gradient: torch's norm of none is 0 for every norm
+    type (the stages' -inf norms meet in a minimum, whose identity is infinity)."""
+    run_distributed(_clip_before_any_step, 2, norm_type, timeout=100)
+    run_distributed(_clip_before_any_step, 3, norm_type, timeout=100)
+
+
+def _clip_before_any_step(norm_type):
+    dense = sequential()
+    pipe = tp.nn.pipeline(sequential(), microbatches=3, loss_fn=F.mse_loss)
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.01, norm_type)
+    got = tp.nn.clip_grad_norm_(pipe, 0.01, norm_type)
+    assert torch.equal(got, expected.to(got.dtype)), (got, expected)
+
+
 # ---------------------------------------------------------------------------------------
 # sharded checkpoints in dense names: saved at one pipeline size, loaded at another
 # ---------------------------------------------------------------------------------------

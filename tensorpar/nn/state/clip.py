@@ -83,7 +83,7 @@ def grad_norm(model_or_parameters: Parameters, norm_type: float | str = 2.0, *,
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(
         [n.to(present[0].device) for n in present]), p) if present else \
         _no_gradient(model_or_parameters, p)
-    total = _across_stages(total, model_or_parameters, p)
+    total = _across_stages(total, model_or_parameters, p, bool(present))
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(f"grad_norm: the total norm of order {p} of the gradients is "
                            f"{float(total)}; it cannot be clipped (error_if_nonfinite=True). "
@@ -134,22 +134,26 @@ def clip_grad_norm_(model_or_parameters: Parameters, max_norm: float,
 
 
 def _no_gradient(model: Parameters, p: float) -> torch.Tensor:
-    """The norm of no gradient: 0, or for ``p = -inf`` infinity (the other stages' minimum).
+    """The norm of no gradient: torch's 0 (on a pipeline, for ``p = -inf``, infinity).
 
-    In the parameters' dtype: a pipeline's stages meet in one all-reduce.
+    Infinity is the identity of the stages' minimum. In the parameters' dtype: a
+    pipeline's stages meet in one all-reduce.
     """
     params = _parameter_list(model)
     dtype = next((q.dtype for q in params if q.is_floating_point()), torch.float32)
-    return torch.tensor(math.inf if p == -math.inf else 0.0, dtype=dtype,
+    stages = isinstance(model, nn.Module) and getattr(model, "stage_group", None) is not None
+    return torch.tensor(math.inf if p == -math.inf and stages else 0.0, dtype=dtype,
                         device=params[0].device if params else None)
 
 
-def _across_stages(total: torch.Tensor, model: Parameters, p: float) -> torch.Tensor:
+def _across_stages(total: torch.Tensor, model: Parameters, p: float,
+                   had_gradient: bool) -> torch.Tensor:
     """Combine the stages' norms of a pipeline (`tensorpar.nn.pipeline`) over its group.
 
     Each rank of a pipeline holds other parameters: the total is the norm of the stages'
     norms (for ``p = 0``, the sum of their counts), computed by one all-reduce of this
-    rank's norm over the pipeline group. Any other model is returned as it is.
+    rank's norm over the pipeline group (for ``p = -inf`` beside whether the rank had a
+    gradient: with none anywhere the norm is torch's 0). Any other model is returned as it is.
     """
     group = getattr(model, "stage_group", None) if isinstance(model, nn.Module) else None
     if group is None or group.is_single:
@@ -158,8 +162,12 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float) -> torch.Te
     param = next(iter(model.parameters()), None)  # type: ignore[union-attr]
     wide = total.to(param.device if param is not None else total.device,
                     torch.promote_types(dtype, torch.float32))
-    if p == math.inf or p == -math.inf:
-        reduced = all_reduce(wide, op="max" if p > 0 else "min", group=group)
+    if p == -math.inf:
+        flag = torch.full_like(wide, -1.0 if had_gradient else 0.0)
+        least, anyone = all_reduce(torch.stack([wide, flag]), op="min", group=group).unbind()
+        reduced = least if bool(anyone < 0) else torch.zeros_like(least)
+    elif p == math.inf:
+        reduced = all_reduce(wide, op="max", group=group)
     elif p == 0:
         reduced = all_reduce(wide, op="sum", group=group)
     else:
