@@ -137,6 +137,33 @@ def test_clip_over_a_pipeline_with_no_gradient_anywhere(norm_type):
     run_distributed(_clip_before_any_step, 3, norm_type, timeout=100)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), float("-inf"), 0.0])
+def test_clip_over_a_pipeline_with_a_stage_without_parameters(norm_type):
+    """The middle stage holds two Tanh blocks only: its norm had no dtype but float32's, and
+    gloo aborted the job meeting the float64 stages' norms."""
+    run_distributed(_clip_with_a_parameterless_stage, 3, norm_type, timeout=100)
+
+
+def _clip_with_a_parameterless_stage(norm_type):
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Tanh(),
+                                   torch.nn.Linear(5, 3)).double()
+
+    dense = build()
+    pipe = tp.nn.pipeline(build(), microbatches=2, loss_fn=F.mse_loss, split=[1, 2, 1])
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    F.mse_loss(dense(x), y).backward()
+    norm = tp.nn.clip_grad_norm_(pipe, 0.01, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.01, norm_type)
+    torch.testing.assert_close(norm.double(), expected, rtol=TOL, atol=TOL)
+    grads = dict(dense.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=TOL, atol=TOL, msg=name)
+
+
 def _clip_before_any_step(norm_type):
     dense = sequential()
     pipe = tp.nn.pipeline(sequential(), microbatches=3, loss_fn=F.mse_loss)

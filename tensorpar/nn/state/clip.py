@@ -136,8 +136,8 @@ def clip_grad_norm_(model_or_parameters: Parameters, max_norm: float,
 def _no_gradient(model: Parameters, p: float) -> torch.Tensor:
     """The norm of no gradient: torch's 0 (on a pipeline, for ``p = -inf``, infinity).
 
-    Infinity is the identity of the stages' minimum. In the parameters' dtype: a
-    pipeline's stages meet in one all-reduce.
+    Infinity is the identity of the stages' minimum. In the parameters' dtype (float32
+    without any).
     """
     params = _parameter_list(model)
     dtype = next((q.dtype for q in params if q.is_floating_point()), torch.float32)
@@ -158,10 +158,12 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
     group = getattr(model, "stage_group", None) if isinstance(model, nn.Module) else None
     if group is None or group.is_single:
         return total
-    dtype = total.dtype
     param = next(iter(model.parameters()), None)  # type: ignore[union-attr]
-    wide = total.to(param.device if param is not None else total.device,
-                    torch.promote_types(dtype, torch.float32))
+    # float64 on every stage: a stage with no parameter has no dtype of the others', and
+    # keeps the float64 norm
+    dtype = total.dtype if param is not None else torch.float64
+    wide = total.to(group.comm_device(param.device if param is not None else None),
+                    torch.float64)
     if p == -math.inf:
         flag = torch.full_like(wide, -1.0 if had_gradient else 0.0)
         least, anyone = all_reduce(torch.stack([wide, flag]), op="min", group=group).unbind()
