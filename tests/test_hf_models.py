@@ -308,6 +308,58 @@ def test_bf16_with_float32_reduction_is_as_accurate_as_dense_bf16(world_size):
     assert tp_err <= dense_err * 1.05, (tp_err, dense_err)
 
 
+def _autocast_errors(reduce_dtype, sequence_parallel):
+    """Float32 parameters under bfloat16 autocast: the logits' and gradients' mean error."""
+    reference = build("qwen2")
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 8.0)
+    state = reference.state_dict()
+    dense = build("qwen2", dtype=torch.float32)
+    dense.load_state_dict(state)
+    parallel = build("qwen2", dtype=torch.float32)
+    parallel.load_state_dict(state)
+    tp.parallelize(parallel, plan_from_transformers(parallel, lm_head="gathered",
+                                                    reduce_dtype=reduce_dtype,
+                                                    sequence_parallel=sequence_parallel))
+    ids = tokens(3, n=12)
+    exact = reference(ids).logits
+    exact.square().mean().backward()
+    errors = []
+    for model in (dense, parallel):
+        dtypes = []
+        model.get_submodule("model.layers.0.mlp.down_proj").register_forward_hook(
+            lambda module, args, out, dtypes=dtypes: dtypes.append(out.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+        assert dtypes == [torch.bfloat16], dtypes  # as the dense layer's under autocast
+        logits.float().square().mean().backward()
+        assert logits.dtype == torch.bfloat16
+        grad = model.get_submodule("model.layers.0.mlp.down_proj").weight.grad
+        want = reference.get_submodule("model.layers.0.mlp.down_proj").weight.grad
+        if grad.shape != want.shape:  # this rank's columns
+            pieces = model.get_submodule("model.layers.0.mlp.down_proj").shard.pieces
+            want = torch.cat([want.narrow(1, start, n) for start, _, n in pieces], 1)
+        errors.append(((logits.double() - exact).abs().mean().item(),
+                       (grad.double() - want).abs().mean().item()))
+    return errors
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_float32_reduction_under_bf16_autocast_is_as_accurate_as_dense(reduce_dtype,
+                                                                      sequence_parallel):
+    """``reduce_dtype=torch.float32`` was ignored under autocast (float32 parameters: the
+    weight's dtype equalled it), and its float32 product was cast back to bfloat16 there;
+    a sequence-parallel row layer's output was float32 there (dense: bfloat16)."""
+    (dense_err, dense_grad), (tp_err, tp_grad) = run_distributed(
+        _autocast_errors, 2, reduce_dtype, sequence_parallel)[0]
+    if reduce_dtype is not None:
+        assert tp_err <= dense_err * 1.05, (tp_err, dense_err)
+        assert tp_grad <= dense_grad * 1.05, (tp_grad, dense_grad)
+
+
 def _backward_all_reduces(arch):
     parallel = tp.parallelize(build(arch), plan_from_transformers(build(arch)))
     ids = tokens(0)

@@ -44,6 +44,7 @@ from tensorpar.comm._group import Group
 from tensorpar.nn.layers._column_fn import save_linear_inputs, weight_grads
 from tensorpar.nn.layers._path import LayerPath, layer_path
 from tensorpar.nn.layers._recompute import install_recompute
+from tensorpar.nn.layers._row_fn import wide_product
 
 __all__ = ["SEQUENCE_STYLES", "SequenceGather", "SequenceParallel", "SequenceShards",
            "SequenceSplit", "column_on_gathered", "install_sequence_style",
@@ -366,15 +367,15 @@ def sequence_row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     else the composition of public collectives (validation mode, autocast, ``wide``, a
     second-order graph).
     """
-    if wide is None and layer_path(x, shards.group) is LayerPath.FUSED:
+    widened = wide_product(x, weight, bias, wide)
+    if widened is None and layer_path(x, shards.group) is LayerPath.FUSED:
         out: torch.Tensor = _SequenceRowLinear.apply(x, weight, bias, shards)  # type: ignore[no-untyped-call]
         return out
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    y = F.linear(x, weight) if wide is None else F.linear(x.to(wide), weight.to(wide))
+    y, bias, out_dtype = widened if widened is not None else (F.linear(x, weight), bias, None)
     y = shards.reduce_scatter(y)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+    return y if out_dtype is None else y.to(out_dtype)  # None: F.linear's, as dense
 
 
 class _SequenceRowLinear(torch.autograd.Function):

@@ -24,7 +24,7 @@ from tensorpar.comm._group import Group
 from tensorpar.nn.layers._column_fn import save_linear_inputs, weight_grads
 from tensorpar.nn.layers._path import LayerPath, autocast_on, layer_path
 
-__all__ = ["row_linear"]
+__all__ = ["row_linear", "wide_product"]
 
 _SUM = torch_op("sum")
 
@@ -50,6 +50,40 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return y
     # under autocast the bias joins in the matmul's dtype (as in F.linear), else by promotion
     return y + (bias.to(y.dtype) if autocast_on(x.device.type) else bias)
+
+
+def wide_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 wide: torch.dtype | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype] | None:
+    """``F.linear(x, weight)`` and the bias in ``wide`` (a ``reduce_dtype``), and the output dtype.
+
+    None where ``wide`` is what the layer computes in anyway. The dense layer rounds once,
+    at its output. Under autocast it first rounds its inputs to autocast's dtype: so do
+    these (the bias too), and the product is taken with autocast off, which would round it
+    back before the sum.
+    """
+    if wide is None:
+        return None
+    low = _autocast_dtype(x.device.type)
+    if low is not None and torch.float64 not in (x.dtype, weight.dtype):
+        if wide == low:
+            return None
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x.to(low).to(wide), weight.to(low).to(wide))
+        return y, None if bias is None else bias.to(low).to(wide), low
+    out = torch.promote_types(x.dtype, weight.dtype)
+    if wide == out:
+        return None
+    return F.linear(x.to(wide), weight.to(wide)), None if bias is None else bias.to(wide), out
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``device_type``, else None."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+        return torch.get_autocast_dtype(device_type) if on else None
+    except (TypeError, RuntimeError, AttributeError):  # a device without autocast (meta)
+        return None
 
 
 def row_linear_data(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -14,7 +14,7 @@ from tensorpar.collectives.functional import broadcast
 from tensorpar.collectives.regions import reduce_from_group
 from tensorpar.comm._group import Group, GroupLike
 from tensorpar.nn.layers._column_fn import SharedInput, column_linear
-from tensorpar.nn.layers._row_fn import row_linear
+from tensorpar.nn.layers._row_fn import row_linear, wide_product
 from tensorpar.nn.layers._spec_cache import SpecCache
 from tensorpar.nn.layers.random import rng_kept
 from tensorpar.nn.sequence import SequenceShards, column_on_gathered, sequence_row_output
@@ -42,12 +42,14 @@ def row_output(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``reduce_from_group(F.linear(x, weight)) + bias`` (``weight``: ``(out, shard)``), as one
     Function where it can be, in ``wide`` (a ``reduce_dtype``) where one is given.
     """
-    if wide is None or wide == weight.dtype:
+    widened = wide_product(x, weight, bias, wide)
+    if widened is None:
         return row_linear(x, weight, bias, g)
-    y = reduce_from_group(F.linear(x.to(wide), weight.to(wide)), group=g)
-    if bias is not None:
-        y = y + bias.to(wide)
-    return y.to(torch.promote_types(x.dtype, weight.dtype))
+    product, wide_bias, out = widened
+    y = reduce_from_group(product, group=g)
+    if wide_bias is not None:
+        y = y + wide_bias
+    return y.to(out)
 
 
 def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
