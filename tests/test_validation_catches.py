@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import tensorpar as tp
-from tensorpar.nn import ColumnParallelLinear
+from tensorpar.nn import ColumnParallelLinear, ParallelEmbedding, VocabParallelEmbedding
 from tensorpar.testing import run_distributed
 
 
@@ -128,6 +128,17 @@ def _split_to_group_input(rank, p):
     return tp.split_to_group(torch.full((3, 2 * p), float(rank == 2)), dim=-1)
 
 
+def _embedding_ids(rank, p, kind):
+    """Token ids that differ across the group (say, sampled with a per-rank seed): each rank
+    looks up other tokens and the sum (or the gathered slices) mixes them, silently."""
+    torch.manual_seed(0)
+    layer = {"vocab": VocabParallelEmbedding, "dim": ParallelEmbedding}[kind](11, 6)
+    ids = torch.tensor([[1, 4, 7], [2, 9, 10]])
+    if rank == p - 1:
+        ids[1, 1] = 3
+    return layer(ids)
+
+
 # -- sizes= with requires_grad differing across ranks --------------------------------------
 
 def _sizes_requires_grad(rank, p, fn):
@@ -157,6 +168,8 @@ CASES = {
     "column input": _column_input, "column input no_grad": _column_input_no_grad,
     "copy_to_group input": _copy_to_group_input, "split_to_group input": _split_to_group_input,
     "sizes requires_grad": _sizes_requires_grad,
+    "vocab embedding ids": lambda rank, p: _embedding_ids(rank, p, "vocab"),
+    "embedding ids": lambda rank, p: _embedding_ids(rank, p, "dim"),
 }
 
 EXPECTED = {  # (world size, words every rank's message holds)
@@ -174,6 +187,8 @@ EXPECTED = {  # (world size, words every rank's message holds)
     "column input no_grad": (3, ["ColumnParallelLinear", "input values differ"]),
     "copy_to_group input": (2, ["copy_to_group", "input values differ"]),
     "split_to_group input": (3, ["split_to_group", "input values differ"]),
+    "vocab embedding ids": (2, ["VocabParallelEmbedding", "input values differ"]),
+    "embedding ids": (3, ["ParallelEmbedding", "input values differ"]),
 }
 
 

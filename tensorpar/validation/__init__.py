@@ -8,7 +8,7 @@ all-to-all step): a per-group sequence number, the operation, forward or backwar
 reduce op, the backward mode, dims, dtype, shape or chunk lengths, ``requires_grad`` where
 the ranks must agree on it, src/dst, the call site (`tensorpar.validation._callsite`), a
 checksum of an input that must be the same on every rank (`copy_to_group`,
-`split_to_group`, and so every column-parallel layer), and integer counters the caller
+`split_to_group`, and so every column-parallel layer and embedding), and integer counters the caller
 names. On any difference every rank raises the same `CollectiveMismatchError`, e.g.
 ``all_reduce #12 on a group of 4: op differs: ranks 0,1,3 "sum", rank 2 "max"``.
 

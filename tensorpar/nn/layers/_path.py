@@ -16,7 +16,7 @@ from tensorpar.comm._compiling import autocast_on, compiling
 from tensorpar.comm._group import Group
 from tensorpar.comm._switch import VALIDATE
 
-__all__ = ["LayerPath", "autocast_on", "layer_path"]
+__all__ = ["LayerPath", "autocast_on", "layer_path", "validating"]
 
 
 class LayerPath(enum.Enum):
@@ -46,3 +46,8 @@ def layer_path(x: torch.Tensor, group: Group, *, casts: bool = True) -> LayerPat
     if not torch.is_grad_enabled() and not needs_graph(x):  # (a forward-AD level keeps it)
         return LayerPath.NO_GRAPH
     return LayerPath.FUSED
+
+
+def validating() -> bool:
+    """Whether validation mode is on (the layers compare their replicated inputs then)."""
+    return bool(VALIDATE[0])

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.collectives.functional import gather, scatter
-from tensorpar.collectives.regions import gather_from_group, reduce_from_group
+from tensorpar.collectives.regions import enter_region, gather_from_group, reduce_from_group
 from tensorpar.comm._group import GroupLike
+from tensorpar.nn.layers._path import validating
 from tensorpar.nn.layers.random import rng_kept
 from tensorpar.nn.sequence import SequenceShards
 from tensorpar.nn.state._shards import Shard, keep_frozen, shard_of
@@ -40,6 +41,12 @@ class _ShardedEmbedding(nn.Module):
         self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
         # a dense embedding that scales its output (e.g. Gemma's by sqrt(hidden)) keeps it
         self.register_buffer("embed_scale", None, persistent=False)
+
+    def _checked(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids``; in validation mode compared across the group first (they must agree)."""
+        if not validating() or self.shard.group.is_single:
+            return ids
+        return enter_region(ids, self.shard.group, f"the token ids of {type(self).__name__}")
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
@@ -135,6 +142,7 @@ class VocabParallelEmbedding(_ShardedEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's rows, zeros elsewhere, summed across the group."""
         s = self.shard
+        ids = self._checked(ids)
         outside = (ids < s.start) | (ids >= s.stop)
         local = (ids - s.start).masked_fill(outside, 0)
         pad = None
@@ -185,6 +193,6 @@ class ParallelEmbedding(_ShardedEmbedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Embed ``ids``: this rank's slice of every vector, all-gathered."""
-        out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
+        out = F.embedding(self._checked(ids), self.weight, padding_idx=self.padding_idx)
         return self._scaled(gather_from_group(out, dim=-1, group=self.shard.group,
                                               sizes=self.shard.sizes))
