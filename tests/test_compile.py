@@ -109,11 +109,11 @@ def _collectives(n, uneven):
     return fn, (a, b, c)
 
 
-def _compare_collectives(uneven):
+def _compare_collectives(uneven, backend="aot_eager"):
     _fresh()
     n = torch.distributed.get_world_size()
     fn, inputs = _collectives(n, uneven)
-    _assert_same(_run_both(fn, inputs))  # fullgraph=True: a graph break would raise
+    _assert_same(_run_both(fn, inputs, backend))  # fullgraph=True: a graph break would raise
 
 
 @pytest.mark.parametrize(("world_size", "uneven"),
@@ -121,6 +121,15 @@ def _compare_collectives(uneven):
                           pytest.param(3, True, marks=pytest.mark.slow)])
 def test_collectives_compile_fullgraph_and_equal_eager(world_size, uneven):
     run_distributed(_compare_collectives, world_size, uneven, timeout=540)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("uneven", [False, True])
+def test_collectives_compile_with_inductor_and_equal_eager(uneven):
+    """Inductor removes a clone as a no-op before it merges identical calls: the sum- and
+    the identity-backward all-reduce of one tensor (and an all-gather beside a
+    gather_from_group) became one buffer whose two outputs shared a gradient (2.2 off)."""
+    run_distributed(_compare_collectives, 2, uneven, "inductor", timeout=540)
 
 
 def _complex_all_to_all():

@@ -76,19 +76,21 @@ def _to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (x if dim == 0 else x.movedim(dim, 0)).contiguous()
 
 
-def all_gather_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], name: str
-                   ) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], name: str,
+                   coalesced: bool = False) -> torch.Tensor:
     """Every rank's chunk (``sizes[r]`` long along ``dim``) concatenated along ``dim``.
 
     Backward (autograd through the functional all-gather): the reduce-scatter (sum) of the
-    gradient's chunks.
+    gradient's chunks. ``coalesced``: through the coalesced all-gather of one tensor (the
+    same collective), which the graph never merges with a plain one (see `ReduceIdentity`).
     """
     n, width = len(sizes), max(sizes)
     front = _to_front(x, dim)  # (L_rank, *rest)
     if front.shape[0] != width:  # uneven: pad to the longest chunk
         pad = front.new_zeros((width - front.shape[0], *front.shape[1:]))
         front = torch.cat([front, pad])
-    rows = wait(_C.all_gather_into_tensor(front, n, name))  # (n * width, *rest)
+    rows = wait(_C.all_gather_into_tensor_coalesced([front], n, name)[0] if coalesced
+                else _C.all_gather_into_tensor(front, n, name))  # (n * width, *rest)
     if _equal(sizes):
         out = rows
     else:
@@ -153,9 +155,12 @@ class ReduceIdentity(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
-        # a tensor of its own: the graph may merge this all-reduce with an identical one
-        # (common subexpressions), and two outputs aliasing one buffer would share a gradient
-        return all_reduce_sum(x, name).clone()
+        # the coalesced all-reduce of one tensor (the same collective): the graph merges
+        # identical calls (common subexpressions), and this one merged with a sum-backward
+        # all-reduce of ``x`` gives two outputs in one buffer, sharing a gradient; neither a
+        # clone of the result nor a fresh input buffer keeps them apart under inductor,
+        # which removes both as no-ops before it merges
+        return wait(_C.all_reduce_coalesced([x.contiguous()], "sum", name)[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -201,9 +206,7 @@ class GatherFromGroup(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, sizes: tuple[int, ...], rank: int,
                 name: str) -> torch.Tensor:
         ctx.dim, ctx.sizes, ctx.rank = dim, sizes, rank
-        out = all_gather_dim(x, dim, sizes, name)
-        # a tensor of its own where it would be the collective's buffer (as ReduceIdentity)
-        return out.clone() if dim == 0 and _equal(sizes) else out
+        return all_gather_dim(x, dim, sizes, name, coalesced=True)  # (as ReduceIdentity)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
