@@ -373,6 +373,8 @@ def _models_differ(what):
             model.model.rotary_emb.__init__(model.config)
         elif what == "eval":
             model.eval()
+        elif what == "frozen":  # another parameter frozen: its gradient is summed elsewhere
+            model.lm_head.requires_grad_(False)
         else:  # loaded from another path: the same model
             model.config._name_or_path = "/elsewhere/llama"
     parallel = context_parallel(model)
@@ -387,13 +389,33 @@ def _models_differ(what):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["layers", "rope_theta", "eval", "cast"])
+@pytest.mark.parametrize("what", ["layers", "rope_theta", "eval", "cast", "frozen"])
 def test_ranks_given_other_models_or_modes_are_refused_on_every_rank(what):
     # another depth hung every rank; another rope_theta gave a wrong loss, silently; a
     # cast on one rank aborted the processes in gloo
     for message in run_distributed(_models_differ, 2, what, timeout=100):
         assert message is not None and "differ between rank 0 and rank(s) [1]" in message, \
             message
+
+
+def _parameters_changed_after_conversion(how):
+    """A parameter that trains after ``context_parallel`` but was not there, or was frozen,
+    when it ran: its gradient is summed over the group as every other's."""
+    dense = build("llama")
+    parallel = context_parallel(build("llama").requires_grad_(how != "unfrozen"))
+    if how == "unfrozen":
+        parallel.requires_grad_(True)
+    else:  # new parameter objects (as to_empty after a conversion on the meta device)
+        parallel.load_state_dict(dense.state_dict(), assign=True)
+    return _errors(dense, parallel, *batch(0, 13))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["unfrozen", "assigned"])
+def test_parameters_unfrozen_or_replaced_after_conversion_get_the_dense_gradient(how):
+    for errors in run_distributed(_parameters_changed_after_conversion, 2, how, timeout=100):
+        worst = max((v, k) for k, v in errors.items() if k != "loss")
+        assert errors["loss"] < LOSS_TOL and worst[0] < GRAD_TOL, worst
 
 
 @pytest.mark.timeout(120)

@@ -229,10 +229,7 @@ def context_parallel(model: nn.Module, *, group: GroupLike = None,
     model.register_forward_pre_hook(_before, with_kwargs=True, prepend=True)
     get_embedding().register_forward_hook(_keep_rows)
     model.register_forward_hook(_loss, with_kwargs=True)
-    for p in model.parameters():
-        if p.requires_grad and not g.is_single and not getattr(p, _SUMMED, False):
-            setattr(p, _SUMMED, True)
-            p.register_hook(_summer(g))
+    _sum_gradients(model, g)
     return model
 
 
@@ -254,8 +251,27 @@ def _model_digest(model: nn.Module, config: Any) -> int:
 
 
 def _parameters_digest(model: nn.Module) -> int:
-    """A digest of the parameters' shapes and dtypes now (a rank cast alone, or resized)."""
-    return zlib.crc32(repr([(tuple(p.shape), p.dtype) for p in model.parameters()]).encode())
+    """A digest of the parameters' shapes, dtypes and ``requires_grad`` now.
+
+    A rank cast alone, resized, or with another parameter frozen (its gradient's sum would
+    wait) differs.
+    """
+    return zlib.crc32(repr([(tuple(p.shape), p.dtype, p.requires_grad)
+                            for p in model.parameters()]).encode())
+
+
+def _sum_gradients(model: nn.Module, g: Group) -> None:
+    """Hook every parameter that trains to sum its gradient over ``g``, once each.
+
+    At the conversion and at every forward: a parameter unfrozen since, or a new object
+    (``load_state_dict(assign=True)``, ``to_empty``, a resized embedding) counts too.
+    """
+    if g.is_single:
+        return
+    for p in model.parameters():
+        if p.requires_grad and not getattr(p, _SUMMED, False):
+            setattr(p, _SUMMED, True)
+            p.register_hook(_summer(g))
 
 
 def _own_config(model: nn.Module) -> Any:
@@ -340,7 +356,7 @@ def _before(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ids, mask, padding, problem, visible, whole = None, None, None, e, None, None
     if not state.group.is_single:  # before anything travels the ring: no rank left waiting
         _agree(state, problem, ids, padding, whole, kwargs.get("labels"), visible,
-               _home(model), _parameters_digest(model), sum(m.training for m in model.modules()))
+               _home(model), model, sum(m.training for m in model.modules()))
     if problem is not None:
         raise problem
     assert ids is not None
@@ -421,7 +437,7 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
            "the masking (packed documents, padding or none)",
            "attention (context_parallel's attention=)",
            "the model (its config or its parameters' names, at context_parallel)",
-           "the parameters' shapes or dtypes",
+           "the parameters' shapes, dtypes or requires_grad",
            "train/eval mode (the modules in training mode)")
 """What every rank's call must agree on, in the order of `_agree`'s row (after the shape)."""
 
@@ -430,8 +446,8 @@ _AGREED = ("input_ids", "the padding of attention_mask", "position_ids", "labels
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
            padding: torch.Tensor | None, positions_given: Any, labels: Any,
-           visible: Visible | None, home: torch.device | None, parameters: int = 0,
-           training: int = 0) -> None:
+           visible: Visible | None, home: torch.device | None,
+           model: nn.Module | None = None, training: int = 0) -> None:
     """Compare this call's inputs with every rank's (one all-gather); raise on every rank.
 
     Every rank must pass the whole, same batch: a rank with other tokens, labels, masks or
@@ -439,13 +455,18 @@ def _agree(state: _State, problem: Exception | None, ids: torch.Tensor | None,
     would send the ring chunks of another size. ``home``: the device of the model's input
     embedding, where every rank's exchange buffer goes (a refused rank's inputs may be on
     no device at all: on a group with a CPU and a CUDA backend, buffers on two kinds of
-    device would meet in two backends, and wait for ever).
+    device would meet in two backends, and wait for ever). ``model``: its parameters'
+    gradient hooks are completed (`_sum_gradients`) and their digest compared.
 
     Raises:
         ValueError: a rank's own inputs were refused (`CollectiveArgumentError` on the
             others), or the ranks' inputs differ.
     """
     g = state.group
+    parameters = 0
+    if model is not None:  # (here: eager under torch.compile, where hooks are registered)
+        _sum_gradients(model, g)
+        parameters = _parameters_digest(model)
     row = [0] * (3 + len(_AGREED))
     if problem is None and ids is not None:
         kind = 0 if visible is None else 1 if isinstance(visible, Padding) else 2
