@@ -242,7 +242,9 @@ def distributed_rfft2_apply(x: torch.Tensor, fn: SpectrumFn, *, split_dim: int, 
     ``[r c, (r + 1) c)`` with ``c = ceil(columns / W)``; columns at or past ``columns`` are
     zero padding and their result is dropped. ``fn`` must keep the ``split_dim`` and
     ``other_dim`` lengths (other dims, channels, may change) and keep its output in the
-    autograd graph of its input (every rank's backward runs the transposes).
+    autograd graph of its input (every rank's backward runs the transposes). A weight that
+    ``fn`` uses gets this rank's block's share of its gradient: sum it over the group
+    (a data-parallel reducer over these ranks does) for the dense gradient.
 
     Forward: all-to-all to the transposed layout (only the kept columns travel), then back.
     Backward: the same two all-to-alls with the dims swapped, in reverse order.

@@ -406,7 +406,9 @@ def _take_inputs(model: nn.Module, state: _State, args: tuple[Any, ...],
         shown = f"a tensor of shape {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) \
             else repr(keep)
         raise ValueError(f"{_FN}: logits_to_keep is not supported (each rank holds positions "
-                         f"from all over the sequence); expected 0, got {shown}")
+                         f"from all over the sequence); expected 0, got {shown}. generate() "
+                         f"passes it: a context-parallel model trains and scores, it does not "
+                         f"generate")
     other = sorted(k for k, v in kwargs.items() if k not in _INPUTS and v is not None)
     if other:
         raise ValueError(f"{_FN}: inputs {other} are not supported (they may shape the "
