@@ -654,7 +654,16 @@ class _Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _compiled_steps(how):
+class _NetWithNorm(_Net):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(7)  # buffers: broadcast before each training forward
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.norm(self.a(x))))
+
+
+def _compiled_steps(how, buffers=False):
     """Eleven steps with a fixed shape (every other one accumulating under no_sync)."""
     from torch._dynamo.utils import counters
 
@@ -663,7 +672,7 @@ def _compiled_steps(how):
     models = []
     for compiled in (True, False):
         torch.manual_seed(0)
-        inner = _Net().double()
+        inner = (_NetWithNorm() if buffers else _Net()).double()
         if how == "wrapper":
             wrapped = tp.nn.DistributedDataParallel(inner)
             owner = wrapped
@@ -687,11 +696,14 @@ def _compiled_steps(how):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("buffers", [False, True])
 @pytest.mark.parametrize("how", ["wrapper", "reducer", "module.compile()"])
-def test_a_compiled_model_compiles_once_and_equals_eager(how):
+def test_a_compiled_model_compiles_once_and_equals_eager(how, buffers):
     """DDP's usual order, torch.compile(DDP(model)): a counter of the reducer read in the
-    graph made every step a new graph until Dynamo's limit (8), then ran it eagerly."""
-    for graphs, gap_ in run_distributed(_compiled_steps, 2, how, timeout=100):
+    graph made every step a new graph until Dynamo's limit (8), then ran it eagerly. With
+    buffers, a bare reducer's forward pre-hook traced into the process group (an internal
+    Dynamo error at the first forward)."""
+    for graphs, gap_ in run_distributed(_compiled_steps, 2, how, buffers, timeout=100):
         assert 1 <= graphs <= 2, graphs
         assert gap_ == 0.0
 

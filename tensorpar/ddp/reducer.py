@@ -388,8 +388,13 @@ class BucketedAllReduce(SyncPoint):
     def _snapshot(self) -> tuple[tuple[int, bool], ...]:
         return tuple((id(p), p.requires_grad) for p in self.module.parameters())
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """The module's forward pre-hook (the reducer used alone, without a wrapper)."""
+        """The module's forward pre-hook (the reducer used alone, without a wrapper).
+
+        Eager under ``torch.compile`` (as the wrapper's bookkeeping): it reads the
+        reducer's counters and may broadcast the buffers.
+        """
         if not torch.is_grad_enabled():  # evaluation: never communicates (see the class doc)
             return
         self._begin_forward()
