@@ -258,6 +258,29 @@ def test_rooted_collectives_compile_fullgraph_and_equal_eager(world_size, uneven
     run_distributed(_compare_rooted, world_size, uneven, timeout=540)
 
 
+def _broadcast_twice_with_inductor():
+    _fresh()
+    rank = torch.distributed.get_rank()
+    full = rand(30, 3, 4).requires_grad_()
+    given = full if rank == 1 else tp.TensorPlaceholder(full.shape, full.dtype,
+                                                        requires_grad=True, owner=1)
+
+    def fn(x):
+        return (tp.broadcast(x, src=1, exchange_meta=False) * 2,
+                tp.broadcast(x, src=1, async_op=True, exchange_meta=False).resolve() * 3)
+
+    a, b = torch.compile(fn)(given)  # the default backend: inductor
+    torch.testing.assert_close(a, full.detach() * 2, rtol=0, atol=0)
+    torch.testing.assert_close(b, full.detach() * 3, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_one_tensor_broadcast_twice_from_its_root_under_inductor():
+    """Inductor removed the root's copy into a fresh buffer as a no-op, merged the root's
+    two sends of one tensor into one, and the other rank waited in its second (a hang)."""
+    run_distributed(_broadcast_twice_with_inductor, 2, timeout=300)
+
+
 def _placeholder_out(compile_it):
     """A gather's placeholder leaves the compiled function; its backward runs the scatter."""
     rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -229,7 +229,14 @@ def _send(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """
     front = x if dim == 0 else x.movedim(dim, 0)
     buf = _empty(front.shape, front)
-    return buf if front.numel() == 0 else buf.copy_(front)
+    if front.numel() == 0:
+        return buf
+    # written by an indexed copy, not ``copy_``: inductor removes a copy into a fresh
+    # buffer as a no-op, and then merges two sends of one tensor on the root only
+    rows = torch.arange(max(front.shape[0:1], default=1), device=front.device)
+    if front.dim() == 0:
+        return buf.reshape(1).index_copy_(0, rows, front.reshape(1)).reshape(())
+    return buf.index_copy_(0, rows, front)
 
 
 def _empty(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype | None = None
