@@ -6,6 +6,10 @@ address) are still in that store, and with gloo on torch 2.13 the restarted work
 them and fail to connect to the dead workers ("Gloo connectFullMesh failed ... Connection
 refused"). `init_distributed` keys the group under the attempt's number
 (``TORCHELASTIC_RESTART_COUNT``), so each attempt meets only its own workers.
+
+That number is counted per machine by torch 2.13's agents (only the machine whose worker
+failed counts the restart): on several machines the restarted workers carry different
+numbers and do not meet. A multi-machine job is restarted whole (see the training-loop docs).
 """
 
 from __future__ import annotations
