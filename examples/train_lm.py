@@ -362,6 +362,10 @@ def save_checkpoint(root, step, model, opt, losses, args):
 def load_checkpoint(root, model, opt, args):
     """Load the checkpoint LATEST names into ``model`` and ``opt``; return (step, losses)."""
     name = (root / "LATEST").read_text().strip()
+    if not (root / name / ".metadata").exists():
+        raise SystemExit(f"--resume: {root / 'LATEST'} names {name}, which holds no complete "
+                         f"checkpoint (removed by hand?); point LATEST at another step_* "
+                         f"directory there, or start over without --resume")
     loop = {"step": 0, "losses": [], "global_batch": 0, **saved_rng(root / name)}
     state = {"model": tensorpar.sharded_state_dict(model),
              "optim": tensorpar.sharded_optimizer_state_dict(model, opt), "loop": loop}
