@@ -296,7 +296,9 @@ def _rng_from_an_earlier_checkpoint(root):
               "optim": tensorpar.sharded_optimizer_state_dict(model, opt),
               "loop": {"step": 1, "losses": [2.0], "rng": torch.get_rng_state(),
                        "global_batch": args.batch * args.dp}}, checkpoint_id=str(final))
-    (pathlib.Path(root) / "LATEST").write_text(final.name)
+    if torch.distributed.get_rank() == 0:  # (two writers: a reader could see it empty)
+        (pathlib.Path(root) / "LATEST").write_text(final.name)
+    torch.distributed.barrier()
     want = torch.rand(4)
     torch.manual_seed(1000)
     step, losses = train_lm.load_checkpoint(pathlib.Path(root), model, opt, args)
