@@ -228,12 +228,15 @@ def test_one_process_equals_torch(norm_type):
         assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf, 0.0])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf, 0.0, -1.0])
 def test_no_gradient_gives_torch_s_zero(norm_type):
     layer = torch.nn.Linear(3, 2).requires_grad_(False)
     expected = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0, norm_type)
     assert torch.equal(tp.nn.clip_grad_norm_(layer, 1.0, norm_type), expected)
     assert float(expected) == 0.0
+    pipe = tp.nn.pipeline(torch.nn.Sequential(layer), microbatches=1,  # one stage
+                          loss_fn=torch.nn.functional.mse_loss)
+    assert float(tp.nn.clip_grad_norm_(pipe, 1.0, norm_type)) == 0.0
 
 
 def test_error_if_nonfinite_raises():

@@ -145,6 +145,35 @@ def test_clip_over_a_pipeline_with_a_stage_without_parameters(norm_type):
     run_distributed(_clip_with_a_parameterless_stage, 3, norm_type, timeout=100)
 
 
+@pytest.mark.timeout(120)
+def test_a_parameterless_stage_raises_where_the_others_do():
+    """float16 stages whose norm overflows: the parameterless stage kept the float64 norm and
+    went on while the others raised (error_if_nonfinite), then waited for ever."""
+    for outcome in run_distributed(_nonfinite_with_a_parameterless_stage, 3, timeout=100):
+        assert outcome == "raised", outcome
+
+
+def _nonfinite_with_a_parameterless_stage():
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(1, 1, bias=False)).half()
+    pipe = tp.nn.pipeline(model, microbatches=1, loss_fn=F.mse_loss, split=[1, 1, 1])
+    for p in pipe.parameters():
+        p.grad = torch.full_like(p, 50000.0)
+    try:
+        tp.nn.clip_grad_norm_(pipe, 1.0, error_if_nonfinite=True)
+    except RuntimeError:
+        return "raised"
+    return "went on"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [-1.0, -0.5])
+def test_a_negative_norm_type_leaves_out_a_stage_without_gradients(norm_type):
+    """A stage with no gradient added 0 ** p = inf to the stages' sum: the norm was 0."""
+    run_distributed(_clip_matches_dense, 2, norm_type, True, timeout=100)
+    run_distributed(_clip_matches_dense, 3, norm_type, True, timeout=100)
+
+
 def _clip_with_a_parameterless_stage(norm_type):
     def build():
         torch.manual_seed(0)

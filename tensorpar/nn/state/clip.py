@@ -134,16 +134,14 @@ def clip_grad_norm_(model_or_parameters: Parameters, max_norm: float,
 
 
 def _no_gradient(model: Parameters, p: float) -> torch.Tensor:
-    """The norm of no gradient: torch's 0 (on a pipeline, for ``p = -inf``, infinity).
-
-    Infinity is the identity of the stages' minimum. In the parameters' dtype (float32
-    without any).
-    """
+    """The norm of no gradient: torch's 0, in the parameters' dtype (float32 without any)."""
     params = _parameter_list(model)
     dtype = next((q.dtype for q in params if q.is_floating_point()), torch.float32)
-    stages = isinstance(model, nn.Module) and getattr(model, "stage_group", None) is not None
-    return torch.tensor(math.inf if p == -math.inf and stages else 0.0, dtype=dtype,
-                        device=params[0].device if params else None)
+    return torch.zeros((), dtype=dtype, device=params[0].device if params else None)
+
+
+_STAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes a pipeline's stages tell each other, narrowest first."""
 
 
 def _across_stages(total: torch.Tensor, model: Parameters, p: float,
@@ -152,28 +150,42 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
 
     Each rank of a pipeline holds other parameters: the total is the norm of the stages'
     norms (for ``p = 0``, the sum of their counts), computed by one all-reduce of this
-    rank's norm over the pipeline group (for ``p = -inf`` beside whether the rank had a
-    gradient: with none anywhere the norm is torch's 0). Any other model is returned as it is.
+    rank's norm over the pipeline group, in float64. Beside it travel whether the stage had
+    a gradient (a stage without one is left out: torch's norm of no gradient is 0) and its
+    parameters' dtype: a stage without parameters returns the widest of the others', so
+    every rank returns the same tensor (and ``error_if_nonfinite`` decides alike). Any
+    other model is returned as it is.
     """
     group = getattr(model, "stage_group", None) if isinstance(model, nn.Module) else None
     if group is None or group.is_single:
         return total
     param = next(iter(model.parameters()), None)  # type: ignore[union-attr]
-    # float64 on every stage: a stage with no parameter has no dtype of the others', and
-    # keeps the float64 norm
-    dtype = total.dtype if param is not None else torch.float64
-    wide = total.to(group.comm_device(param.device if param is not None else None),
-                    torch.float64)
-    if p == -math.inf:
-        flag = torch.full_like(wide, -1.0 if had_gradient else 0.0)
-        least, anyone = all_reduce(torch.stack([wide, flag]), op="min", group=group).unbind()
-        reduced = least if bool(anyone < 0) else torch.zeros_like(least)
-    elif p == math.inf:
-        reduced = all_reduce(wide, op="max", group=group)
-    elif p == 0:
-        reduced = all_reduce(wide, op="sum", group=group)
-    else:
-        reduced = all_reduce(wide ** p, op="sum", group=group) ** (1.0 / p)
+    device = group.comm_device(param.device if param is not None else None)
+    op: Literal["sum", "max", "min"] = \
+        "max" if p == math.inf else "min" if p == -math.inf else "sum"
+    if had_gradient:
+        norm = total.to(device, torch.float64)
+        if math.isfinite(p) and p != 0:
+            norm = norm ** p
+    else:  # left out: the identity of the combination
+        norm = torch.tensor(math.inf if op == "min" else 0.0, dtype=torch.float64,
+                            device=device)
+    flags = [float(param is not None and total.dtype == d) for d in _STAGE_DTYPES]
+    flags.append(float(had_gradient))
+    sign = -1.0 if op == "min" else 1.0  # a minimum tells "any" by its negative flags
+    sent = torch.cat([norm.reshape(1),
+                      torch.tensor([sign * f for f in flags], dtype=torch.float64,
+                                   device=device)])
+    got = all_reduce(sent, op=op, group=group)
+    seen = [bool(got[1 + k] != 0) for k in range(len(_STAGE_DTYPES))]
+    dtype = total.dtype if param is not None else \
+        next((d for d, s in zip(reversed(_STAGE_DTYPES), reversed(seen), strict=True) if s),
+             torch.float32)
+    if not bool(got[-1] != 0):  # no stage had a gradient
+        return torch.zeros((), dtype=dtype, device=total.device)
+    reduced = got[0]
+    if math.isfinite(p) and p != 0:
+        reduced = reduced ** (1.0 / p)
     return reduced.to(dtype)
 
 
