@@ -74,7 +74,8 @@ def _train_until_rank_2_dies(hook=False):
 
 @pytest.mark.parametrize("hook", [False, True], ids=["buckets", "comm hook"])
 def test_a_rank_that_dies_mid_training_gives_every_survivor_a_lost_peer_error(hook):
-    results = run_fresh(_train_until_rank_2_dies, 3, hook, pg_timeout=PG_TIMEOUT, timeout=30)
+    # 60 s for three fresh processes to start and report on a loaded machine
+    results = run_fresh(_train_until_rank_2_dies, 3, hook, pg_timeout=PG_TIMEOUT, timeout=60)
     assert results[2] is None  # the dead rank sent nothing
     for rank in (0, 1):
         status, (names, message, trace), seconds = results[rank]
