@@ -132,21 +132,21 @@ def test_collectives_compile_with_inductor_and_equal_eager(uneven):
     run_distributed(_compare_collectives, 2, uneven, "inductor", timeout=540)
 
 
-def _complex_all_to_all():
+def _complex_collective(kind):
     _fresh()
     rank = torch.distributed.get_rank()
     x = torch.randn(5, 4, dtype=torch.complex128,
                     generator=torch.Generator().manual_seed(rank))
-    w = torch.randn(3 if rank == 0 else 2, 8, dtype=torch.complex128,
-                    generator=torch.Generator().manual_seed(7))
-
-    def fn(t):
-        return tp.all_to_all(t, split_dim=0, concat_dim=1, sizes=[3, 2])
-
+    fn = {"all_to_all": lambda t: tp.all_to_all(t, split_dim=0, concat_dim=1, sizes=[3, 2]),
+          "reduce_from_group": lambda t: tp.reduce_from_group(t),
+          "gather_from_group": lambda t: tp.gather_from_group(t, dim=-1, sizes=[4, 4]),
+          }[kind]
     results = []
     for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
         leaf = x.clone().requires_grad_()
         out = f(leaf)
+        w = torch.randn(out.shape, dtype=torch.complex128,
+                        generator=torch.Generator().manual_seed(7))
         (out * w).real.sum().backward()
         results.append((out.detach(), leaf.grad))
     (eager, eager_grad), (compiled, compiled_grad) = results
@@ -154,9 +154,11 @@ def _complex_all_to_all():
     torch.testing.assert_close(compiled_grad, eager_grad, **TIGHT)
 
 
-def test_a_complex_all_to_all_compiles_and_equals_eager():
-    # gloo refused the traced complex all-to-all ("Invalid scalar type")
-    run_distributed(_complex_all_to_all, 2, timeout=240)
+@pytest.mark.parametrize("kind", ["all_to_all", "reduce_from_group", "gather_from_group"])
+def test_a_complex_collective_compiles_and_equals_eager(kind):
+    # gloo refused the traced complex all-to-all, and the coalesced all-gather of
+    # gather_from_group ("Invalid scalar type")
+    run_distributed(_complex_collective, 2, kind, timeout=240)
 
 
 def _layouts(uneven):

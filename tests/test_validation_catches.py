@@ -128,7 +128,7 @@ def _split_to_group_input(rank, p):
     return tp.split_to_group(torch.full((3, 2 * p), float(rank == 2)), dim=-1)
 
 
-def _embedding_ids(rank, p, kind):
+def _embedding_ids(rank, p, kind, compiled=False):
     """Token ids that differ across the group (say, sampled with a per-rank seed): each rank
     looks up other tokens and the sum (or the gathered slices) mixes them, silently."""
     torch.manual_seed(0)
@@ -136,6 +136,9 @@ def _embedding_ids(rank, p, kind):
     ids = torch.tensor([[1, 4, 7], [2, 9, 10]])
     if rank == p - 1:
         ids[1, 1] = 3
+    if compiled:  # (the message names the layer there too)
+        torch._dynamo.reset()
+        return torch.compile(layer, backend="aot_eager")(ids)
     return layer(ids)
 
 
@@ -170,6 +173,7 @@ CASES = {
     "sizes requires_grad": _sizes_requires_grad,
     "vocab embedding ids": lambda rank, p: _embedding_ids(rank, p, "vocab"),
     "embedding ids": lambda rank, p: _embedding_ids(rank, p, "dim"),
+    "vocab embedding ids compiled": lambda rank, p: _embedding_ids(rank, p, "vocab", True),
 }
 
 EXPECTED = {  # (world size, words every rank's message holds)
@@ -189,6 +193,7 @@ EXPECTED = {  # (world size, words every rank's message holds)
     "split_to_group input": (3, ["split_to_group", "input values differ"]),
     "vocab embedding ids": (2, ["VocabParallelEmbedding", "input values differ"]),
     "embedding ids": (3, ["ParallelEmbedding", "input values differ"]),
+    "vocab embedding ids compiled": (2, ["VocabParallelEmbedding", "input values differ"]),
 }
 
 

@@ -17,6 +17,7 @@ group of one rank issues no collective.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -75,7 +76,8 @@ def copy_to_group(x: torch.Tensor, *, group: GroupLike = None) -> torch.Tensor:
 def enter_region(x: torch.Tensor, group: GroupLike, label: str = "") -> torch.Tensor:
     """`copy_to_group`, with ``label`` naming the caller (a layer) in validation messages."""
     if compiling():  # the traced namesake, or this function between two graphs
-        return compiled_call(enter_region, _traced.copy_to_group, True, x, group=group)
+        named = functools.partial(enter_region, label=label)  # (validation's messages)
+        return compiled_call(named, _traced.copy_to_group, True, x, group=group)
     fn = "copy_to_group"
     g, tensor = tensor_args(fn, x, group, label)
     if g.is_single:

@@ -62,6 +62,12 @@ def all_reduce_sum(x: torch.Tensor, name: str, op: str = "sum") -> torch.Tensor:
     return wait(_C.all_reduce(x.contiguous(), op, name))
 
 
+def _real_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous, a complex one as its real pairs (``view_as_real``)."""
+    x = x.contiguous()
+    return torch.view_as_real(x.resolve_conj()).contiguous() if x.is_complex() else x
+
+
 def _equal(sizes: Sequence[int]) -> bool:
     """Whether every chunk has the first's length.
 
@@ -89,8 +95,11 @@ def all_gather_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], name: str,
     if front.shape[0] != width:  # uneven: pad to the longest chunk
         pad = front.new_zeros((width - front.shape[0], *front.shape[1:]))
         front = torch.cat([front, pad])
-    rows = wait(_C.all_gather_into_tensor_coalesced([front], n, name)[0] if coalesced
-                else _C.all_gather_into_tensor(front, n, name))  # (n * width, *rest)
+    if coalesced:  # (complex as real pairs: gloo's coalesced all-gather takes no complex)
+        rows = wait(_C.all_gather_into_tensor_coalesced([_real_pairs(front)], n, name)[0])
+        rows = torch.view_as_complex(rows) if front.is_complex() else rows
+    else:
+        rows = wait(_C.all_gather_into_tensor(front, n, name))  # (n * width, *rest)
     if _equal(sizes):
         out = rows
     else:
@@ -160,7 +169,9 @@ class ReduceIdentity(torch.autograd.Function):
         # all-reduce of ``x`` gives two outputs in one buffer, sharing a gradient; neither a
         # clone of the result nor a fresh input buffer keeps them apart under inductor,
         # which removes both as no-ops before it merges
-        return wait(_C.all_reduce_coalesced([x.contiguous()], "sum", name)[0])
+        pairs = _real_pairs(x)
+        out = wait(_C.all_reduce_coalesced([pairs], "sum", name)[0])
+        return torch.view_as_complex(out) if x.is_complex() else out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -219,6 +230,12 @@ class GatherFromGroup(torch.autograd.Function):
 # rooted: scatter <-> gather (one all-to-all each), broadcast <-> reduce
 # ---------------------------------------------------------------------------------------
 
+_INDEXED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+            torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+            torch.bool)
+"""The dtypes `_send` writes with ``index_copy_`` (which has no kernel for the others)."""
+
+
 def _send(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """``x`` with ``dim`` moved to the front, in a fresh buffer of its own.
 
@@ -231,6 +248,8 @@ def _send(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     buf = _empty(front.shape, front)
     if front.numel() == 0:
         return buf
+    if front.dtype not in _INDEXED:  # (float8, unsigned 16 to 64 bits: no index_copy)
+        return buf.copy_(front)
     # written by an indexed copy, not ``copy_``: inductor removes a copy into a fresh
     # buffer as a no-op, and then merges two sends of one tensor on the root only
     rows = torch.arange(max(front.shape[0:1], default=1), device=front.device)

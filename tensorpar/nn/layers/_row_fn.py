@@ -74,7 +74,9 @@ def wide_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.promote_types(x.dtype, weight.dtype)
     if wide == out:
         return None
-    return F.linear(x.to(wide), weight.to(wide)), None if bias is None else bias.to(wide), out
+    with torch.autocast(x.device.type, enabled=False):  # (float64 under autocast: as dense)
+        y = F.linear(x.to(wide), weight.to(wide))
+    return y, None if bias is None else bias.to(wide), out
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
