@@ -118,3 +118,14 @@ def test_reductions_refuse_what_gloo_cannot_reduce_on_every_rank():
 def test_the_refusal_is_a_tensorpar_type_error():
     assert issubclass(tp.CollectiveTypeError, TypeError)
     assert issubclass(tp.CollectiveTypeError, tp.TensorparError)
+
+
+def test_a_reduce_dtype_layer_runs_on_the_meta_device():
+    """The widened product entered ``torch.autocast("meta", enabled=False)`` even with
+    autocast off, which torch refuses on the meta device (a model built on meta)."""
+    from tensorpar.nn import RowParallelLinear
+
+    layer = RowParallelLinear.from_dense(torch.nn.Linear(4, 2), reduce_dtype=torch.float64,
+                                         input_is_parallel=False).to("meta")
+    out = layer(torch.empty(3, 4, device="meta"))
+    assert out.shape == (3, 2) and out.dtype == torch.float32 and out.is_meta

@@ -1,6 +1,8 @@
 """Pipeline parallelism composed: tensor parallelism inside a stage (pp x tp), clipping over
 the whole pipeline, sharded checkpoints in dense names across pipeline sizes."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -164,6 +166,37 @@ def _nonfinite_with_a_parameterless_stage():
     except RuntimeError:
         return "raised"
     return "went on"
+
+
+def _mixed_or_nan_stages(norm_type, case):
+    """Two stages: float16 beside float32 (the float16 stage cast the norm to inf, alone),
+    or a nan gradient on stage 1 (gloo's max and min dropped it: a finite norm)."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
+                                    torch.nn.Linear(4, 4, bias=False))
+        if case == "mixed":
+            model[0].half()
+        return model
+
+    pipe = tp.nn.pipeline(build(), microbatches=1, loss_fn=F.mse_loss, split=[1, 1])
+    dense = build()
+    for m in (pipe, dense):
+        for name, q in m.named_parameters():
+            q.grad = torch.full_like(q, 10.0 if name.startswith("0") else 3e4)
+            if case == "nan" and name.startswith("1"):
+                q.grad[0, 0] = math.nan
+    got = tp.nn.clip_grad_norm_(pipe, 1.0, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0, norm_type)
+    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, -math.inf])
+@pytest.mark.parametrize("case", ["mixed", "nan"])
+def test_stages_of_other_dtypes_or_a_nan_norm_give_torch_s_norm_everywhere(case, norm_type):
+    run_distributed(_mixed_or_nan_stages, 2, norm_type, case, timeout=100)
 
 
 @pytest.mark.timeout(120)

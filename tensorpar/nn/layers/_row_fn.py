@@ -11,6 +11,7 @@ replicated consumer) and computes the input, weight and bias gradients in one go
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -74,7 +75,9 @@ def wide_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.promote_types(x.dtype, weight.dtype)
     if wide == out:
         return None
-    with torch.autocast(x.device.type, enabled=False):  # (float64 under autocast: as dense)
+    off = torch.autocast(x.device.type, enabled=False) if low is not None \
+        else contextlib.nullcontext()  # (float64 under autocast: as dense)
+    with off:
         y = F.linear(x.to(wide), weight.to(wide))
     return y, None if bias is None else bias.to(wide), out
 

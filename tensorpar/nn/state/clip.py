@@ -19,6 +19,7 @@ and scales by the same factor.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -150,11 +151,12 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
 
     Each rank of a pipeline holds other parameters: the total is the norm of the stages'
     norms (for ``p = 0``, the sum of their counts), computed by one all-reduce of this
-    rank's norm over the pipeline group, in float64. Beside it travel whether the stage had
-    a gradient (a stage without one is left out: torch's norm of no gradient is 0) and its
-    parameters' dtype: a stage without parameters returns the widest of the others', so
-    every rank returns the same tensor (and ``error_if_nonfinite`` decides alike). Any
-    other model is returned as it is.
+    rank's norm over the pipeline group, in float64. Beside it travel flags: whether the
+    stage had a gradient (a stage without one is left out: torch's norm of no gradient is
+    0), whether its norm is nan (a maximum or minimum would drop it) and its parameters'
+    dtype. Every rank returns the norm in the promotion of the stages' dtypes (as torch's
+    stack of the per-parameter norms), so every rank holds the same tensor and
+    ``error_if_nonfinite`` decides alike. Any other model is returned as it is.
     """
     group = getattr(model, "stage_group", None) if isinstance(model, nn.Module) else None
     if group is None or group.is_single:
@@ -171,22 +173,23 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
         norm = torch.tensor(math.inf if op == "min" else 0.0, dtype=torch.float64,
                             device=device)
     flags = [float(param is not None and total.dtype == d) for d in _STAGE_DTYPES]
-    flags.append(float(had_gradient))
+    flags += [float(had_gradient), float(had_gradient and bool(total.isnan()))]
     sign = -1.0 if op == "min" else 1.0  # a minimum tells "any" by its negative flags
     sent = torch.cat([norm.reshape(1),
                       torch.tensor([sign * f for f in flags], dtype=torch.float64,
                                    device=device)])
-    got = all_reduce(sent, op=op, group=group)
-    seen = [bool(got[1 + k] != 0) for k in range(len(_STAGE_DTYPES))]
-    dtype = total.dtype if param is not None else \
-        next((d for d, s in zip(reversed(_STAGE_DTYPES), reversed(seen), strict=True) if s),
-             torch.float32)
-    if not bool(got[-1] != 0):  # no stage had a gradient
+    out = all_reduce(sent, op=op, group=group)
+    got = [bool(v != 0) for v in out[1:]]
+    seen, anyone, nan = got[:len(_STAGE_DTYPES)], got[-2], got[-1]
+    dtype = functools.reduce(torch.promote_types, [
+        d for d, s in zip(_STAGE_DTYPES, seen, strict=True) if s], torch.float16) \
+        if any(seen) else torch.float32
+    if not anyone:  # no stage had a gradient
         return torch.zeros((), dtype=dtype, device=total.device)
-    reduced = got[0]
-    if math.isfinite(p) and p != 0:
-        reduced = reduced ** (1.0 / p)
-    return reduced.to(dtype)
+    if nan:
+        return torch.full((), math.nan, dtype=dtype, device=total.device)
+    reduced = out[0] ** (1.0 / p) if math.isfinite(p) and p != 0 else out[0]
+    return reduced.to(total.device, dtype)
 
 
 def _parameter_list(model_or_parameters: Parameters) -> list[torch.Tensor]:
