@@ -228,6 +228,22 @@ def test_one_process_equals_torch(norm_type):
         assert torch.equal(a.grad, b.grad)
 
 
+def _nan_in_one_shard(norm_type):
+    torch.manual_seed(0)
+    layer = tp.nn.ColumnParallelLinear(4, 6, bias=False)
+    layer.weight.grad = torch.ones_like(layer.weight)
+    if dist.get_rank() == 1:
+        layer.weight.grad[0, 0] = math.nan
+    return float(tp.nn.grad_norm(layer, norm_type))
+
+
+@pytest.mark.parametrize("norm_type", [math.inf, -math.inf, 2.0])
+def test_a_nan_in_one_shard_gives_a_nan_norm_on_every_rank(norm_type):
+    """gloo's max and min all-reduces drop a nan: the inf norm was 1.0 (torch: nan)."""
+    for norm in run_distributed(_nan_in_one_shard, 2, norm_type, timeout=60):
+        assert math.isnan(norm), norm
+
+
 @pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf, 0.0, -1.0])
 def test_no_gradient_gives_torch_s_zero(norm_type):
     layer = torch.nn.Linear(3, 2).requires_grad_(False)

@@ -306,7 +306,12 @@ def _reduce(per_param: list[torch.Tensor | None], groups: list[list[Any]],
         idx = [i for i, gs in enumerate(groups) if any(g is x for x in gs)]
         values = torch.stack([stats[i] for i in idx])
         dtype = values.dtype
-        values = all_reduce(values, op=op, group=g)
+        if op == "sum":
+            values = all_reduce(values, op=op, group=g)
+        else:  # a maximum or minimum drops a nan (gloo): its flags travel beside
+            nan = values.isnan().to(dtype) * (1.0 if op == "max" else -1.0)
+            both = all_reduce(torch.cat([values, nan]), op=op, group=g)
+            values = torch.where(both[len(idx):] != 0, math.nan, both[:len(idx)])
         for k, i in enumerate(idx):
             stats[i] = values[k].to(dtype)
     for i, value in stats.items():
