@@ -281,19 +281,24 @@ def test_patterns_match_one_segment_per_star():
     assert not match("layers.*.mlp.[gu][ap]*_proj", "layers.3.mlp.down_proj")
 
 
-def _bf16_errors(reduce_dtype):
+def _qwen2_with_large_biases(dtype, **plan):
+    """A float64 Qwen2 with large biases (as in its checkpoints), and a dense and a
+    tensor-parallel copy of it in ``dtype`` (``plan``: `plan_from_transformers` options)."""
     reference = build("qwen2")
-    with torch.no_grad():  # large biases, as in Qwen2 checkpoints
+    with torch.no_grad():
         for name, p in reference.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 8.0)
-    state = reference.state_dict()
-    dense16 = build("qwen2", dtype=torch.bfloat16)
-    dense16.load_state_dict(state)
-    parallel = build("qwen2", dtype=torch.bfloat16)
-    parallel.load_state_dict(state)
-    plan = plan_from_transformers(parallel, lm_head="gathered", reduce_dtype=reduce_dtype)
-    tp.parallelize(parallel, plan)
+    dense, parallel = build("qwen2", dtype=dtype), build("qwen2", dtype=dtype)
+    dense.load_state_dict(reference.state_dict())
+    parallel.load_state_dict(reference.state_dict())
+    tp.parallelize(parallel, plan_from_transformers(parallel, lm_head="gathered", **plan))
+    return reference, dense, parallel
+
+
+def _bf16_errors(reduce_dtype):
+    reference, dense16, parallel = _qwen2_with_large_biases(torch.bfloat16,
+                                                            reduce_dtype=reduce_dtype)
     ids = tokens(3)
     with torch.no_grad():
         exact = reference(ids).logits
@@ -310,19 +315,8 @@ def test_bf16_with_float32_reduction_is_as_accurate_as_dense_bf16(world_size):
 
 def _autocast_errors(reduce_dtype, sequence_parallel):
     """Float32 parameters under bfloat16 autocast: the logits' and gradients' mean error."""
-    reference = build("qwen2")
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 8.0)
-    state = reference.state_dict()
-    dense = build("qwen2", dtype=torch.float32)
-    dense.load_state_dict(state)
-    parallel = build("qwen2", dtype=torch.float32)
-    parallel.load_state_dict(state)
-    tp.parallelize(parallel, plan_from_transformers(parallel, lm_head="gathered",
-                                                    reduce_dtype=reduce_dtype,
-                                                    sequence_parallel=sequence_parallel))
+    reference, dense, parallel = _qwen2_with_large_biases(
+        torch.float32, reduce_dtype=reduce_dtype, sequence_parallel=sequence_parallel)
     ids = tokens(3, n=12)
     exact = reference(ids).logits
     exact.square().mean().backward()
