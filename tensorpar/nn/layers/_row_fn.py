@@ -66,20 +66,19 @@ def wide_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if wide is None:
         return None
     low = _autocast_dtype(x.device.type)
-    if low is not None and torch.float64 not in (x.dtype, weight.dtype):
-        if wide == low:
-            return None
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x.to(low).to(wide), weight.to(low).to(wide))
-        return y, None if bias is None else bias.to(low).to(wide), low
-    out = torch.promote_types(x.dtype, weight.dtype)
+    casts = low is not None and torch.float64 not in (x.dtype, weight.dtype)  # (as autocast)
+    out = low if low is not None and casts else torch.promote_types(x.dtype, weight.dtype)
     if wide == out:
         return None
+
+    def widened(t: torch.Tensor) -> torch.Tensor:
+        return (t.to(low) if casts else t).to(wide)
+
     off = torch.autocast(x.device.type, enabled=False) if low is not None \
-        else contextlib.nullcontext()  # (float64 under autocast: as dense)
+        else contextlib.nullcontext()
     with off:
-        y = F.linear(x.to(wide), weight.to(wide))
-    return y, None if bias is None else bias.to(wide), out
+        y = F.linear(widened(x), widened(weight))
+    return y, None if bias is None else widened(bias), out
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -163,8 +163,7 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
         return total
     param = next(iter(model.parameters()), None)  # type: ignore[union-attr]
     device = group.comm_device(param.device if param is not None else None)
-    op: Literal["sum", "max", "min"] = \
-        "max" if p == math.inf else "min" if p == -math.inf else "sum"
+    op = _combining_op(p)
     if had_gradient:
         norm = total.to(device, torch.float64)
         if math.isfinite(p) and p != 0:
@@ -172,14 +171,11 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
     else:  # left out: the identity of the combination
         norm = torch.tensor(math.inf if op == "min" else 0.0, dtype=torch.float64,
                             device=device)
-    flags = [float(param is not None and total.dtype == d) for d in _STAGE_DTYPES]
-    flags += [float(had_gradient), float(had_gradient and bool(total.isnan()))]
-    sign = -1.0 if op == "min" else 1.0  # a minimum tells "any" by its negative flags
-    sent = torch.cat([norm.reshape(1),
-                      torch.tensor([sign * f for f in flags], dtype=torch.float64,
-                                   device=device)])
-    out = all_reduce(sent, op=op, group=group)
-    got = [bool(v != 0) for v in out[1:]]
+    flags = [param is not None and total.dtype == d for d in _STAGE_DTYPES]
+    flags += [had_gradient, had_gradient and bool(total.isnan())]
+    out, raised = _reduce_flagged(norm.reshape(1), torch.tensor(flags, device=device), op,
+                                  group)
+    got = raised.tolist()
     seen, anyone, nan = got[:len(_STAGE_DTYPES)], got[-2], got[-1]
     dtype = functools.reduce(torch.promote_types, [
         d for d, s in zip(_STAGE_DTYPES, seen, strict=True) if s], torch.float16) \
@@ -190,6 +186,23 @@ def _across_stages(total: torch.Tensor, model: Parameters, p: float,
         return torch.full((), math.nan, dtype=dtype, device=total.device)
     reduced = out[0] ** (1.0 / p) if math.isfinite(p) and p != 0 else out[0]
     return reduced.to(total.device, dtype)
+
+
+def _combining_op(p: float) -> Literal["sum", "max", "min"]:
+    """How norms of order ``p`` combine across ranks: powers summed, or a max or min."""
+    return "max" if p == math.inf else "min" if p == -math.inf else "sum"
+
+
+def _reduce_flagged(values: torch.Tensor, flags: torch.Tensor, op: Literal["sum", "max", "min"],
+                    group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` reduced by ``op`` over ``group``, and whether any rank raised each flag.
+
+    One all-reduce: the flags travel beside the values (negated for a minimum). A maximum
+    or minimum drops a nan (gloo's), so callers pass ``isnan`` among their flags.
+    """
+    sign = -1.0 if op == "min" else 1.0
+    both = all_reduce(torch.cat([values, flags.to(values.dtype) * sign]), op=op, group=group)
+    return both[:values.numel()], both[values.numel():] != 0
 
 
 def _parameter_list(model_or_parameters: Parameters) -> list[torch.Tensor]:
@@ -287,8 +300,7 @@ def _reduce(per_param: list[torch.Tensor | None], groups: list[list[Any]],
                 order.append(g)
     if not order:
         return
-    op: Literal["sum", "max", "min"] = \
-        "max" if p == math.inf else "min" if p == -math.inf else "sum"
+    op = _combining_op(p)
     finite = math.isfinite(p) and p != 0
     empty = math.inf if op == "min" else 0.0
     device = next((t.device for t in locals_ if t is not None), torch.device("cpu"))
@@ -305,15 +317,10 @@ def _reduce(per_param: list[torch.Tensor | None], groups: list[list[Any]],
     for g in order:
         idx = [i for i, gs in enumerate(groups) if any(g is x for x in gs)]
         values = torch.stack([stats[i] for i in idx])
-        dtype = values.dtype
-        if op == "sum":
-            values = all_reduce(values, op=op, group=g)
-        else:  # a maximum or minimum drops a nan (gloo): its flags travel beside
-            nan = values.isnan().to(dtype) * (1.0 if op == "max" else -1.0)
-            both = all_reduce(torch.cat([values, nan]), op=op, group=g)
-            values = torch.where(both[len(idx):] != 0, math.nan, both[:len(idx)])
+        values, nan = _reduce_flagged(values, values.isnan(), op, g)
+        values = torch.where(nan, math.nan, values)
         for k, i in enumerate(idx):
-            stats[i] = values[k].to(dtype)
+            stats[i] = values[k]
     for i, value in stats.items():
         dense = value ** (1.0 / p) if finite else value
         before = per_param[i]
