@@ -147,12 +147,9 @@ def all_to_all_dims(x: torch.Tensor, split_dim: int, concat_dim: int, sizes: Seq
     """
     n, mine = len(sizes), sizes[rank]
     front = _to_front(x, split_dim)  # (L, *rest)
-    if front.is_complex():  # (gloo's all-to-all takes no complex type: its real pairs)
-        pairs = torch.view_as_real(front.resolve_conj().contiguous())
-        recv = torch.view_as_complex(
-            wait(_C.all_to_all_single(pairs, [mine] * n, list(sizes), name)))
-    else:
-        recv = wait(_C.all_to_all_single(front, [mine] * n, list(sizes), name))  # (n*mine, ..)
+    # (n * mine, ...); gloo's all-to-all takes no complex type: a complex one travels as pairs
+    recv = wait(_C.all_to_all_single(_real_pairs(front), [mine] * n, list(sizes), name))
+    recv = torch.view_as_complex(recv) if front.is_complex() else recv
     chunks = [recv.narrow(0, r * mine, mine) for r in range(n)]
     if split_dim != 0:
         chunks = [c.movedim(0, split_dim) for c in chunks]
