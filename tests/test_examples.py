@@ -78,6 +78,16 @@ def losses(out):
     return json.loads((out / "losses.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def whole_losses(tmp_path_factory):
+    """The uninterrupted RESUMABLE run's losses, which the resumed runs must equal (one
+    launch for every test that compares with it)."""
+    out = tmp_path_factory.mktemp("whole")
+    printed = torchrun("train_lm.py", 4, *RESUMABLE, "--out", out)
+    assert printed.rstrip().endswith("OK"), printed
+    return losses(out)
+
+
 def checkpoint_tensors(path, tmp):
     """Every tensor of a DCP checkpoint, by its flattened key."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -121,10 +131,9 @@ def test_train_lm_survives_a_killed_worker_with_torchrun_restarts(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_train_lm_stopped_and_resumed_at_the_same_and_another_tp_continues_exactly(tmp_path):
-    whole = torchrun("train_lm.py", 4, *RESUMABLE, "--out", tmp_path / "whole")
-    assert whole.rstrip().endswith("OK"), whole
-    expected = losses(tmp_path / "whole")
+def test_train_lm_stopped_and_resumed_at_the_same_and_another_tp_continues_exactly(
+        tmp_path, whole_losses):
+    expected = whole_losses
     assert len(expected) == 8
     stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 4, "--out", tmp_path / "a")
     assert "stopped at step 4" in stopped and len(losses(tmp_path / "a")) == 4
@@ -178,18 +187,17 @@ def test_train_lm_run_again_without_resume_starts_over(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+def test_train_lm_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path,
+                                                                              whole_losses):
     stopped = torchrun("train_lm.py", 4, *RESUMABLE, "--stop-at", 6, "--save-every", 2,
                        "--crash-in-save", 4, "--out", tmp_path, check=False)
     assert stopped.returncode != 0  # a rank died in the save at step 4
     root = tmp_path / "checkpoints"
     assert (root / "LATEST").read_text() == "step_000002"
     assert not (root / "step_000004").exists()
-    whole = torchrun("train_lm.py", 4, *RESUMABLE, "--out", tmp_path / "whole")
     resumed = torchrun("train_lm.py", 4, *RESUMABLE, "--resume", "--out", tmp_path)
     assert "resumed at step 2" in resumed and resumed.rstrip().endswith("OK"), resumed
-    assert losses(tmp_path) == pytest.approx(losses(tmp_path / "whole"), rel=1e-6, abs=1e-6)
-    assert whole.rstrip().endswith("OK")
+    assert losses(tmp_path) == pytest.approx(whole_losses, rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.slow
